@@ -1,0 +1,74 @@
+"""The family/variant registry and the builder's fail-closed gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from megacpp.pattern import (
+    FAMILIES,
+    LETTERS,
+    PatternError,
+    UnbuildableLayerError,
+    buildable_labels,
+    parse,
+    require_buildable,
+)
+
+
+def test_families_and_variants():
+    assert LETTERS == "AEMRD"
+    assert [v.name for v in FAMILIES["A"].variants] == ["gqa", "mla", "dsa"]
+    assert [v.name for v in FAMILIES["M"].variants] == ["siso", "mimo"]
+    assert FAMILIES["A"].default_variant == "gqa"
+    assert FAMILIES["M"].default_variant == "siso"
+    for letter in "ERD":
+        assert FAMILIES[letter].variants == ()
+        assert FAMILIES[letter].default_variant is None
+
+
+def test_implemented_flags():
+    implemented = {
+        FAMILIES[letter].label(v): FAMILIES[letter].is_implemented(v)
+        for letter in LETTERS
+        for v in ([x.name for x in FAMILIES[letter].variants] or [None])
+    }
+    assert implemented == {
+        "A:gqa": True,
+        "A:mla": False,
+        "A:dsa": False,
+        "E": True,
+        "M:siso": True,
+        "M:mimo": False,
+        "R": True,
+        "D": True,
+    }
+    assert buildable_labels() == ["A:gqa", "E", "M:siso", "R", "D"]
+
+
+def test_buildable_plan_passes():
+    require_buildable(parse("(AEMEAEMEAEMR)x4 AEMEAEMR | D"))
+
+
+@pytest.mark.parametrize(
+    "pattern,index,label,lands_with",
+    [
+        ("AEM A:mla", 3, "A:mla", "multi-head latent attention"),
+        ("A:dsa", 0, "A:dsa", "DeepSeek sparse attention"),
+        ("AE|M:mimo", 2, "M:mimo", "the Mamba-3 MIMO mixer"),
+    ],
+)
+def test_unbuildable_variant_fails_closed_naming_the_layer(pattern, index, label, lands_with):
+    with pytest.raises(UnbuildableLayerError) as info:
+        require_buildable(parse(pattern))
+    exc = info.value
+    assert isinstance(exc, PatternError)
+    assert (exc.index, exc.label) == (index, label)
+    assert str(exc) == (
+        f"layer {index} '{label}' is not implemented yet (lands with {lands_with}); "
+        "buildable: A:gqa, E, M:siso, R, D"
+    )
+
+
+def test_unbuildable_message_counts_the_other_offenders():
+    with pytest.raises(UnbuildableLayerError, match=r"layer 1 'A:mla' .*; 2 more unbuildable"):
+        require_buildable(parse("E A:mla M:mimo A:dsa"))
