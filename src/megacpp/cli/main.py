@@ -1,6 +1,10 @@
-"""The ``megacpp`` console script: one typer app with a sub-app per area.
+"""The ``megacpp`` console script: a lazy root group over one module per area.
 
-Each area owns one module here (``cli/model.py``, ``cli/data.py``, ...) exposing ``app``.
+Each entry below names a module exposing ``app`` (a ``typer.Typer``). A group's module
+(``model``, ``data``, ...) holds several commands; a top-level command's module (``train``,
+``quickstart``, ...) holds exactly one. Modules are imported only when their command runs,
+so ``megacpp --help`` is instant and one area's heavy imports never slow another's.
+
 Errors a user can cause (:class:`megacpp.errors.MegaCppError`) print one line and exit
 non-zero; they never show a traceback.
 """
@@ -10,81 +14,65 @@ from __future__ import annotations
 import importlib
 import sys
 
+import click
 import typer
 from rich.console import Console
 
 from megacpp.errors import MegaCppError
 
-# (command name, module, help) -- a group is shown once its module registers a command.
-_GROUPS: list[tuple[str, str, str]] = [
-    ("model", "megacpp.cli.model", "Hybrid patterns: describe, translate."),
-    ("data", "megacpp.cli.data", "Build, inspect and export C/C++ corpora."),
-    ("tokenizer", "megacpp.cli.tokenizer", "Train and inspect the C++ tokenizer."),
-    ("env", "megacpp.cli.env", "The environment contract: capture, diff, preflight, integrity."),
-    ("receipts", "megacpp.cli.receipts", "Show and compare run/bench/eval receipts."),
-    ("eval", "megacpp.cli.eval", "Verifier-first C++ evaluation."),
-    ("kernels", "megacpp.cli.kernels", "The kernel catalog: list, check, bench."),
-]
+# name -> (module, one-line help shown by `megacpp --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("megacpp.cli.quickstart", "Build a corpus, train a tiny model on CPU, sample."),
+    "data": ("megacpp.cli.data", "Build, inspect and export C/C++ corpora."),
+    "tokenizer": ("megacpp.cli.tokenizer", "Train and inspect the C++ tokenizer."),
+    "model": ("megacpp.cli.model", "Describe hybrid models; translate patterns."),
+    "train": ("megacpp.cli.train", "Train a model from a run config (CPU, GPU, torchrun)."),
+    "plot": ("megacpp.cli.plot", "Plot a training run's loss and throughput."),
+    "generate": ("megacpp.cli.generate", "Sample completions from a checkpoint."),
+    "eval": ("megacpp.cli.eval", "Verifier-first C++ evaluation."),
+    "serve": ("megacpp.cli.serve", "OpenAI-compatible HTTP server."),
+    "kernels": ("megacpp.cli.kernels", "The kernel catalog: list, check, bench."),
+    "env": ("megacpp.cli.env", "The environment contract: capture, diff, preflight, integrity."),
+    "receipts": ("megacpp.cli.receipts", "Show and compare run/bench/eval receipts."),
+    "version": ("megacpp.cli.version", "Print the megacpp and torch versions."),
+}
 
-# Top-level commands (``megacpp train``, ``megacpp quickstart``...) live in modules that
-# expose ``register(app)``.
-_TOP_LEVEL: list[str] = [
-    "megacpp.cli.train",
-    "megacpp.cli.generate",
-    "megacpp.cli.serve",
-    "megacpp.cli.quickstart",
-]
+
+def _available(module_name: str) -> bool:
+    return importlib.util.find_spec(module_name) is not None
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name, (module, _) in COMMANDS.items() if _available(module)]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS or not _available(COMMANDS[name][0]):
+            return None
+        module = importlib.import_module(COMMANDS[name][0])
+        command = typer.main.get_command(module.app)
+        command.name = name
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """MegaCpp: train, measure and serve small hybrid language models for C++ code."""
+
 
 err_console = Console(stderr=True)
 
 
-def build_app() -> typer.Typer:
-    app = typer.Typer(
-        name="megacpp",
-        help="MegaCpp: train, measure and serve small hybrid language models for C++ code.",
-        no_args_is_help=True,
-        pretty_exceptions_show_locals=False,
-        add_completion=False,
-    )
-    @app.callback()
-    def _root() -> None:
-        """MegaCpp: train, measure and serve small hybrid language models for C++ code."""
-
-    @app.command()
-    def version() -> None:
-        """Print the megacpp and torch versions."""
-        import torch
-
-        from megacpp import __version__
-
-        typer.echo(f"megacpp {__version__} (torch {torch.__version__})")
-
-    for name, module_name, help_text in _GROUPS:
-        module = _import_optional(module_name)
-        sub = getattr(module, "app", None) if module else None
-        if sub is not None and (sub.registered_commands or sub.registered_groups):
-            app.add_typer(sub, name=name, help=help_text)
-    for module_name in _TOP_LEVEL:
-        module = _import_optional(module_name)
-        if module is not None and hasattr(module, "register"):
-            module.register(app)
-    return app
-
-
-def _import_optional(module_name: str):
-    """Import an area's CLI module; a module that does not exist yet is simply absent."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            return None
-        raise
-
-
 def main(argv: list[str] | None = None) -> None:
-    app = build_app()
     try:
-        app(args=argv, prog_name="megacpp", standalone_mode=True)
+        cli.main(args=argv, prog_name="megacpp", standalone_mode=True)
     except MegaCppError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)

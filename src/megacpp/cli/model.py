@@ -1,4 +1,4 @@
-"""``megacpp model ...``: work with hybrid patterns (translate; describe lands here too)."""
+"""``megacpp model ...``: describe a hybrid model (params, FLOPs, cache) and translate patterns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from megacpp.errors import MegaCppError
-from megacpp.pattern import LayerPlan, load
+from megacpp.pattern import LayerPlan, format_plan, load
 from megacpp.pattern.megatron import (
     MEGATRON_CORE_VERIFIED,
     MEGATRON_LM_ARGUMENTS_SOURCE,
@@ -85,3 +85,102 @@ def _mapping_table(label_counts: dict[str, int]) -> Table:
         if label in label_counts:
             table.add_row(label, str(label_counts[label]), repr(symbol), SYMBOL_KINDS[symbol])
     return table
+
+
+@app.command()
+def describe(
+    pattern: Annotated[
+        str | None,
+        typer.Argument(help="Pattern string or name (NAM56R); defaults to the config's pattern."),
+    ] = None,
+    config: Annotated[
+        str,
+        typer.Option("--config", "-c", help="Preset name (tiny, nam56r-small...) or TOML path."),
+    ] = "nam56r-small",
+    seq_len: Annotated[
+        int, typer.Option(help="Sequence length for attention/scan FLOP terms.")
+    ] = 2048,
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """Per-layer table: params, active params, FLOPs/token, cache bytes/token, and totals."""
+    import dataclasses
+
+    from megacpp.model.config import load_config
+    from megacpp.model.counting import count_model
+
+    if seq_len <= 0:
+        raise MegaCppError(f"--seq-len must be positive, got {seq_len}")
+    cfg = load_config(config)
+    if pattern is not None:
+        cfg = dataclasses.replace(cfg, pattern=pattern)
+    plan = load(cfg.pattern)
+    cost = count_model(cfg, plan, seq_len=seq_len)
+    if as_json:
+        typer.echo(
+            json.dumps({"pattern": format_plan(plan), "config": config, **cost.to_dict()}, indent=2)
+        )
+        return
+    _print_cost_table(cost, title=f"{format_plan(plan)}  ({config}, seq_len={seq_len})")
+
+
+def _print_cost_table(cost, title: str) -> None:
+    table = Table(title=title, title_justify="left", show_footer=True)
+    t = cost.to_dict()["totals"]
+    cols = [
+        ("#", "total", "right"),
+        ("layer", "", "left"),
+        ("stage", "", "right"),
+        ("params", _si(t["params"]), "right"),
+        ("active", _si(t["active_params"]), "right"),
+        ("MFLOP/tok", f"{t['fwd_flops_per_token'] / 1e6:.2f}", "right"),
+        ("KV/tok", _bytes(t["cache_bytes_per_token"]), "right"),
+        ("state/seq", _bytes(t["state_bytes_per_sequence"]), "right"),
+    ]
+    for name, footer, justify in cols:
+        table.add_column(name, footer=footer, justify=justify, no_wrap=True)
+    table.add_row(
+        "", "embedding", "", _si(cost.embedding_params), _si(cost.embedding_params), "0", "", ""
+    )
+    for layer in cost.layers:
+        table.add_row(
+            str(layer.index),
+            layer.letter,
+            str(layer.stage),
+            _si(layer.params),
+            _si(layer.active_params),
+            f"{layer.fwd_flops_per_token / 1e6:.2f}",
+            _bytes(layer.cache_bytes_per_token) if layer.cache_bytes_per_token else "",
+            _bytes(layer.state_bytes) if layer.state_bytes else "",
+        )
+    head = "lm_head (tied)" if cost.head_params == 0 else "lm_head"
+    table.add_row(
+        "",
+        head,
+        "",
+        _si(cost.head_params),
+        _si(cost.head_params),
+        f"{cost.head_flops_per_token / 1e6:.2f}",
+        "",
+        "",
+    )
+    console = Console(width=max(Console().width, 100))
+    console.print(table)
+    console.print(
+        f"training FLOPs/token (3 x forward): {t['train_flops_per_token'] / 1e9:.3f} GFLOP; "
+        f"parameters: {t['params']:,} total, {t['active_params']:,} active; "
+        "KV = attention cache (bf16), state = M/R recurrent state (fp32)"
+    )
+
+
+def _si(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,1 @@
+"""MoE dispatch / expert compute / combine."""

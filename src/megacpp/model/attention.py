@@ -1,0 +1,134 @@
+"""A:gqa -- grouped-query attention with RoPE and optional QK-norm, through SDPA.
+
+Packed rows: ``doc_ids`` [B, L] (per-token document index) restricts every query to keys of
+its own document, so attention never crosses a document boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp.model.norm import RMSNorm
+from megacpp.model.rope import apply_rope, rope_cos_sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value cache.
+
+    Layout: ``k``, ``v``: [B, n_kv_heads, capacity, head_dim]; positions ``[0, length)`` are
+    filled (keys are stored *after* RoPE, so they never need re-rotation).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [B, Hkv, L, hd] at ``length``; return views of everything cached so far."""
+        start, end = self.length, self.length + k_new.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} tokens > capacity {self.capacity}")
+        self.k[:, :, start:end] = k_new
+        self.v[:, :, start:end] = v_new
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope_base: float = 10000.0,
+        qk_norm: bool = True,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope_base = rope_base
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.kv_proj = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=False)
+        self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_proj(x).view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, hd]
+        q, k = self.q_norm(q), self.k_norm(k)
+
+        offset = cache.length if cache is not None else 0
+        positions = torch.arange(offset, offset + L, device=x.device)
+        table_dtype = torch.promote_types(x.dtype, torch.float32)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_base, table_dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        mask, is_causal = None, True
+        if cache is not None:
+            if doc_ids is not None:
+                raise ValueError("cached attention decodes one document per row; drop doc_ids")
+            k, v = cache.append(k, v)
+            is_causal = False
+            if L > 1:  # query i (position offset+i) sees keys 0..offset+i
+                key_pos = torch.arange(k.shape[2], device=x.device)
+                mask = key_pos[None, :] <= positions[:, None]  # [L, T]
+        elif doc_ids is not None:
+            mask = document_causal_mask(doc_ids)[:, None]  # [B, 1, L, L]
+            is_causal = False
+
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+        )  # [B, H, L, hd]
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+    def init_cache(
+        self, batch_size: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> KVCache:
+        shape = (batch_size, self.n_kv_heads, capacity, self.head_dim)
+        return KVCache(
+            torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(shape, device=device, dtype=dtype),
+        )
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward matmul FLOPs per token: projections plus QK^T and AV over ``seq_len`` keys.
+
+        Counted over the full L x L score matrix, as SDPA's FLOP formula does (the causal
+        mask halves the useful work; kernels may or may not skip the masked half).
+        """
+        d_model = self.q_proj.in_features
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        proj = 2 * d_model * (q_dim + 2 * kv_dim) + 2 * q_dim * d_model
+        return proj + 2 * 2 * seq_len * q_dim
+
+    def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        return 2 * self.n_kv_heads * self.head_dim * dtype.itemsize
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] document ids -> [B, L, L] bool: query i may see key j iff j <= i, same doc."""
+    L = doc_ids.shape[-1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return causal & same_doc

@@ -1,0 +1,251 @@
+"""Model configuration: one dataclass per block family, loaded from TOML and validated.
+
+Every field is checked on load; an error names the field (``moe.top_k``) and the allowed
+values. Unknown keys are rejected (a typo never silently falls back to a default).
+
+A preset is a TOML file under ``configs/`` (``tiny``, ``nam56r-small``, ...) with a
+``[model]`` table and one table per family::
+
+    [model]        pattern, vocab_size, d_model, norm_eps, tie_embeddings, init_std
+    [attention]    n_heads, n_kv_heads, head_dim, rope_base, qk_norm
+    [mamba]        d_state, headdim, expand, ngroups, chunk_size, rope_fraction
+    [rnn]          n_heads, head_k_dim, head_v_dim, conv_size, chunk_size
+    [moe]          n_experts, top_k, n_shared_experts, expert_ffn, bias_update_rate,
+                   seq_aux_loss_coef, routed_scaling
+    [mlp]          ffn
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from megacpp.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    rope_base: float = 10000.0
+    qk_norm: bool = True
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    d_state: int = 128
+    headdim: int = 64
+    expand: int = 2
+    ngroups: int = 1
+    chunk_size: int = 64
+    rope_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class RnnConfig:
+    n_heads: int = 4
+    head_k_dim: int = 64
+    head_v_dim: int = 64
+    conv_size: int = 4
+    chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 16
+    top_k: int = 2
+    n_shared_experts: int = 1
+    expert_ffn: int = 512
+    bias_update_rate: float = 1e-3
+    seq_aux_loss_coef: float = 0.0
+    routed_scaling: float = 1.0
+
+
+@dataclass(frozen=True)
+class MlpConfig:
+    ffn: int = 1408
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    pattern: str = "AEMEAEMEAEMR"
+    vocab_size: int = 32768
+    d_model: int = 512
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    rnn: RnnConfig = field(default_factory=RnnConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mlp: MlpConfig = field(default_factory=MlpConfig)
+
+    # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from ``{"model": {...}, "attention": {...}, ...}``; validates everything."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"model config must be a table, got {type(data).__name__}")
+        sections = {name for name, hint in _hints(cls).items() if dataclasses.is_dataclass(hint)}
+        unknown = sorted(set(data) - sections - {"model"})
+        if unknown:
+            raise ConfigError(
+                f"unknown config table(s) {unknown}; allowed: {sorted(sections | {'model'})}"
+            )
+        top = _build(cls, data.get("model", {}), "model", skip=sections)
+        subs = {
+            name: _build(_hints(cls)[name], data.get(name, {}), name) for name in sorted(sections)
+        }
+        cfg = dataclasses.replace(top, **subs)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": {}}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                out[f.name] = dataclasses.asdict(value)
+            else:
+                out["model"][f.name] = value
+        return out
+
+    # -- validation --------------------------------------------------------------------------
+    def validate(self) -> None:
+        a, m, r, e = self.attention, self.mamba, self.rnn, self.moe
+        _positive(self, "model", ("vocab_size", "d_model"))
+        _positive(a, "attention", ("n_heads", "n_kv_heads", "head_dim"))
+        _positive(m, "mamba", ("d_state", "headdim", "expand", "ngroups", "chunk_size"))
+        _positive(r, "rnn", ("n_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"))
+        _positive(e, "moe", ("n_experts", "top_k", "expert_ffn"))
+        _positive(self.mlp, "mlp", ("ffn",))
+        _check(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "a float in (0, 1)")
+        _check(0 < self.init_std < 1, "model.init_std", self.init_std, "a float in (0, 1)")
+        _check(a.rope_base > 1, "attention.rope_base", a.rope_base, "a float > 1")
+        _check(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even integer (RoPE)")
+        _check(
+            a.n_heads % a.n_kv_heads == 0,
+            "attention.n_kv_heads",
+            a.n_kv_heads,
+            f"a divisor of attention.n_heads={a.n_heads}",
+        )
+        _check(m.d_state % 2 == 0, "mamba.d_state", m.d_state, "an even integer (rotary pairs)")
+        d_inner = m.expand * self.d_model
+        _check(
+            d_inner % m.headdim == 0,
+            "mamba.headdim",
+            m.headdim,
+            f"a divisor of mamba.expand * model.d_model = {d_inner}",
+        )
+        n_mamba_heads = d_inner // m.headdim
+        _check(
+            n_mamba_heads % m.ngroups == 0,
+            "mamba.ngroups",
+            m.ngroups,
+            f"a divisor of the number of Mamba heads ({n_mamba_heads})",
+        )
+        _check(
+            0 < m.rope_fraction <= 1 and int(m.d_state * m.rope_fraction) >= 2,
+            "mamba.rope_fraction",
+            m.rope_fraction,
+            "in (0, 1], rotating at least one pair of mamba.d_state",
+        )
+        _check(e.top_k <= e.n_experts, "moe.top_k", e.top_k, f"<= moe.n_experts={e.n_experts}")
+        _check(e.n_shared_experts >= 0, "moe.n_shared_experts", e.n_shared_experts, ">= 0")
+        _check(e.bias_update_rate >= 0, "moe.bias_update_rate", e.bias_update_rate, ">= 0")
+        _check(e.seq_aux_loss_coef >= 0, "moe.seq_aux_loss_coef", e.seq_aux_loss_coef, ">= 0")
+        _check(e.routed_scaling > 0, "moe.routed_scaling", e.routed_scaling, "> 0")
+
+    @property
+    def mamba_d_inner(self) -> int:
+        return self.mamba.expand * self.d_model
+
+
+# -- presets ------------------------------------------------------------------------------
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """A preset name (``tiny``) or a path to a TOML file."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        return ModelConfig.from_toml(path)
+    preset = CONFIG_DIR / f"{name_or_path}.toml"
+    if not preset.exists():
+        raise ConfigError(
+            f"unknown preset {str(name_or_path)!r}; presets: {', '.join(list_presets())} "
+            "(or pass a path to a .toml file)"
+        )
+    return ModelConfig.from_toml(preset)
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _build(cls: type, data: Any, section: str, skip: set[str] = frozenset()) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{section}] must be a table, got {type(data).__name__}")
+    hints = _hints(cls)
+    known = {f.name for f in fields(cls)} - set(skip)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [{section}]; allowed: {sorted(known)}")
+    values = {}
+    for key, value in data.items():
+        values[key] = _coerce(value, hints[key], f"{section}.{key}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} = {value!r}: expected true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} = {value!r}: expected an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"{name} = {value!r}: expected a finite number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name} = {value!r}: expected a string")
+    raise TypeError(f"unsupported config type {hint} for {name}")  # a bug, not user input
+
+
+def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _check(v > 0, f"{section}.{n}", v, "a positive integer")
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is invalid; allowed: {allowed}")

@@ -1,0 +1,249 @@
+"""Mamba-3 SISO mixer (pattern letter ``M``): in_proj -> Mamba-3 scan -> out_proj.
+
+Follows ``mamba_ssm.modules.mamba3.Mamba3`` (SISO, ``is_outproj_norm=False``): one
+``in_proj`` yields ``[z, x, B, C, dd_dt, dd_A, trap, angles]``; dt = softplus(dd_dt +
+dt_bias); A = -softplus(dd_A) <= -A_floor is data-dependent per token and head; B and C are
+RMS-normed per group, then biased and rotated per head inside the scan; there is no conv1d.
+The output is ``(y + D x) * silu(z)`` projected by ``out_proj``. The mixer has no pre-norm and
+no residual: the block wrapper does ``x + mixer(norm(x))``. Equations: docs/mamba3.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megacpp.errors import ConfigError
+from megacpp.kernels.ops.mamba3_scan.reference import (
+    Mamba3ScanState,
+    mamba3_scan_chunked,
+    mamba3_scan_recurrent,
+    zero_scan_state,
+)
+from megacpp.kernels.ops.mamba3_scan.reference import (
+    flops_per_token as scan_flops_per_token,
+)
+
+_CACHE_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass
+class Mamba3Cache:
+    """Decode state of one Mamba-3 mixer for ``B`` sequences (all tensors share one dtype).
+
+    angle: [B, H, R] cumulative rotation angle of the last token, in [0, 2 pi).
+    ssm:   [B, H, P, N] SSM state after the last token (P = headdim, N = d_state).
+    k:     [B, H, N] the last token's biased, rotated B (the trapezoid's previous term).
+    v:     [B, H, P] the last token's x.
+    """
+
+    angle: Tensor
+    ssm: Tensor
+    k: Tensor
+    v: Tensor
+
+    def scan_state(self) -> Mamba3ScanState:
+        return Mamba3ScanState(self.angle, self.ssm, self.k, self.v)
+
+    def update_(self, state: Mamba3ScanState) -> None:
+        """Overwrite in place with a scan's final state (no gradient flows into the cache)."""
+        for f, new in zip(fields(self), state):
+            getattr(self, f.name).copy_(new.detach())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.scan_state())
+
+
+class Mamba3Mixer(nn.Module):
+    """Mamba-3 SISO mixer over ``[B, L, d_model]``.
+
+    Args:
+        d_model: model width.
+        d_state: N, state size per head (also the width of B and C).
+        headdim: P, channels of x per head; nheads = expand * d_model // headdim.
+        expand: d_inner = expand * d_model.
+        ngroups: groups of B/C shared by nheads // ngroups heads each.
+        chunk_size: chunk length of the chunked scan used by ``forward``.
+        rope_fraction: fraction of the N state dims that are rotated (in pairs).
+        dt_min, dt_max, dt_init_floor: dt_bias init, dt ~ log-uniform[dt_min, dt_max] at init.
+        A_floor: A = -softplus(dd_A) is clamped to at most -A_floor.
+        norm_eps: eps of the B and C RMSNorms.
+        init_std: std of the normal init of in_proj and out_proj weights.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 128,
+        headdim: int = 64,
+        expand: int = 2,
+        ngroups: int = 1,
+        chunk_size: int = 64,
+        rope_fraction: float = 0.5,
+        dt_min: float = 1e-3,
+        dt_max: float = 1e-1,
+        dt_init_floor: float = 1e-4,
+        A_floor: float = 1e-4,
+        norm_eps: float = 1e-5,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.d_model, self.d_state, self.headdim, self.ngroups = d_model, d_state, headdim, ngroups
+        self.d_inner = int(expand * d_model)
+        self.chunk_size = chunk_size
+        self.n_angles = int(d_state * rope_fraction) // 2  # R rotated pairs
+        self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
+        self.A_floor, self.init_std = A_floor, init_std
+        self._validate(rope_fraction)
+        self.nheads = self.d_inner // headdim
+        H, G, N = self.nheads, ngroups, d_state
+
+        # in_proj order (mamba_ssm's): [z, x, B, C, dd_dt, dd_A, trap, angles]
+        self._split = [self.d_inner, self.d_inner, G * N, G * N, H, H, H, self.n_angles]
+        self.in_proj = nn.Linear(d_model, sum(self._split), bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.B_bias = nn.Parameter(torch.empty(H, N))
+        self.C_bias = nn.Parameter(torch.empty(H, N))
+        self.B_norm = nn.RMSNorm(N, eps=norm_eps)
+        self.C_norm = nn.RMSNorm(N, eps=norm_eps)
+        self.D = nn.Parameter(torch.empty(H))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        self.dt_bias._no_weight_decay = True  # type: ignore[attr-defined]
+        self.D._no_weight_decay = True  # type: ignore[attr-defined]
+        self.reset_parameters()
+
+    def _validate(self, rope_fraction: float) -> None:
+        for name in ("d_model", "d_state", "headdim", "ngroups", "chunk_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ConfigError(f"Mamba3Mixer: {name} must be a positive int, got {value!r}")
+        nheads, rem = divmod(self.d_inner, self.headdim)
+        if rem:
+            raise ConfigError(
+                f"Mamba3Mixer: d_inner = expand * d_model = {self.d_inner} must be a multiple "
+                f"of headdim ({self.headdim})"
+            )
+        if nheads % self.ngroups:
+            raise ConfigError(
+                f"Mamba3Mixer: nheads ({nheads}) must be a multiple of ngroups ({self.ngroups})"
+            )
+        if not (0 < rope_fraction <= 1 and self.n_angles >= 1):
+            raise ConfigError(
+                f"Mamba3Mixer: rope_fraction must be in (0, 1] and rotate at least one pair of "
+                f"the {self.d_state} state dims, got {rope_fraction}"
+            )
+        if not 0 < self.dt_min <= self.dt_max:
+            raise ConfigError(
+                f"Mamba3Mixer: need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}"
+            )
+        if self.A_floor <= 0:
+            raise ConfigError(f"Mamba3Mixer: A_floor must be > 0, got {self.A_floor}")
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """mamba_ssm's init, with normal(0, init_std) projections."""
+        nn.init.normal_(self.in_proj.weight, std=self.init_std)
+        nn.init.normal_(self.out_proj.weight, std=self.init_std)
+        log_dt = torch.empty_like(self.dt_bias)
+        log_dt.uniform_(math.log(self.dt_min), math.log(self.dt_max))
+        dt = log_dt.exp().clamp(min=self.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.B_bias.fill_(1.0)
+        self.C_bias.fill_(1.0)
+        self.D.fill_(1.0)
+        self.B_norm.reset_parameters()
+        self.C_norm.reset_parameters()
+
+    def forward(
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: Mamba3Cache | None = None
+    ) -> Tensor:
+        """Chunked scan over x [B, L, d_model] -> [B, L, d_model].
+
+        doc_ids: [B, L] integer document index per token of a packed row; a change from
+            t-1 to t starts a new document at t (state and trapezoid term are dropped).
+        cache: continue from its state and write the final state back into it (prefill). The
+            first token continues the cached sequence (no reset at t = 0).
+        """
+        reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
+        y, final = mamba3_scan_chunked(
+            **self._scan_inputs(x), reset=reset,
+            initial_state=None if cache is None else cache.scan_state(),
+            chunk_size=self.chunk_size,
+        )
+        if cache is not None:
+            cache.update_(final)
+        return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
+
+    def step(self, x: Tensor, cache: Mamba3Cache) -> Tensor:
+        """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache."""
+        if x.ndim != 3 or x.shape[1] != 1:
+            raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
+        y, final = mamba3_scan_recurrent(**self._scan_inputs(x), initial_state=cache.scan_state())
+        cache.update_(final)
+        return self.out_proj(y.flatten(2))
+
+    def _scan_inputs(self, x: Tensor) -> dict[str, Tensor]:
+        """Project x [B, L, d_model] into the scan's keyword arguments."""
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
+        H, P, G, N = self.nheads, self.headdim, self.ngroups, self.d_state
+        z, xs, b, c, dd_dt, dd_a, trap, angles = self.in_proj(x).split(self._split, dim=-1)
+        dt = F.softplus(_at_least_fp32(dd_dt) + self.dt_bias)  # [B, L, H]
+        a = -F.softplus(_at_least_fp32(dd_a)).clamp(min=self.A_floor)  # [B, L, H], <= -A_floor
+        return dict(
+            q=self.C_norm(c.unflatten(-1, (G, N))),  # [B, L, G, N]
+            k=self.B_norm(b.unflatten(-1, (G, N))),
+            v=xs.unflatten(-1, (H, P)),  # [B, L, H, P]
+            adt=a * dt,
+            dt=dt,
+            trap=trap,
+            q_bias=self.C_bias,
+            k_bias=self.B_bias,
+            angles=angles[:, :, None, :].expand(-1, -1, H, -1),  # [B, L, H, R], shared by heads
+            D=self.D,
+            z=z.unflatten(-1, (H, P)),
+        )
+
+    def init_cache(
+        self, batch_size: int, device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Mamba3Cache:
+        """A zero cache (the state of an empty prefix) for ``batch_size`` sequences."""
+        if dtype not in _CACHE_DTYPES:
+            raise ConfigError(f"Mamba3 cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
+        state = zero_scan_state(
+            batch_size, self.nheads, self.headdim, self.d_state, self.n_angles,
+            device=device, dtype=dtype,
+        )
+        return Mamba3Cache(*state)
+
+    def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the decode cache: B * H * (R + P*N + N + P) elements of ``dtype``."""
+        P, N = self.headdim, self.d_state
+        per_head = self.n_angles + P * N + N + P
+        return batch * self.nheads * per_head * dtype.itemsize
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward matmul FLOPs per token: projections + chunked scan (FlopCounterMode's count)."""
+        projections = 2 * self.d_model * (sum(self._split) + self.d_inner)
+        H, P, N = self.nheads, self.headdim, self.d_state
+        return projections + scan_flops_per_token(seq_len, self.chunk_size, H, P, N)
+
+
+def _doc_starts(doc_ids: Tensor, batch_seqlen: torch.Size) -> Tensor:
+    """[B, L] document ids -> [B, L] bool, True where a new document starts (never at t = 0)."""
+    if tuple(doc_ids.shape) != tuple(batch_seqlen) or doc_ids.is_floating_point():
+        raise ValueError(
+            f"doc_ids must be an integer tensor of shape {tuple(batch_seqlen)}, got "
+            f"{doc_ids.dtype} {tuple(doc_ids.shape)}"
+        )
+    changed = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.cat([torch.zeros_like(changed[:, :1]), changed], dim=1)
+
+
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float64 else t.float()

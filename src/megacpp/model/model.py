@@ -1,0 +1,177 @@
+"""HybridLM: embedding -> pattern of pre-norm residual sublayers -> final RMSNorm -> LM head.
+
+Plain single-device PyTorch. Parallelism, activation checkpointing and compilation are
+applied from outside (``megacpp.train.parallelize``), never inside this file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacpp.model.blocks import Block
+from megacpp.model.cache import ModelCache
+from megacpp.model.config import ModelConfig
+from megacpp.model.norm import RMSNorm
+from megacpp.pattern import LayerPlan, load, require_buildable
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, L, V] (float32 when computed for the loss)
+    loss: torch.Tensor | None = None  # LM loss + auxiliary losses
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+class HybridLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.plan = plan if plan is not None else load(cfg.pattern)
+        require_buildable(self.plan)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(s.family, s.variant, cfg) for s in self.plan.layers)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        )
+        self._init_weights()
+
+    # -- init ---------------------------------------------------------------------------------
+    def _init_weights(self) -> None:
+        """N(0, init_std) for embeddings and linear maps; residual-output projections scaled
+        by 1/sqrt(2 * n_layers) (GPT-2). Mixers keep their own special parameters (A_log,
+        dt_bias, norms...) as their constructors initialised them."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * len(self.blocks))
+        nn.init.normal_(self.embed.weight, std=std)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.blocks:
+            for module in block.mixer.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=std)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+            for module in block.mixer.modules():
+                out = getattr(module, "out_proj", None)
+                weight = out.weight if isinstance(out, nn.Linear) else out
+                if isinstance(weight, nn.Parameter):
+                    nn.init.normal_(weight, std=out_std)
+
+    # -- forward ------------------------------------------------------------------------------
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        cache: ModelCache | None = None,
+    ) -> torch.Tensor:
+        """[B, L] token ids -> [B, L, D] final-normed hidden states."""
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, doc_ids=doc_ids, cache=cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        logits = self.logits(self.hidden_states(input_ids, doc_ids))
+        if labels is None:
+            return ModelOutput(logits=logits)
+        lm_loss = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+        )
+        aux = [b.mixer.aux_loss for b in self.moe_blocks() if b.mixer.aux_loss is not None]
+        aux_loss = torch.stack(aux).sum() if aux else None
+        loss = lm_loss if aux_loss is None else lm_loss + aux_loss
+        return ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss)
+
+    # -- decoding -----------------------------------------------------------------------------
+    def init_cache(
+        self,
+        batch_size: int,
+        capacity: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> ModelCache:
+        """Empty per-layer caches for ``batch_size`` rows of up to ``capacity`` tokens.
+        Attention caches use ``dtype``; recurrent states use at least float32."""
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        layers = []
+        for block in self.blocks:
+            mixer = block.mixer
+            if block.family == "A":
+                layers.append(mixer.init_cache(batch_size, capacity, device, dtype))
+            elif hasattr(mixer, "init_cache"):
+                layers.append(mixer.init_cache(batch_size, device=device, dtype=state_dtype))
+            else:
+                layers.append(None)
+        families = [b.family for b in self.blocks]
+        return ModelCache(layers=layers, capacity=capacity, families=families)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """Consume a prompt [B, L] into ``cache``; return logits [B, L, V]."""
+        if cache.length + input_ids.shape[1] > cache.capacity:
+            raise ValueError(
+                f"prompt of {input_ids.shape[1]} tokens does not fit the cache "
+                f"({cache.length} used of {cache.capacity})"
+            )
+        return self.logits(self.hidden_states(input_ids, cache=cache))
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """One token per row [B] -> next-token logits [B, V]."""
+        return self.prefill(tokens[:, None], cache)[:, -1]
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation through the cache: [B, L] -> [B, L + max_new_tokens]."""
+        B, L = input_ids.shape
+        cache = self.init_cache(B, L + max_new_tokens, input_ids.device, self.embed.weight.dtype)
+        next_token = self.prefill(input_ids, cache)[:, -1].argmax(-1)
+        out = [input_ids, next_token[:, None]]
+        for _ in range(max_new_tokens - 1):
+            next_token = self.decode_step(next_token, cache).argmax(-1)
+            out.append(next_token[:, None])
+        return torch.cat(out, dim=1)
+
+    # -- MoE balancing --------------------------------------------------------------------------
+    def moe_blocks(self) -> list[Block]:
+        return [b for b in self.blocks if b.family == "E"]
+
+    @torch.no_grad()
+    def update_moe_biases(self) -> None:
+        for block in self.moe_blocks():
+            block.mixer.update_bias()
+
+    def moe_load(self) -> dict[int, list[float]]:
+        """Per-layer token counts per expert from the last forward."""
+        return {i: b.mixer.last_load.tolist() for i, b in enumerate(self.blocks) if b.family == "E"}
+
+
+def next_token_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """labels[t] = input_ids[t+1], or IGNORE_INDEX where t+1 is past the row or in another
+    document -- so the loss never asks the model to predict across a document boundary."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-1] = input_ids[:, 1:]
+    if doc_ids is not None:
+        crosses = doc_ids[:, 1:] != doc_ids[:, :-1]
+        labels[:, :-1][crosses] = IGNORE_INDEX
+    return labels

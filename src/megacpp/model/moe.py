@@ -1,0 +1,118 @@
+"""E -- mixture-of-experts FFN (DeepSeek-V3 style routing).
+
+* Token-choice top-k over sigmoid router scores; the chosen scores are normalized over the
+  chosen experts (times ``routed_scaling``) to give the combine weights.
+* Auxiliary-loss-free balancing: a per-expert ``expert_bias`` is added to the scores for
+  *selection only* and nudged toward uniform load by :meth:`MoE.update_bias` after each step
+  (bias += rate * sign(mean_load - load)). Under data parallelism the caller all-reduces
+  ``routed_tokens`` before updating so every rank moves its bias identically.
+* Optional sequence-level auxiliary loss (the complementary balance loss of DeepSeek-V3).
+* Shared experts (always on) are one SwiGLU of width ``n_shared * expert_ffn``.
+* Dropless: every token reaches its k experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.model.mlp import SwiGLU
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        top_k: int,
+        expert_ffn: int,
+        n_shared_experts: int = 1,
+        bias_update_rate: float = 1e-3,
+        seq_aux_loss_coef: float = 0.0,
+        routed_scaling: float = 1.0,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.expert_ffn = n_experts, top_k, expert_ffn
+        self.bias_update_rate = bias_update_rate
+        self.seq_aux_loss_coef = seq_aux_loss_coef
+        self.routed_scaling = routed_scaling
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.w_in = nn.Parameter(torch.empty(n_experts, 2 * expert_ffn, d_model))
+        self.out_proj = nn.Parameter(torch.empty(n_experts, d_model, expert_ffn))
+        self.shared = SwiGLU(d_model, n_shared_experts * expert_ffn) if n_shared_experts else None
+        # selection-only bias (not trained by gradients) and the load it is steered by
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+        self.register_buffer("routed_tokens", torch.zeros(n_experts), persistent=False)
+        self.register_buffer("last_load", torch.zeros(n_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+        nn.init.normal_(self.w_in, std=init_std)
+        nn.init.normal_(self.out_proj, std=init_std)
+
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: None = None
+    ) -> torch.Tensor:
+        B, L, D = x.shape
+        tokens = x.reshape(-1, D)  # [T, D]
+        logits = self.router(tokens)
+        scores = torch.sigmoid(
+            logits.to(torch.promote_types(logits.dtype, torch.float32))
+        )  # [T, E]
+        expert_idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices  # [T, k]
+        chosen = scores.gather(-1, expert_idx)
+        weights = chosen / chosen.sum(-1, keepdim=True) * self.routed_scaling  # [T, k]
+
+        out = moe_experts_reference(tokens, expert_idx, weights, self.w_in, self.out_proj)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+
+        with torch.no_grad():
+            load = torch.bincount(expert_idx.reshape(-1), minlength=self.n_experts).float()
+            self.last_load.copy_(load)
+            if self.training:
+                self.routed_tokens += load
+        self.aux_loss = (
+            self._sequence_aux_loss(scores.view(B, L, -1), expert_idx.view(B, L, -1))
+            if self.training and self.seq_aux_loss_coef > 0
+            else None
+        )
+        return out.view(B, L, D)
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+        """alpha * sum_i f_i * P_i per sequence, averaged over the batch (DeepSeek-V3 eq. 17-20).
+
+        scores: [B, L, E] sigmoid scores; expert_idx: [B, L, k].
+        """
+        _, L, E = scores.shape
+        picked = torch.zeros_like(scores).scatter_(-1, expert_idx, 1.0)  # [B, L, E]
+        f = picked.sum(1) * E / (self.top_k * L)  # [B, E]
+        p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # [B, E]
+        return self.seq_aux_loss_coef * (f * p).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Nudge the selection bias toward uniform load, then reset the load counter."""
+        load = self.routed_tokens
+        if load.sum() > 0:
+            self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        load.zero_()
+
+    def flops_per_token(self, seq_len: int = 0) -> int:
+        """Router + k active experts + shared experts (forward matmul FLOPs per token)."""
+        d_model = self.router.in_features
+        expert = 2 * d_model * 2 * self.expert_ffn + 2 * self.expert_ffn * d_model
+        shared = self.shared.flops_per_token() if self.shared is not None else 0
+        return 2 * d_model * self.n_experts + self.top_k * expert + shared
+
+    def inactive_params(self) -> int:
+        """Parameters of the routed experts a token does not visit."""
+        per_expert = self.w_in[0].numel() + self.out_proj[0].numel()
+        return (self.n_experts - self.top_k) * per_expert
+
+    def load_balance(self) -> float:
+        """max/mean of the last forward's per-expert token counts (1.0 is perfectly even)."""
+        mean = self.last_load.mean().item()
+        return self.last_load.max().item() / mean if mean > 0 else math.nan

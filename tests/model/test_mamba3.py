@@ -1,0 +1,152 @@
+"""Mamba3Mixer: packing, causality, prefill/decode against the full forward, grads, FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megacpp.errors import ConfigError
+from megacpp.model.mamba3 import Mamba3Mixer
+
+F64 = torch.float64
+CONFIG = dict(d_model=32, d_state=16, headdim=8, expand=2, ngroups=2, chunk_size=8,
+              init_std=0.2)
+
+
+def make_mixer(dtype=F64, seed=0, **overrides) -> Mamba3Mixer:
+    torch.manual_seed(seed)
+    return Mamba3Mixer(**{**CONFIG, **overrides}).to(dtype)
+
+
+def make_x(batch=2, seqlen=21, dtype=F64, seed=1) -> torch.Tensor:
+    return torch.randn(batch, seqlen, CONFIG["d_model"], dtype=dtype,
+                       generator=torch.Generator().manual_seed(seed))
+
+
+def test_forward_shape_and_dtype():
+    mixer = make_mixer(torch.float32)
+    y = mixer(make_x(dtype=torch.float32))
+    assert y.shape == (2, 21, 32) and y.dtype == torch.float32
+    assert torch.isfinite(y).all()
+
+
+def test_doc_ids_equal_running_each_document_alone():
+    mixer = make_mixer()
+    x = make_x(batch=2, seqlen=24)
+    # row 0: boundaries mid-chunk (5) and exactly on a chunk boundary (16); row 1: one document
+    lengths = [[5, 11, 8], [24]]
+    doc_ids = torch.tensor([[0] * 5 + [1] * 11 + [2] * 8, [7] * 24])
+    y = mixer(x, doc_ids=doc_ids)
+    for row, ls in enumerate(lengths):
+        start = 0
+        for n in ls:
+            y_alone = mixer(x[row:row + 1, start:start + n])
+            torch.testing.assert_close(y[row:row + 1, start:start + n], y_alone,
+                                       rtol=1e-10, atol=1e-12)
+            start += n
+    # without doc_ids the later documents see the earlier ones
+    assert (mixer(x)[0, 5:] - y[0, 5:]).abs().max() > 1e-4
+
+
+def test_causal():
+    mixer = make_mixer()
+    x = make_x(batch=1, seqlen=20)
+    t = 9
+    x2 = x.clone()
+    x2[:, t] += 1.0
+    y, y2 = mixer(x), mixer(x2)
+    torch.testing.assert_close(y2[:, :t], y[:, :t], rtol=0, atol=1e-13)
+    assert (y2[:, t] - y[:, t]).abs().max() > 1e-4
+    assert (y2[:, t + 1:] - y[:, t + 1:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("prefill_lengths", [[13], [1], [5, 9], [8, 1, 3]])
+def test_prefill_then_step_equals_full_forward(prefill_lengths):
+    mixer = make_mixer()
+    x = make_x(batch=2, seqlen=21)
+    y_full = mixer(x)
+    cache = mixer.init_cache(2, dtype=F64)
+    outputs, start = [], 0
+    for n in prefill_lengths:  # prefill, possibly in several pieces
+        outputs.append(mixer(x[:, start:start + n], cache=cache))
+        start += n
+    for t in range(start, 21):  # then decode token by token
+        outputs.append(mixer.step(x[:, t:t + 1], cache))
+    torch.testing.assert_close(torch.cat(outputs, dim=1), y_full, rtol=1e-10, atol=1e-12)
+
+
+def test_step_with_float32_cache_on_float32_model():
+    mixer = make_mixer(torch.float32)
+    x = make_x(batch=1, seqlen=6, dtype=torch.float32)
+    cache = mixer.init_cache(1)
+    steps = torch.cat([mixer.step(x[:, t:t + 1], cache) for t in range(6)], dim=1)
+    torch.testing.assert_close(steps, mixer(x), rtol=1e-4, atol=1e-5)
+
+
+def test_every_parameter_gets_a_gradient():
+    mixer = make_mixer(torch.float32)
+    x = make_x(dtype=torch.float32)
+    doc_ids = torch.zeros(2, 21, dtype=torch.long)
+    doc_ids[:, 12:] = 1
+    mixer(x, doc_ids=doc_ids).square().mean().backward()
+    for name, p in mixer.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().max() > 0, name
+
+
+@pytest.mark.parametrize("seqlen", [64, 40])
+def test_flops_per_token_matches_flop_counter(seqlen):
+    mixer = make_mixer(torch.float32)
+    x = make_x(batch=2, seqlen=seqlen, dtype=torch.float32)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        mixer(x)
+    measured = counter.get_total_flops() / (2 * seqlen)
+    assert abs(mixer.flops_per_token(seqlen) - measured) <= 0.05 * measured
+
+
+def test_cache_layout_and_bytes():
+    mixer = make_mixer(torch.float32)
+    cache = mixer.init_cache(3)
+    H, P, N, R = mixer.nheads, 8, 16, 4  # rope_fraction 0.5 of N = 16 -> 4 rotated pairs
+    assert cache.angle.shape == (3, H, R)
+    assert cache.ssm.shape == (3, H, P, N)
+    assert cache.k.shape == (3, H, N)
+    assert cache.v.shape == (3, H, P)
+    assert cache.nbytes() == mixer.state_bytes(batch=3) == 3 * H * (R + P * N + N + P) * 4
+    assert mixer.init_cache(2, dtype=F64).nbytes() == mixer.state_bytes(2, F64)
+    with pytest.raises(ConfigError, match="cache dtype"):
+        mixer.init_cache(1, dtype=torch.bfloat16)
+
+
+def test_init_matches_mamba_ssm_conventions():
+    mixer = Mamba3Mixer(d_model=64, d_state=32, headdim=16)
+    dt = torch.nn.functional.softplus(mixer.dt_bias)
+    assert ((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all()
+    assert torch.equal(mixer.D, torch.ones(8))
+    assert torch.equal(mixer.B_bias, torch.ones(8, 32)) and torch.equal(mixer.C_bias, mixer.B_bias)
+    # in_proj: z, x (2 * 128), B, C (2 * 32), dd_dt, dd_A, trap (3 * 8), angles (32 * 0.5 / 2)
+    assert mixer.in_proj.weight.shape == (128 + 128 + 64 + 24 + 8, 64)
+    assert abs(mixer.in_proj.weight.std().item() - 0.02) < 0.002
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(headdim=7), "headdim"),
+    (dict(ngroups=3), "ngroups"),
+    (dict(rope_fraction=0.0), "rope_fraction"),
+    (dict(d_state=2, rope_fraction=0.5), "rope_fraction"),
+    (dict(chunk_size=0), "chunk_size"),
+])
+def test_bad_config_fails_closed(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        Mamba3Mixer(**{**CONFIG, **overrides})
+
+
+def test_bad_call_shapes_are_named():
+    mixer = make_mixer()
+    cache = mixer.init_cache(2, dtype=F64)
+    with pytest.raises(ValueError, match=r"\[B, 1, d_model\]"):
+        mixer.step(make_x(seqlen=2), cache)
+    with pytest.raises(ValueError, match="doc_ids"):
+        mixer(make_x(), doc_ids=torch.zeros(2, 20, dtype=torch.long))
