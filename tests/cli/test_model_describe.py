@@ -34,7 +34,7 @@ def test_describe_bad_input_is_one_line_exit_2():
         (("AEXM",), "unknown"),
         (("AEM", "--config", "nope"), "unknown preset 'nope'"),
         (("AEM", "--seq-len", "0"), "--seq-len must be positive"),
-        (("A:mla",), "not implemented yet"),
+        (("M:mimo",), "not implemented yet"),
     ]:
         out = megacpp("model", "describe", *args)
         assert out.returncode == 2, (args, out.stderr)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-import click
 import typer
+from typer.core import TyperCommand, TyperGroup
 from rich.console import Console
 
 from megacpp.errors import MegaCppError
@@ -42,28 +42,46 @@ def _available(module_name: str) -> bool:
     return importlib.util.find_spec(module_name) is not None
 
 
-class LazyGroup(click.Group):
-    """A click group whose subcommands are imported on first use."""
+class LazyGroup(TyperGroup):
+    """The root group: subcommands are imported on first use.
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    While help is being formatted, commands are listed from :data:`COMMANDS` without
+    importing them (a placeholder carries the one-line help)."""
+
+    _listing = False
+
+    def list_commands(self, ctx) -> list[str]:
         return [name for name, (module, _) in COMMANDS.items() if _available(module)]
 
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in COMMANDS or not _available(COMMANDS[name][0]):
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name not in COMMANDS or not _available(COMMANDS[cmd_name][0]):
             return None
-        module = importlib.import_module(COMMANDS[name][0])
-        command = typer.main.get_command(module.app)
-        command.name = name
+        module_name, short_help = COMMANDS[cmd_name]
+        if self._listing:
+            return TyperCommand(name=cmd_name, help=short_help)
+        command = typer.main.get_command(importlib.import_module(module_name).app)
+        command.name = cmd_name
         return command
 
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
+    def format_help(self, ctx, formatter) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-def cli() -> None:
+app = typer.Typer(
+    cls=LazyGroup,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root() -> None:
     """MegaCpp: train, measure and serve small hybrid language models for C++ code."""
 
 
@@ -72,7 +90,7 @@ err_console = Console(stderr=True)
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        cli.main(args=argv, prog_name="megacpp", standalone_mode=True)
+        app(args=argv, prog_name="megacpp")
     except MegaCppError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
