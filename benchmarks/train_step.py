@@ -1,0 +1,312 @@
+"""Training-step throughput: the hybrid model (reference kernels) vs. a dense Llama peer.
+
+Run on a GPU (the numbers in the README came from an H100)::
+
+    PYTHONPATH=src python benchmarks/train_step.py --preset nam56r-350m --seq-len 2048 4096 \
+        --modes eager compiled --out benchmarks/results/train_step_h100.json
+
+Everything is measured in one process on one device: first the bf16 matmul peak
+(8192^3, random data), then, for each model x mode x sequence length, the median time of a
+full training step (forward, backward, fused AdamW step) in bf16 autocast with fp32
+parameters, after warm-up. The peer is ``transformers``' LlamaForCausalLM with SDPA
+attention, sized to the hybrid's *total* parameter count, same vocabulary, optimizer, dtype
+and tokens per step.
+
+FLOPs per token, both models, one convention: 3 x the forward matmul FLOPs, where forward
+counts 2 x every weight used in a matmul (LM head included, embedding lookup excluded) plus
+attention's 4 x seq_len x (heads x head_dim) per layer (full L x L scores). For the dense
+Llama this is exactly the PaLM formula 6N + 12 L d s (N = matmul weights). For the hybrid,
+the analytic counter (``megacpp.model.counting``) also counts the scan's chunk terms and
+only the k active experts. MFU = FLOPs/token x tokens/s / measured matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
+from megacpp.model.config import load_config
+from megacpp.model.counting import count_model
+from megacpp.model.model import HybridLM, next_token_labels
+from megacpp.receipts import write_receipt
+
+
+@dataclass
+class Result:
+    model: str
+    mode: str
+    seq_len: int
+    batch: int
+    params: int
+    active_params: int
+    flops_per_token: int
+    step_ms: float
+    step_ms_spread: float
+    tokens_per_s: float
+    mfu: float
+    peak_mem_gib: float
+    error: str | None = None
+
+
+def cuda_time_ms(fn, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def matmul_peak_tflops(n: int = 8192, iters: int = 30) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = statistics.median(cuda_time_ms(lambda: a @ b, warmup=10, iters=iters))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def build_hybrid(preset: str, seq_len: int):
+    cfg = load_config(preset)
+    cost = count_model(cfg, seq_len=seq_len)
+    model = HybridLM(cfg)
+
+    def loss_fn(m, ids):
+        return m(ids, labels=next_token_labels(ids)).loss
+
+    return model, loss_fn, cost.params, cost.active_params, cost.train_flops_per_token, cfg
+
+
+def llama_peer(target_params: int, vocab: int, d_model: int, seq_len: int):
+    """A LlamaForCausalLM with about ``target_params`` parameters (tied embeddings)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = d_model // 64
+    ffn = int(8 * d_model / 3 / 64 + 0.5) * 64
+
+    def make(n_layers: int) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=d_model,
+            intermediate_size=ffn,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 4,
+            max_position_embeddings=seq_len,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+
+    def count(c: LlamaConfig) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in LlamaForCausalLM(c).parameters())
+
+    per_layer = count(make(2)) - count(make(1))
+    n_layers = max(1, round((target_params - count(make(0))) / per_layer))
+    cfg = make(n_layers)
+    model = LlamaForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    kv = cfg.num_key_value_heads * (d_model // heads)
+    matmul_weights = n_layers * (2 * d_model * d_model + 2 * d_model * kv + 3 * d_model * ffn)
+    matmul_weights += vocab * d_model  # LM head
+    flops = 6 * matmul_weights + 12 * n_layers * d_model * seq_len
+
+    def loss_fn(m, ids):
+        logits = m(input_ids=ids).logits
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), next_token_labels(ids).flatten(), ignore_index=-100
+        )
+
+    return model, loss_fn, params, params, flops, f"llama-{n_layers}L-d{d_model}"
+
+
+def compile_regions(model: torch.nn.Module) -> None:
+    """Regional compile: each residual block (hybrid) / decoder layer (Llama) on its own."""
+    layers = model.blocks if hasattr(model, "blocks") else model.model.layers
+    for layer in layers:
+        layer.compile()
+
+
+def bench_one(name, model, loss_fn, params, active, flops, mode, seq_len, batch, peak, iters):
+    model = model.cuda()
+    if mode == "compiled":
+        compile_regions(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.cfg.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    warmup = 3 if mode == "eager" else 4
+    times = cuda_time_ms(step, warmup=warmup, iters=iters)
+    ms = statistics.median(times)
+    tok_s = batch * seq_len / (ms * 1e-3)
+    return Result(
+        model=name,
+        mode=mode,
+        seq_len=seq_len,
+        batch=batch,
+        params=params,
+        active_params=active,
+        flops_per_token=flops,
+        step_ms=ms,
+        step_ms_spread=max(times) - min(times),
+        tokens_per_s=tok_s,
+        mfu=flops * tok_s / (peak * 1e12),
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", default="nam56r-350m")
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument(
+        "--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"]
+    )
+    ap.add_argument("--models", nargs="+", default=["hybrid", "llama"], choices=["hybrid", "llama"])
+    ap.add_argument("--tokens-per-step", type=int, default=16384)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=None, help="results JSON (receipts go beside it)")
+    ap.add_argument("--skip-preflight", action="append", default=[], metavar="RULE")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/train_step.py needs a CUDA GPU")
+    facts = capture_fingerprint()
+    preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_peak_tflops()
+    print(
+        f"device: {torch.cuda.get_device_name()}  measured bf16 matmul peak: {peak:.0f} TFLOP/s",
+        flush=True,
+    )
+    results: list[Result] = []
+    cfg = load_config(args.preset)
+    hybrid_shape = (count_model(cfg).params, cfg.vocab_size, cfg.d_model)
+    for mode in args.modes:  # all eager rows first: they are cheap and never compile
+        for seq_len in args.seq_len:
+            batch = max(1, args.tokens_per_step // seq_len)
+            for which in args.models:
+                torch.manual_seed(0)
+                if which == "hybrid":
+                    model, loss_fn, params, active, flops, _ = build_hybrid(args.preset, seq_len)
+                    name = args.preset
+                else:
+                    model, loss_fn, params, active, flops, name = llama_peer(*hybrid_shape, seq_len)
+                t0 = time.perf_counter()
+                try:
+                    r = bench_one(
+                        name,
+                        model,
+                        loss_fn,
+                        params,
+                        active,
+                        flops,
+                        mode,
+                        seq_len,
+                        batch,
+                        peak,
+                        args.iters,
+                    )
+                except torch.OutOfMemoryError as exc:
+                    nan = float("nan")
+                    r = Result(
+                        name,
+                        mode,
+                        seq_len,
+                        batch,
+                        params,
+                        active,
+                        flops,
+                        nan,
+                        nan,
+                        nan,
+                        nan,
+                        nan,
+                        error=f"OOM: {exc}"[:200],
+                    )
+                print(
+                    f"{r.model:>22} {mode:>8} L={seq_len:<5} B={batch:<3} "
+                    f"{r.step_ms:8.1f} ms  {r.tokens_per_s:9.0f} tok/s  MFU {100 * r.mfu:5.1f}%  "
+                    f"mem {r.peak_mem_gib:5.1f} GiB  ({time.perf_counter() - t0:.0f}s)"
+                    f"{' ' + r.error if r.error else ''}",
+                    flush=True,
+                )
+                results.append(r)
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch._dynamo.reset()
+                if args.out:  # partial results survive a timeout
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps([x.__dict__ for x in results], indent=2) + "\n")
+
+    payload = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "matmul_peak_tflops": peak,
+        "flop_formula": "3 x forward matmul FLOPs (6N + 12*L*d*s for the dense peer)",
+        "results": [r.__dict__ for r in results],
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        receipt_dir = args.out.parent / f"{args.out.stem}_receipts"
+        for r in results:
+            if r.error:
+                continue
+            config = {
+                "benchmark": "train_step",
+                "model": r.model,
+                "mode": r.mode,
+                "seq_len": r.seq_len,
+                "batch": r.batch,
+                "dtype": "bf16-autocast",
+                "optimizer": "AdamW(fused)",
+                "flop_formula": payload["flop_formula"],
+            }
+            metrics = {
+                k: float(getattr(r, k))
+                for k in ("tokens_per_s", "step_ms", "mfu", "peak_mem_gib", "flops_per_token")
+            }
+            metrics["matmul_peak_tflops"] = peak
+            write_receipt(
+                receipt_dir / f"{r.model}_{r.mode}_L{r.seq_len}.json",
+                "bench",
+                config,
+                metrics,
+                [args.out],
+                preflight=preflight,
+                fingerprint=facts,
+            )
+        print(f"wrote {args.out} and receipts in {receipt_dir}")
+
+
+if __name__ == "__main__":
+    main()
