@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -129,7 +130,7 @@ def llama_peer(target_params: int, vocab: int, d_model: int, seq_len: int):
     flops = 6 * matmul_weights + 12 * n_layers * d_model * seq_len
 
     def loss_fn(m, ids):
-        logits = m(input_ids=ids).logits
+        logits = m(input_ids=ids, use_cache=False).logits
         return F.cross_entropy(
             logits.float().flatten(0, 1), next_token_labels(ids).flatten(), ignore_index=-100
         )
@@ -263,49 +264,48 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 torch._dynamo.reset()
-                if args.out:  # partial results survive a timeout
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps([x.__dict__ for x in results], indent=2) + "\n")
+                if args.out:  # each row is saved (and receipted) as soon as it is measured
+                    save_row(args.out, r, peak, preflight, facts)
 
-    payload = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "matmul_peak_tflops": peak,
-        "flop_formula": "3 x forward matmul FLOPs (6N + 12*L*d*s for the dense peer)",
-        "results": [r.__dict__ for r in results],
+    print(f"results: {args.out}" if args.out else "(no --out: nothing written)")
+
+
+FLOP_FORMULA = "3 x forward matmul FLOPs (6N + 12*L*d*s for the dense peer)"
+
+
+def save_row(out: Path, r: Result, peak: float, preflight, facts) -> None:
+    """Merge ``r`` into the results JSON (keyed by model, mode, seq_len) and write its receipt.
+
+    Rows from earlier invocations with other keys are kept, so a long sweep can be split
+    over several runs (each row records the matmul peak measured in its own run)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = json.loads(out.read_text()) if out.exists() else {"results": []}
+    row = {**r.__dict__, "matmul_peak_tflops": peak, "device": torch.cuda.get_device_name()}
+    key = (r.model, r.mode, r.seq_len)
+    rows = [x for x in payload["results"] if (x["model"], x["mode"], x["seq_len"]) != key]
+    payload.update(torch=torch.__version__, flop_formula=FLOP_FORMULA, results=rows + [row])
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    if r.error:
+        return
+    config = {
+        "benchmark": "train_step",
+        "model": r.model,
+        "mode": r.mode,
+        "seq_len": r.seq_len,
+        "batch": r.batch,
+        "dtype": "bf16-autocast",
+        "optimizer": "AdamW(fused)",
+        "flop_formula": FLOP_FORMULA,
+        # set when the code runs from an export without .git (e.g. on a lent GPU machine)
+        "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT"),
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
-        receipt_dir = args.out.parent / f"{args.out.stem}_receipts"
-        for r in results:
-            if r.error:
-                continue
-            config = {
-                "benchmark": "train_step",
-                "model": r.model,
-                "mode": r.mode,
-                "seq_len": r.seq_len,
-                "batch": r.batch,
-                "dtype": "bf16-autocast",
-                "optimizer": "AdamW(fused)",
-                "flop_formula": payload["flop_formula"],
-            }
-            metrics = {
-                k: float(getattr(r, k))
-                for k in ("tokens_per_s", "step_ms", "mfu", "peak_mem_gib", "flops_per_token")
-            }
-            metrics["matmul_peak_tflops"] = peak
-            write_receipt(
-                receipt_dir / f"{r.model}_{r.mode}_L{r.seq_len}.json",
-                "bench",
-                config,
-                metrics,
-                [args.out],
-                preflight=preflight,
-                fingerprint=facts,
-            )
-        print(f"wrote {args.out} and receipts in {receipt_dir}")
+    metrics = {
+        k: float(getattr(r, k))
+        for k in ("tokens_per_s", "step_ms", "mfu", "peak_mem_gib", "flops_per_token")
+    }
+    metrics["matmul_peak_tflops"] = peak
+    receipt = out.parent / f"{out.stem}_receipts" / f"{r.model}_{r.mode}_L{r.seq_len}.json"
+    write_receipt(receipt, "bench", config, metrics, preflight=preflight, fingerprint=facts)
 
 
 if __name__ == "__main__":
