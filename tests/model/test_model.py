@@ -99,7 +99,7 @@ def test_next_token_labels_never_cross_documents():
 
 
 @pytest.mark.parametrize(
-    "pattern,where", [("AEA:mla", "layer 2"), ("M:mimo", "layer 0"), ("DA:dsa", "layer 1")]
+    "pattern,where", [("AEM:mimo", "layer 2"), ("M:mimo", "layer 0"), ("DA:mlaM:mimo", "layer 2")]
 )
 def test_unimplemented_variants_fail_closed_naming_the_layer(pattern, where):
     with pytest.raises(MegaCppError, match=where):

@@ -34,26 +34,26 @@ def test_implemented_flags():
     }
     assert implemented == {
         "A:gqa": True,
-        "A:mla": False,
-        "A:dsa": False,
+        "A:mla": True,
+        "A:dsa": True,
         "E": True,
         "M:siso": True,
         "M:mimo": False,
         "R": True,
         "D": True,
     }
-    assert buildable_labels() == ["A:gqa", "E", "M:siso", "R", "D"]
+    assert buildable_labels() == ["A:gqa", "A:mla", "A:dsa", "E", "M:siso", "R", "D"]
 
 
 def test_buildable_plan_passes():
-    require_buildable(parse("(AEMEAEMEAEMR)x4 AEMEAEMR | D"))
+    require_buildable(parse("(AEMEAEMEAEMR)x4 AEMEAEMR | D A:mla A:dsa"))
 
 
 @pytest.mark.parametrize(
     "pattern,index,label,lands_with",
     [
-        ("AEM A:mla", 3, "A:mla", "multi-head latent attention"),
-        ("A:dsa", 0, "A:dsa", "DeepSeek sparse attention"),
+        ("AEM M:mimo", 3, "M:mimo", "the Mamba-3 MIMO mixer"),
+        ("M:mimo", 0, "M:mimo", "the Mamba-3 MIMO mixer"),
         ("AE|M:mimo", 2, "M:mimo", "the Mamba-3 MIMO mixer"),
     ],
 )
@@ -65,10 +65,10 @@ def test_unbuildable_variant_fails_closed_naming_the_layer(pattern, index, label
     assert (exc.index, exc.label) == (index, label)
     assert str(exc) == (
         f"layer {index} '{label}' is not implemented yet (lands with {lands_with}); "
-        "buildable: A:gqa, E, M:siso, R, D"
+        "buildable: A:gqa, A:mla, A:dsa, E, M:siso, R, D"
     )
 
 
 def test_unbuildable_message_counts_the_other_offenders():
-    with pytest.raises(UnbuildableLayerError, match=r"layer 1 'A:mla' .*; 2 more unbuildable"):
-        require_buildable(parse("E A:mla M:mimo A:dsa"))
+    with pytest.raises(UnbuildableLayerError, match=r"layer 1 'M:mimo' .*; 2 more unbuildable"):
+        require_buildable(parse("E M:mimo A:mla M:mimo A:dsa M:mimo"))

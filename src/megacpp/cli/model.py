@@ -165,6 +165,12 @@ def _print_cost_table(cost, title: str) -> None:
     )
     console = Console(width=max(Console().width, 100))
     console.print(table)
+    gqa = sum(layer.gqa_cache_bytes_per_token for layer in cost.layers if layer.family == "A")
+    if gqa != t["cache_bytes_per_token"]:
+        console.print(
+            f"attention cache: {_bytes(t['cache_bytes_per_token'])}/token vs "
+            f"{_bytes(gqa)}/token if every A layer were A:gqa (MLA/DSA cache a compressed latent)"
+        )
     console.print(
         f"training FLOPs/token (3 x forward): {t['train_flops_per_token'] / 1e9:.3f} GFLOP; "
         f"parameters: {t['params']:,} total, {t['active_params']:,} active; "

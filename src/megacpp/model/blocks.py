@@ -13,8 +13,10 @@ from torch import nn
 
 from megacpp.model.attention import GroupedQueryAttention
 from megacpp.model.config import ModelConfig
+from megacpp.model.dsa import DeepSeekSparseAttention
 from megacpp.model.gated_delta import GatedDeltaNetMixer
 from megacpp.model.mamba3 import Mamba3Mixer
+from megacpp.model.mla import MultiHeadLatentAttention
 from megacpp.model.mlp import SwiGLU
 from megacpp.model.moe import MoE
 from megacpp.model.norm import RMSNorm
@@ -26,6 +28,20 @@ def build_mixer(family: str, variant: str, cfg: ModelConfig) -> nn.Module:
     if key == ("A", "gqa"):
         return GroupedQueryAttention(
             cfg.d_model, a.n_heads, a.n_kv_heads, a.head_dim, a.rope_base, a.qk_norm, cfg.norm_eps
+        )
+    if key == ("A", "mla"):
+        return _latent_attention(cfg)
+    if key == ("A", "dsa"):
+        d = cfg.dsa
+        return DeepSeekSparseAttention(
+            _latent_attention(cfg),
+            index_n_heads=d.index_n_heads,
+            index_head_dim=d.index_head_dim,
+            top_k=d.top_k,
+            mode=d.mode,
+            indexer_loss_coef=d.indexer_loss_coef,
+            query_chunk=d.query_chunk,
+            norm_eps=cfg.norm_eps,
         )
     if key == ("M", "siso"):
         return Mamba3Mixer(
@@ -66,6 +82,21 @@ def build_mixer(family: str, variant: str, cfg: ModelConfig) -> nn.Module:
         return SwiGLU(cfg.d_model, cfg.mlp.ffn)
     # require_buildable() runs first, so reaching this line is a bug in the family registry.
     raise AssertionError(f"no builder for {family}:{variant}")
+
+
+def _latent_attention(cfg: ModelConfig) -> MultiHeadLatentAttention:
+    m = cfg.mla
+    return MultiHeadLatentAttention(
+        d_model=cfg.d_model,
+        n_heads=m.n_heads,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_base=m.rope_base,
+        norm_eps=cfg.norm_eps,
+    )
 
 
 class Block(nn.Module):

@@ -1,6 +1,8 @@
 """The whole-model decoding cache: one object per layer, each with an explicit layout.
 
-* A (GQA): :class:`~megacpp.model.attention.KVCache` -- keys/values [B, Hkv, capacity, hd].
+* A:gqa: :class:`~megacpp.model.attention.KVCache` -- keys/values [B, Hkv, capacity, hd].
+* A:mla / A:dsa: :class:`~megacpp.model.mla.MLACache` (compressed latent + shared RoPE key;
+  DSA also caches its indexer keys) -- see ``model/mla.py`` and ``model/dsa.py``.
 * M (Mamba-3) and R (gated delta rule): the mixer's own fixed-size recurrent state.
 * E and D: stateless (``None``).
 """

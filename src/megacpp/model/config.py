@@ -13,6 +13,10 @@ A preset is a TOML file under ``configs/`` (``tiny``, ``nam56r-small``, ...) wit
     [moe]          n_experts, top_k, n_shared_experts, expert_ffn, bias_update_rate,
                    seq_aux_loss_coef, routed_scaling
     [mlp]          ffn
+    [mla]          n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                   v_head_dim, rope_base                      (A:mla, and A:dsa's attention)
+    [dsa]          index_n_heads, index_head_dim, top_k, mode, indexer_loss_coef, query_chunk
+    [mtp]          depth, loss_weight, pattern                (multi-token prediction)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from megacpp.errors import ConfigError
+from megacpp.pattern import PatternError, load, require_buildable
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 
@@ -74,6 +79,48 @@ class MlpConfig:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3); ``q_lora_rank = 0`` means a full-rank
+    query projection."""
+
+    n_heads: int = 8
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 128
+    qk_nope_head_dim: int = 64
+    qk_rope_head_dim: int = 32
+    v_head_dim: int = 64
+    rope_base: float = 10000.0
+
+
+DSA_MODES = ("dense_warmup", "sparse")
+
+
+@dataclass(frozen=True)
+class DsaConfig:
+    """DeepSeek sparse attention (V3.2): a lightning indexer picks ``top_k`` keys per query.
+
+    ``mode``: ``dense_warmup`` attends densely and trains the indexer toward the dense
+    attention distribution; ``sparse`` attends over the indexer's top-k keys only."""
+
+    index_n_heads: int = 4
+    index_head_dim: int = 64
+    top_k: int = 2048
+    mode: str = "sparse"
+    indexer_loss_coef: float = 1.0
+    query_chunk: int = 128
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    """Multi-token prediction (DeepSeek-V3): ``depth`` extra sequential modules (0: off),
+    each one sublayer stack written as a pattern (``pattern``, e.g. ``"A:mla E"``)."""
+
+    depth: int = 0
+    loss_weight: float = 0.3
+    pattern: str = "AE"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     pattern: str = "AEMEAEMEAEMR"
     vocab_size: int = 32768
@@ -86,6 +133,9 @@ class ModelConfig:
     rnn: RnnConfig = field(default_factory=RnnConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mlp: MlpConfig = field(default_factory=MlpConfig)
+    mla: MlaConfig = field(default_factory=MlaConfig)
+    dsa: DsaConfig = field(default_factory=DsaConfig)
+    mtp: MtpConfig = field(default_factory=MtpConfig)
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
@@ -176,6 +226,49 @@ class ModelConfig:
         _check(e.bias_update_rate >= 0, "moe.bias_update_rate", e.bias_update_rate, ">= 0")
         _check(e.seq_aux_loss_coef >= 0, "moe.seq_aux_loss_coef", e.seq_aux_loss_coef, ">= 0")
         _check(e.routed_scaling > 0, "moe.routed_scaling", e.routed_scaling, "> 0")
+        self._validate_mla_dsa()
+        self._validate_mtp()
+
+    def _validate_mla_dsa(self) -> None:
+        mla, dsa = self.mla, self.dsa
+        _positive(
+            mla,
+            "mla",
+            ("n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+        )
+        _check(mla.q_lora_rank >= 0, "mla.q_lora_rank", mla.q_lora_rank, ">= 0 (0: full rank)")
+        _check(mla.rope_base > 1, "mla.rope_base", mla.rope_base, "a float > 1")
+        _check(
+            mla.qk_rope_head_dim % 2 == 0,
+            "mla.qk_rope_head_dim",
+            mla.qk_rope_head_dim,
+            "an even integer (RoPE)",
+        )
+        _positive(dsa, "dsa", ("index_n_heads", "index_head_dim", "top_k", "query_chunk"))
+        _check(dsa.mode in DSA_MODES, "dsa.mode", dsa.mode, " or ".join(map(repr, DSA_MODES)))
+        _check(dsa.indexer_loss_coef >= 0, "dsa.indexer_loss_coef", dsa.indexer_loss_coef, ">= 0")
+        _check(
+            mla.qk_rope_head_dim <= dsa.index_head_dim,
+            "dsa.index_head_dim",
+            dsa.index_head_dim,
+            f">= mla.qk_rope_head_dim={mla.qk_rope_head_dim} (the indexer ropes that many dims)",
+        )
+
+    def _validate_mtp(self) -> None:
+        mtp = self.mtp
+        _check(mtp.depth >= 0, "mtp.depth", mtp.depth, ">= 0 (0 disables multi-token prediction)")
+        _check(mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0")
+        try:
+            plan = load(mtp.pattern)
+            require_buildable(plan)
+        except PatternError as exc:
+            raise ConfigError(f"mtp.pattern = {mtp.pattern!r} is invalid: {exc}") from None
+        _check(
+            len(plan.stage_sizes) == 1,
+            "mtp.pattern",
+            mtp.pattern,
+            "one stage (no '|': an MTP module is not split over pipeline stages)",
+        )
 
     @property
     def mamba_d_inner(self) -> int:

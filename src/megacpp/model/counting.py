@@ -10,18 +10,29 @@
   accounting and in ``torch.utils.flop_counter.FlopCounterMode``, which the tests use to
   validate these numbers on the reference model.
 * Training FLOPs = 3 x forward (backward does two matmuls per forward matmul).
-* Cache bytes per token: attention's K and V per token (bf16 by default); M and R keep a
-  fixed-size recurrent state instead, reported per sequence.
+* Cache bytes per token: attention's K and V per token (bf16 by default) -- for A:mla the
+  compressed latent plus the shared RoPE key, for A:dsa that plus the indexer key. Every A
+  layer also reports ``gqa_cache_bytes_per_token``, what an A:gqa layer of the same config
+  would cache, so latent attention's saving is visible. M and R keep a fixed-size recurrent
+  state instead, reported per sequence.
+* Multi-token prediction: one row per depth (family ``MTP``), counting its in_proj, its
+  blocks and its pass through the shared output head. Its blocks are not cached (the MTP
+  modules run only in training forwards).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from megacpp.model.blocks import build_mixer
 from megacpp.model.config import ModelConfig
 from megacpp.pattern import LayerPlan
+
+if TYPE_CHECKING:
+    from megacpp.model.model import HybridLM
 
 
 @dataclass
@@ -36,6 +47,7 @@ class LayerCost:
     fwd_flops_per_token: int
     cache_bytes_per_token: int
     state_bytes: int  # fixed recurrent state per sequence (M, R)
+    gqa_cache_bytes_per_token: int = 0  # what an A:gqa layer would cache here (A layers)
 
 
 @dataclass
@@ -73,6 +85,11 @@ class ModelCost:
         return sum(layer.cache_bytes_per_token for layer in self.layers)
 
     @property
+    def gqa_cache_bytes_per_token(self) -> int:
+        """The attention cache if every A layer were A:gqa (compare with the real one)."""
+        return sum(layer.gqa_cache_bytes_per_token for layer in self.layers)
+
+    @property
     def state_bytes(self) -> int:
         return sum(layer.state_bytes for layer in self.layers)
 
@@ -87,6 +104,7 @@ class ModelCost:
                 "fwd_flops_per_token": self.fwd_flops_per_token,
                 "train_flops_per_token": self.train_flops_per_token,
                 "cache_bytes_per_token": self.cache_bytes_per_token,
+                "gqa_cache_bytes_per_token": self.gqa_cache_bytes_per_token,
                 "state_bytes_per_sequence": self.state_bytes,
             },
             "layers": [asdict(layer) for layer in self.layers],
@@ -103,6 +121,8 @@ def count_model(
 
     with torch.device("meta"):
         model = HybridLM(cfg, plan)
+        gqa_bytes = build_mixer("A", "gqa", cfg).cache_bytes_per_token(cache_dtype)
+    head_flops = 2 * cfg.d_model * cfg.vocab_size
     layers = []
     for spec, block in zip(model.plan.layers, model.blocks, strict=True):
         mixer = block.mixer
@@ -122,14 +142,41 @@ def count_model(
                 fwd_flops_per_token=mixer.flops_per_token(seq_len),
                 cache_bytes_per_token=cache,
                 state_bytes=state,
+                gqa_cache_bytes_per_token=gqa_bytes if block.family == "A" else 0,
             )
         )
+    if model.mtp is not None:
+        layers += _mtp_costs(model, seq_len, head_flops)
     head_params = 0 if model.lm_head is None else model.lm_head.weight.numel()
     return ModelCost(
         seq_len=seq_len,
         layers=layers,
         embedding_params=model.embed.weight.numel(),
         head_params=head_params,
-        head_flops_per_token=2 * cfg.d_model * cfg.vocab_size,
+        head_flops_per_token=head_flops,
         norm_params=model.norm.weight.numel(),
     )
+
+
+def _mtp_costs(model: HybridLM, seq_len: int, head_flops: int) -> list[LayerCost]:
+    """One row per MTP depth, numbered after the main stack, in its last stage."""
+    stage = model.plan.layers[-1].stage
+    label = model.mtp.plan.format()
+    rows = []
+    for depth, module in enumerate(model.mtp.depths, start=1):
+        params = sum(p.numel() for p in module.parameters())
+        rows.append(
+            LayerCost(
+                index=len(model.blocks) + depth - 1,
+                letter=f"mtp{depth}[{label}]",
+                family="MTP",
+                variant=label,
+                stage=stage,
+                params=params,
+                active_params=params - module.inactive_params(),
+                fwd_flops_per_token=module.flops_per_token(seq_len) + head_flops,
+                cache_bytes_per_token=0,
+                state_bytes=0,
+            )
+        )
+    return rows

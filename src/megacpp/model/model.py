@@ -1,4 +1,5 @@
-"""HybridLM: embedding -> pattern of pre-norm residual sublayers -> final RMSNorm -> LM head.
+"""HybridLM: embedding -> pattern of pre-norm residual sublayers -> final RMSNorm -> LM head,
+plus optional multi-token prediction modules on top (``[mtp] depth``, see ``mtp.py``).
 
 Plain single-device PyTorch. Parallelism, activation checkpointing and compilation are
 applied from outside (``megacpp.train.parallelize``), never inside this file.
@@ -16,6 +17,7 @@ from torch import nn
 from megacpp.model.blocks import Block
 from megacpp.model.cache import ModelCache
 from megacpp.model.config import ModelConfig
+from megacpp.model.mtp import MultiTokenPrediction
 from megacpp.model.norm import RMSNorm
 from megacpp.pattern import LayerPlan, load, require_buildable
 
@@ -25,9 +27,11 @@ IGNORE_INDEX = -100
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [B, L, V] (float32 when computed for the loss)
-    loss: torch.Tensor | None = None  # LM loss + auxiliary losses
+    loss: torch.Tensor | None = None  # LM loss + auxiliary losses + mtp weight * MTP loss
     lm_loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None  # MoE balance + DSA indexer KL (training mode)
+    mtp_loss: torch.Tensor | None = None  # mean cross-entropy over MTP depths (unweighted)
+    mtp_logits: list[torch.Tensor] | None = None  # per depth k: [B, L, V], predicts t+k+1
 
 
 class HybridLM(nn.Module):
@@ -42,6 +46,7 @@ class HybridLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
         self._init_weights()
 
     # -- init ---------------------------------------------------------------------------------
@@ -54,7 +59,10 @@ class HybridLM(nn.Module):
         nn.init.normal_(self.embed.weight, std=std)
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=std)
-        for block in self.blocks:
+        if self.mtp is not None:
+            for module in self.mtp.depths:
+                nn.init.normal_(module.in_proj.weight, std=std)
+        for block in self.all_blocks():
             for module in block.mixer.modules():
                 if isinstance(module, nn.Linear):
                     nn.init.normal_(module.weight, std=std)
@@ -67,6 +75,24 @@ class HybridLM(nn.Module):
                     nn.init.normal_(weight, std=out_std)
 
     # -- forward ------------------------------------------------------------------------------
+    def all_blocks(self) -> list[Block]:
+        """The main stack's blocks, then the MTP modules' blocks (depth order)."""
+        return list(self.blocks) + (self.mtp.blocks() if self.mtp is not None else [])
+
+    def residual_stream(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        cache: ModelCache | None = None,
+    ) -> torch.Tensor:
+        """[B, L] token ids -> [B, L, D] output of the last block (before the final norm)."""
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, doc_ids=doc_ids, cache=cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return x
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -74,12 +100,7 @@ class HybridLM(nn.Module):
         cache: ModelCache | None = None,
     ) -> torch.Tensor:
         """[B, L] token ids -> [B, L, D] final-normed hidden states."""
-        x = self.embed(input_ids)
-        for i, block in enumerate(self.blocks):
-            x = block(x, doc_ids=doc_ids, cache=cache.layers[i] if cache is not None else None)
-        if cache is not None:
-            cache.length += input_ids.shape[1]
-        return self.norm(x)
+        return self.norm(self.residual_stream(input_ids, doc_ids, cache))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -91,16 +112,37 @@ class HybridLM(nn.Module):
         doc_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> ModelOutput:
-        logits = self.logits(self.hidden_states(input_ids, doc_ids))
+        x = self.residual_stream(input_ids, doc_ids)
+        logits = self.logits(self.norm(x))
+        mtp_logits = (
+            None if self.mtp is None else self.mtp(x, input_ids, doc_ids, self.embed, self.logits)
+        )
         if labels is None:
-            return ModelOutput(logits=logits)
+            return ModelOutput(logits=logits, mtp_logits=mtp_logits)
         lm_loss = F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
         )
-        aux = [b.mixer.aux_loss for b in self.moe_blocks() if b.mixer.aux_loss is not None]
-        aux_loss = torch.stack(aux).sum() if aux else None
+        aux_loss = self._aux_loss()
         loss = lm_loss if aux_loss is None else lm_loss + aux_loss
-        return ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss)
+        mtp_loss = None
+        if mtp_logits is not None:
+            mtp_loss = self.mtp.loss(mtp_logits, labels, IGNORE_INDEX)
+            loss = loss + self.mtp.loss_weight * mtp_loss
+        return ModelOutput(
+            logits=logits,
+            loss=loss,
+            lm_loss=lm_loss,
+            aux_loss=aux_loss,
+            mtp_loss=mtp_loss,
+            mtp_logits=mtp_logits,
+        )
+
+    def _aux_loss(self) -> torch.Tensor | None:
+        """Sum of the auxiliary losses the last forward left on its mixers (MoE sequence
+        balance, DSA indexer KL), or None when there are none."""
+        mixers = [b.mixer for b in self.all_blocks()]
+        aux = [m.aux_loss for m in mixers if getattr(m, "aux_loss", None) is not None]
+        return torch.stack(aux).sum() if aux else None
 
     # -- decoding -----------------------------------------------------------------------------
     def init_cache(
@@ -111,7 +153,8 @@ class HybridLM(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> ModelCache:
         """Empty per-layer caches for ``batch_size`` rows of up to ``capacity`` tokens.
-        Attention caches use ``dtype``; recurrent states use at least float32."""
+        Attention caches use ``dtype``; recurrent states use at least float32. The MTP modules
+        are not cached (they only run in :meth:`forward`)."""
         state_dtype = torch.promote_types(dtype, torch.float32)
         layers = []
         for block in self.blocks:
@@ -154,7 +197,8 @@ class HybridLM(nn.Module):
 
     # -- MoE balancing --------------------------------------------------------------------------
     def moe_blocks(self) -> list[Block]:
-        return [b for b in self.blocks if b.family == "E"]
+        """Every E block, the MTP modules' included."""
+        return [b for b in self.all_blocks() if b.family == "E"]
 
     @torch.no_grad()
     def update_moe_biases(self) -> None:
@@ -162,8 +206,10 @@ class HybridLM(nn.Module):
             block.mixer.update_bias()
 
     def moe_load(self) -> dict[int, list[float]]:
-        """Per-layer token counts per expert from the last forward."""
-        return {i: b.mixer.last_load.tolist() for i, b in enumerate(self.blocks) if b.family == "E"}
+        """Per-layer token counts per expert from the last forward (MTP blocks are numbered
+        after the main stack, in :meth:`all_blocks` order)."""
+        blocks = enumerate(self.all_blocks())
+        return {i: b.mixer.last_load.tolist() for i, b in blocks if b.family == "E"}
 
 
 def next_token_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -65,18 +65,8 @@ FAMILIES: dict[str, FamilyInfo] = {
             "causal self-attention mixer",
             (
                 VariantInfo("gqa", "grouped-query attention", implemented=True),
-                VariantInfo(
-                    "mla",
-                    "multi-head latent attention",
-                    implemented=False,
-                    lands_with="multi-head latent attention",
-                ),
-                VariantInfo(
-                    "dsa",
-                    "DeepSeek sparse attention",
-                    implemented=False,
-                    lands_with="DeepSeek sparse attention",
-                ),
+                VariantInfo("mla", "multi-head latent attention", implemented=True),
+                VariantInfo("dsa", "DeepSeek sparse attention", implemented=True),
             ),
         ),
         FamilyInfo("E", "moe", "mixture-of-experts SwiGLU FFN"),

@@ -1,0 +1,292 @@
+"""A:dsa -- DeepSeek sparse attention (DeepSeek-V3.2): MLA + a lightning indexer + top-k.
+
+DSA here is :class:`~megacpp.model.mla.MultiHeadLatentAttention` run in its absorbed (MQA)
+form -- every head attends to the same compressed latents, as in V3.2 -- with a lightning
+indexer choosing which keys each query sees::
+
+    q_idx, w  = indexer.q_proj(q_in), indexer.weights_proj(x) / sqrt(Hi)   # Hi small heads
+    k_idx     = rope(rms_norm(indexer.k_proj(x)))                          # one key per token
+    I[t, s]   = sum_h w[t, h] * relu(q_idx[t, h] . k_idx[s] / sqrt(di))
+    S_t       = top_k allowed keys of I[t, :]    (allowed: causal, same document)
+    y_t       = MLA attention of query t over the keys in S_t only
+
+Training follows V3.2's two stages (``dsa.mode``):
+
+* ``dense_warmup``: attention is dense (all allowed keys); the indexer learns
+  ``KL(p_t || softmax(I_t))`` toward the head-summed dense attention distribution ``p_t``.
+* ``sparse``: attention uses the top-k keys; the indexer keeps learning the same KL
+  restricted to the selected keys.
+
+In both, the indexer's inputs (``x`` and ``q_in``) and the KL target are detached: the KL
+trains the indexer only, and the LM loss never reaches the indexer (the top-k selection is
+not differentiable). The KL, times ``indexer_loss_coef``, is exposed as ``aux_loss`` (like
+the MoE balance loss) in training mode. V3.2 also freezes the rest of the model during the
+warm-up; that is the trainer's choice (see :func:`indexer_parameters`).
+
+Queries are processed in chunks of ``query_chunk``, so no tensor is ever ``L x L``: the
+largest live tensors are ``[B, C, max(H, Hi), T]`` scores and, in the sparse path, the
+gathered ``[B, C, top_k, r + dr + di]`` key rows. When ``top_k`` covers every key the
+selection keeps all allowed keys, so the layer takes the dense path (same result, no gather).
+V3.2's FP8 indexer and Hadamard rotation are precision tricks for its kernels; this
+reference computes the indexer in float32 (float64 for float64 models). Its key norm is our
+RMSNorm (V3.2 uses LayerNorm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from megacpp.errors import ConfigError
+from megacpp.kernels.ops.sparse_attention import (
+    allowed_keys,
+    gather_keys,
+    indexer_kl_loss,
+    indexer_scores,
+    latent_attention,
+    select_topk,
+)
+from megacpp.model.config import DSA_MODES
+from megacpp.model.mla import MLACache, MultiHeadLatentAttention
+from megacpp.model.norm import RMSNorm
+from megacpp.model.rope import apply_rope
+
+
+@dataclass
+class DSACache:
+    """Per-layer cache of one :class:`DeepSeekSparseAttention`.
+
+    Layout: ``attn`` holds the MLA latents (``latent`` [B, capacity, kv_lora_rank],
+    ``k_rope`` [B, capacity, qk_rope_head_dim]); ``index_k`` [B, capacity, index_head_dim]
+    holds the indexer keys (after norm and RoPE) at the same positions.
+    """
+
+    attn: MLACache
+    index_k: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.attn.length
+
+    def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor) -> tuple[Tensor, ...]:
+        """Write one step's rows; return views of all cached latents, RoPE keys, index keys."""
+        start = self.attn.length
+        latent_all, k_rope_all = self.attn.append(latent, k_rope)
+        self.index_k[:, start : self.attn.length] = index_k
+        return latent_all, k_rope_all, self.index_k[:, : self.attn.length]
+
+    def nbytes(self) -> int:
+        return self.attn.nbytes() + self.index_k.numel() * self.index_k.element_size()
+
+
+class LightningIndexer(nn.Module):
+    """The indexer's projections: ``n_heads`` index heads of ``head_dim``; RoPE on the first
+    ``rope_dim`` dims of queries and keys (V3.2's indexer uses the half-split layout too)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        q_in_dim: int,
+        n_heads: int,
+        head_dim: int,
+        rope_dim: int,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = n_heads, head_dim, rope_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(q_in_dim, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.k_norm = RMSNorm(head_dim, norm_eps)
+        self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
+
+    def queries(self, x: Tensor, q_in: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """-> index queries [B, L, Hi, di] and head weights [B, L, Hi]."""
+        B, L, _ = x.shape
+        q = self.q_proj(q_in).view(B, L, self.n_heads, self.head_dim)
+        weights = self.weights_proj(x) * self.n_heads**-0.5
+        return self._rope(q, cos[:, None], sin[:, None]), weights
+
+    def keys(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """-> index keys [B, L, di]."""
+        return self._rope(self.k_norm(self.k_proj(x)), cos, sin)
+
+    def _rope(self, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        rotated, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(rotated, cos, sin), rest], dim=-1)
+
+    def flops_per_token(self, seq_len: int, q_in_dim: int) -> int:
+        """Projections plus scoring ``seq_len`` keys (q.k and the head-weighted sum)."""
+        d_model = self.k_proj.in_features
+        proj = 2 * q_in_dim * self.n_heads * self.head_dim + 2 * d_model * (
+            self.head_dim + self.n_heads
+        )
+        return proj + self.score_flops(seq_len)
+
+    def score_flops(self, n_keys: int) -> int:
+        return 2 * n_keys * self.n_heads * (self.head_dim + 1)
+
+
+class _Queries(NamedTuple):
+    latent: Tensor  # [B, L, H, r]   no-RoPE query part with W_UK folded in
+    rope: Tensor  # [B, L, H, dr]
+    index: Tensor  # [B, L, Hi, di]
+    index_weights: Tensor  # [B, L, Hi]
+
+    def rows(self, rows: slice) -> _Queries:
+        return _Queries(*(t[:, rows] for t in self))
+
+
+class _Keys(NamedTuple):
+    latent: Tensor  # [B, T, r] or, once shaped per query, [B, C|1, K, r]
+    rope: Tensor  # [B, T, dr] / [B, C|1, K, dr]
+    index: Tensor  # [B, T, di] / [B, C|1, K, di]
+
+    def shared(self) -> _Keys:
+        """Every key for every query: [B, 1, T, d]."""
+        return _Keys(*(t[:, None] for t in self))
+
+    def picked(self, indices: Tensor) -> _Keys:
+        """The keys each query picked: [B, C, k, d]."""
+        return _Keys(*(gather_keys(t, indices) for t in self))
+
+
+class DeepSeekSparseAttention(nn.Module):
+    """DSA mixer ``[B, L, d_model] -> [B, L, d_model]`` around an MLA module ``attn``."""
+
+    def __init__(
+        self,
+        attn: MultiHeadLatentAttention,
+        index_n_heads: int,
+        index_head_dim: int,
+        top_k: int,
+        mode: str = "sparse",
+        indexer_loss_coef: float = 1.0,
+        query_chunk: int = 128,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        _check_mode(mode)
+        self.attn = attn
+        d_model = attn.kv_down.in_features
+        self.indexer = LightningIndexer(
+            d_model, attn.q_in_dim, index_n_heads, index_head_dim, attn.rope_dim, norm_eps
+        )
+        self.top_k, self.mode = top_k, mode
+        self.indexer_loss_coef, self.query_chunk = indexer_loss_coef, query_chunk
+        self.aux_loss: Tensor | None = None
+
+    def forward(
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: DSACache | None = None
+    ) -> Tensor:
+        L = x.shape[1]
+        offset = cache.length if cache is not None else 0
+        positions = torch.arange(offset, offset + L, device=x.device)
+        cos, sin = self.attn.rope_tables(positions, x.dtype)
+        q_nope, q_rope, q_in = self.attn.queries(x, cos, sin)
+        latent, k_rope = self.attn.compress_kv(x, cos, sin)
+        index_q, index_w = self.indexer.queries(x.detach(), q_in.detach(), cos, sin)
+        index_k = self.indexer.keys(x.detach(), cos, sin)
+        if cache is not None:
+            if doc_ids is not None:
+                raise ValueError("cached attention decodes one document per row; drop doc_ids")
+            latent, k_rope, index_k = cache.append(latent, k_rope, index_k)
+        queries = _Queries(self.attn.absorb_query(q_nope), q_rope, index_q, index_w)
+        keys = _Keys(latent, k_rope, index_k)
+
+        outputs, kl = [], []
+        for rows in self._chunks(L):
+            query_doc = doc_ids[:, rows] if doc_ids is not None else None
+            allowed = allowed_keys(positions[rows], latent.shape[1], query_doc, doc_ids)
+            o_latent, chunk_kl = self._attend_chunk(queries.rows(rows), keys, allowed)
+            outputs.append(o_latent)
+            kl.append(chunk_kl)
+        self.aux_loss = (
+            self.indexer_loss_coef * torch.cat(kl, dim=1).mean() if self.training else None
+        )
+        return self.attn.output_from_latent(torch.cat(outputs, dim=1))
+
+    def _chunks(self, length: int) -> Iterator[slice]:
+        for start in range(0, length, self.query_chunk):
+            yield slice(start, min(start + self.query_chunk, length))
+
+    def _attend_chunk(
+        self, q: _Queries, keys: _Keys, allowed: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """One chunk of C queries over T keys -> o_latent [B, C, H, r], per-query KL [B, C]."""
+        n_keys = keys.latent.shape[1]
+        if self.mode == "sparse" and self.top_k < n_keys:
+            with torch.no_grad():
+                scores = indexer_scores(
+                    q.index, q.index_weights, keys.index[:, None], self.indexer.scale
+                )
+                picked, allowed = select_topk(scores, allowed, self.top_k)
+            attended = keys.picked(picked)
+        else:  # dense: every allowed key (warm-up, or top_k covers them all)
+            attended = keys.shared()
+        o_latent, probs = latent_attention(
+            q.latent, q.rope, attended.latent, attended.rope, allowed, self.attn.scale
+        )
+        if not self.training:
+            return o_latent, None
+        index = indexer_scores(q.index, q.index_weights, attended.index, self.indexer.scale)
+        return o_latent, indexer_kl_loss(probs, index, allowed)
+
+    # -- decoding and accounting -------------------------------------------------------------
+    def init_cache(
+        self, batch_size: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> DSACache:
+        index_k = torch.zeros(
+            batch_size, capacity, self.indexer.head_dim, device=device, dtype=dtype
+        )
+        return DSACache(self.attn.init_cache(batch_size, capacity, device, dtype), index_k)
+
+    def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        return self.attn.cache_bytes_per_token(dtype) + self.indexer.head_dim * dtype.itemsize
+
+    def attended_keys(self, seq_len: int) -> int:
+        """Keys each query attends to at ``seq_len`` (counted over the full row, like GQA)."""
+        return min(self.top_k, seq_len) if self.mode == "sparse" else seq_len
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward matmul FLOPs per token of a *training* forward (indexer KL included).
+
+        MLA projections + the absorbed attention over ``attended_keys`` keys (W_UK folded
+        into the query, scores and output over the r + dr latent dims, W_UV per head) + the
+        indexer scoring every key; the sparse path re-scores its picked keys for the KL."""
+        a, H = self.attn, self.attn.n_heads
+        keys = self.attended_keys(seq_len)
+        absorb = 2 * H * a.nope_dim * a.kv_lora_rank + 2 * H * a.kv_lora_rank * a.v_dim
+        attention = 2 * keys * H * (a.kv_lora_rank + a.rope_dim) + 2 * keys * H * a.kv_lora_rank
+        indexer = self.indexer.flops_per_token(seq_len, a.q_in_dim)
+        if keys < seq_len:
+            indexer += self.indexer.score_flops(keys)
+        return a.projection_flops_per_token() + absorb + attention + indexer
+
+
+def indexer_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The parameters of every lightning indexer in ``model`` (for V3.2's warm-up, which
+    trains these alone with the rest of the model frozen)."""
+    for module in model.modules():
+        if isinstance(module, LightningIndexer):
+            yield from module.parameters()
+
+
+def set_dsa_mode(model: nn.Module, mode: str) -> None:
+    """Switch every DSA layer of ``model`` to ``mode`` (e.g. from the dense warm-up to sparse
+    training); the parameters are the same in both modes."""
+    _check_mode(mode)
+    for module in model.modules():
+        if isinstance(module, DeepSeekSparseAttention):
+            module.mode = mode
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in DSA_MODES:
+        raise ConfigError(
+            f"dsa.mode = {mode!r} is invalid; allowed: {' or '.join(map(repr, DSA_MODES))}"
+        )
