@@ -1,0 +1,303 @@
+"""``megacpp eval ...``: the verifier-first C++ evaluation harness.
+
+Commands: ``sandbox-info``, ``run`` (one file), ``verify-reference`` (HumanEval-X canonical
+solutions), ``mutation-check``, ``score`` (pass@k of completions from a JSONL file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from megacpp.errors import MegaCppError
+from megacpp.eval import (
+    DEFAULT_KS,
+    BuildOptions,
+    CppVerifier,
+    Limits,
+    Sample,
+    SampleResult,
+    Sandbox,
+    all_mutants,
+    evaluate_samples,
+    humaneval_build_options,
+    load_problems,
+    locate_problems,
+    read_samples,
+    reference_samples,
+    select_problems,
+    verify_samples,
+)
+from megacpp.eval.cpp import RUN_LIMITS
+from megacpp.eval.problems import check_humaneval_toolchain
+
+app = typer.Typer(no_args_is_help=True)
+console = Console(highlight=False)
+T = TypeVar("T")
+
+ProblemsOpt = Annotated[Path | None, typer.Option(
+    "--problems", help="HumanEval-X C++ jsonl.gz (default: $MEGACPP_EVAL_DATA, then "
+                       "<repo>/../shared/eval/humaneval-x-cpp.jsonl.gz).")]
+WorkersOpt = Annotated[int, typer.Option(help="Parallel compile+run workers.")]
+LimitOpt = Annotated[int | None, typer.Option(help="Only the first N problems.")]
+TaskOpt = Annotated[list[str] | None, typer.Option(
+    "--task", help="Only this task id (repeatable), e.g. CPP/0.")]
+StdOpt = Annotated[str, typer.Option(help="C++ standard passed as -std=.")]
+SanitizeOpt = Annotated[bool, typer.Option(
+    "--sanitize", help="Build with ASan + UBSan (slower; catches out-of-bounds reads).")]
+PchOpt = Annotated[bool, typer.Option(
+    "--pch/--no-pch", help="Precompile each program's leading #include block (same verdicts, "
+                           "faster).")]
+LinkerOpt = Annotated[str, typer.Option(
+    help="Linker for -fuse-ld (bfd, gold, lld, mold), 'default', or 'auto' (gold if installed).")]
+IsolationOpt = Annotated[str | None, typer.Option(
+    help="Sandbox isolation: namespaces (default) or rlimits (weaker; also "
+         "$MEGACPP_SANDBOX_ISOLATION).")]
+DEFAULT_WORKERS = os.cpu_count() or 1
+
+
+@app.command("sandbox-info")
+def sandbox_info(
+    isolation: IsolationOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """Show the sandbox's isolation level and mechanisms, and prove it works by running a probe."""
+    sandbox = Sandbox(isolation)
+    sandbox.probe()
+    identity = sandbox.execute(["/usr/bin/id", "-u"], mounts=[], cwd="/", limits=Limits())
+    info = {
+        "isolation": sandbox.isolation.value,
+        "harness_uid": os.geteuid(),
+        "program_uid": identity.stdout.decode().strip(),
+        "probe": "ok",
+        "mechanisms": dict(sandbox.describe()),
+    }
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    console.print(f"[bold]isolation:[/] {info['isolation']}   [bold]probe:[/] ok   "
+                  f"[bold]uid:[/] harness {info['harness_uid']}, program {info['program_uid']}")
+    table = Table("mechanism", "what it does here")
+    for name, what in sandbox.describe():
+        table.add_row(name, what)
+    console.print(table)
+
+
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(help="A single-file C++ program with main().")],
+    std: StdOpt = "c++17",
+    flag: Annotated[list[str] | None, typer.Option(
+        "--flag", help="Extra compiler flag (repeatable), e.g. --flag=-O2.")] = None,
+    lib: Annotated[list[str] | None, typer.Option(
+        "--lib", help="Link -l<name> (repeatable), e.g. --lib crypto.")] = None,
+    sanitize: SanitizeOpt = False,
+    cpu: Annotated[int, typer.Option(help="CPU seconds for the program.")] = RUN_LIMITS.cpu_s,
+    wall: Annotated[float, typer.Option(help="Wall-clock seconds for the program.")] = RUN_LIMITS.wall_s,
+    memory_mb: Annotated[int, typer.Option(help="Address-space limit in MiB.")] = 1024,
+    isolation: IsolationOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+) -> None:
+    """Compile and run one C++ file in the sandbox; exit 0 only if it passed."""
+    try:
+        source = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MegaCppError(f"cannot read {file} as UTF-8 C++ source: {exc}") from None
+    build = BuildOptions(std=std, flags=("-O0", *(flag or ())), libs=tuple(lib or ()),
+                         sanitize=sanitize)
+    limits = RUN_LIMITS.replace(cpu_s=cpu, wall_s=wall, memory_bytes=memory_mb << 20)
+    verdict = CppVerifier(build, Sandbox(isolation), run_limits=limits).verify(source)
+    if as_json:
+        typer.echo(json.dumps(verdict.to_json(), indent=2))
+    else:
+        console.print(f"[bold]{verdict.status.value}[/]: {verdict.detail}  "
+                      f"(compile {verdict.compile_s:.2f} s, run {_seconds(verdict.run_s)})")
+        for name, text in (("stdout", verdict.stdout), ("stderr", verdict.stderr)):
+            if text.strip():
+                console.print(f"[dim]--- {name} ---[/]")
+                console.print(text.rstrip(), markup=False)
+    if not verdict.passed:
+        raise SystemExit(1)
+
+
+@app.command("verify-reference")
+def verify_reference(
+    problems: ProblemsOpt = None,
+    workers: WorkersOpt = DEFAULT_WORKERS,
+    limit: LimitOpt = None,
+    task: TaskOpt = None,
+    std: StdOpt = "c++17",
+    sanitize: SanitizeOpt = False,
+    pch: PchOpt = True,
+    linker: LinkerOpt = "auto",
+    isolation: IsolationOpt = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Write samples.jsonl, summary.json and an eval receipt here.")] = None,
+) -> None:
+    """Run every canonical solution against its tests; exit 0 only if all pass."""
+    problem_file = locate_problems(problems)
+    selected = select_problems(load_problems(problem_file), task or (), limit)
+    verifier = _humaneval_verifier(std, sanitize, pch, linker, isolation)
+    samples = reference_samples(selected)
+    if out is None:
+        results, wall_s = _with_progress("reference solutions", len(samples), lambda tick: (
+            verify_samples(verifier, selected, samples, workers=workers, on_result=tick)))
+    else:
+        report, wall_s = _with_progress("reference solutions", len(samples), lambda tick: (
+            evaluate_samples(selected, samples, verifier=verifier, out_dir=out,
+                             model={"name": "canonical-solutions"}, sampling={"n": 1},
+                             ks=(1,), workers=workers, problem_file=problem_file,
+                             on_result=tick)))
+        results = report.results
+        console.print(f"wrote {', '.join(str(p) for p in report.files.values())}")
+    _print_verification(results, wall_s, workers, verifier)
+    if any(not result.verdict.passed for result in results):
+        raise SystemExit(1)
+
+
+@app.command("mutation-check")
+def mutation_check(
+    problems: ProblemsOpt = None,
+    workers: WorkersOpt = DEFAULT_WORKERS,
+    limit: LimitOpt = None,
+    task: TaskOpt = None,
+    per_problem: Annotated[int, typer.Option(help="Mutants per problem.")] = 2,
+    min_kill_rate: Annotated[float, typer.Option(
+        help="Exit 1 when fewer than this fraction of mutants fail.")] = 0.7,
+    sanitize: SanitizeOpt = False,
+    pch: PchOpt = True,
+    linker: LinkerOpt = "auto",
+    isolation: IsolationOpt = None,
+) -> None:
+    """Check that wrong solutions fail: mutate each reference once per mutant and verify."""
+    if per_problem < 1:
+        raise MegaCppError(f"--per-problem must be >= 1, got {per_problem}")
+    selected = select_problems(load_problems(problems), task or (), limit)
+    mutants = all_mutants(selected, per_problem)
+    samples = [Sample(m.task_id, i, m.completion) for i, m in enumerate(mutants)]
+    verifier = _humaneval_verifier("c++17", sanitize, pch, linker, isolation)
+    results, wall_s = _with_progress("mutants", len(samples), lambda tick: verify_samples(
+        verifier, selected, samples, workers=workers, on_result=tick))
+    survivors = [(m, r) for m, r in zip(mutants, results) if r.verdict.passed]
+    killed = len(results) - len(survivors)
+    rate = killed / len(results) if results else 0.0
+    console.print(f"[bold]{killed}/{len(results)} mutants killed ({rate:.1%})[/] over "
+                  f"{len(selected)} problems in {wall_s:.1f} s; by status: "
+                  f"{_status_summary(results)}")
+    if survivors:
+        table = Table("task", "surviving mutation (equivalent or untested)")
+        for mutant, _ in survivors:
+            table.add_row(mutant.task_id, mutant.description)
+        console.print(table)
+    if rate < min_kill_rate:
+        raise SystemExit(1)
+
+
+@app.command()
+def score(
+    samples_file: Annotated[Path, typer.Argument(
+        help='JSONL of {"task_id": ..., "completion": ...}; several lines per task = n samples.')],
+    out: Annotated[Path, typer.Option(help="Directory for samples.jsonl, summary.json, receipt.json.")],
+    problems: ProblemsOpt = None,
+    k: Annotated[list[int] | None, typer.Option(
+        "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
+    model: Annotated[str, typer.Option(help="Model name recorded in the receipt.")] = "unknown",
+    temperature: Annotated[float | None, typer.Option(
+        help="Sampling temperature recorded in the receipt.")] = None,
+    workers: WorkersOpt = DEFAULT_WORKERS,
+    std: StdOpt = "c++17",
+    sanitize: SanitizeOpt = False,
+    pch: PchOpt = True,
+    linker: LinkerOpt = "auto",
+    isolation: IsolationOpt = None,
+) -> None:
+    """pass@k of completions read from a file (the offline path of the pass@k driver)."""
+    problem_file = locate_problems(problems)
+    all_problems = load_problems(problem_file)
+    samples = read_samples(samples_file)
+    verifier = _humaneval_verifier(std, sanitize, pch, linker, isolation)
+    per_task = Counter(s.task_id for s in samples)
+    sampling = {"n": min(per_task.values()), "temperature": temperature,
+                "source": str(samples_file)}
+    report, _ = _with_progress("samples", len(samples), lambda tick: evaluate_samples(
+        all_problems, samples, verifier=verifier, out_dir=out, model={"name": model},
+        sampling=sampling, ks=tuple(k or DEFAULT_KS), workers=workers,
+        problem_file=problem_file, on_result=tick))
+    table = Table("metric", "value")
+    for kk, value in report.pass_at_k.items():
+        table.add_row(f"pass@{kk}", f"{value:.4f}")
+    table.add_row("problems", f"{len(report.counts)} of {len(all_problems)}")
+    table.add_row("samples per problem", _range(per_task.values()))
+    table.add_row("statuses", ", ".join(f"{s}={c}" for s, c in sorted(report.status_counts.items())))
+    console.print(table)
+    console.print(f"wrote {', '.join(str(p) for p in report.files.values())}")
+
+
+def _humaneval_verifier(std: str, sanitize: bool, pch: bool, linker: str,
+                        isolation: str | None) -> CppVerifier:
+    sandbox = Sandbox(isolation)
+    build = humaneval_build_options(std=std, sanitize=sanitize, pch=pch,
+                                    linker=None if linker == "default" else linker)
+    verifier = CppVerifier(build, sandbox)
+    check_humaneval_toolchain(verifier)
+    return verifier
+
+
+def _with_progress(what: str, total: int,
+                   work: Callable[[Callable[[object], None]], T]) -> tuple[T, float]:
+    """Run ``work(tick)`` under a progress bar; returns its result and the elapsed seconds."""
+    started = time.monotonic()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True)) as progress:
+        task_id = progress.add_task(f"verifying {what}", total=total)
+        result = work(lambda _result: progress.advance(task_id))
+    return result, time.monotonic() - started
+
+
+def _print_verification(results: Sequence[SampleResult], wall_s: float, workers: int,
+                        verifier: CppVerifier) -> None:
+    passed = sum(r.verdict.passed for r in results)
+    compile_s = [r.verdict.compile_s for r in results]
+    run_s = [r.verdict.run_s for r in results if r.verdict.run_s is not None]
+    build = verifier.build
+    console.print(
+        f"[bold]{passed}/{len(results)} passed[/] in {wall_s:.1f} s "
+        f"({len(results) / wall_s if wall_s else 0:.2f} programs/s, {workers} workers); "
+        f"median compile {statistics.median(compile_s):.3f} s, median run "
+        f"{statistics.median(run_s) if run_s else float('nan'):.4f} s"
+    )
+    console.print(f"[dim]-std={build.std} sanitize={build.sanitize} pch={build.pch} "
+                  f"linker={build.linker or 'default'} isolation={verifier.sandbox.isolation.value}[/]")
+    failures = [r for r in results if not r.verdict.passed]
+    if failures:
+        table = Table("task", "status", "detail", "stderr (first line)")
+        for r in failures:
+            first_line = (r.verdict.stderr.strip().splitlines() or [""])[0]
+            table.add_row(r.sample.task_id, r.verdict.status.value, r.verdict.detail, first_line)
+        console.print(table)
+
+
+def _status_summary(results: Sequence[SampleResult]) -> str:
+    counts = Counter(r.verdict.status.value for r in results)
+    return ", ".join(f"{status}={count}" for status, count in sorted(counts.items()))
+
+
+def _range(values) -> str:
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}..{high}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+

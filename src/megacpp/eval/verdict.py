@@ -1,0 +1,156 @@
+"""Turn a sandboxed compile and run into one verdict: the only thing pass@k counts."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+from megacpp.eval.sandbox import Execution, Limits
+
+STDERR_EXCERPT_CHARS = 2000
+
+# Messages a program (or its sanitizer runtime) prints when an allocation is refused.
+_OUT_OF_MEMORY_MARKERS = (
+    b"std::bad_alloc",
+    b"Cannot allocate memory",
+    b"AddressSanitizer: out of memory",
+    b"AddressSanitizer: allocation-size-too-big",
+    b"AddressSanitizer: requested allocation size",
+    b"hard rss limit exhausted",
+    b"memory exhausted",
+)
+
+
+class Status(str, Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    COMPILE_ERROR = "compile_error"
+    TIMEOUT = "timeout"
+    CRASHED = "crashed"
+    MEMORY_LIMIT = "memory_limit"
+    OUTPUT_LIMIT = "output_limit"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of compiling and running one program."""
+
+    status: Status
+    detail: str  # one line: why this status
+    stderr: str  # excerpt: the compiler's for compile_error, the program's otherwise
+    stdout: str = ""  # excerpt of the program's stdout (empty when it never ran)
+    exit_code: int | None = None
+    signal: str | None = None  # e.g. "SIGSEGV"
+    compile_s: float = 0.0
+    run_s: float | None = None  # None when it never ran
+    max_rss_kb: int | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status is Status.PASSED
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["status"] = self.status.value
+        return record
+
+
+def compile_verdict(execution: Execution, limits: Limits) -> Verdict | None:
+    """A compile_error verdict, or None when the compiler succeeded."""
+    if execution.exit_code == 0 and not (execution.timed_out or execution.output_exceeded):
+        return None
+    if execution.timed_out:
+        detail = f"the compiler exceeded the {limits.wall_s:g} s wall-clock limit"
+    elif execution.output_exceeded:
+        detail = f"the compiler wrote more than {limits.output_bytes} bytes of diagnostics"
+    elif execution.signal is not None:
+        detail = f"the compiler was killed by {_signal_name(execution.signal)}"
+    else:
+        detail = f"the compiler exited with code {execution.exit_code}"
+    return Verdict(
+        status=Status.COMPILE_ERROR,
+        detail=detail,
+        stderr=excerpt(execution.stderr),
+        exit_code=execution.exit_code,
+        signal=_signal_name(execution.signal),
+        compile_s=execution.wall_s,
+    )
+
+
+def run_verdict(execution: Execution, limits: Limits, compile_s: float) -> Verdict:
+    """Classify a finished (or killed) program run."""
+    status, detail = _classify(execution, limits)
+    return Verdict(
+        status=status,
+        detail=detail,
+        stderr=excerpt(execution.stderr),
+        stdout=excerpt(execution.stdout),
+        exit_code=execution.exit_code,
+        signal=_signal_name(execution.signal),
+        compile_s=compile_s,
+        run_s=execution.wall_s,
+        max_rss_kb=execution.max_rss_kb,
+    )
+
+
+def _classify(execution: Execution, limits: Limits) -> tuple[Status, str]:
+    sig = execution.signal
+    if execution.output_exceeded:
+        return Status.OUTPUT_LIMIT, f"wrote more than {limits.output_bytes} bytes to stdout/stderr"
+    if execution.timed_out:
+        return Status.TIMEOUT, f"still running at the {limits.wall_s:g} s wall-clock limit"
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and (execution.cpu_s or 0) >= limits.cpu_s):
+        return Status.TIMEOUT, f"used its {limits.cpu_s} s of CPU time"
+    if sig == signal.SIGXFSZ:
+        return Status.OUTPUT_LIMIT, f"tried to write a file larger than {limits.file_bytes} bytes"
+    if sig is None and execution.exit_code == 0:
+        return Status.PASSED, "exit code 0"
+    if any(marker in execution.stderr for marker in _OUT_OF_MEMORY_MARKERS):
+        return Status.MEMORY_LIMIT, _memory_detail(limits)
+    assertion = _failed_assertion(execution)
+    if assertion is not None:
+        return Status.FAILED, assertion
+    if sig is not None:
+        return Status.CRASHED, f"killed by {_signal_name(sig)}{_sanitizer_summary(execution)}"
+    return Status.FAILED, f"exit code {execution.exit_code}"
+
+
+def _failed_assertion(execution: Execution) -> str | None:
+    """A test's failed ``assert`` (glibc prints the expression, then aborts): a wrong answer."""
+    if execution.signal != signal.SIGABRT:
+        return None
+    for line in execution.stderr.decode("utf-8", "replace").splitlines():
+        if "Assertion `" in line and line.rstrip().endswith("failed."):
+            return f"assertion failed: {line[line.index('Assertion `'):].strip()}"
+    return None
+
+
+def _memory_detail(limits: Limits) -> str:
+    if limits.memory_bytes is None:
+        return "an allocation was refused"
+    return f"an allocation was refused (address-space limit {limits.memory_bytes >> 20} MiB)"
+
+
+def _sanitizer_summary(execution: Execution) -> str:
+    """' (AddressSanitizer: heap-buffer-overflow)' when a sanitizer report explains the crash."""
+    for line in execution.stderr.decode("utf-8", "replace").splitlines():
+        if line.startswith("SUMMARY: "):
+            return f" ({line.removeprefix('SUMMARY: ').strip()})"
+    return ""
+
+
+def _signal_name(number: int | None) -> str | None:
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def excerpt(stream: bytes, limit: int = STDERR_EXCERPT_CHARS) -> str:
+    """The start of a stream as text (compilers and asserts put the key line first)."""
+    text = stream.decode("utf-8", "replace")
+    return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} more chars]"

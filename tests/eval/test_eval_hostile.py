@@ -1,0 +1,174 @@
+"""Hostile and broken programs: each is contained, classified correctly, and the host stays
+responsive. Real g++, real jail, real sockets and files; nothing is mocked."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megacpp.eval import Status
+from tests.eval.conftest import (
+    TEST_COMPILE_LIMITS,
+    TEST_RUN_LIMITS,
+    is_root,
+    measure_responsiveness,
+    sandbox_processes,
+    with_run_limits,
+)
+from tests.eval.hostile_programs import (
+    ALLOCATE_64_GB,
+    BUSY_LOOP,
+    CONNECT,
+    ENDLESS_STDERR,
+    ENDLESS_STDOUT,
+    FORK_BOMB,
+    GROW_UNTIL_REFUSED,
+    INCLUDE_DEV_ZERO,
+    NESTED_USERNS_FORK_BOMB,
+    READ_OUTSIDE,
+    SIGNAL_HOST,
+    SLEEPER,
+    TEMPLATE_BOMB,
+    WRITE_10_GB_FILE,
+    WRITE_OUTSIDE,
+    c_strings,
+)
+
+# Spawning `true` takes a few ms on an idle host; a starved host takes seconds.
+MAX_LATENCY_S = 1.5
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """After every hostile program, nothing may still run as the sandbox uid."""
+    yield
+    if not is_root:
+        return
+    deadline = time.monotonic() + 5
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes() == []
+
+
+def test_fork_bomb_is_contained_and_the_host_stays_responsive(any_verifier):
+    with measure_responsiveness() as host:
+        verdict = with_run_limits(any_verifier, cpu_s=1, wall_s=3.0).verify(FORK_BOMB)
+    assert verdict.status is Status.TIMEOUT, verdict
+    assert host.worst < MAX_LATENCY_S, host.latencies
+
+
+@pytest.mark.skipif(not is_root, reason="counts the sandbox uid's processes on the host")
+def test_a_fork_bomb_from_nested_user_namespaces_stays_within_the_process_limit(verifier):
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], len(sandbox_processes()))
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        verdict = with_run_limits(verifier, cpu_s=1, wall_s=2.5).verify(NESTED_USERNS_FORK_BOMB)
+    finally:
+        stop.set()
+        watcher.join()
+    assert verdict.status is Status.TIMEOUT, verdict
+    assert 1 < peak[0] <= TEST_RUN_LIMITS.processes
+
+
+def test_infinite_loop_times_out_on_cpu_and_the_host_stays_responsive(any_verifier):
+    with measure_responsiveness() as host:
+        verdict = with_run_limits(any_verifier, cpu_s=1).verify(BUSY_LOOP)
+    assert verdict.status is Status.TIMEOUT, verdict
+    assert host.worst < MAX_LATENCY_S, host.latencies
+
+
+def test_a_sleeping_program_is_killed_at_the_wall_clock_deadline(verifier):
+    started = time.monotonic()
+    verdict = with_run_limits(verifier, wall_s=1.5).verify(SLEEPER)
+    elapsed = time.monotonic() - started
+    assert verdict.status is Status.TIMEOUT, verdict
+    assert "wall-clock" in verdict.detail
+    assert elapsed < 1.5 + TEST_COMPILE_LIMITS.wall_s
+
+
+@pytest.mark.parametrize("program", [ALLOCATE_64_GB, GROW_UNTIL_REFUSED], ids=["64GB", "grow"])
+def test_huge_allocations_hit_the_memory_limit(any_verifier, program):
+    verdict = any_verifier.verify(program)
+    assert verdict.status is Status.MEMORY_LIMIT, verdict
+    assert "bad_alloc" in verdict.stderr
+    if program is GROW_UNTIL_REFUSED:  # it really grew, up to (not past) the limit
+        assert verdict.max_rss_kb * 1024 <= TEST_RUN_LIMITS.memory_bytes
+
+
+def test_a_10_gb_file_is_stopped_at_the_file_size_limit(any_verifier):
+    verdict = any_verifier.verify(WRITE_10_GB_FILE)
+    assert verdict.status is Status.OUTPUT_LIMIT, verdict
+    assert verdict.signal == "SIGXFSZ"  # the kernel stopped it at RLIMIT_FSIZE (8 MiB)
+
+
+@pytest.mark.parametrize("program", [ENDLESS_STDOUT, ENDLESS_STDERR], ids=["stdout", "stderr"])
+def test_endless_output_is_cut_at_the_output_limit(any_verifier, program):
+    verdict = any_verifier.verify(program)
+    assert verdict.status is Status.OUTPUT_LIMIT, verdict
+    kept = len(verdict.stdout) + len(verdict.stderr)
+    assert kept < 2 * TEST_RUN_LIMITS.output_bytes
+
+
+def test_writes_outside_the_sandbox_do_not_reach_the_host(verifier, tmp_path):
+    token = f"megacpp_escape_{os.getpid()}_{time.monotonic_ns()}"
+    targets = [Path.home() / token, Path("/tmp") / token, tmp_path / token,
+               Path("/etc") / token, Path("/usr") / token]
+    verdict = verifier.verify(WRITE_OUTSIDE.replace("PATHS", c_strings(targets)))
+    assert verdict.status is Status.PASSED, verdict
+    for target in targets:
+        assert not target.exists(), f"{target} was written from inside the sandbox"
+
+
+def test_files_outside_the_sandbox_cannot_be_read(any_verifier, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not read me")
+    secret.chmod(0o600)
+    tmp_path.chmod(0o755)
+    verdict = any_verifier.verify(READ_OUTSIDE.replace("PATHS", c_strings([secret, "/etc/shadow"])))
+    assert verdict.status is Status.PASSED, verdict.stdout
+    assert "READ" in verdict.stdout  # its own binary, and only that
+    assert verdict.stdout.count("READ") == 1
+
+
+def test_the_network_is_unreachable(verifier, loopback_server):
+    port, accepted = loopback_server
+    probe = socket.create_connection(("127.0.0.1", port))  # the server itself works
+    probe.close()
+    time.sleep(0.3)
+    assert len(accepted) == 1
+    verdict = verifier.verify(CONNECT.replace("PORT", str(port)))
+    assert verdict.status is Status.PASSED, verdict.stdout
+    assert "Network is unreachable" in verdict.stdout
+    time.sleep(0.3)
+    assert len(accepted) == 1, "the sandboxed program reached the loopback server"
+
+
+def test_host_processes_cannot_be_signalled(any_verifier):
+    verdict = any_verifier.verify(SIGNAL_HOST.replace("HOST_PID", str(os.getpid())))
+    assert verdict.status is Status.PASSED, verdict.stdout
+
+
+@pytest.mark.parametrize("program", [TEMPLATE_BOMB, INCLUDE_DEV_ZERO], ids=["template", "dev_zero"])
+def test_compiler_bombs_end_as_compile_errors_without_hanging(verifier, program):
+    small = dataclasses.replace(verifier, compile_limits=TEST_COMPILE_LIMITS.replace(
+        memory_bytes=512 << 20))
+    with measure_responsiveness() as host:
+        started = time.monotonic()
+        verdict = small.verify(program)
+        elapsed = time.monotonic() - started
+    assert verdict.status is Status.COMPILE_ERROR, verdict
+    assert elapsed < TEST_COMPILE_LIMITS.wall_s + 5
+    assert host.worst < MAX_LATENCY_S, host.latencies
