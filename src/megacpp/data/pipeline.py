@@ -43,6 +43,16 @@ class Drop(str):
     """A drop reason returned by :meth:`Step.process` instead of a document."""
 
 
+def require_text(doc: Document, step: str) -> str:
+    """``doc.text``, or a clear error when a text step runs before decoding (a bug in the
+    step order, not user input)."""
+    if doc.text is None:
+        raise ValueError(
+            f"step {step!r} needs decoded text: put DecodeStep before it ({doc.rel_path})"
+        )
+    return doc.text
+
+
 class Step:
     """One pipeline stage. Subclasses override :meth:`process` (per document) or, for stages
     that need the whole stream (e.g. dedup with look-back), :meth:`run`."""
