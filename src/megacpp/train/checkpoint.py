@@ -1,0 +1,345 @@
+"""Checkpoints: torch.distributed.checkpoint (sharded) + trainer state, published atomically.
+
+Layout of ``RUN_DIR/checkpoints/step_000100/``::
+
+    .metadata, __0_0.distcp, ...   DCP files: {"model": ..., "optim": ...} (every rank writes
+                                   its own shards; replicated tensors are written once)
+    trainer_state.json             step, tokens, loss-spike detector, model config, world size
+    rank_00000.json, ...           per rank: data position and RNG states
+    COMPLETE                       written last: the sha256 and size of every file above
+
+A checkpoint is written into ``.tmp-step_000100/``; the marker is written (and fsynced)
+after every file, then the directory is renamed to ``step_000100``. A crash at any point
+leaves either no new checkpoint or a complete one. Reading verifies the marker and every
+hash: a checkpoint without its marker, or with a truncated or corrupt file, is refused with
+an error naming it -- and an older one is used instead only when asked
+(``fallback_to_previous``).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from megacpp._io import _fsync_dir, atomic_write_json, sha256_file
+from megacpp.errors import MegaCppError
+from megacpp.model.config import ModelConfig
+from megacpp.model.model import HybridLM
+from megacpp.train.parallelize import DistEnv, barrier, broadcast_object
+
+CHECKPOINTS_DIR = "checkpoints"
+MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+FORMAT = "megacpp-checkpoint"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_TMP_PREFIX = ".tmp-"
+_STALE_PREFIX = ".stale-"
+STALL_S = 600.0
+
+
+class CheckpointError(MegaCppError):
+    """A checkpoint that cannot be used (missing marker, truncated or corrupt file...)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+# -- verification -----------------------------------------------------------------------------------
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The marker of a complete, intact checkpoint; :class:`CheckpointError` otherwise."""
+    marker_path = path / MARKER
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory)")
+    if not marker_path.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it was not completely "
+                              "written (or was copied without it)")
+    try:
+        marker = json.loads(marker_path.read_text("utf-8"))
+        files = marker["files"]
+        if marker.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError("not a megacpp checkpoint marker")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({exc})") from None
+    required = [".metadata", TRAINER_STATE,
+                *(rank_file(r) for r in range(int(marker.get("world_size", 0))))]
+    missing = [name for name in required if name not in files]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: its marker does not list {missing}")
+    for name, expected in files.items():
+        _verify_file(path, name, expected)
+    return marker
+
+
+def _verify_file(root: Path, name: str, expected: dict[str, Any]) -> None:
+    file = root / name
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {root}: file {name} is missing")
+    size = file.stat().st_size
+    if size != expected["bytes"]:
+        raise CheckpointError(f"checkpoint {root}: file {name} is truncated or changed "
+                              f"({size} bytes, expected {expected['bytes']})")
+    if sha256_file(file) != expected["sha256"]:
+        raise CheckpointError(f"checkpoint {root}: file {name} is corrupt (sha256 mismatch)")
+
+
+def _write_marker(path: Path, step: int, world_size: int) -> None:
+    files = {}
+    for file in sorted(path.iterdir()):
+        if file.is_file() and file.name != MARKER:
+            _fsync_file(file)
+            files[file.name] = {"sha256": sha256_file(file), "bytes": file.stat().st_size}
+    _fsync_dir(path)
+    atomic_write_json(path / MARKER, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+                                      "world_size": world_size, "files": files})
+
+
+def _fsync_file(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- RNG state ----------------------------------------------------------------------------------------
+def capture_rng_state(device: torch.device) -> dict[str, Any]:
+    """Python, numpy and torch (CPU and CUDA) RNG states as JSON data."""
+    np_state = np.random.get_state()
+    state = {
+        "python": _jsonable(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if device.type == "cuda":
+        cuda = torch.cuda.get_rng_state(device).numpy().tobytes()
+        state["cuda"] = base64.b64encode(cuda).decode()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]), device)
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, tuple) else value
+
+
+# -- the manager ----------------------------------------------------------------------------------------
+class CheckpointManager:
+    """Save, find, verify and load the checkpoints of one run directory."""
+
+    def __init__(self, run_dir: Path, keep_last: int, env: DistEnv, stall_step: int = 0,
+                 warn: Callable[[str], None] = print) -> None:
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
+        self.keep_last = keep_last
+        self.env = env
+        self.stall_step = stall_step  # debug: hang between this step's files and its marker
+        self.warn = warn
+
+    # -- listing ---------------------------------------------------------------------------------
+    def published(self) -> list[tuple[int, Path]]:
+        """Published checkpoint directories (complete or not), oldest first."""
+        return _published_in(self.root)
+
+    def remove_partial(self) -> list[Path]:
+        """Delete unpublished ``.tmp-*`` directories left by a crash mid-write (rank 0)."""
+        if not self.env.is_main or not self.root.is_dir():
+            return []
+        partial = [p for p in self.root.iterdir() if p.name.startswith(_TMP_PREFIX)]
+        for path in partial:
+            shutil.rmtree(path)
+        return partial
+
+    # -- choosing what to resume -------------------------------------------------------------------
+    def resolve(self, resume: str, fallback_to_previous: bool = False) -> Path | None:
+        """The checkpoint to resume: ``"auto"`` (newest, or None when there is none) or a path.
+
+        Runs on rank 0 and is broadcast, so every rank loads the same one.
+        """
+        result: Path | None | CheckpointError = None
+        if self.env.is_main:
+            try:
+                result = self._resolve(resume, fallback_to_previous)
+            except CheckpointError as exc:
+                result = exc
+        result = broadcast_object(result)
+        if isinstance(result, CheckpointError):
+            raise result
+        return result
+
+    def _resolve(self, resume: str, fallback: bool) -> Path | None:
+        if resume == "auto":
+            candidates = [p for _, p in reversed(self.published())]
+            if not candidates:
+                return None
+        else:
+            wanted = Path(resume)
+            candidates = [wanted] + [p for _, p in reversed(_published_in(wanted.parent))
+                                     if _step_of(p) < _step_of(wanted)]
+        problems = []
+        for path in candidates:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as exc:
+                if not fallback:
+                    older = [str(p) for p in candidates if p != path][:1]
+                    hint = ("; pass --fallback-to-previous to resume from the newest complete "
+                            "one before it" if older else "; no older checkpoint exists")
+                    raise CheckpointError(f"{exc}{hint}") from None
+                problems.append(str(exc))
+                continue
+            for problem in problems:
+                self.warn(f"skipped: {problem}")
+            return path
+        raise CheckpointError("no usable checkpoint: " + "; ".join(problems))
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def save(self, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+             trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+        """Write a checkpoint of ``step`` (collective: every rank calls it)."""
+        name = step_dir_name(step)
+        tmp, final = self.root / f"{_TMP_PREFIX}{name}", self.root / name
+        if self.env.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        with _single_process_note_silenced():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=_no_dist())
+        atomic_write_json(tmp / rank_file(self.env.rank), rank_state)
+        barrier()
+        if self.env.is_main:
+            atomic_write_json(tmp / TRAINER_STATE, trainer_state)
+            if step == self.stall_step:
+                time.sleep(STALL_S)
+            _write_marker(tmp, step, self.env.world_size)
+            if final.exists():  # an unusable checkpoint of this step (we fell back past it)
+                stale = self.root / f"{_STALE_PREFIX}{name}"
+                shutil.rmtree(stale, ignore_errors=True)
+                final.rename(stale)
+                self.warn(f"moved the unusable {final} aside to {stale}")
+            tmp.rename(final)
+            _fsync_dir(self.root)
+            self._prune()
+        barrier()
+        return final
+
+    def _prune(self) -> None:
+        complete = [p for _, p in self.published() if (p / MARKER).is_file()]
+        for path in complete[: -self.keep_last]:
+            shutil.rmtree(path)
+
+    # -- loading --------------------------------------------------------------------------------------
+    def load(self, path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+             model_config: ModelConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore model and optimizer state in place; returns (trainer state, this rank's state).
+
+        Refuses a checkpoint of another model or another number of ranks.
+        """
+        trainer_state = _read_json(path / TRAINER_STATE, path)
+        saved = ModelConfig.from_dict(trainer_state["model_config"]).to_dict()
+        differ = _differences(saved, model_config.to_dict())
+        if differ:
+            raise CheckpointError(f"checkpoint {path} is of another model ({', '.join(differ)}); "
+                                  "resume with the run's own config.toml")
+        saved_world = int(trainer_state["world_size"])
+        if saved_world != self.env.world_size:
+            raise CheckpointError(f"checkpoint {path} was written by {saved_world} rank(s); this "
+                                  f"run has {self.env.world_size}: the per-rank data positions "
+                                  "cannot be mapped (launch the same number of processes)")
+        model_sd, optim_sd = get_state_dict(model, optimizers)  # also initialises optim state
+        state = {"model": model_sd, "optim": optim_sd}
+        with _single_process_note_silenced():
+            dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+        set_state_dict(model, optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        return trainer_state, _read_json(path / rank_file(self.env.rank), path)
+
+
+def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """``table.key: saved -> wanted`` for every model-config value that differs."""
+    return [f"{table}.{key}: {value!r} -> {wanted[table][key]!r}"
+            for table, values in saved.items() for key, value in values.items()
+            if wanted[table][key] != value]
+
+
+def _no_dist() -> bool:
+    """DCP without collectives when no process group runs (one process)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_note_silenced() -> Iterator[None]:
+    """DCP warns "assuming the intent is to save/load in a single process" even when
+    ``no_dist=True`` says so explicitly; that is the intent here, so hide the note."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)")
+        yield
+
+
+def _published_in(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_NNNNNN`` directory under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+
+
+def _step_of(path: Path) -> int:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def _read_json(file: Path, checkpoint: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {checkpoint}: cannot read {file.name}: {exc}") from None
+
+
+# -- inference ------------------------------------------------------------------------------------------
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> HybridLM:
+    """A HybridLM with the weights of checkpoint ``path`` (verified first), in eval mode."""
+    path = Path(path)
+    verify_checkpoint(path)
+    state = _read_json(path / TRAINER_STATE, path)
+    model = HybridLM(ModelConfig.from_dict(state["model_config"]))
+    weights = {"model": model.state_dict()}
+    with _single_process_note_silenced():
+        dcp.load(weights, checkpoint_id=path, no_dist=_no_dist())
+    model.load_state_dict(weights["model"])
+    return model.to(device).eval()

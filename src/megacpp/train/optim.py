@@ -1,0 +1,217 @@
+"""AdamW plus Muon, and which parameter gets which.
+
+Grouping (:func:`group_parameters`):
+
+* **Muon** -- the hidden weight matrices: the weight of every ``nn.Linear`` inside the blocks
+  (attention q/kv/out, Mamba/gated-delta in/out projections, SwiGLU and shared-expert
+  projections) except the MoE router, plus the MoE's 3-D expert weights ``w_in`` [E, 2F, D]
+  and ``out_proj`` [E, D, F], orthogonalized per expert (batched).
+* **AdamW with weight decay** -- the embedding / LM head, the MoE router, other >= 2-D
+  weights (the gated-delta short-conv kernel).
+* **AdamW without weight decay** -- norms, biases (including Mamba's ``B_bias``/``C_bias``
+  and ``dt_bias``), and parameters the mixers mark ``_no_weight_decay`` (``A_log``, ``D``...).
+
+Muon (Jordan et al., 2024): momentum on the gradient, then the update is replaced by its
+orthogonalization ``U V^T`` (approximated by 5 quintic Newton-Schulz iterations).
+
+lr scaling: the orthogonalized update has RMS ~ 1/sqrt(max(rows, cols)); it is multiplied by
+``0.2 * sqrt(max(rows, cols))`` so its RMS matches a typical AdamW update (~0.2), as in
+Moonlight (Liu et al., 2025). Muon therefore shares AdamW's lr, schedule and decoupled
+weight decay (``p *= 1 - lr * wd``): ``optim.lr`` is the one knob.
+
+Sharded parameters (FSDP2 DTensors): the momentum lives on the local shard; the update of
+a matrix is all-gathered, orthogonalized in full on every rank (the same inputs give the
+same result everywhere), and each rank keeps its own slice. 3-D expert weights sharded on
+the expert dimension hold whole experts, so they are orthogonalized locally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from megacpp.model.moe import MoE
+from megacpp.train.config import OptimSection
+
+# Quintic Newton-Schulz coefficients of Jordan's Muon: chosen to maximise the slope at 0,
+# so small singular values grow fast; the result lands in roughly [0.7, 1.2], not exactly 1.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+MUON_RMS = 0.2
+
+
+def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """Approximate ``U V^T`` of each matrix in ``update`` [..., m, n] (batched over leading
+    dims), computed in ``dtype``; returns a tensor of ``update``'s dtype."""
+    a, b, c = NS_COEFFS
+    x = update.to(dtype)
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:
+        x = x.mT  # iterate on the wide orientation: X X^T is the smaller Gram matrix
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm <= Frobenius <= 1
+    for _ in range(steps):
+        gram = x @ x.mT  # [..., m, m]
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    if transposed:
+        x = x.mT
+    return x.to(update.dtype)
+
+
+def muon_scale(shape: torch.Size) -> float:
+    """Update multiplier that matches AdamW's update RMS (see the module docstring)."""
+    return MUON_RMS * math.sqrt(max(shape[-2], shape[-1]))
+
+
+class Muon(torch.optim.Optimizer):
+    """Momentum + Newton-Schulz orthogonalization for 2-D (and batched 3-D) weights.
+
+    Per param group: ``lr``, ``weight_decay`` (decoupled), ``momentum``, ``nesterov``,
+    ``ns_steps``, ``ns_dtype`` (a torch dtype name: "bfloat16" on GPU is the usual choice,
+    "float32" on CPU; a string, so the group stays plain data in checkpoints).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], lr: float = 0.02,
+                 weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5, ns_dtype: str = "float32") -> None:
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+                    "nesterov": nesterov, "ns_steps": ns_steps, "ns_dtype": ns_dtype}
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"Muon takes 2-D or 3-D weights, got shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = state["momentum_buffer"]
+        buf.mul_(group["momentum"]).add_(p.grad)
+        update = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+        ortho = _orthogonalize(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+        lr = group["lr"]
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(ortho, alpha=-lr * muon_scale(p.shape))
+
+
+def _orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(update, DTensor):
+        return newton_schulz(update, steps, dtype)
+    if update.ndim == 3 and tuple(update.placements) == (Shard(0),):
+        local = newton_schulz(update.to_local(), steps, dtype)  # whole experts per shard
+        return DTensor.from_local(local, update.device_mesh, update.placements,
+                                  shape=update.shape, stride=update.stride())
+    full = newton_schulz(update.full_tensor(), steps, dtype)
+    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+
+# -- grouping -------------------------------------------------------------------------------------
+@dataclass
+class ParamGroups:
+    """Names and parameters of each optimizer group (names are the model's FQNs)."""
+
+    muon: list[tuple[str, nn.Parameter]]
+    adamw_decay: list[tuple[str, nn.Parameter]]
+    adamw_no_decay: list[tuple[str, nn.Parameter]]
+
+
+def group_parameters(model: nn.Module, use_muon: bool = True) -> ParamGroups:
+    """Assign every trainable parameter of ``model`` (a HybridLM, possibly wrapped) to one group."""
+    muon_ids = _muon_param_ids(model) if use_muon else set()
+    groups = ParamGroups([], [], [])
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in muon_ids:
+            groups.muon.append((name, p))
+        elif _no_weight_decay(name, p):
+            groups.adamw_no_decay.append((name, p))
+        else:
+            groups.adamw_decay.append((name, p))
+    return groups
+
+
+def _muon_param_ids(model: nn.Module) -> set[int]:
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ValueError("group_parameters expects a HybridLM (a module with .blocks)")
+    routers = {id(m.router) for m in blocks.modules() if isinstance(m, MoE)}
+    ids = set()
+    for module in blocks.modules():
+        if isinstance(module, nn.Linear) and id(module) not in routers:
+            ids.add(id(module.weight))
+        if isinstance(module, MoE):
+            ids.update((id(module.w_in), id(module.out_proj)))
+    return ids
+
+
+def _no_weight_decay(name: str, p: nn.Parameter) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return getattr(p, "_no_weight_decay", False) or p.ndim < 2 or leaf.endswith("bias")
+
+
+# -- the pair of optimizers -----------------------------------------------------------------------
+class Optimizers:
+    """AdamW (+ Muon): one ``step``/``zero_grad``/``set_lr`` for both."""
+
+    def __init__(self, model: nn.Module, cfg: OptimSection, device: torch.device) -> None:
+        self.groups = group_parameters(model, cfg.muon)
+        g = self.groups
+        adamw_groups = [
+            {"params": [p for _, p in g.adamw_decay], "weight_decay": cfg.weight_decay},
+            {"params": [p for _, p in g.adamw_no_decay], "weight_decay": 0.0},
+        ]
+        self.adamw = torch.optim.AdamW(
+            [group for group in adamw_groups if group["params"]], lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type == "cuda",
+        )
+        self.muon = Muon(
+            [p for _, p in g.muon], lr=cfg.lr, weight_decay=cfg.weight_decay,
+            momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+            ns_dtype="bfloat16" if device.type == "cuda" else "float32",
+        ) if g.muon else None
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        yield self.adamw
+        if self.muon is not None:
+            yield self.muon
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def step(self) -> None:
+        for opt in self:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self:
+            opt.zero_grad(set_to_none=True)
+
+    def summary(self) -> dict[str, int]:
+        """Parameter counts per group (for the run log and receipt)."""
+        g = self.groups
+        return {
+            "muon_params": sum(p.numel() for _, p in g.muon),
+            "adamw_decay_params": sum(p.numel() for _, p in g.adamw_decay),
+            "adamw_no_decay_params": sum(p.numel() for _, p in g.adamw_no_decay),
+        }

@@ -1,0 +1,617 @@
+"""The training loop: ``train(run_config) -> RunResult``.
+
+One call runs (or resumes) a whole run: preflight, data, model, parallelism, AdamW + Muon,
+the schedule, gradient accumulation and clipping, the guards, validation, checkpoints,
+metrics, and the receipt -- written whether the run completes or fails.
+
+The loss of a step is the token-mean cross-entropy over the *global* batch (every
+micro-batch of every rank) plus the MoE auxiliary loss: each micro-batch's summed
+cross-entropy is divided by the global count of target tokens, so one process and N
+processes with the same global batch optimize the same objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch.distributed.tensor import DTensor
+
+from megacpp._io import atomic_write_text
+from megacpp.contract import capture_fingerprint, require_preflight, run_preflight
+from megacpp.contract.devices import device_profile, profile_for_fingerprint
+from megacpp.contract.preflight import PreflightError, PreflightReport, record_cache_routings
+from megacpp.data.loader import IGNORE_INDEX, PackedLoader
+from megacpp.data.shards import ShardedDataset
+from megacpp.errors import ConfigError, MegaCppError
+from megacpp.model.config import ModelConfig
+from megacpp.model.counting import count_model
+from megacpp.model.model import HybridLM
+from megacpp.receipts import write_receipt
+from megacpp.train.checkpoint import (
+    MARKER,
+    CheckpointManager,
+    capture_rng_state,
+    restore_rng_state,
+)
+from megacpp.train.config import RunConfig, to_toml
+from megacpp.train.guards import SpikeDetector, check_finite
+from megacpp.train.metrics import (
+    METRICS_FILE,
+    MetricsLog,
+    MfuMeter,
+    TrainProgress,
+    peak_memory_bytes,
+)
+from megacpp.train.optim import Optimizers
+from megacpp.train.parallelize import (
+    DistEnv,
+    all_reduce_,
+    base_model,
+    broadcast_object,
+    clean_name,
+    gradient_sync,
+    init_distributed,
+    parallelize,
+    shutdown_distributed,
+)
+from megacpp.train.schedule import lr_factor
+
+CONFIG_FILE = "config.toml"
+RECEIPT_FILE = "receipt.json"
+HISTORY_DIR = "history"
+
+Record = dict[str, Any]
+
+
+@dataclass
+class RunResult:
+    """What a completed run produced."""
+
+    run_dir: Path
+    steps: int
+    final_loss: float
+    final_val_loss: float | None
+    tokens: int
+    tokens_per_s: float
+    mfu: float | None
+    checkpoint: Path
+    receipt: Path
+    resumed_from: Path | None
+
+
+class TrainingFailed(MegaCppError):
+    """The run stopped; its receipt (``receipt``) records why."""
+
+    def __init__(self, message: str, receipt: Path | None, exit_code: int | None = None) -> None:
+        super().__init__(message + (f" (receipt: {receipt})" if receipt else ""),
+                         exit_code=exit_code)
+        self.receipt = receipt
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    resume: str | None = None,
+    fallback_to_previous: bool = False,
+    skip_preflight: tuple[str, ...] | list[str] = (),
+    on_record: Callable[[Record], None] | None = None,
+    console: Console | None = None,
+    show_progress: bool = True,
+) -> RunResult:
+    """Run (or, with ``resume="auto"`` or a checkpoint path, continue) a training run.
+
+    ``on_record`` receives every metrics record (train steps and validations) on rank 0.
+    Raises :class:`TrainingFailed` (or another :class:`MegaCppError`) when the run cannot
+    start or stops; the run's receipt is written either way once the run directory is ours.
+    """
+    owns_group = not torch.distributed.is_initialized()
+    env = init_distributed(cfg.parallel, cfg.run.device)
+    if cfg.run.cpu_threads:
+        torch.set_num_threads(cfg.run.cpu_threads)
+    try:
+        session = _Session(cfg, env, console or Console(stderr=True), on_record, show_progress)
+        return session.run(resume, fallback_to_previous, tuple(skip_preflight))
+    finally:
+        if owns_group:
+            shutdown_distributed()
+
+
+def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and hand its result (or its MegaCppError) to every rank."""
+    outcome: Any = None
+    if env.is_main:
+        try:
+            outcome = fn()
+        except MegaCppError as exc:
+            outcome = exc
+    outcome = broadcast_object(outcome)
+    if isinstance(outcome, MegaCppError):
+        raise outcome
+    return outcome
+
+
+class _Session:
+    """The state of one invocation of :func:`train`."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, console: Console,
+                 on_record: Callable[[Record], None] | None, show_progress: bool) -> None:
+        self.cfg, self.env, self.console = cfg, env, console
+        self.on_record = on_record
+        self.show_progress = show_progress
+        self.run_dir = cfg.out_dir
+        self.metrics = MetricsLog(self.run_dir / METRICS_FILE, enabled=env.is_main)
+        self.fingerprint: dict[str, Any] | None = None
+        self.preflight: PreflightReport | None = None
+        self.skip_preflight: tuple[str, ...] = ()
+        self.step = 0
+        self.tokens = 0
+        self.step_times: list[float] = []
+        self.last_loss = math.nan
+        self.last_val_loss: float | None = None
+        self.last_checkpoint: Path | None = None
+        self.checkpoint_step = -1
+        self.resumed_from: Path | None = None
+        self.peak_mem = 0
+        self.mfu_meter: MfuMeter | None = None
+        self.mfu_values: list[float] = []
+        self.spikes = SpikeDetector.from_config(cfg.guards)
+        self.model_cfg: ModelConfig | None = None
+        self.cost = None  # the model's analytic ModelCost, once built
+        self.seq_len = 0
+        self.started = time.perf_counter()
+
+    # -- the whole run -------------------------------------------------------------------------
+    def run(self, resume: str | None, fallback: bool, skip: tuple[str, ...]) -> RunResult:
+        on_main(self.env, lambda: self._claim_run_dir(resume))
+        self.skip_preflight = skip
+        try:
+            self._setup(resume, fallback)
+            self._loop()
+            self._finish_training()
+        except BaseException as exc:  # every run ends with a receipt, also on Ctrl-C and bugs
+            receipt = self._write_receipt(error=exc)
+            if isinstance(exc, MegaCppError):
+                raise TrainingFailed(str(exc), receipt, exc.exit_code) from None
+            raise
+        receipt = self._write_receipt(error=None)
+        return self._result(receipt)
+
+    def _claim_run_dir(self, resume: str | None) -> None:
+        """Refuse to start over an existing run unless resuming (nothing is ever deleted)."""
+        existing = [p for p in (self.run_dir / "checkpoints", self.run_dir / METRICS_FILE)
+                    if p.exists()]
+        if existing and resume is None:
+            raise MegaCppError(
+                f"{self.run_dir} already holds a run ({', '.join(p.name for p in existing)}); "
+                "continue it with --resume auto, or choose another run.out_dir "
+                "(--set run.out_dir=DIR)")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        receipt = self.run_dir / RECEIPT_FILE
+        if receipt.exists():  # an earlier segment of this run: keep it
+            history = self.run_dir / HISTORY_DIR
+            history.mkdir(exist_ok=True)
+            shutil.move(receipt, history / f"receipt-{len(list(history.iterdir())):03d}.json")
+
+    # -- setup -------------------------------------------------------------------------------------
+    def _setup(self, resume: str | None, fallback: bool) -> None:
+        cfg, env = self.cfg, self.env
+        self.preflight = on_main(env, self._run_preflight)
+        dataset = self._open_dataset()
+        self.model_cfg = self._model_config(dataset)
+        torch.manual_seed(cfg.run.seed)
+        model = HybridLM(self.model_cfg).to(env.device)
+        self.model = parallelize(model, cfg.parallel, env)
+        self.base = base_model(self.model)
+        self.named_params = [(clean_name(n), p) for n, p in self.model.named_parameters()]
+        self.optimizers = Optimizers(self.base, cfg.optim, env.device)
+        self._setup_data(dataset)
+        self._setup_metrics(dataset.seq_len)
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, env,
+                                             stall_step=cfg.debug.checkpoint_stall_step,
+                                             warn=self._warn)
+        on_main(env, self._note_partial_checkpoints)
+        path = self.checkpoints.resolve(resume, fallback) if resume else None
+        if path is not None:
+            self._restore(path)
+        else:
+            on_main(env, self.metrics.reset)
+        on_main(env, self._write_config)
+        self._print(self._describe_setup())
+
+    def _describe_setup(self) -> str:
+        groups = self.optimizers.summary()
+        train_cfg, env = self.cfg.train, self.env
+        rows = train_cfg.micro_batch_size * train_cfg.grad_accum_steps * env.world_size
+        return (f"{self.model_cfg.pattern}: {self.cost.params:,} parameters "
+                f"({self.cost.active_params:,} active); Muon {groups['muon_params']:,}, AdamW "
+                f"{groups['adamw_decay_params'] + groups['adamw_no_decay_params']:,}; "
+                f"{env.world_size} x {env.device.type} ({env.strategy}); global batch {rows} x "
+                f"{self.seq_len} tokens; MFU {self.mfu_meter.note}")
+
+    def _run_preflight(self) -> PreflightReport:
+        contract = self.cfg.contract
+        self.fingerprint = capture_fingerprint(packages=contract.packages)
+        if self.cfg.run.check_site_integrity:
+            return require_preflight(self.fingerprint, contract, self.skip_preflight)
+        report = run_preflight(self.fingerprint, contract, self.skip_preflight,
+                               check_integrity=False)
+        if not report.ok:
+            rules = " ".join(f"--skip-preflight {f.rule}" for f in report.errors)
+            raise PreflightError("preflight failed: " + "; ".join(
+                f"[{f.rule}] {f.message}" for f in report.errors) + f"; to run anyway: {rules}")
+        record_cache_routings(self.fingerprint)
+        return report
+
+    def _open_dataset(self) -> ShardedDataset:
+        path = self.cfg.data_dir
+        on_main(self.env, lambda: _verify_dataset(path))
+        return ShardedDataset.open(path, verify=False)  # rank 0 verified every file above
+
+    def _model_config(self, dataset: ShardedDataset) -> ModelConfig:
+        vocab = int(dataset.manifest["tokenizer"]["vocab_size"])
+        model_cfg = self.cfg.model_config(vocab_size=vocab)
+        if model_cfg.vocab_size < vocab:
+            raise ConfigError(f"model.vocab_size = {model_cfg.vocab_size} is smaller than the "
+                              f"dataset's tokenizer ({vocab} tokens, {self.cfg.data_dir}); set "
+                              f"model.vocab_size >= {vocab} or \"dataset\"")
+        return model_cfg
+
+    def _setup_data(self, dataset: ShardedDataset) -> None:
+        cfg, env = self.cfg, self.env
+        micro = cfg.train.micro_batch_size
+        rows = dataset.num_rows("train")
+        if rows // env.world_size < micro:
+            raise ConfigError(f"train.micro_batch_size = {micro} needs at least {micro} train rows "
+                              f"per rank; {cfg.data_dir} has {rows} for {env.world_size} rank(s)")
+        common = {"batch_size": micro, "rank": env.rank, "world_size": env.world_size}
+        self.train_loader = PackedLoader(dataset, "train", seed=cfg.run.seed,
+                                         shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers,
+                                         pin_memory=env.device.type == "cuda", **common)
+        self.batches = _full_batches(self.train_loader, micro)
+        self.val_loader = PackedLoader(dataset, "validation", shuffle=False, **common)
+        self.val_start = self.val_loader.state_dict()
+        n_val = all_reduce_(torch.tensor([len(self.val_loader)], device=env.device), "min")
+        limit = cfg.data.val_batches or int(n_val.item())
+        self.val_batches = min(int(n_val.item()), limit)
+        self.seq_len = dataset.seq_len
+
+    def _setup_metrics(self, seq_len: int) -> None:
+        cost = count_model(self.model_cfg, seq_len=seq_len)
+        self.cost = cost
+        self.autocast_bf16 = self._use_bf16()
+        if self.env.device.type == "cuda":
+            profile = profile_for_fingerprint(self.fingerprint or capture_fingerprint(),
+                                              self.env.local_rank)
+        else:
+            profile = device_profile(None)
+        self.mfu_meter = MfuMeter(cost.train_flops_per_token, profile,
+                                  "bf16" if self.autocast_bf16 else "fp32")
+
+    def _use_bf16(self) -> bool:
+        dtype, cuda = self.cfg.train.dtype, self.env.device.type == "cuda"
+        if dtype == "bf16" and not cuda:
+            raise ConfigError("train.dtype = \"bf16\" is for CUDA runs; CPU runs train in fp32 "
+                              "(use \"auto\" or \"fp32\")")
+        return dtype == "bf16" or (dtype == "auto" and cuda)
+
+    def _note_partial_checkpoints(self) -> None:
+        for path in self.checkpoints.remove_partial():
+            self._warn(f"removed {path}: a checkpoint whose write was interrupted (never published)")
+
+    def _restore(self, path: Path) -> None:
+        trainer_state, rank_state = self.checkpoints.load(path, self.model, list(self.optimizers),
+                                                          self.model_cfg)
+        self.train_loader.load_state_dict(rank_state["data"])
+        restore_rng_state(rank_state["rng"], self.env.device)
+        self.step = int(trainer_state["step"])
+        self.tokens = int(trainer_state["tokens"])
+        self.last_loss = float(trainer_state["last_loss"])
+        self.spikes.load_state_dict(trainer_state["spikes"])
+        self.resumed_from = self.last_checkpoint = path
+        self.checkpoint_step = self.step
+        on_main(self.env, lambda: self.metrics.truncate_after(self.step))
+        self._print(f"resumed from {path} (step {self.step})")
+
+    def _write_config(self) -> None:
+        header = "resolved run config written by `megacpp train`"
+        if self.cfg.overrides:
+            header += "\noverrides: " + " ".join(self.cfg.overrides)
+        atomic_write_text(self.run_dir / "config.toml",
+                          to_toml(self.cfg.to_dict(self.model_cfg), header=header))
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        cfg = self.cfg.train
+        with TrainProgress(self.console, cfg.steps, self.step, self.env.is_main,
+                           self.show_progress) as self.progress:
+            while self.step < cfg.steps:
+                record = self._train_step(self.step + 1)
+                self.step += 1
+                self._emit(record)
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    self._validate()
+                every = self.cfg.checkpoint.every
+                if every and self.step % every == 0 and self.step < cfg.steps:
+                    self._save_checkpoint()
+
+    def _train_step(self, step: int) -> Record:
+        env, train_cfg = self.env, self.cfg.train
+        started = time.perf_counter()
+        lr = self.cfg.optim.lr * lr_factor(step, train_cfg.steps, self.cfg.schedule)
+        self.optimizers.set_lr(lr)
+        micro = [next(self.batches) for _ in range(train_cfg.grad_accum_steps)]
+        n_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
+        n_targets = int(all_reduce_(torch.tensor([n_targets], device=env.device)).item())
+        sums = torch.zeros(2, device=env.device)  # [summed cross-entropy, summed aux loss]
+        for i, batch in enumerate(micro):
+            with gradient_sync(self.model, i == len(micro) - 1):
+                ce_sum, aux = self._forward(batch)
+                if self._inject_nan(step, "loss"):
+                    ce_sum = ce_sum * math.nan
+                objective = ce_sum * env.world_size / max(n_targets, 1) + aux / len(micro)
+                objective.backward()
+            sums += torch.stack([ce_sum.detach(), aux.detach()])
+        self._inject_grad_nan(step)
+        all_reduce_(sums)
+        loss = (sums[0] / max(n_targets, 1)).item()
+        aux_loss = (sums[1] / (len(micro) * env.world_size)).item()
+        grad_norm = self._grad_norm()
+        grad_norm_value = _as_float(grad_norm)
+        check_finite(step, loss + aux_loss, grad_norm_value, self.named_params)
+        self._clip_gradients(grad_norm)
+        self.optimizers.step()
+        self.optimizers.zero_grad()
+        balance = self._update_moe_biases()
+        elapsed = time.perf_counter() - started
+        return self._step_record(step, loss, aux_loss, grad_norm_value, lr, balance, elapsed)
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy over the batch's targets, MoE auxiliary loss)."""
+        device = self.env.device
+        input_ids = batch["input_ids"].to(device, non_blocking=True)  # [B, L]
+        labels = batch["labels"].to(device, non_blocking=True)  # [B, L]
+        doc_ids = batch["doc_ids"].to(device, non_blocking=True)  # [B, L]
+        with self._autocast():
+            logits = self.model(input_ids, doc_ids=doc_ids).logits  # [B, L, V]
+        ce_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                 ignore_index=IGNORE_INDEX, reduction="sum")
+        aux = [b.mixer.aux_loss for b in self.base.moe_blocks() if b.mixer.aux_loss is not None]
+        aux_loss = torch.stack(aux).sum().float() if aux else ce_sum.new_zeros(())
+        return ce_sum, aux_loss
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of all gradients (a DTensor under FSDP2), grads untouched --
+        so the guard can still find the first non-finite one."""
+        grads = [p.grad for _, p in self.named_params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads)
+
+    def _clip_gradients(self, grad_norm: torch.Tensor) -> None:
+        if self.cfg.train.max_grad_norm:
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in self.named_params],
+                                                 self.cfg.train.max_grad_norm, grad_norm)
+
+    def _update_moe_biases(self) -> float | None:
+        """All-reduce each MoE layer's token counts, update the biases; the worst max/mean."""
+        mixers = [b.mixer for b in self.base.moe_blocks()]
+        if not mixers:
+            return None
+        counts = all_reduce_(torch.stack([m.routed_tokens for m in mixers]))  # [layers, E]
+        for mixer, layer_counts in zip(mixers, counts, strict=True):
+            mixer.routed_tokens.copy_(layer_counts)
+        balance = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)).max().item()
+        self.base.update_moe_biases()
+        return balance
+
+    def _inject_nan(self, step: int, target: str) -> bool:
+        debug = self.cfg.debug
+        return debug.nan_step == step and debug.nan_target == target
+
+    def _inject_grad_nan(self, step: int) -> None:
+        debug = self.cfg.debug
+        if debug.nan_step != step or debug.nan_target == "loss":
+            return
+        params = dict(self.named_params)
+        if debug.nan_target not in params:
+            raise ConfigError(f"debug.nan_target = {debug.nan_target!r} is not a parameter; "
+                              f"e.g. {', '.join(list(params)[:4])} (or \"loss\")")
+        grad = params[debug.nan_target].grad
+        (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(math.nan)
+
+    def _step_record(self, step: int, loss: float, aux_loss: float, grad_norm: float, lr: float,
+                     balance: float | None, elapsed: float) -> Record:
+        train_cfg = self.cfg.train
+        step_tokens = (train_cfg.grad_accum_steps * train_cfg.micro_batch_size * self.seq_len
+                       * self.env.world_size)
+        self.tokens += step_tokens
+        self.step_times.append(elapsed)
+        tokens_per_s = step_tokens / elapsed
+        mfu = self.mfu_meter(tokens_per_s / self.env.world_size)
+        if mfu is not None:
+            self.mfu_values.append(mfu)
+        self.peak_mem = peak_memory_bytes(self.env.device)
+        self.last_loss = loss
+        spike = self.spikes.observe(loss)
+        if spike:
+            self._warn(f"loss spike at step {step}: {loss:.4f} (recent mean "
+                       f"{self.spikes.mean:.4f})")
+        return {"type": "train", "step": step, "loss": loss, "aux_loss": aux_loss,
+                "grad_norm": grad_norm, "lr": lr, "tokens": self.tokens,
+                "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_bytes": self.peak_mem,
+                "moe_balance": balance, "spike": spike, "time_s": elapsed}
+
+    def _emit(self, record: Record) -> None:
+        if not self.env.is_main:
+            return
+        self.metrics.write(record)
+        if record["type"] == "train":
+            self.progress.update(record)
+        if self.on_record is not None:
+            self.on_record(record)
+
+    # -- validation and checkpoints ------------------------------------------------------------
+    @torch.no_grad()
+    def _validate(self) -> None:
+        if self.val_batches == 0:
+            return
+        self.model.eval()
+        self.val_loader.load_state_dict(self.val_start)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # [ce, targets]
+        for i, batch in enumerate(self.val_loader):
+            if i >= self.val_batches:
+                break
+            ce_sum, _ = self._forward(batch)
+            targets = (batch["labels"] != IGNORE_INDEX).sum()
+            sums += torch.stack([ce_sum.double(), targets.to(sums)])
+        self.model.train()
+        all_reduce_(sums)
+        ce, targets = sums.tolist()
+        self.last_val_loss = ce / targets if targets else None
+        record = {"type": "val", "step": self.step, "val_loss": self.last_val_loss,
+                  "val_tokens": int(targets)}
+        self._emit(record)
+        if self.last_val_loss is not None:
+            self._print(f"step {self.step}: validation loss {self.last_val_loss:.4f}")
+
+    def _save_checkpoint(self) -> None:
+        trainer_state = {
+            "step": self.step, "tokens": self.tokens, "last_loss": self.last_loss,
+            "spikes": self.spikes.state_dict(), "model_config": self.model_cfg.to_dict(),
+            "world_size": self.env.world_size,
+        }
+        rank_state = {"data": self.train_loader.state_dict(),
+                      "rng": capture_rng_state(self.env.device)}
+        self.last_checkpoint = self.checkpoints.save(
+            self.step, self.model, list(self.optimizers), trainer_state, rank_state)
+        self.checkpoint_step = self.step
+
+    def _finish_training(self) -> None:
+        if self.cfg.train.eval_every == 0 or self.step % self.cfg.train.eval_every:
+            self._validate()
+        if self.checkpoint_step != self.step:
+            self._save_checkpoint()
+        if self.env.is_main and self.cfg.run.plots:
+            from megacpp.train.plot import plot_run
+
+            plot_run(self.run_dir)
+
+    # -- the receipt ---------------------------------------------------------------------------------
+    def _write_receipt(self, error: BaseException | None) -> Path | None:
+        """Rank 0 writes RUN_DIR/receipt.json; returns its path (None on other ranks)."""
+        if not self.env.is_main:
+            return None
+        status = "completed" if error is None else "failed"
+        config = {
+            "run": self.cfg.to_dict(self.model_cfg),
+            "overrides": list(self.cfg.overrides),
+            "invocation": {"world_size": self.env.world_size, "strategy": self.env.strategy,
+                           "device": str(self.env.device),
+                           "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                           "skip_preflight": list(self.skip_preflight)},
+            "outcome": {"status": status, "error": _describe(error),
+                        "mfu": self.mfu_meter.note if self.mfu_meter else None},
+        }
+        artifacts = [p for p in (self.run_dir / "config.toml", self.run_dir / METRICS_FILE)
+                     if p.is_file()]
+        if self.last_checkpoint is not None and (self.last_checkpoint / MARKER).is_file():
+            artifacts.append(self.last_checkpoint / MARKER)
+        path = self.run_dir / RECEIPT_FILE
+        try:
+            write_receipt(path, "train", config, self._receipt_metrics(status), artifacts,
+                          preflight=self.preflight, fingerprint=self.fingerprint)
+        except MegaCppError as exc:  # never mask the run's own outcome
+            self._warn(f"could not write the receipt {path}: {exc}")
+            return None
+        return path
+
+    def _receipt_metrics(self, status: str) -> dict[str, float]:
+        steady = self.step_times[1:] or self.step_times  # the first step includes warm-up
+        train_cfg = self.cfg.train
+        step_tokens = (train_cfg.grad_accum_steps * train_cfg.micro_batch_size
+                       * self.seq_len * self.env.world_size)
+        metrics: dict[str, float] = {
+            "completed": float(status == "completed"), "steps": self.step,
+            "tokens": self.tokens, "world_size": self.env.world_size,
+            "wall_s": time.perf_counter() - self.started, "loss_spikes": self.spikes.spikes,
+            "peak_mem_bytes": self.peak_mem,
+        }
+        if steady:
+            metrics["tokens_per_s"] = step_tokens * len(steady) / sum(steady)
+        if math.isfinite(self.last_loss):
+            metrics["final_loss"] = self.last_loss
+        if self.last_val_loss is not None:
+            metrics["final_val_loss"] = self.last_val_loss
+        if self.mfu_values:
+            metrics["mfu"] = sum(self.mfu_values[1:] or self.mfu_values) / len(
+                self.mfu_values[1:] or self.mfu_values)
+        if self.cost is not None:
+            metrics.update(params=self.cost.params, active_params=self.cost.active_params,
+                           train_flops_per_token=self.cost.train_flops_per_token,
+                           **self.optimizers.summary())
+        return metrics
+
+    def _result(self, receipt: Path | None) -> RunResult:
+        metrics = self._receipt_metrics("completed")
+        return RunResult(
+            run_dir=self.run_dir, steps=self.step, final_loss=self.last_loss,
+            final_val_loss=self.last_val_loss, tokens=self.tokens,
+            tokens_per_s=metrics.get("tokens_per_s", 0.0), mfu=metrics.get("mfu"),
+            checkpoint=self.last_checkpoint, receipt=receipt or self.run_dir / RECEIPT_FILE,
+            resumed_from=self.resumed_from,
+        )
+
+    # -- output -----------------------------------------------------------------------------------------
+    def _print(self, message: str) -> None:
+        if self.env.is_main:
+            progress = getattr(self, "progress", None)
+            if progress is not None:
+                progress.print(message)
+            else:
+                self.console.print(message, highlight=False)
+
+    def _warn(self, message: str) -> None:
+        self._print(f"[yellow]warning:[/] {message}")
+
+
+def _as_float(value: torch.Tensor) -> float:
+    """A scalar tensor (or replicated/partial DTensor) as a Python float, on every rank."""
+    return float((value.full_tensor() if isinstance(value, DTensor) else value).item())
+
+
+def _verify_dataset(path: Path) -> None:
+    """Check the dataset's marker, manifest and every file's sha256 (raises if any fails)."""
+    ShardedDataset.open(path, verify=True)
+
+
+def _full_batches(loader: PackedLoader, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless full micro-batches: epoch after epoch, skipping a rank's last partial batch
+    (so every step has the same shape and the same number of rows per rank)."""
+    while True:
+        for batch in loader:
+            if batch["input_ids"].shape[0] == batch_size:
+                yield batch
+
+
+def _describe(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    if isinstance(error, MegaCppError):
+        return str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (KeyboardInterrupt)"
+    return "".join(traceback.format_exception_only(type(error), error)).strip()

@@ -1,0 +1,86 @@
+"""Muon's Newton-Schulz step and the AdamW/Muon parameter grouping."""
+
+from __future__ import annotations
+
+import torch
+
+from megacpp.model.config import load_config
+from megacpp.model.model import HybridLM
+from megacpp.train.config import OptimSection
+from megacpp.train.optim import Muon, Optimizers, group_parameters, muon_scale, newton_schulz
+
+
+def _singular_values(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(x.double())
+
+
+def test_newton_schulz_orthogonalizes_tall_and_wide_matrices():
+    torch.manual_seed(0)
+    for shape in ((64, 16), (16, 64), (48, 48)):
+        g = torch.randn(shape) * 3.0
+        s = _singular_values(newton_schulz(g, steps=5))
+        # the quintic lands every singular value in roughly [0.7, 1.2] (not exactly 1)
+        assert s.min() > 0.6 and s.max() < 1.25, (shape, s.min(), s.max())
+        assert newton_schulz(g).shape == g.shape
+    # the same singular vectors as the exact polar factor U V^T
+    g = torch.randn(32, 24)
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    cosine = torch.nn.functional.cosine_similarity(
+        newton_schulz(g, 5).double().flatten(), (u @ vh).flatten(), dim=0)
+    assert cosine > 0.97
+
+
+def test_batched_newton_schulz_equals_per_matrix():
+    torch.manual_seed(1)
+    experts = torch.randn(4, 24, 16)
+    batched = newton_schulz(experts)
+    for e in range(4):
+        assert torch.allclose(batched[e], newton_schulz(experts[e]), atol=1e-6)
+
+
+def test_muon_update_rms_matches_the_adamw_scale():
+    torch.manual_seed(2)
+    w = torch.nn.Parameter(torch.zeros(64, 256))
+    w.grad = torch.randn_like(w)
+    opt = Muon([w], lr=0.1, momentum=0.0, nesterov=False)
+    opt.step()
+    rms = w.detach().pow(2).mean().sqrt().item()
+    assert 0.1 * 0.2 * 0.7 < rms < 0.1 * 0.2 * 1.25  # lr * 0.2 (the AdamW-like RMS)
+    assert muon_scale(w.shape) == 0.2 * 16
+
+
+def test_grouping_of_the_hybrid_model():
+    model = HybridLM(load_config("tiny"))
+    groups = group_parameters(model)
+    muon = {n for n, _ in groups.muon}
+    decay = {n for n, _ in groups.adamw_decay}
+    no_decay = {n for n, _ in groups.adamw_no_decay}
+    all_names = {n for n, _ in model.named_parameters()}
+    assert muon | decay | no_decay == all_names
+    assert len(muon) + len(decay) + len(no_decay) == len(all_names)  # disjoint
+    assert {"blocks.0.mixer.q_proj.weight", "blocks.0.mixer.out_proj.weight",
+            "blocks.1.mixer.w_in", "blocks.1.mixer.out_proj",  # 3-D experts
+            "blocks.1.mixer.shared.in_proj.weight", "blocks.2.mixer.in_proj.weight",
+            "blocks.7.mixer.o_proj.weight"} <= muon
+    assert {"embed.weight", "blocks.1.mixer.router.weight",
+            "blocks.7.mixer.conv_weight"} <= decay
+    assert {"blocks.0.norm.weight", "blocks.2.mixer.dt_bias", "blocks.2.mixer.D",
+            "blocks.2.mixer.B_bias", "blocks.7.mixer.A_log", "norm.weight"} <= no_decay
+    assert all(p.ndim in (2, 3) for _, p in groups.muon)
+    assert not group_parameters(model, use_muon=False).muon
+
+
+def test_optimizers_step_every_parameter_and_set_lr():
+    torch.manual_seed(3)
+    model = HybridLM(load_config("tiny"))
+    opts = Optimizers(model, OptimSection(lr=1e-2), torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 4096, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    opts.set_lr(5e-3)
+    opts.step()
+    assert all(g["lr"] == 5e-3 for opt in opts for g in opt.param_groups)
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    summary = opts.summary()
+    assert sum(summary.values()) == sum(p.numel() for p in model.parameters())
