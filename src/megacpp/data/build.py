@@ -1,0 +1,627 @@
+"""``megacpp data build``: sources -> curated documents -> tokenizer -> structure ids -> packed
+parquet shards, as one command.
+
+Stages, each counted in the manifest (``stages``):
+
+1. curation (:func:`megacpp.data.curate.curate_stream`): sources walk, binary/decode/size/
+   generated/license filters, exact and near dedup -- in the main process; every batch of
+   kept documents is handed at once to the worker pool for tree-sitter ``structure`` labels
+   (so parsing overlaps curation);
+2. ``split``: train/validation by content hash, then the seeded shuffle;
+3. the tokenizer: the one given, or one trained on (a capped sample of) the train split;
+4. ``tokenize``: in the worker pool, 64 documents a task; the main process maps the tokens
+   onto the structure labels and
+5. ``pack``s rows of ``seq_len + 1`` tokens, written to shards as they fill.
+
+The output does not depend on the number of workers.
+
+Crash safety: everything is written into ``.<out>.partial`` next to ``out`` under an exclusive
+lock (``.<out>.lock``); the manifest and then the ``_COMPLETE`` marker are written last, and
+only then is the directory renamed to ``out``. A build killed at any point leaves no ``out``
+(or the previous complete one); the next build removes the stale ``.partial`` and starts over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import tomllib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+
+from megacpp import __version__
+from megacpp._io import sha256_file
+from megacpp.data.config import CorpusConfig
+from megacpp.data.curate import curate_stream
+from megacpp.data.document import Document
+from megacpp.data.encode import (
+    LabelRuns,
+    ordered_map,
+    structure_chunk,
+    token_structure,
+    tokenize_chunk,
+    worker_pool,
+)
+from megacpp.data.packing import (
+    SPLITS,
+    TRAIN,
+    PackedDocument,
+    RowPacker,
+    shuffle_key,
+    split_of,
+    with_bos_eos,
+)
+from megacpp.data.pipeline import StageStats
+from megacpp.data.shards import (
+    DATASET_FORMAT,
+    DOCUMENTS_FILE,
+    MANIFEST,
+    MARKER,
+    SCHEMA_VERSION,
+    TOKENIZER_FILE,
+    DocumentsWriter,
+    ShardWriter,
+    write_manifest_and_marker,
+)
+from megacpp.data.structure import NUM_STRUCTURE_IDS, Structure, token_ends
+from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
+from megacpp.errors import ConfigError, MegaCppError
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+@dataclass
+class TokenizerConfig:
+    """``[tokenizer]``: training knobs (ignored when a tokenizer file is given)."""
+
+    vocab_size: int = 32768
+    min_frequency: int = 2
+    reserve: bool = True  # reserve C++ keywords/operators/std names as single tokens
+    max_train_bytes: int = 32 << 20  # train on at most this much of the train split
+
+    def validate(self) -> None:
+        _require(self.vocab_size >= 264, "tokenizer.vocab_size", "an integer >= 264")
+        _require(self.min_frequency >= 1, "tokenizer.min_frequency", "an integer >= 1")
+        _require(self.max_train_bytes >= 1, "tokenizer.max_train_bytes", "an integer >= 1")
+
+
+@dataclass
+class StructureConfig:
+    """``[structure]``: tree-sitter structure ids."""
+
+    enabled: bool = True  # False: every token gets Structure.OTHER
+    timeout_s: float = 5.0  # per-document parse deadline; past it the document gets OTHER
+
+    def validate(self) -> None:
+        _require(self.timeout_s > 0, "structure.timeout_s", "a number of seconds > 0")
+
+
+@dataclass
+class PackingConfig:
+    """``[packing]``: rows, split, shuffle and shard sizes."""
+
+    seq_len: int = 2048  # rows hold seq_len + 1 tokens
+    seed: int = 0
+    val_permille: int = 20  # documents with hash % 1000 < val_permille go to validation
+    rows_per_shard: int = 4096
+    rows_per_group: int = 64  # parquet row group = the loader's unit of reading/shuffling
+
+    def validate(self) -> None:
+        _require(self.seq_len >= 1, "packing.seq_len", "an integer >= 1")
+        _require(0 <= self.val_permille <= 1000, "packing.val_permille", "an integer in 0..1000")
+        _require(self.rows_per_shard >= 1, "packing.rows_per_shard", "an integer >= 1")
+        _require(self.rows_per_group >= 1, "packing.rows_per_group", "an integer >= 1")
+
+
+@dataclass
+class BuildConfig:
+    """The whole build: ``[corpus]`` (see :class:`CorpusConfig`), ``[tokenizer]``,
+    ``[structure]`` and ``[packing]`` tables of a TOML file."""
+
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    structure: StructureConfig = field(default_factory=StructureConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BuildConfig:
+        """Validate ``data`` (unknown tables/keys and bad values raise :class:`ConfigError`)."""
+        _known_keys(data, ("corpus", "tokenizer", "structure", "packing"), "the build config")
+        corpus = data.get("corpus", {})
+        if not isinstance(corpus, dict):
+            raise ConfigError("[corpus] must be a table")
+        return cls(
+            corpus=CorpusConfig.from_dict(corpus),
+            tokenizer=_section(TokenizerConfig, data, "tokenizer"),
+            structure=_section(StructureConfig, data, "structure"),
+            packing=_section(PackingConfig, data, "packing"),
+        )
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> BuildConfig:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read build config {path}: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, and accepted back by :meth:`from_dict`."""
+        return {
+            "corpus": self.corpus.to_dict(),
+            **{
+                name: dataclasses.asdict(getattr(self, name))
+                for name in ("tokenizer", "structure", "packing")
+            },
+        }
+
+
+def _require(ok: bool, name: str, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: expected {accepted}")
+
+
+def _known_keys(data: dict[str, Any], known: Sequence[str], where: str) -> None:
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(unknown)} in {where}; known keys: {', '.join(known)}"
+        )
+
+
+def _section(cls: type, data: dict[str, Any], name: str) -> Any:
+    """Build dataclass ``cls`` from table ``data[name]``, checking keys and value types."""
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{name}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _known_keys(table, list(fields), f"[{name}]")
+    for key, value in table.items():
+        expected = type(getattr(cls(), key))
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ConfigError(f"{name}.{key}: expected {expected.__name__}, got {value!r}")
+    section = cls(**table)
+    section.validate()
+    return section
+
+
+# ---- curation ------------------------------------------------------------------------------
+
+
+def curate_documents(
+    sources: Sequence[Path],
+    corpus: CorpusConfig,
+    progress: Progress,
+    on_batch: Callable[[list[Document]], None] | None = None,
+) -> tuple[list[Document], list[StageStats]]:
+    """Run the curation pipeline (:func:`megacpp.data.curate.curate_stream`) over ``sources``
+    with a live counter; returns the kept documents and the per-stage stats. ``on_batch``
+    receives the kept documents a batch at a time, as they come (to start work early)."""
+    stream, stats = curate_stream([Path(s).absolute() for s in sources], corpus)
+    task = progress.add_task("curating", total=None)
+    kept: list[Document] = []
+    kept_bytes = 0
+    for batch in _batches(stream):
+        kept += batch
+        kept_bytes += sum(d.size for d in batch)
+        if on_batch is not None:
+            on_batch(batch)
+        progress.update(task, completed=kept_bytes, description=f"curating ({len(kept)} kept)")
+    progress.update(task, total=kept_bytes)
+    return kept, stats
+
+
+def _batches(
+    docs: Iterable[Document], max_bytes: int = 1 << 20, max_docs: int = 64
+) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += doc.size
+        if size >= max_bytes or len(batch) >= max_docs:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+@dataclass
+class _Planned:
+    """A curated document with its split and final index."""
+
+    doc: Document
+    split: str
+    key: str
+
+
+def plan_documents(
+    docs: Sequence[Document], packing: PackingConfig
+) -> tuple[list[_Planned], StageStats]:
+    """Assign splits and order documents: all train documents (shuffled), then validation."""
+    planned = [
+        _Planned(d, split_of(d.sha256, packing.val_permille), shuffle_key(d.sha256, packing.seed))
+        for d in docs
+    ]
+    planned.sort(key=lambda p: (SPLITS.index(p.split), p.key))
+    stats = StageStats("split", seen=len(docs), kept=len(docs))
+    stats.bytes_in = stats.bytes_out = sum(d.size for d in docs)
+    for p in planned:
+        stats.notes[p.split] += 1
+    return planned, stats
+
+
+# ---- the build -----------------------------------------------------------------------------
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    manifest: dict[str, Any]
+
+
+def build_dataset(
+    sources: Sequence[str | Path],
+    out: str | Path,
+    cfg: BuildConfig | None = None,
+    *,
+    tokenizer_path: str | Path | None = None,
+    workers: int | None = None,
+    overwrite: bool = False,
+    console: Console | None = None,
+) -> BuildResult:
+    """Build a packed dataset from ``sources`` into ``out`` (see the module docstring)."""
+    cfg = cfg or BuildConfig()
+    out = Path(out).absolute()
+    workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
+    console = console or Console(stderr=True, quiet=True)
+    if tokenizer_path is not None:
+        CppTokenizer.load(tokenizer_path)  # refuse a foreign tokenizer before any work
+    with _build_lock(out):
+        _check_out(out, overwrite)
+        staging = out.parent / f".{out.name}.partial"
+        if staging.exists():
+            shutil.rmtree(staging)  # left by an interrupted build
+        staging.mkdir(parents=True)
+        try:
+            with _progress(console) as progress:
+                manifest = _build_into(
+                    staging, [Path(s) for s in sources], cfg, tokenizer_path, workers, progress
+                )
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _publish(staging, out)
+    return BuildResult(out, manifest)
+
+
+def _build_into(
+    staging: Path,
+    sources: list[Path],
+    cfg: BuildConfig,
+    tokenizer_path: str | Path | None,
+    workers: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    with worker_pool(workers) as pool:
+        structure = _StructureJobs(pool, cfg.structure, progress)
+        docs, stages = curate_documents(sources, cfg.corpus, progress, structure.submit)
+        planned, split_stats = plan_documents(docs, cfg.packing)
+        del docs
+        if not any(p.split == TRAIN for p in planned):
+            raise MegaCppError(
+                f"no training documents: curation kept {len(planned)} document(s) and "
+                f"val_permille={cfg.packing.val_permille} sent all of them to validation"
+            )
+        tokenizer = _prepare_tokenizer(staging, planned, cfg.tokenizer, tokenizer_path, progress)
+        encode_stats, structure_stats, pack_stats = (
+            StageStats("tokenize"),
+            StageStats("structure"),
+            StageStats("pack"),
+        )
+        splits = _encode_and_pack(
+            staging,
+            planned,
+            tokenizer,
+            cfg.packing,
+            pool,
+            structure,
+            progress,
+            (encode_stats, structure_stats, pack_stats),
+        )
+    stages = [*stages, split_stats, encode_stats, structure_stats, pack_stats]
+    manifest = _manifest(staging, sources, cfg, tokenizer, len(planned), splits, stages)
+    write_manifest_and_marker(staging, manifest)
+    return manifest
+
+
+class _StructureJobs:
+    """Structure labelling submitted to the worker pool while curation is still running."""
+
+    def __init__(self, pool: Executor, cfg: StructureConfig, progress: Progress) -> None:
+        self._pool = pool
+        self._cfg = cfg
+        self._progress = progress
+        self._task = progress.add_task("structure ids (tree-sitter)", total=0)
+        self._submitted_bytes = 0
+        self._where: dict[int, tuple[Future, int]] = {}  # id(document) -> (chunk, position)
+
+    def submit(self, docs: list[Document]) -> None:
+        texts = [d.text for d in docs]
+        nbytes = sum(d.size for d in docs)
+        self._submitted_bytes += nbytes
+        self._progress.update(self._task, total=self._submitted_bytes)
+        future = self._pool.submit(structure_chunk, texts, self._cfg.timeout_s, self._cfg.enabled)
+        future.add_done_callback(lambda _: self._progress.update(self._task, advance=nbytes))
+        for i, doc in enumerate(docs):
+            self._where[id(doc)] = (future, i)
+
+    def runs(self, doc: Document) -> LabelRuns:
+        """The label runs of ``doc`` (waits for its chunk)."""
+        future, i = self._where.pop(id(doc))
+        return future.result()[i]
+
+
+def _prepare_tokenizer(
+    staging: Path,
+    planned: Sequence[_Planned],
+    cfg: TokenizerConfig,
+    given: str | Path | None,
+    progress: Progress,
+) -> CppTokenizer:
+    target = staging / TOKENIZER_FILE
+    if given is not None:
+        shutil.copyfile(given, target)
+        return CppTokenizer.load(target)
+    task = progress.add_task(f"training tokenizer (vocab {cfg.vocab_size})", total=None)
+    texts = iter_capped((p.doc.text for p in planned if p.split == TRAIN), cfg.max_train_bytes)
+    hf = train_tokenizer(
+        texts, cfg.vocab_size, min_frequency=cfg.min_frequency, reserve=cfg.reserve
+    )
+    CppTokenizer.from_hf(hf).save(target)
+    progress.update(task, total=1, completed=1)
+    return CppTokenizer.load(target)
+
+
+def _encode_and_pack(
+    staging: Path,
+    planned: Sequence[_Planned],
+    tokenizer: CppTokenizer,
+    pk: PackingConfig,
+    pool: Executor,
+    structure: _StructureJobs,
+    progress: Progress,
+    stats: tuple[StageStats, StageStats, StageStats],
+) -> dict[str, dict[str, Any]]:
+    encode_stats, structure_stats, pack_stats = stats
+    packers = {s: RowPacker(pk.seq_len + 1, tokenizer.pad_id) for s in SPLITS}
+    writers = {
+        s: ShardWriter(
+            staging,
+            s,
+            pk.seq_len + 1,
+            rows_per_shard=pk.rows_per_shard,
+            rows_per_group=pk.rows_per_group,
+        )
+        for s in SPLITS
+    }
+    documents = DocumentsWriter(staging / DOCUMENTS_FILE)
+    totals = {s: {"documents": 0, "tokens": 0, "bytes": 0} for s in SPLITS}
+    task = progress.add_task("tokenize + pack", total=sum(p.doc.size for p in planned))
+    chunks = [
+        [planned[i] for i in range(start, min(start + 64, len(planned)))]
+        for start in range(0, len(planned), 64)
+    ]
+    texts = ([p.doc.text for p in chunk] for chunk in chunks)
+    encoded = ordered_map(pool, tokenize_chunk, texts, str(staging / TOKENIZER_FILE), ahead=4)
+    next_index = 0
+    for chunk, chunk_ids in zip(chunks, encoded):
+        records = []
+        for p, ids in zip(chunk, chunk_ids):
+            runs = structure.runs(p.doc)
+            struct_ids = token_structure(runs, token_ends(ids, tokenizer.token_nbytes))
+            _count_encoded(p.doc, ids, runs.outcome, encode_stats, structure_stats)
+            tokens, struct_ids = with_bos_eos(ids, struct_ids, tokenizer.bos_id, tokenizer.eos_id)
+            packed = PackedDocument(next_index, p.doc.rel_path, p.doc.sha256, tokens, struct_ids)
+            for row in packers[p.split].add(packed):
+                writers[p.split].write(row)
+            totals[p.split]["documents"] += 1
+            totals[p.split]["tokens"] += len(tokens)
+            totals[p.split]["bytes"] += p.doc.size
+            records.append(_document_record(next_index, p, len(ids)))
+            next_index += 1
+        documents.write(records)
+        progress.update(task, advance=sum(p.doc.size for p in chunk))
+    documents.close()
+    return _finish_splits(packers, writers, totals, pack_stats)
+
+
+def _count_encoded(
+    doc: Document,
+    ids: np.ndarray,
+    outcome: str,
+    encode_stats: StageStats,
+    structure_stats: StageStats,
+) -> None:
+    for s in (encode_stats, structure_stats):
+        s.seen += 1
+        s.kept += 1
+        s.bytes_in += doc.size
+        s.bytes_out += doc.size
+    encode_stats.notes["tokens"] += len(ids)
+    structure_stats.notes[outcome] += 1
+
+
+def _finish_splits(
+    packers: dict[str, RowPacker],
+    writers: dict[str, ShardWriter],
+    totals: dict[str, dict[str, Any]],
+    pack_stats: StageStats,
+) -> dict[str, dict[str, Any]]:
+    splits = {}
+    for split in SPLITS:
+        for row in packers[split].finish():
+            writers[split].write(row)
+            padding = packers[split].row_len - row.num_tokens
+            pack_stats.notes["padding_tokens"] += padding
+        shards = writers[split].close()
+        rows = sum(s.rows for s in shards)
+        pack_stats.notes[f"rows_{split}"] += rows
+        pack_stats.notes["documents_split_across_rows"] += packers[split].split_documents
+        pack_stats.seen += totals[split]["documents"]
+        pack_stats.kept += totals[split]["documents"]
+        pack_stats.bytes_in += totals[split]["bytes"]
+        pack_stats.bytes_out += totals[split]["bytes"]
+        splits[split] = {**totals[split], "rows": rows, "shards": [s.to_dict() for s in shards]}
+    return splits
+
+
+def _document_record(index: int, p: _Planned, num_tokens: int) -> dict[str, Any]:
+    d = p.doc
+    return {
+        "doc_index": index,
+        "split": p.split,
+        "source_root": d.source_root,
+        "rel_path": d.rel_path,
+        "sha256": d.sha256,
+        "size": d.size,
+        "license": d.license,
+        "num_tokens": num_tokens,
+        "text": d.text,
+        "meta": json.dumps(d.meta, sort_keys=True, default=str),
+    }
+
+
+def _manifest(
+    staging: Path,
+    sources: Sequence[Path],
+    cfg: BuildConfig,
+    tokenizer: CppTokenizer,
+    n_documents: int,
+    splits: dict[str, dict[str, Any]],
+    stages: Sequence[StageStats],
+) -> dict[str, Any]:
+    return {
+        "format": DATASET_FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "megacpp_version": __version__,
+        "seq_len": cfg.packing.seq_len,
+        "row_len": cfg.packing.seq_len + 1,
+        "sources": [str(Path(s).resolve()) for s in sources],
+        "config": cfg.to_dict(),
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "special_ids": {
+                "pad": tokenizer.pad_id,
+                "bos": tokenizer.bos_id,
+                "eos": tokenizer.eos_id,
+                "doc_sep": tokenizer.doc_sep_id,
+                "fim_prefix": tokenizer.fim_prefix_id,
+                "fim_middle": tokenizer.fim_middle_id,
+                "fim_suffix": tokenizer.fim_suffix_id,
+            },
+        },
+        "structure_ids": {str(int(s)): s.name for s in Structure},
+        "num_structure_ids": NUM_STRUCTURE_IDS,
+        "documents": {
+            "file": DOCUMENTS_FILE,
+            "count": n_documents,
+            "sha256": sha256_file(staging / DOCUMENTS_FILE),
+        },
+        "splits": splits,
+        "stages": [s.to_dict() for s in stages],
+    }
+
+
+# ---- directory handling --------------------------------------------------------------------
+
+
+@contextmanager
+def _build_lock(out: Path):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out.parent / f".{out.name}.lock"
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MegaCppError(f"another build is writing {out} (lock {lock_path})") from None
+        yield
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    is_dataset = out.is_dir() and (out / MANIFEST).is_file()
+    if not is_dataset:
+        raise MegaCppError(
+            f"{out} exists and is not a megacpp dataset; choose an empty or new --out directory"
+        )
+    if not overwrite:
+        state = "complete" if (out / MARKER).is_file() else "incomplete"
+        raise MegaCppError(f"{out} already holds a {state} dataset; pass --overwrite to replace it")
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the finished ``staging`` directory to ``out`` (replacing an old dataset)."""
+    old = out.parent / f".{out.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(staging, out)
+    _fsync_dir(out.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _progress(console: Console):
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,  # the summary replaces it; an error stays one line
+    )
+    with progress:
+        yield progress

@@ -1,0 +1,460 @@
+"""The C++ tokenizer: byte-level BPE (HF ``tokenizers``) with code-aware pre-tokenization,
+a reserved C++ vocabulary and special tokens.
+
+Pre-tokenization (:data:`PRETOKENIZE_PATTERN`, ASCII classes only) splits text into
+
+* a newline run plus the following indentation (``"\\n        "`` is one piece, so common
+  indentation levels become single tokens),
+* identifiers/keywords with at most one leading space (``" int"``),
+* single digits (numbers are split digit by digit),
+* ASCII punctuation runs with at most one leading space (``"::"``, ``" ->"``, ``"();"``),
+* runs of non-ASCII characters (UTF-8 in comments and strings),
+* remaining spaces/tabs (the last space before a word is left to that word).
+
+Every character lands in exactly one piece, and the byte-level model covers all 256 bytes, so
+``decode(encode(text)) == text`` byte for byte; there is no normalizer.
+
+Reserved vocabulary: C++ keywords, multi-character operators/punctuators, preprocessor
+directive names and common ``std::`` names (bare and with one leading space) are guaranteed to
+be single tokens. After BPE training, every reserved string the trainer did not learn is added
+by appending merges (lowest priority) that join its current pieces; the lowest-priority learned
+merges are dropped to make room, so the vocabulary size stays exactly as requested. The list is
+taken in priority order and cut to a quarter of the learnable vocabulary, so small vocabularies
+(512 for tests, 4096 for the tiny CPU model) stay mostly learned merges.
+
+Encoding: :meth:`CppTokenizer.encode_batch` produces exactly the ids of HF
+``Tokenizer.encode(text, add_special_tokens=False)`` with ``encode_special_tokens=True`` (a
+literal ``<|eos|>`` in source code is ordinary text), but runs several times faster: it splits
+with Python's ``re`` (same pattern, same leftmost-first semantics) and caches the BPE result of
+every distinct piece; only unseen pieces go to the HF model. Tests check the equality.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from megacpp._io import atomic_write_text, sha256_bytes
+from megacpp.errors import MegaCppError
+
+PAD, BOS, EOS, DOC_SEP = "<|pad|>", "<|bos|>", "<|eos|>", "<|docsep|>"
+FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX = "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"
+# Fixed ids 0..6 in this order, in every megacpp tokenizer.
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, DOC_SEP, FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX)
+
+_PUNCT = r"!-/:-@\[-\^`{-~"  # ASCII punctuation except '_' (which belongs to identifiers)
+PRETOKENIZE_PATTERN = (
+    r" ?(?:"  # at most one leading space, then
+    r"[A-Za-z_][A-Za-z0-9_]*"  # an identifier / keyword
+    r"|[0-9]"  # or one digit
+    rf"|[{_PUNCT}]+"  # or a punctuation run
+    r"|[^\x00-\x7F]+"  # or a non-ASCII run
+    r")"
+    r"|(?:\r?\n)+[ \t]*"  # newline run + indentation
+    r"|[ \t]+(?= [^ \t\r\n\x00-\x1f\x7f])"  # spaces, leaving one for the next piece
+    r"|[ \t]+"  # other spaces / tabs
+    r"|[\s\S]"  # anything else (control characters, a lone CR), one at a time
+)
+_PIECE_RE = re.compile(PRETOKENIZE_PATTERN)
+_PIECE_CACHE_LIMIT = 4_000_000  # distinct pieces remembered by one CppTokenizer
+
+# C++ keywords, most frequent in real code first (the order is the reservation priority).
+CPP_KEYWORDS = (  # noqa: SIM905 -- a word list reads best as text
+    "const int return if void auto static struct class template typename else for bool char "
+    "unsigned namespace public private inline using this true false nullptr sizeof case "
+    "break while virtual override explicit operator typedef enum double float long short "
+    "signed switch default delete new constexpr noexcept decltype static_cast protected "
+    "friend mutable volatile extern try catch throw continue do goto union reinterpret_cast "
+    "const_cast dynamic_cast static_assert thread_local alignas alignof char8_t char16_t "
+    "char32_t wchar_t concept requires consteval constinit co_await co_return co_yield "
+    "export import module final register typeid asm and and_eq bitand bitor compl not "
+    "not_eq or or_eq xor xor_eq"
+).split()
+CPP_DIRECTIVES = (  # noqa: SIM905 -- a word list reads best as text
+    "include define ifdef ifndef endif pragma undef elif once error line"
+).split()
+CPP_OPERATORS = (  # noqa: SIM905 -- multi-character only (single ones are base bytes)
+    ":: -> == != <= >= && || << >> ++ -- += -= *= /= %= &= |= ^= <<= >>= <=> ... ->* .* ## "
+).split()
+STD_NAMES = (  # noqa: SIM905 -- a word list reads best as text
+    "std size_t string vector move forward unique_ptr shared_ptr make_unique make_shared "
+    "pair tuple array map set unordered_map unordered_set optional variant function "
+    "string_view ptrdiff_t int8_t int16_t int32_t int64_t uint8_t uint16_t uint32_t "
+    "uint64_t begin end size empty data front back push_back emplace_back pop_back insert "
+    "erase clear find count reserve resize at swap iterator const_iterator value_type "
+    "size_type difference_type reference const_reference pointer const_pointer allocator "
+    "allocator_type traits_type char_type basic_string initializer_list enable_if "
+    "enable_if_t conditional conditional_t is_same is_same_v decay decay_t remove_reference "
+    "remove_reference_t remove_cv_t declval integral_constant true_type false_type "
+    "numeric_limits invoke_result_t hash less greater equal_to min max sort lower_bound "
+    "upper_bound accumulate transform copy fill deque list forward_list multimap multiset "
+    "weak_ptr make_pair make_tuple exchange cbegin cend rbegin rend any span wstring "
+    "nullptr_t reverse_iterator thread mutex lock_guard unique_lock condition_variable "
+    "atomic future promise chrono cout cin cerr endl ostream istream stringstream "
+    "ostringstream runtime_error logic_error out_of_range invalid_argument exception assert "
+    "main printf memcpy memset"
+).split()
+_TOP_KEYWORDS = 12  # keywords that outrank the operators
+
+
+def reserved_strings() -> list[str]:
+    """The reserved vocabulary in priority order: the most common keywords (bare and with one
+    leading space), the multi-character operators, the other keywords, preprocessor
+    directives, operators with a leading space, then ``std::`` names (both forms)."""
+
+    def both(words: list[str]) -> list[str]:
+        return [form for w in words for form in (w, " " + w)]
+
+    ordered = (
+        both(CPP_KEYWORDS[:_TOP_KEYWORDS])
+        + CPP_OPERATORS
+        + both(CPP_KEYWORDS[_TOP_KEYWORDS:])
+        + CPP_DIRECTIVES
+        + [" " + op for op in CPP_OPERATORS]
+        + both(STD_NAMES)
+    )
+    return list(dict.fromkeys(ordered))
+
+
+def reserved_budget(vocab_size: int) -> int:
+    """How many reserved strings a vocabulary of ``vocab_size`` takes (a quarter of the
+    learnable part, so tiny vocabularies stay mostly data-driven)."""
+    return max(0, (vocab_size - 256 - len(SPECIAL_TOKENS)) // 4)
+
+
+# ---- byte-level alphabet (GPT-2's printable mapping of the 256 bytes) ----------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+_LATIN1_TO_BYTELEVEL = str.maketrans({chr(b): c for b, c in _BYTE_TO_CHAR.items()})
+
+
+def to_byte_level(piece: str) -> str:
+    """The byte-level form of ``piece`` (what the BPE model sees)."""
+    return piece.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_BYTELEVEL)
+
+
+def _byte_level_len(token: str) -> int:
+    return len(token) if all(c in _CHAR_TO_BYTE for c in token) else 0
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def _new_code_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _bpe_trainer(vocab_size: int, min_frequency: int) -> trainers.BpeTrainer:
+    return trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    smallest = 256 + len(SPECIAL_TOKENS) + 1
+    if not smallest <= vocab_size <= 1 << 24:
+        raise MegaCppError(
+            f"tokenizer vocab_size {vocab_size} is out of range: use {smallest}..{1 << 24}"
+        )
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 32768, *, min_frequency: int = 2, reserve: bool = True
+) -> Tokenizer:
+    """Train the megacpp C++ tokenizer on ``texts`` (documents)."""
+    _check_vocab_size(vocab_size)
+    tok = _new_code_tokenizer()
+    tok.train_from_iterator(texts, _bpe_trainer(vocab_size, min_frequency))
+    spec = json.loads(tok.to_str())
+    if reserve:
+        wanted = reserved_strings()[: reserved_budget(vocab_size)]
+        vocab, merges = _reserve(spec["model"], [to_byte_level(w) for w in wanted], vocab_size)
+        spec["model"]["vocab"], spec["model"]["merges"] = vocab, [list(m) for m in merges]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def train_plain_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2) -> Tokenizer:
+    """The baseline: HF's stock byte-level BPE (GPT-2 pre-tokenization), same specials."""
+    _check_vocab_size(vocab_size)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, _bpe_trainer(vocab_size, min_frequency))
+    return tok
+
+
+def _bpe_pieces(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Apply BPE merges (lowest rank first) to one byte-level word."""
+    pieces = list(word)
+    while len(pieces) > 1:
+        pairs = [(ranks.get(pair, -1), i) for i, pair in enumerate(itertools.pairwise(pieces))]
+        known = [(r, i) for r, i in pairs if r >= 0]
+        if not known:
+            break
+        _, i = min(known)
+        pieces[i : i + 2] = [pieces[i] + pieces[i + 1]]
+    return pieces
+
+
+def _reserve(
+    model: dict, wanted: Sequence[str], vocab_size: int
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Make every byte-level string in ``wanted`` a single token of the BPE ``model``.
+
+    Missing strings get a chain of merges appended (joining their current pieces left to
+    right); learned merges are dropped from the end (lowest priority; a suffix of the merge
+    list never feeds an earlier merge) until the vocabulary fits ``vocab_size``.
+    """
+    learned = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    merged = {a + b for a, b in learned}
+    base = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]) if t not in merged]
+    n_keep = len(learned)
+    while True:
+        merges = list(learned[:n_keep])
+        vocab = dict.fromkeys(base)
+        vocab.update(dict.fromkeys(a + b for a, b in merges))
+        added = _append_reserved_merges(merges, vocab, wanted)
+        overflow = len(vocab) - vocab_size
+        if overflow <= 0:
+            return {tok: i for i, tok in enumerate(vocab)}, merges
+        n_keep -= overflow
+        if n_keep < 0:  # pragma: no cover - the budget rule keeps wanted small enough
+            raise MegaCppError(f"reserved vocabulary ({added} tokens) does not fit {vocab_size}")
+
+
+def _append_reserved_merges(
+    merges: list[tuple[str, str]], vocab: dict[str, None], wanted: Sequence[str]
+) -> int:
+    """Append merge chains for the strings of ``wanted`` not yet single tokens; returns how
+    many new tokens that added to ``vocab`` (updated in place, as is ``merges``)."""
+    ranks = {pair: r for r, pair in enumerate(merges)}
+    before = len(vocab)
+    for word in wanted:
+        pieces = _bpe_pieces(word, ranks)
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            ranks[pair] = len(merges)
+            merges.append(pair)
+            pieces[0:2] = [pair[0] + pair[1]]
+            vocab.setdefault(pieces[0])
+    return len(vocab) - before
+
+
+# ---- loading and fast encoding -------------------------------------------------------------
+
+
+class CppTokenizer:
+    """A loaded megacpp tokenizer: ids of the special tokens, fast batch encoding, decoding,
+    and per-token byte lengths (for mapping tokens to source byte offsets)."""
+
+    def __init__(self, tokenizer: Tokenizer, *, sha256: str, path: str | None = None) -> None:
+        _check_is_megacpp_tokenizer(tokenizer, path or "<memory>")
+        self.hf = tokenizer
+        self.sha256 = sha256
+        self.path = path
+        ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+        self.pad_id, self.bos_id, self.eos_id, self.doc_sep_id = ids[:4]
+        self.fim_prefix_id, self.fim_middle_id, self.fim_suffix_id = ids[4:]
+        self._piece_ids: dict[str, int] = {}  # piece -> row in the piece table
+        self._piece_start: list[int] = []
+        self._piece_count: list[int] = []
+        self._piece_tokens: list[int] = []
+        self._tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> CppTokenizer:
+        """Load ``tokenizer.json``; refuses files that are not megacpp tokenizers."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+            tok = Tokenizer.from_str(data.decode("utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MegaCppError(f"cannot read tokenizer {path}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
+            raise MegaCppError(f"{path} is not a valid tokenizer.json: {exc}") from None
+        return cls(tok, sha256=sha256_bytes(data), path=str(path))
+
+    @classmethod
+    def from_hf(cls, tokenizer: Tokenizer) -> CppTokenizer:
+        """Wrap an in-memory HF tokenizer (hash of its canonical JSON)."""
+        return cls(tokenizer, sha256=sha256_bytes(tokenizer.to_str().encode("utf-8")))
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``tokenizer.json`` atomically (pretty JSON, as HF writes it)."""
+        return atomic_write_text(path, self.hf.to_str(pretty=True))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    @cached_property
+    def token_nbytes(self) -> np.ndarray:
+        """int32[vocab_size]: how many source bytes each token id stands for (0 for specials)."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int32)
+        for token, i in self.hf.get_vocab(with_added_tokens=False).items():
+            lengths[i] = _byte_level_len(token)
+        for token in SPECIAL_TOKENS:
+            lengths[self.hf.token_to_id(token)] = 0
+        return lengths
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32[n] ids of ``text`` (no BOS/EOS)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Encode many documents; equal to HF ``encode`` of each, several times faster."""
+        if not texts:
+            return []
+        if len(self._piece_start) > _PIECE_CACHE_LIMIT:
+            self._forget_pieces()
+        piece_lists = [_PIECE_RE.findall(t) for t in texts]
+        row_lists = self._piece_rows(piece_lists)
+        starts, counts, flat = self._piece_tables()
+        n_pieces = [len(rows) for rows in row_lists]
+        rows = np.fromiter(itertools.chain.from_iterable(row_lists), np.int64, sum(n_pieces))
+        count = counts[rows]  # [total_pieces] tokens per piece
+        ends = np.cumsum(count)
+        first = np.repeat(starts[rows] - (ends - count), count)  # gather offset per token
+        ids = flat[first + np.arange(int(ends[-1]) if len(ends) else 0)]
+        doc_ends = np.concatenate([[0], ends])[np.cumsum(n_pieces)]
+        return np.split(ids, doc_ends[:-1])
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (specials dropped unless ``skip_special_tokens=False``)."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _piece_rows(self, piece_lists: list[list[str]]) -> list[list[int]]:
+        lookup = self._piece_ids.get
+        row_lists = [[lookup(p, -1) for p in pieces] for pieces in piece_lists]
+        unseen = {
+            p
+            for pieces, rows in zip(piece_lists, row_lists)
+            if -1 in rows
+            for p, r in zip(pieces, rows)
+            if r < 0
+        }
+        if not unseen:
+            return row_lists
+        self._learn_pieces(sorted(unseen))
+        lookup = self._piece_ids.__getitem__
+        return [[lookup(p) for p in pieces] for pieces in piece_lists]
+
+    def _learn_pieces(self, pieces: list[str]) -> None:
+        model = self.hf.model
+        for piece in pieces:
+            ids = [t.id for t in model.tokenize(to_byte_level(piece))]
+            self._piece_ids[piece] = len(self._piece_start)
+            self._piece_start.append(len(self._piece_tokens))
+            self._piece_count.append(len(ids))
+            self._piece_tokens.extend(ids)
+        self._tables = None
+
+    def _forget_pieces(self) -> None:
+        self._piece_ids.clear()
+        self._piece_start.clear()
+        self._piece_count.clear()
+        self._piece_tokens.clear()
+        self._tables = None
+
+    def _piece_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._tables is None:
+            self._tables = (
+                np.asarray(self._piece_start, dtype=np.int64),
+                np.asarray(self._piece_count, dtype=np.int64),
+                np.asarray(self._piece_tokens, dtype=np.int32),
+            )
+        return self._tables
+
+
+def _check_is_megacpp_tokenizer(tok: Tokenizer, where: str) -> None:
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    ok = (
+        spec.get("normalizer") is None
+        and spec.get("model", {}).get("type") == "BPE"
+        and len(steps) == 2
+        and steps[0].get("type") == "Split"
+        and steps[0].get("pattern", {}).get("Regex") == PRETOKENIZE_PATTERN
+        and steps[1].get("type") == "ByteLevel"
+        and not steps[1].get("use_regex", True)
+        and all(tok.token_to_id(t) == i for i, t in enumerate(SPECIAL_TOKENS))
+    )
+    if not ok:
+        raise MegaCppError(
+            f"{where} is not a megacpp tokenizer: expected byte-level BPE with megacpp's code "
+            f"pre-tokenizer and special tokens {', '.join(SPECIAL_TOKENS)} at ids 0.."
+            f"{len(SPECIAL_TOKENS) - 1} (train one with `megacpp tokenizer train`)"
+        )
+
+
+def bytes_per_token(tok: Tokenizer, texts: Sequence[str]) -> float:
+    """Source bytes per token of HF tokenizer ``tok`` over ``texts`` (no specials added)."""
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    n_tokens = sum(len(e.ids) for e in tok.encode_batch_fast(list(texts), add_special_tokens=False))
+    return n_bytes / max(n_tokens, 1)
+
+
+def iter_capped(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """The first documents of ``texts`` up to ``max_bytes`` of UTF-8 in total (at least one)."""
+    total = 0
+    for text in texts:
+        yield text
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            return
+
+
+def compare_with_plain_bpe(
+    train_texts: Sequence[str],
+    heldout_texts: Sequence[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+) -> dict[str, float]:
+    """Bytes per token on ``heldout_texts`` of the megacpp tokenizer and of a stock byte-level
+    BPE, both trained on ``train_texts`` with the same vocabulary size."""
+    ours = train_tokenizer(train_texts, vocab_size, min_frequency=min_frequency)
+    plain = train_plain_bpe(train_texts, vocab_size, min_frequency=min_frequency)
+    return {
+        "vocab_size": vocab_size,
+        "train_documents": len(train_texts),
+        "train_bytes": sum(len(t.encode("utf-8")) for t in train_texts),
+        "heldout_documents": len(heldout_texts),
+        "heldout_bytes": sum(len(t.encode("utf-8")) for t in heldout_texts),
+        "megacpp_bytes_per_token": bytes_per_token(ours, heldout_texts),
+        "plain_bpe_bytes_per_token": bytes_per_token(plain, heldout_texts),
+    }

@@ -1,0 +1,159 @@
+"""Shards, manifest and completion marker as written by a real build; the reader refuses
+corrupt, truncated, markerless and wrong-version datasets with a clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from megacpp._io import sha256_file
+from megacpp.data.build import BuildConfig, build_dataset
+from megacpp.data.packing import SPLITS
+from megacpp.data.shards import MANIFEST, MARKER, SCHEMA_VERSION, ShardedDataset
+from megacpp.errors import MegaCppError
+from tests.data.packed_fixtures import build_tiny, tiny_config_dict, write_corpus
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("shards"))
+
+
+@pytest.fixture
+def damaged(dataset_dir, tmp_path) -> Path:
+    """A private copy of the dataset to damage."""
+    return Path(shutil.copytree(dataset_dir, tmp_path / "copy"))
+
+
+def test_layout_and_manifest(dataset_dir):
+    manifest = json.loads((dataset_dir / MANIFEST).read_text())
+    assert (dataset_dir / MARKER).read_text().strip() == sha256_file(dataset_dir / MANIFEST)
+    assert manifest["schema_version"] == SCHEMA_VERSION
+    assert manifest["tokenizer"]["sha256"] == sha256_file(dataset_dir / "tokenizer.json")
+    assert manifest["documents"]["sha256"] == sha256_file(dataset_dir / "documents.parquet")
+    assert BuildConfig.from_dict(manifest["config"]).to_dict() == manifest["config"]
+    assert manifest["config"]["packing"] == tiny_config_dict()["packing"]
+    stage_names = [s["name"] for s in manifest["stages"]]
+    assert stage_names[0] == "sources" and stage_names[-4:] == [
+        "split",
+        "tokenize",
+        "structure",
+        "pack",
+    ]
+    train = manifest["splits"]["train"]
+    assert len(train["shards"]) >= 2  # rows_per_shard=16 in the tiny config
+    for split in SPLITS:
+        shards = manifest["splits"][split]["shards"]
+        assert sum(s["rows"] for s in shards) == manifest["splits"][split]["rows"]
+        assert sum(s["tokens"] for s in shards) == manifest["splits"][split]["tokens"]
+        for shard in shards:
+            assert sha256_file(dataset_dir / shard["file"]) == shard["sha256"]
+    documents = pq.read_table(dataset_dir / "documents.parquet")
+    assert documents.num_rows == manifest["documents"]["count"]
+    assert documents["doc_index"].to_pylist() == list(range(documents.num_rows))
+
+
+def test_reader_blocks_are_in_row_order(dataset_dir):
+    ds = ShardedDataset.open(dataset_dir)
+    rows = []
+    for block in ds.iter_blocks("train"):
+        assert block.tokens.shape == (len(block.rows), ds.row_len)
+        assert block.structure_ids.shape == block.tokens.shape
+        assert block.structure_ids.max() < ds.manifest["num_structure_ids"]
+        assert all(len(s) == len(d) for s, d in zip(block.segments, block.doc_starts))
+        rows += block.rows.tolist()
+    assert rows == list(range(ds.num_rows("train")))
+    groups = ds.row_groups("train")
+    assert all(n <= 4 for _, _, n in groups) and len(groups) >= 4  # rows_per_group=4
+
+
+def test_build_is_deterministic(dataset_dir, tmp_path):
+    again = build_tiny(tmp_path)
+    first = json.loads((dataset_dir / MANIFEST).read_text())
+    second = json.loads((again / MANIFEST).read_text())
+    for split in SPLITS:
+        assert [s["sha256"] for s in first["splits"][split]["shards"]] == [
+            s["sha256"] for s in second["splits"][split]["shards"]
+        ]
+
+
+def _first_shard(root: Path) -> Path:
+    return min((root / "train").glob("shard-*.parquet"))
+
+
+def test_flipped_byte_is_refused(damaged):
+    shard = _first_shard(damaged)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(MegaCppError, match=rf"{shard.name} is corrupt: sha256"):
+        ShardedDataset.open(damaged)
+
+
+def test_truncated_shard_is_refused(damaged):
+    shard = _first_shard(damaged)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(MegaCppError, match=rf"{shard.name} is corrupt"):
+        ShardedDataset.open(damaged)
+
+
+def test_missing_shard_is_refused(damaged):
+    shard = _first_shard(damaged)
+    shard.unlink()
+    with pytest.raises(MegaCppError, match=rf"{shard.name} is missing"):
+        ShardedDataset.open(damaged)
+
+
+def test_missing_marker_is_refused(damaged):
+    (damaged / MARKER).unlink()
+    with pytest.raises(MegaCppError, match="has no _COMPLETE marker"):
+        ShardedDataset.open(damaged, verify=False)
+
+
+def test_edited_manifest_is_refused(damaged):
+    manifest = json.loads((damaged / MANIFEST).read_text())
+    manifest["splits"]["train"]["rows"] += 1
+    (damaged / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(MegaCppError, match="does not match its _COMPLETE marker"):
+        ShardedDataset.open(damaged, verify=False)
+
+
+def test_wrong_schema_version_is_refused(damaged):
+    manifest = json.loads((damaged / MANIFEST).read_text())
+    manifest["schema_version"] = SCHEMA_VERSION + 1
+    (damaged / MANIFEST).write_text(json.dumps(manifest))
+    (damaged / MARKER).write_text(sha256_file(damaged / MANIFEST) + "\n")
+    with pytest.raises(MegaCppError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        ShardedDataset.open(damaged)
+
+
+def test_not_a_dataset(tmp_path):
+    with pytest.raises(MegaCppError, match="no dataset at"):
+        ShardedDataset.open(tmp_path / "nothing")
+    (tmp_path / MARKER).write_text("x\n")
+    (tmp_path / MANIFEST).write_text("{}")
+    with pytest.raises(MegaCppError, match="does not match"):
+        ShardedDataset.open(tmp_path)
+
+
+def test_structure_disabled(tmp_path):
+    cfg = BuildConfig.from_dict({**tiny_config_dict(), "structure": {"enabled": False}})
+    out = tmp_path / "ds"
+    build_dataset([write_corpus(tmp_path / "src", real=False)], out, cfg, workers=1)
+    ds = ShardedDataset.open(out)
+    assert all(not b.structure_ids.any() for s in SPLITS for b in ds.iter_blocks(s))
+    structure = next(s for s in ds.manifest["stages"] if s["name"] == "structure")
+    assert structure["notes"] == {"disabled": structure["seen"]}
+
+
+def test_structure_ids_cover_several_regions(dataset_dir):
+    ds = ShardedDataset.open(dataset_dir, verify=False)
+    counts = np.zeros(ds.manifest["num_structure_ids"], dtype=np.int64)
+    for block in ds.iter_blocks("train", with_provenance=False):
+        counts += np.bincount(block.structure_ids.ravel(), minlength=len(counts))
+    assert (counts > 0).sum() >= 6
