@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp.kernels.runtime import resolve
 from megacpp.model.blocks import Block
 from megacpp.model.cache import ModelCache
 from megacpp.model.config import ModelConfig
@@ -26,7 +27,7 @@ IGNORE_INDEX = -100
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, L, V] (float32 when computed for the loss)
+    logits: torch.Tensor | None  # [B, L, V]; None when a fused LM loss skipped the logits
     loss: torch.Tensor | None = None  # LM loss + auxiliary losses + mtp weight * MTP loss
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None  # MoE balance + DSA indexer KL (training mode)
@@ -113,15 +114,15 @@ class HybridLM(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> ModelOutput:
         x = self.residual_stream(input_ids, doc_ids)
-        logits = self.logits(self.norm(x))
+        h = self.norm(x)
+        fused_loss = labels is not None and resolve("linear_cross_entropy", h).role != "fallback"
+        logits = None if fused_loss else self.logits(h)
         mtp_logits = (
             None if self.mtp is None else self.mtp(x, input_ids, doc_ids, self.embed, self.logits)
         )
         if labels is None:
             return ModelOutput(logits=logits, mtp_logits=mtp_logits)
-        lm_loss = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
-        )
+        lm_loss = self._lm_loss(h, logits, labels)
         aux_loss = self._aux_loss()
         loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         mtp_loss = None
@@ -136,6 +137,19 @@ class HybridLM(nn.Module):
             mtp_loss=mtp_loss,
             mtp_logits=mtp_logits,
         )
+
+    def _lm_loss(
+        self, h: torch.Tensor, logits: torch.Tensor | None, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy: from the logits, or (when the catalog chose a fused
+        backend) straight from the final hidden states h [B, L, D] without the logits."""
+        if logits is not None:
+            return F.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+            )
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        fused = resolve("linear_cross_entropy", h).fn
+        return fused(h.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX)
 
     def _aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses the last forward left on its mixers (MoE sequence

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.kernels.runtime import resolve
 from megacpp.model.mlp import SwiGLU
 
 
@@ -65,7 +65,8 @@ class MoE(nn.Module):
         chosen = scores.gather(-1, expert_idx)
         weights = chosen / chosen.sum(-1, keepdim=True) * self.routed_scaling  # [T, k]
 
-        out = moe_experts_reference(tokens, expert_idx, weights, self.w_in, self.out_proj)
+        experts = resolve("moe_experts", tokens).fn  # reference unless MEGACPP_KERNELS says so
+        out = experts(tokens, expert_idx, weights, self.w_in, self.out_proj)
         if self.shared is not None:
             out = out + self.shared(tokens)
 

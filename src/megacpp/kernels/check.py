@@ -1,0 +1,124 @@
+"""``kernels check``: every qualifying backend against the reference, forward and backward,
+on fresh random inputs, by relative error ‖out − ref‖ / ‖ref‖ (reference in float64)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megacpp.kernels.catalog import (
+    DTYPE_NAMES,
+    Backend,
+    Catalog,
+    DeviceFacts,
+    Surface,
+    rejection,
+)
+
+# relative-error tolerance by operand dtype (float32: ~1e-5; bf16 operands: 1e-3..1e-2)
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
+
+
+@dataclass
+class CheckResult:
+    surface: str
+    backend: str
+    dtype: str
+    errors: dict[str, float] = field(default_factory=dict)  # "out" / "d<arg>" -> rel. error
+    tolerance: float = 0.0
+    skipped: str | None = None  # why it was not run
+
+    @property
+    def passed(self) -> bool:
+        return self.skipped is None and all(
+            e == e and e <= self.tolerance for e in self.errors.values()  # NaN never passes
+        )
+
+    @property
+    def worst(self) -> float:
+        return max(self.errors.values(), default=float("nan"))
+
+
+def outputs_of(result: Any) -> list[Tensor]:
+    """The floating-point tensors a backend returned (a tensor, or a tuple of them)."""
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    return [t for t in items if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def forward_backward(
+    fn: Callable[..., Any], inputs: dict[str, Any], grad_args: tuple[str, ...],
+    cotangents: list[Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Run ``fn(**inputs)`` and backprop random (or given) cotangents into ``grad_args``.
+    Returns (outputs, grads, cotangents)."""
+    outs = outputs_of(fn(**inputs))
+    if cotangents is None:
+        cotangents = [torch.randn_like(o, dtype=torch.float32) for o in outs]
+    loss = sum((o.to(c.dtype) * c.to(o.device)).sum() for o, c in zip(outs, cotangents))
+    grads = torch.autograd.grad(loss, [inputs[name] for name in grad_args])
+    return outs, list(grads), cotangents
+
+
+def _fresh(inputs: dict[str, Any], grad_args: tuple[str, ...], dtype: torch.dtype | None):
+    """Detached copies (floating tensors cast to ``dtype`` when given) with grads re-enabled."""
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, Tensor):
+            value = value.detach()
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            value = value.requires_grad_(name in grad_args)
+        out[name] = value
+    return out
+
+
+def relative_error(out: Tensor, ref: Tensor) -> float:
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return float("nan")
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+def check_backend(
+    surface: Surface, backend: Backend, device: torch.device, dtype: str, seed: int
+) -> CheckResult:
+    """One backend, one dtype: fresh inputs, outputs and input-gradients vs float64 ref."""
+    result = CheckResult(surface.name, backend.name, dtype, tolerance=TOLERANCE[dtype])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inputs = surface.make_inputs(surface.cases["check"], DTYPE_NAMES[dtype], device, gen)
+    ref_outs, ref_grads, cot = forward_backward(
+        surface.reference, _fresh(inputs, surface.grad_args, torch.float64), surface.grad_args)
+    outs, grads, _ = forward_backward(
+        backend.fn, _fresh(inputs, surface.grad_args, None), surface.grad_args, cot)
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        result.errors["out" if i == 0 else f"out{i}"] = relative_error(o, r)
+    for name, g, r in zip(surface.grad_args, grads, ref_grads):
+        result.errors[f"d{name}"] = relative_error(g, r)
+    return result
+
+
+def check_catalog(
+    catalog: Catalog, device: torch.device, facts: DeviceFacts, dtypes: list[str],
+    surfaces: list[str] | None = None, seed: int = 0, on_result: Callable | None = None,
+) -> list[CheckResult]:
+    """Check every backend with an implementation that qualifies here, for each dtype."""
+    results = []
+    for name in surfaces or list(catalog.surfaces):
+        surface = catalog.surface(name)
+        for backend in catalog.of(name):
+            if backend.role == "deferred":
+                continue
+            for dtype in dtypes:
+                why = rejection(backend, facts, dtype)
+                if surface.make_inputs is None:
+                    why = "surface has no check inputs (documented row)"
+                result = (CheckResult(name, backend.name, dtype, skipped=why) if why else
+                          check_backend(surface, backend, device, dtype, seed))
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+    return results

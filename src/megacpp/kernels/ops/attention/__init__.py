@@ -1,0 +1,1 @@
+"""Causal self-attention (the A family's core)."""

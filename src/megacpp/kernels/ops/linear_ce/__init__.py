@@ -1,0 +1,1 @@
+"""Linear layer + cross-entropy (the LM head's loss) without the full logits."""

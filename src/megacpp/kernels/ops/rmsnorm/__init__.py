@@ -1,0 +1,1 @@
+"""RMSNorm with an optional fused residual add."""

@@ -1,0 +1,243 @@
+"""The project's catalog rows: every surface, its reference, and its chosen / donor /
+deferred backends with requirements and reasons. :func:`default_catalog` is the one instance
+the CLI, the model and the benchmark use."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megacpp.kernels.catalog import Backend, Catalog, Requirements, Surface
+from megacpp.kernels.ops.attention.reference import (
+    causal_attention_reference,
+    causal_attention_sdpa_flash,
+)
+from megacpp.kernels.ops.gated_delta.reference import gated_delta_rule_chunked
+from megacpp.kernels.ops.linear_ce.reference import (
+    linear_cross_entropy_reference,
+    linear_cross_entropy_torch,
+)
+from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
+from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+
+FLOATS = ("float32", "bfloat16", "float16")
+HALF = ("bfloat16", "float16")
+
+
+def _lazy(module: str, attr: str) -> Callable[..., Any]:
+    """A callable that imports ``module`` on first use (Triton / peers stay optional)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{module}.{attr}"
+    return call
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: Any, gen: torch.Generator,
+           scale: float = 1.0, grad: bool = True) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale
+    return t.to(dtype).requires_grad_(grad)
+
+
+# -- rmsnorm ------------------------------------------------------------------------------------
+def _rmsnorm_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    t, d = case["tokens"], case["dim"]
+    return {"x": _randn((t, d), dtype, device, gen), "residual": _randn((t, d), dtype, device, gen),
+            "weight": (1 + 0.1 * torch.randn(d, generator=gen, device=device)).requires_grad_(),
+            "eps": 1e-5}
+
+
+def _rmsnorm_bytes(inp: dict[str, Any]) -> float:
+    # fwd: read x, residual; write y, h.  bwd: read dy, dh_out, h; write dh.
+    return 8 * inp["x"].numel() * inp["x"].element_size()
+
+
+# -- linear cross-entropy -----------------------------------------------------------------------
+def _linear_ce_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    t, d, v = case["tokens"], case["hidden"], case["vocab"]
+    labels = torch.randint(0, v, (t,), generator=gen, device=device)
+    labels[torch.rand(t, generator=gen, device=device) < 0.05] = -100  # some ignored rows
+    return {"h": _randn((t, d), dtype, device, gen),
+            "weight": _randn((v, d), dtype, device, gen, scale=d**-0.5), "labels": labels}
+
+
+def _linear_ce_flops(inp: dict[str, Any]) -> float:
+    (t, d), v = inp["h"].shape, inp["weight"].shape[0]
+    return 3 * 2 * t * d * v  # logits, dh, dW
+
+
+# -- MoE experts --------------------------------------------------------------------------------
+def _moe_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    t, d, e, k, f = case["tokens"], case["dim"], case["experts"], case["top_k"], case["ffn"]
+    scores = torch.rand(t, e, generator=gen, device=device)
+    expert_idx = scores.topk(k, dim=-1).indices  # distinct experts per token
+    weights = torch.rand(t, k, generator=gen, device=device) + 0.1
+    return {"x": _randn((t, d), dtype, device, gen), "expert_idx": expert_idx,
+            "weights": (weights / weights.sum(-1, keepdim=True)).requires_grad_(),
+            "w_in": _randn((e, 2 * f, d), dtype, device, gen, scale=d**-0.5),
+            "w_out": _randn((e, d, f), dtype, device, gen, scale=f**-0.5)}
+
+
+def _moe_flops(inp: dict[str, Any]) -> float:
+    routed = inp["expert_idx"].numel()
+    (_, two_f, d) = inp["w_in"].shape
+    return 3 * 2 * routed * d * (two_f + two_f // 2)  # fwd + 2x for bwd
+
+
+# -- attention ----------------------------------------------------------------------------------
+def _attention_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    shape = (case["batch"], case["heads"], case["seq"], case["head_dim"])
+    return {name: _randn(shape, dtype, device, gen) for name in ("q", "k", "v")}
+
+
+def _attention_flops(inp: dict[str, Any]) -> float:
+    b, h, length, dh = inp["q"].shape
+    return 3.5 * 4 * b * h * length * length * dh / 2  # causal half; bwd = 2.5x fwd
+
+
+def _surfaces() -> list[Surface]:
+    return [
+        Surface(
+            "rmsnorm",
+            "x, residual [T, D] (any float dtype), weight [D] -> (y, h) [T, D] in x.dtype; "
+            "h = x + residual (fp32 sum), y = h * rsqrt(mean(h^2) + eps) * weight; "
+            "saves h, weight, rstd [T] fp32",
+            rmsnorm_reference, _rmsnorm_inputs,
+            {"check": {"tokens": 67, "dim": 384}, "bench": {"tokens": 16384, "dim": 1024}},
+            ("x", "residual", "weight"), None, _rmsnorm_bytes,
+        ),
+        Surface(
+            "linear_cross_entropy",
+            "h [T, D], weight [V, D] (same dtype), labels [T] int64 (-100 ignored) -> mean loss "
+            "fp32 scalar; fused backend never holds [T, V] logits (one token chunk at a time), "
+            "accumulates loss/dW in fp32 and saves dh, dW (grads computed in forward)",
+            linear_cross_entropy_reference, _linear_ce_inputs,
+            {"check": {"tokens": 300, "hidden": 64, "vocab": 1000},
+             "bench": {"tokens": 16384, "hidden": 1024, "vocab": 65536}},
+            ("h", "weight"), _linear_ce_flops,
+        ),
+        Surface(
+            "moe_experts",
+            "x [T, D], expert_idx [T, k] int64, weights [T, k], w_in [E, 2F, D] (gate|up), "
+            "w_out [E, D, F] -> [T, D] = sum_j w[t,j] * SwiGLU_e(x[t]); dropless; "
+            "grouped backend saves the permuted x, gate|up and SwiGLU output",
+            moe_experts_reference, _moe_inputs,
+            {"check": {"tokens": 96, "dim": 64, "experts": 8, "top_k": 2, "ffn": 32},
+             "e64_k8": {"tokens": 16384, "dim": 1024, "experts": 64, "top_k": 8, "ffn": 512},
+             "e16_k2": {"tokens": 16384, "dim": 1024, "experts": 16, "top_k": 2, "ffn": 2048}},
+            ("x", "weights", "w_in", "w_out"), _moe_flops,
+        ),
+        Surface(
+            "attention",
+            "q, k, v [B, H, L, Dh] (GQA expanded), causal, scale 1/sqrt(Dh) -> [B, H, L, Dh]; "
+            "flash saves q, k, v, out and logsumexp [B, H, L] fp32",
+            causal_attention_reference, _attention_inputs,
+            {"check": {"batch": 2, "heads": 4, "seq": 128, "head_dim": 64},
+             "bench": {"batch": 8, "heads": 16, "seq": 2048, "head_dim": 64}},
+            ("q", "k", "v"), _attention_flops,
+        ),
+        Surface(
+            "mamba3_scan",
+            "Mamba-3 SISO chunked scan: q, k [B, L, G, N], v [B, L, H, P], adt/dt/trap [B, L, H], "
+            "angles [B, L, H, R] -> y [B, L, H, P] + final state (see ops/mamba3_scan)",
+            mamba3_scan_chunked,
+        ),
+        Surface(
+            "gated_delta",
+            "gated delta rule, chunked: q, k [B, L, H, K], v [B, L, H, V], g, beta [B, L, H] -> "
+            "o [B, L, H, V] + final state [B, H, K, V] (see ops/gated_delta)",
+            gated_delta_rule_chunked,
+        ),
+    ]
+
+
+def _backends() -> list[Backend]:
+    cuda_sm80 = {"devices": ("cuda",), "min_capability": (8, 0)}
+    triton_ok = Requirements(packages=("triton",), dtypes=FLOATS, **cuda_sm80)
+    return [
+        # rmsnorm
+        Backend("triton_fused", "rmsnorm", "chosen", triton_ok,
+                _lazy("megacpp.kernels.ops.rmsnorm.triton", "rmsnorm_triton")),
+        Backend("reference", "rmsnorm", "fallback", Requirements(), rmsnorm_reference),
+        Backend("torch_compile", "rmsnorm", "donor",
+                Requirements(devices=("cuda",), packages=("triton",), torch_ops=("compile",)),
+                _lazy("megacpp.kernels.peers", "rmsnorm_compiled"),
+                "peer: inductor's fusion of the reference; compile is applied from outside the "
+                "model (train.parallelize), so it is measured, not selected"),
+        # linear cross-entropy
+        Backend("triton_chunked", "linear_cross_entropy", "chosen",
+                Requirements(packages=("triton",), dtypes=HALF, **cuda_sm80),
+                _lazy("megacpp.kernels.ops.linear_ce.triton", "linear_cross_entropy_triton")),
+        Backend("reference", "linear_cross_entropy", "fallback", Requirements(),
+                linear_cross_entropy_reference),
+        Backend("torch_plain", "linear_cross_entropy", "donor", Requirements(),
+                linear_cross_entropy_torch,
+                "peer: h @ W^T then F.cross_entropy on operand-dtype logits; materialises "
+                "[T, V] logits and their gradient"),
+        Backend("liger", "linear_cross_entropy", "donor",
+                Requirements(devices=("cuda",), packages=("liger_kernel",), dtypes=FLOATS),
+                _lazy("megacpp.kernels.peers", "liger_linear_cross_entropy"),
+                "peer: Liger-kernel 0.8.5 fused linear CE (fp32 accumulation); measured "
+                "against, not a dependency of the training path"),
+        # MoE experts
+        Backend("grouped_mm", "moe_experts", "chosen",
+                Requirements(devices=("cuda",), min_capability=(9, 0), torch_ops=("_grouped_mm",),
+                             dtypes=("bfloat16",)),
+                _lazy("megacpp.kernels.ops.moe.grouped", "moe_experts_grouped")),
+        Backend("reference", "moe_experts", "fallback", Requirements(), moe_experts_reference),
+        Backend("triton_grouped", "moe_experts", "deferred",
+                Requirements(devices=("cuda",), packages=("triton",), dtypes=HALF), None,
+                "Triton grouped GEMM for devices whose torch lacks a CUDA _grouped_mm "
+                "(pre-Hopper): not written yet; such devices use the reference"),
+        # attention
+        Backend("sdpa_flash", "attention", "chosen",
+                Requirements(dtypes=HALF, **cuda_sm80), causal_attention_sdpa_flash),
+        Backend("reference", "attention", "fallback", Requirements(), causal_attention_reference),
+        Backend("flash_attn_3", "attention", "deferred",
+                Requirements(devices=("cuda",), min_capability=(9, 0), max_capability=(9, 0),
+                             packages=("flash_attn_interface",), dtypes=HALF), None,
+                "FlashAttention-3 (Hopper) ships no wheel for this torch/CUDA; building it from "
+                "source is outside this tree"),
+        Backend("flash_attn_4", "attention", "deferred",
+                Requirements(devices=("cuda",), min_capability=(10, 0), dtypes=HALF), None,
+                "FlashAttention-4 (CuTe DSL) targets Blackwell; not installable or testable on "
+                "the Hopper machines this project measures on"),
+        # Mamba-3 scan
+        Backend("reference", "mamba3_scan", "fallback", Requirements(), mamba3_scan_chunked),
+        Backend("mamba_ssm", "mamba3_scan", "donor",
+                Requirements(devices=("cuda",), min_capability=(8, 0), packages=("mamba_ssm",),
+                             dtypes=HALF), _lazy("megacpp.kernels.peers", "mamba3_siso_combined"),
+                "peer: mamba_ssm's mamba3_siso_combined (its [B, H, L] layout); the speed bar for "
+                "our Triton scan, not a dependency of the training path"),
+        Backend("triton_chunked", "mamba3_scan", "deferred", Requirements(packages=("triton",)),
+                None, "our Triton chunked scan lands in a later session"),
+        Backend("tilelang_mimo", "mamba3_scan", "deferred",
+                Requirements(devices=("cuda",), packages=("tilelang",)), None,
+                "TileLang MIMO variant: tilelang is not installable here and the model uses SISO"),
+        # gated delta rule
+        Backend("reference", "gated_delta", "fallback", Requirements(), gated_delta_rule_chunked),
+        Backend("fla", "gated_delta", "donor",
+                Requirements(devices=("cuda",), min_capability=(8, 0), packages=("fla",),
+                             dtypes=HALF), _lazy("megacpp.kernels.peers", "fla_chunk_gated_delta_rule"),
+                "peer: flash-linear-attention's chunk_gated_delta_rule; the speed bar for our "
+                "Triton kernel, not a dependency of the training path"),
+        Backend("triton_chunked", "gated_delta", "deferred", Requirements(packages=("triton",)),
+                None, "our Triton chunked gated delta rule lands in a later session"),
+    ]
+
+
+@functools.cache
+def default_catalog() -> Catalog:
+    """The catalog of this tree (built once)."""
+    catalog = Catalog()
+    for surface in _surfaces():
+        catalog.add_surface(surface)
+    for backend in _backends():
+        catalog.add(backend)
+    return catalog

@@ -1,0 +1,90 @@
+"""How the model asks the catalog for a backend, and the record of what it got.
+
+The mode is a process-wide runtime flag (environment ``MEGACPP_KERNELS`` or
+:func:`set_kernel_mode`), so the model's constructors and the trainer's API stay unchanged:
+
+* ``reference`` (default) -- the plain-PyTorch reference everywhere; numerics as before.
+* ``auto``   -- the chosen backend where it qualifies, else the reference (allowed
+  explicitly by choosing this mode; the fallback and its reasons are recorded).
+* ``fast``   -- the chosen backend or a :class:`KernelSelectionError` (fail closed).
+
+Under ``torch.compile`` tracing, ``auto`` resolves to the reference (inductor fuses it).
+:func:`chosen_kernels` returns ``{surface: backend}`` of every resolution so far, the
+``kernels=`` field of a receipt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from megacpp.errors import ConfigError
+from megacpp.kernels.catalog import Backend, Selection, device_facts, dtype_name, select
+from megacpp.kernels.registry import default_catalog
+
+KERNEL_MODES = ("reference", "auto", "fast")
+ENV_VAR = "MEGACPP_KERNELS"
+
+_mode: str | None = None
+_resolved: dict[tuple[str, str, str, str], Selection] = {}
+
+
+def kernel_mode() -> str:
+    """The current mode (``MEGACPP_KERNELS`` unless :func:`set_kernel_mode` was called)."""
+    mode = _mode if _mode is not None else os.environ.get(ENV_VAR, "reference")
+    if mode not in KERNEL_MODES:
+        raise ConfigError(f"{ENV_VAR}={mode!r} is not one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+def set_kernel_mode(mode: str | None) -> None:
+    """Set the mode for this process (``None``: back to the environment variable)."""
+    global _mode
+    if mode is not None and mode not in KERNEL_MODES:
+        raise ConfigError(f"kernel mode {mode!r} is not one of {', '.join(KERNEL_MODES)}")
+    _mode = mode
+
+
+@contextmanager
+def kernel_mode_override(mode: str) -> Iterator[None]:
+    """Temporarily run under ``mode``."""
+    previous = _mode
+    set_kernel_mode(mode)
+    try:
+        yield
+    finally:
+        set_kernel_mode(previous)
+
+
+def resolve(surface: str, like: torch.Tensor) -> Backend:
+    """The backend for ``surface`` on ``like``'s device and dtype under the current mode."""
+    mode = kernel_mode()
+    if mode == "auto" and torch.compiler.is_compiling():
+        mode = "reference"
+    key = (surface, str(like.device), dtype_name(like.dtype), mode)
+    if key not in _resolved:
+        catalog = default_catalog()
+        if mode == "reference":
+            fallback = catalog.of(surface, "fallback")[0]
+            _resolved[key] = Selection(surface, fallback, key[2], device_facts(like.device))
+        else:
+            _resolved[key] = select(catalog, surface, device_facts(like.device), key[2],
+                                    allow_reference=mode == "auto")
+    return _resolved[key].backend
+
+
+def chosen_kernels() -> dict[str, str]:
+    """``{surface: backend name}`` of every resolution so far (the last one per surface)."""
+    return {surface: sel.backend.name for (surface, *_), sel in _resolved.items()}
+
+
+def resolutions() -> list[Selection]:
+    """Every selection made so far, with the candidates each rejected."""
+    return list(_resolved.values())
+
+
+def clear_resolutions() -> None:
+    _resolved.clear()

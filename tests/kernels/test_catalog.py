@@ -1,0 +1,159 @@
+"""CPU: catalog rows, fail-closed selection, the check machinery, runtime modes, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megacpp.errors import ConfigError
+from megacpp.kernels.catalog import (
+    Backend,
+    Catalog,
+    DeviceFacts,
+    KernelSelectionError,
+    Requirements,
+    select,
+    smem_needs,
+)
+from megacpp.kernels.check import check_backend
+from megacpp.kernels.ops.moe.grouped import moe_experts_grouped
+from megacpp.kernels.registry import default_catalog
+from megacpp.kernels.runtime import chosen_kernels, kernel_mode_override, resolve, set_kernel_mode
+
+H100 = DeviceFacts("cuda", "NVIDIA H100", (9, 0), 232448, frozenset({"triton"}),
+                   frozenset({"_grouped_mm", "compile"}))
+A100 = DeviceFacts("cuda", "NVIDIA A100", (8, 0), 166912, frozenset({"triton"}),
+                   frozenset({"_grouped_mm", "compile"}))
+CPU = DeviceFacts("cpu")
+
+
+def test_every_surface_has_a_reference_and_documented_rows() -> None:
+    catalog = default_catalog()
+    for name in catalog.surfaces:
+        assert len(catalog.of(name, "fallback")) == 1, name
+    rows = {b.key: b for b in catalog.backends}
+    for key in ("mamba3_scan/mamba_ssm", "gated_delta/fla", "linear_cross_entropy/liger"):
+        assert rows[key].role == "donor" and rows[key].reason
+    for key in ("attention/flash_attn_3", "attention/flash_attn_4", "mamba3_scan/tilelang_mimo",
+                "mamba3_scan/triton_chunked", "gated_delta/triton_chunked"):
+        assert rows[key].role == "deferred" and rows[key].reason
+    assert rows["attention/sdpa_flash"].role == "chosen"
+
+
+def test_selection_on_hopper_picks_the_chosen_backends() -> None:
+    catalog = default_catalog()
+    picks = {s: select(catalog, s, H100, "bfloat16").backend.name
+             for s in ("rmsnorm", "linear_cross_entropy", "moe_experts", "attention")}
+    assert picks == {"rmsnorm": "triton_fused", "linear_cross_entropy": "triton_chunked",
+                     "moe_experts": "grouped_mm", "attention": "sdpa_flash"}
+
+
+def test_selection_fails_closed_listing_every_candidate() -> None:
+    with pytest.raises(KernelSelectionError) as err:
+        select(default_catalog(), "moe_experts", A100, "bfloat16")
+    message = str(err.value)
+    assert "grouped_mm: needs compute capability >= 9.0, have 8.0" in message
+    assert "triton_grouped: deferred" in message
+    with pytest.raises(KernelSelectionError, match="dtype float32 not in bfloat16"):
+        select(default_catalog(), "moe_experts", H100, "float32")
+    with pytest.raises(KernelSelectionError, match="needs device cuda, have cpu"):
+        select(default_catalog(), "rmsnorm", CPU, "float32")
+
+
+def test_allowed_fallback_records_the_rejections() -> None:
+    sel = select(default_catalog(), "linear_cross_entropy", CPU, "float32", allow_reference=True)
+    assert sel.fell_back and sel.backend.name == "reference"
+    assert sel.to_dict()["rejected"] == [
+        {"backend": "triton_chunked", "reason": "needs device cuda, have cpu"}]
+
+
+def test_requirements_smem_packages_ops_and_bad_names() -> None:
+    catalog = Catalog()
+    catalog.add_surface(default_catalog().surface("rmsnorm"))
+    catalog.add(Backend("big", "rmsnorm", "chosen", Requirements(smem_bytes=200 * 1024), abs))
+    catalog.add(Backend("pkg", "rmsnorm", "chosen", Requirements(packages=("nope",)), abs))
+    catalog.add(Backend("op", "rmsnorm", "chosen", Requirements(torch_ops=("_nope",)), abs))
+    with pytest.raises(KernelSelectionError) as err:
+        select(catalog, "rmsnorm", A100, "bfloat16")
+    text = str(err.value)
+    assert "needs 204800 B shared memory per block, device allows 166912" in text
+    assert "package(s) not importable: nope" in text and "lacks torch._nope" in text
+    roomy = DeviceFacts("cuda", "x", (9, 0), 232448, frozenset({"nope"}), frozenset({"_nope"}))
+    assert select(catalog, "rmsnorm", roomy, "bfloat16").backend.name == "big"
+    assert [k.smem_bytes for k in smem_needs([select(catalog, "rmsnorm", H100, "bfloat16")])] \
+        == [200 * 1024]
+    with pytest.raises(KernelSelectionError, match="unknown kernel surface 'nope'"):
+        select(catalog, "nope", H100, "bfloat16")
+    with pytest.raises(KernelSelectionError, match="dtype 'int8' not one of"):
+        select(catalog, "rmsnorm", H100, "int8")
+    with pytest.raises(ValueError, match="needs a reason"):
+        catalog.add(Backend("peer", "rmsnorm", "donor", Requirements(), abs))
+
+
+def _cpu_catalog(fn) -> tuple[Catalog, Backend]:
+    catalog = Catalog()
+    catalog.add_surface(default_catalog().surface("moe_experts"))
+    backend = Backend("candidate", "moe_experts", "chosen", Requirements(devices=("cpu",)), fn)
+    catalog.add(backend)
+    return catalog, backend
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_check_passes_a_real_alternative_implementation(seed: int) -> None:
+    """The grouped-GEMM path runs on the CPU too (torch._grouped_mm, fp32): it must match."""
+    catalog, backend = _cpu_catalog(moe_experts_grouped)
+    result = check_backend(catalog.surface("moe_experts"), backend, torch.device("cpu"),
+                           "float32", seed)
+    assert result.passed, result.errors
+    assert set(result.errors) == {"out", "dx", "dweights", "dw_in", "dw_out"}
+
+
+def test_check_fails_a_wrong_or_nan_backend() -> None:
+    def off_by_a_bit(**kw):
+        return default_catalog().surface("moe_experts").reference(**kw) * 1.001
+
+    def nan_out(**kw):
+        return default_catalog().surface("moe_experts").reference(**kw) * float("nan")
+
+    for fn in (off_by_a_bit, nan_out):
+        catalog, backend = _cpu_catalog(fn)
+        result = check_backend(catalog.surface("moe_experts"), backend, torch.device("cpu"),
+                               "float32", 0)
+        assert not result.passed
+
+
+def test_runtime_modes_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(2, 8)
+    with kernel_mode_override("auto"):
+        assert resolve("rmsnorm", x).name == "reference"
+    with kernel_mode_override("fast"), pytest.raises(KernelSelectionError):
+        resolve("rmsnorm", x)
+    assert chosen_kernels()["rmsnorm"] == "reference"
+    with pytest.raises(ConfigError, match="not one of reference, auto, fast"):
+        set_kernel_mode("turbo")
+    monkeypatch.setenv("MEGACPP_KERNELS", "bogus")
+    with pytest.raises(ConfigError, match="MEGACPP_KERNELS='bogus'"):
+        resolve("rmsnorm", x)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megacpp.cli.main", "kernels", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_list_json_and_bad_input(tmp_path) -> None:
+    listed = _cli("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["backends"]
+    assert {"surface": "rmsnorm", "backend": "reference", "qualifies": True}.items() <= rows[1].items()
+    bad = _cli("check", "--dtype", "int8")
+    assert bad.returncode == 2 and "unknown dtype(s) ['int8']" in bad.stderr + bad.stdout
+    assert "Traceback" not in bad.stderr
+    receipt = tmp_path / "bench.json"
+    ok = _cli("bench", "--surface", "rmsnorm", "--repeats", "2", "--out", str(receipt))
+    assert ok.returncode == 0, ok.stderr
+    assert "rmsnorm/reference/ms" in json.loads(receipt.read_text())["metrics"]
