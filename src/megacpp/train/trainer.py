@@ -34,6 +34,7 @@ from megacpp.contract.preflight import PreflightError, PreflightReport, record_c
 from megacpp.data.loader import IGNORE_INDEX, PackedLoader
 from megacpp.data.shards import ShardedDataset
 from megacpp.errors import ConfigError, MegaCppError
+from megacpp.kernels.runtime import chosen_kernels
 from megacpp.model.config import ModelConfig
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM
@@ -533,7 +534,8 @@ class _Session:
         path = self.run_dir / RECEIPT_FILE
         try:
             write_receipt(path, "train", config, self._receipt_metrics(status), artifacts,
-                          preflight=self.preflight, fingerprint=self.fingerprint)
+                          kernels=chosen_kernels(), preflight=self.preflight,
+                          fingerprint=self.fingerprint)
         except MegaCppError as exc:  # never mask the run's own outcome
             self._warn(f"could not write the receipt {path}: {exc}")
             return None
