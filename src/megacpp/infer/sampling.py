@@ -1,0 +1,58 @@
+"""Next-token sampling: temperature, top-k, top-p (nucleus), seeded."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megacpp.errors import MegaCppError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` is greedy decoding. ``top_k == 0`` and ``top_p == 1`` disable those
+    filters. ``stop`` strings end a completion and are not part of it (OpenAI semantics).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise MegaCppError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise MegaCppError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise MegaCppError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise MegaCppError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise MegaCppError(f"stop sequences must be non-empty strings, got {self.stop!r}")
+
+
+def sample_next_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (keeps >= 1 token)
+        drop_sorted = probs.cumsum(-1) - probs >= params.top_p
+        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
