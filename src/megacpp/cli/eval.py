@@ -244,6 +244,56 @@ def score(
     console.print(f"wrote {', '.join(str(p) for p in report.files.values())}")
 
 
+@app.command("humaneval-x")
+def humaneval_x(
+    checkpoint: Annotated[Path, typer.Option(help="Run directory or checkpoints/step_N directory.")],
+    out: Annotated[Path, typer.Option(help="Directory for samples.jsonl, summary.json, receipt.json.")],
+    n: Annotated[int, typer.Option(help="Samples per problem.")] = 10,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.8,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 0.95,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per completion at most.")] = 384,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible samples.")] = None,
+    limit: LimitOpt = None,
+    task: TaskOpt = None,
+    problems: ProblemsOpt = None,
+    k: Annotated[list[int] | None, typer.Option(
+        "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the run's).")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    workers: WorkersOpt = DEFAULT_WORKERS,
+    std: StdOpt = "c++17",
+    sanitize: SanitizeOpt = False,
+    pch: PchOpt = True,
+    linker: LinkerOpt = "auto",
+    isolation: IsolationOpt = None,
+) -> None:
+    """Sample completions of HumanEval-X C++ prompts from a checkpoint and score pass@k."""
+    from megacpp.cli._checkpoint import load_for_inference
+    from megacpp.eval import SamplingSettings, evaluate_generator
+    from megacpp.infer.generate import FunctionBodyGenerator, TextGenerator
+
+    problem_file = locate_problems(problems)
+    chosen = select_problems(load_problems(problem_file), task or (), limit)
+    verifier = _humaneval_verifier(std, sanitize, pch, linker, isolation)
+    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device)
+    generate = FunctionBodyGenerator(TextGenerator(model, tok, device), max_new_tokens)
+    sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
+                                max_new_tokens=max_new_tokens, seed=seed)
+    console.print(f"sampling {n} completions for each of {len(chosen)} problems from {ckpt}")
+    report, _ = _with_progress("samples", n * len(chosen), lambda tick: evaluate_generator(
+        generate, chosen, sampling, verifier=verifier, out_dir=out, workers=workers,
+        model={"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
+               "params": sum(p.numel() for p in model.parameters())},
+        ks=tuple(k or DEFAULT_KS), on_result=tick))
+    table = Table("metric", "value")
+    for kk, value in report.pass_at_k.items():
+        table.add_row(f"pass@{kk}", f"{value:.4f}")
+    table.add_row("problems", str(len(report.counts)))
+    table.add_row("statuses", ", ".join(f"{s}={c}" for s, c in sorted(report.status_counts.items())))
+    console.print(table)
+    console.print(f"wrote {', '.join(str(p) for p in report.files.values())}")
+
+
 def _humaneval_verifier(std: str, sanitize: bool, pch: bool, linker: str,
                         isolation: str | None) -> CppVerifier:
     sandbox = Sandbox(isolation)

@@ -1,0 +1,65 @@
+"""``megacpp generate``: sample completions from a trained checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.syntax import Syntax
+
+from megacpp.errors import MegaCppError
+
+app = typer.Typer()
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[Path, typer.Option(help="Run directory or checkpoints/step_N directory.")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
+    file: Annotated[Path | None, typer.Option(help="Read the prompt from this file.")] = None,
+    n: Annotated[int, typer.Option(help="Completions to sample.")] = 1,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per completion at most.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.8,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 0.95,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible samples.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop sequence (repeatable).")] = None,
+    function_body: Annotated[bool, typer.Option(
+        "--function-body", help="Complete a C++ function body: stop at its closing brace.")] = False,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the run's).")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
+) -> None:
+    """Sample ``n`` completions of a prompt with the model's cached decoding."""
+    from megacpp.cli._checkpoint import load_for_inference
+    from megacpp.infer.generate import CPP_BODY_STOP, TextGenerator
+    from megacpp.infer.sampling import SamplingParams
+
+    if (prompt is None) == (file is None):
+        raise MegaCppError("give exactly one of --prompt TEXT or --file F")
+    if file is not None:
+        try:
+            prompt = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MegaCppError(f"cannot read the prompt file {file}: {exc}") from None
+    if n < 1:
+        raise MegaCppError(f"--n must be >= 1, got {n}")
+    stops = tuple(stop or ()) + ((CPP_BODY_STOP,) if function_body else ())
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_new_tokens=max_new_tokens, stop=stops, seed=seed)
+    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device)
+    completions = TextGenerator(model, tok, device).complete(prompt, n, params)
+    console = Console()
+    for i, c in enumerate(completions):
+        text = c.text + (CPP_BODY_STOP + "\n" if function_body and c.stop == CPP_BODY_STOP else "")
+        if as_json:
+            typer.echo(json.dumps({"index": i, "completion": text, "finish_reason": c.finish_reason,
+                                   "tokens": len(c.token_ids), "checkpoint": str(ckpt)}))
+        else:
+            console.print(Panel(Syntax(prompt + text, "cpp", theme="ansi_dark"),
+                                title=f"#{i} ({c.finish_reason}, {len(c.token_ids)} tokens)",
+                                title_align="left"))
