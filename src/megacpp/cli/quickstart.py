@@ -82,10 +82,20 @@ def quickstart(
     out = out.absolute()
     data_dir = build_corpus(console, srcs, out / "data", rebuild)
     entropy = unigram_entropy_nats(data_dir)
-    run_dir = out / f"run-{time.strftime('%Y%m%d-%H%M%S')}"  # a fresh run every time
+    run_dir = fresh_run_dir(out)
     result = train_tiny(console, data_dir, run_dir, steps, threads)
     sample_completion(console, result.checkpoint, data_dir, prompt)
     report(console, result, entropy)
+
+
+def fresh_run_dir(out: Path) -> Path:
+    """A new run directory per quickstart (earlier runs are never overwritten)."""
+    stem = out / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir, n = stem, 1
+    while run_dir.exists():
+        n += 1
+        run_dir = stem.with_name(f"{stem.name}-{n}")
+    return run_dir
 
 
 def build_corpus(console: Console, sources: list[Path], data_dir: Path, rebuild: bool) -> Path:
