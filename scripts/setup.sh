@@ -41,7 +41,7 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # 3. torch first, pinned.
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH_PIN#torch==}')" 2>/dev/null; then
   log "installing ${TORCH_PIN}"
-  "${PIP[@]}" "$TORCH_PIN"
+  "${PIP[@]}" "$TORCH_PIN" 2> >(grep -v "is ignored" >&2)
 fi
 
 # 4. megacpp itself (editable) with its test extras. Re-run only when pyproject changed.

@@ -22,12 +22,12 @@ A preset is a TOML file under ``configs/`` (``tiny``, ``nam56r-small``, ...) wit
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from megacpp._config import build_section, check
 from megacpp.errors import ConfigError
 from megacpp.pattern import PatternError, load, require_buildable
 
@@ -143,15 +143,18 @@ class ModelConfig:
         """Build from ``{"model": {...}, "attention": {...}, ...}``; validates everything."""
         if not isinstance(data, dict):
             raise ConfigError(f"model config must be a table, got {type(data).__name__}")
-        sections = {name for name, hint in _hints(cls).items() if dataclasses.is_dataclass(hint)}
+        sections = {
+            name for name, hint in get_type_hints(cls).items() if dataclasses.is_dataclass(hint)
+        }
         unknown = sorted(set(data) - sections - {"model"})
         if unknown:
             raise ConfigError(
                 f"unknown config table(s) {unknown}; allowed: {sorted(sections | {'model'})}"
             )
-        top = _build(cls, data.get("model", {}), "model", skip=sections)
+        top = build_section(cls, data.get("model", {}), "model", skip=sections)
         subs = {
-            name: _build(_hints(cls)[name], data.get(name, {}), name) for name in sorted(sections)
+            name: build_section(get_type_hints(cls)[name], data.get(name, {}), name)
+            for name in sorted(sections)
         }
         cfg = dataclasses.replace(top, **subs)
         cfg.validate()
@@ -190,42 +193,42 @@ class ModelConfig:
         _positive(r, "rnn", ("n_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"))
         _positive(e, "moe", ("n_experts", "top_k", "expert_ffn"))
         _positive(self.mlp, "mlp", ("ffn",))
-        _check(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "a float in (0, 1)")
-        _check(0 < self.init_std < 1, "model.init_std", self.init_std, "a float in (0, 1)")
-        _check(a.rope_base > 1, "attention.rope_base", a.rope_base, "a float > 1")
-        _check(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even integer (RoPE)")
-        _check(
+        check(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "a float in (0, 1)")
+        check(0 < self.init_std < 1, "model.init_std", self.init_std, "a float in (0, 1)")
+        check(a.rope_base > 1, "attention.rope_base", a.rope_base, "a float > 1")
+        check(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even integer (RoPE)")
+        check(
             a.n_heads % a.n_kv_heads == 0,
             "attention.n_kv_heads",
             a.n_kv_heads,
             f"a divisor of attention.n_heads={a.n_heads}",
         )
-        _check(m.d_state % 2 == 0, "mamba.d_state", m.d_state, "an even integer (rotary pairs)")
+        check(m.d_state % 2 == 0, "mamba.d_state", m.d_state, "an even integer (rotary pairs)")
         d_inner = m.expand * self.d_model
-        _check(
+        check(
             d_inner % m.headdim == 0,
             "mamba.headdim",
             m.headdim,
             f"a divisor of mamba.expand * model.d_model = {d_inner}",
         )
         n_mamba_heads = d_inner // m.headdim
-        _check(
+        check(
             n_mamba_heads % m.ngroups == 0,
             "mamba.ngroups",
             m.ngroups,
             f"a divisor of the number of Mamba heads ({n_mamba_heads})",
         )
-        _check(
+        check(
             0 < m.rope_fraction <= 1 and int(m.d_state * m.rope_fraction) >= 2,
             "mamba.rope_fraction",
             m.rope_fraction,
             "in (0, 1], rotating at least one pair of mamba.d_state",
         )
-        _check(e.top_k <= e.n_experts, "moe.top_k", e.top_k, f"<= moe.n_experts={e.n_experts}")
-        _check(e.n_shared_experts >= 0, "moe.n_shared_experts", e.n_shared_experts, ">= 0")
-        _check(e.bias_update_rate >= 0, "moe.bias_update_rate", e.bias_update_rate, ">= 0")
-        _check(e.seq_aux_loss_coef >= 0, "moe.seq_aux_loss_coef", e.seq_aux_loss_coef, ">= 0")
-        _check(e.routed_scaling > 0, "moe.routed_scaling", e.routed_scaling, "> 0")
+        check(e.top_k <= e.n_experts, "moe.top_k", e.top_k, f"<= moe.n_experts={e.n_experts}")
+        check(e.n_shared_experts >= 0, "moe.n_shared_experts", e.n_shared_experts, ">= 0")
+        check(e.bias_update_rate >= 0, "moe.bias_update_rate", e.bias_update_rate, ">= 0")
+        check(e.seq_aux_loss_coef >= 0, "moe.seq_aux_loss_coef", e.seq_aux_loss_coef, ">= 0")
+        check(e.routed_scaling > 0, "moe.routed_scaling", e.routed_scaling, "> 0")
         self._validate_mla_dsa()
         self._validate_mtp()
 
@@ -236,18 +239,18 @@ class ModelConfig:
             "mla",
             ("n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
         )
-        _check(mla.q_lora_rank >= 0, "mla.q_lora_rank", mla.q_lora_rank, ">= 0 (0: full rank)")
-        _check(mla.rope_base > 1, "mla.rope_base", mla.rope_base, "a float > 1")
-        _check(
+        check(mla.q_lora_rank >= 0, "mla.q_lora_rank", mla.q_lora_rank, ">= 0 (0: full rank)")
+        check(mla.rope_base > 1, "mla.rope_base", mla.rope_base, "a float > 1")
+        check(
             mla.qk_rope_head_dim % 2 == 0,
             "mla.qk_rope_head_dim",
             mla.qk_rope_head_dim,
             "an even integer (RoPE)",
         )
         _positive(dsa, "dsa", ("index_n_heads", "index_head_dim", "top_k", "query_chunk"))
-        _check(dsa.mode in DSA_MODES, "dsa.mode", dsa.mode, " or ".join(map(repr, DSA_MODES)))
-        _check(dsa.indexer_loss_coef >= 0, "dsa.indexer_loss_coef", dsa.indexer_loss_coef, ">= 0")
-        _check(
+        check(dsa.mode in DSA_MODES, "dsa.mode", dsa.mode, " or ".join(map(repr, DSA_MODES)))
+        check(dsa.indexer_loss_coef >= 0, "dsa.indexer_loss_coef", dsa.indexer_loss_coef, ">= 0")
+        check(
             mla.qk_rope_head_dim <= dsa.index_head_dim,
             "dsa.index_head_dim",
             dsa.index_head_dim,
@@ -256,14 +259,14 @@ class ModelConfig:
 
     def _validate_mtp(self) -> None:
         mtp = self.mtp
-        _check(mtp.depth >= 0, "mtp.depth", mtp.depth, ">= 0 (0 disables multi-token prediction)")
-        _check(mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0")
+        check(mtp.depth >= 0, "mtp.depth", mtp.depth, ">= 0 (0 disables multi-token prediction)")
+        check(mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0")
         try:
             plan = load(mtp.pattern)
             require_buildable(plan)
         except PatternError as exc:
             raise ConfigError(f"mtp.pattern = {mtp.pattern!r} is invalid: {exc}") from None
-        _check(
+        check(
             len(plan.stage_sizes) == 1,
             "mtp.pattern",
             mtp.pattern,
@@ -295,50 +298,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-def _build(cls: type, data: Any, section: str, skip: set[str] = frozenset()) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"[{section}] must be a table, got {type(data).__name__}")
-    hints = _hints(cls)
-    known = {f.name for f in fields(cls)} - set(skip)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in [{section}]; allowed: {sorted(known)}")
-    values = {}
-    for key, value in data.items():
-        values[key] = _coerce(value, hints[key], f"{section}.{key}")
-    return cls(**values)
-
-
-def _coerce(value: Any, hint: Any, name: str) -> Any:
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} = {value!r}: expected true or false")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} = {value!r}: expected an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        raise ConfigError(f"{name} = {value!r}: expected a finite number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{name} = {value!r}: expected a string")
-    raise TypeError(f"unsupported config type {hint} for {name}")  # a bug, not user input
-
-
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
     for n in names:
         v = getattr(obj, n)
-        _check(v > 0, f"{section}.{n}", v, "a positive integer")
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} = {value!r} is invalid; allowed: {allowed}")
+        check(v > 0, f"{section}.{n}", v, "a positive integer")

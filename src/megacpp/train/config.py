@@ -27,10 +27,11 @@ import copy
 import dataclasses
 import math
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
+from megacpp._config import build_section, check, choice
 from megacpp.contract.config import ContractConfig, config_from_dict
 from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig, load_config
@@ -50,9 +51,9 @@ class RunSection:
     cpu_threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
 
     def validate(self) -> None:
-        _choice("run.device", self.device, ("auto", "cpu", "cuda"))
-        _check(self.seed >= 0, "run.seed", self.seed, "an integer >= 0")
-        _check(self.cpu_threads >= 0, "run.cpu_threads", self.cpu_threads, "an integer >= 0")
+        choice("run.device", self.device, ("auto", "cpu", "cuda"))
+        check(self.seed >= 0, "run.seed", self.seed, "an integer >= 0")
+        check(self.cpu_threads >= 0, "run.cpu_threads", self.cpu_threads, "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,9 @@ class DataSection:
     shuffle: bool = True
 
     def validate(self) -> None:
-        _check(bool(self.dir), "data.dir", self.dir, "the directory of a `megacpp data build`")
-        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
-        _check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")
+        check(bool(self.dir), "data.dir", self.dir, "the directory of a `megacpp data build`")
+        check(self.num_workers >= 0, "data.num_workers", self.num_workers, "an integer >= 0")
+        check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,14 @@ class TrainSection:
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU | fp32 | bf16
 
     def validate(self) -> None:
-        _check(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
-        _check(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size,
+        check(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
+        check(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size,
                "an integer >= 1")
-        _check(self.grad_accum_steps >= 1, "train.grad_accum_steps", self.grad_accum_steps,
+        check(self.grad_accum_steps >= 1, "train.grad_accum_steps", self.grad_accum_steps,
                "an integer >= 1")
-        _check(self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm, ">= 0")
-        _check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0")
-        _choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        check(self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm, ">= 0")
+        check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0")
+        choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,13 @@ class OptimSection:
     muon_ns_steps: int = 5
 
     def validate(self) -> None:
-        _check(self.lr > 0, "optim.lr", self.lr, "a number > 0")
-        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        check(self.lr > 0, "optim.lr", self.lr, "a number > 0")
+        check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
         for name in ("beta1", "beta2", "muon_momentum"):
             value = getattr(self, name)
-            _check(0 <= value < 1, f"optim.{name}", value, "a number in [0, 1)")
-        _check(self.eps > 0, "optim.eps", self.eps, "a number > 0")
-        _check(self.muon_ns_steps >= 1, "optim.muon_ns_steps", self.muon_ns_steps,
+            check(0 <= value < 1, f"optim.{name}", value, "a number in [0, 1)")
+        check(self.eps > 0, "optim.eps", self.eps, "a number > 0")
+        check(self.muon_ns_steps >= 1, "optim.muon_ns_steps", self.muon_ns_steps,
                "an integer >= 1")
 
 
@@ -119,11 +120,11 @@ class ScheduleSection:
     decay_fraction: float = 0.2  # wsd: the share of steps spent decaying at the end
 
     def validate(self) -> None:
-        _choice("schedule.kind", self.kind, ("cosine", "wsd", "constant"))
-        _check(self.warmup_steps >= 0, "schedule.warmup_steps", self.warmup_steps, ">= 0")
-        _check(0 <= self.min_lr_ratio <= 1, "schedule.min_lr_ratio", self.min_lr_ratio,
+        choice("schedule.kind", self.kind, ("cosine", "wsd", "constant"))
+        check(self.warmup_steps >= 0, "schedule.warmup_steps", self.warmup_steps, ">= 0")
+        check(0 <= self.min_lr_ratio <= 1, "schedule.min_lr_ratio", self.min_lr_ratio,
                "a number in [0, 1]")
-        _check(0 < self.decay_fraction <= 1, "schedule.decay_fraction", self.decay_fraction,
+        check(0 < self.decay_fraction <= 1, "schedule.decay_fraction", self.decay_fraction,
                "a number in (0, 1]")
 
 
@@ -135,10 +136,10 @@ class ParallelSection:
     compile: bool = False  # torch.compile each block (regional compilation)
 
     def validate(self) -> None:
-        _choice("parallel.strategy", self.strategy, ("auto", "single", "ddp", "fsdp"))
-        _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+        choice("parallel.strategy", self.strategy, ("auto", "single", "ddp", "fsdp"))
+        choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         bad = sorted(set(self.activation_checkpointing) - set("AEMRD"))
-        _check(not bad, "parallel.activation_checkpointing", self.activation_checkpointing,
+        check(not bad, "parallel.activation_checkpointing", self.activation_checkpointing,
                "block letters from A E M R D (e.g. \"ME\"), or \"\" for none")
 
 
@@ -148,8 +149,8 @@ class CheckpointSection:
     keep_last: int = 3
 
     def validate(self) -> None:
-        _check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0")
-        _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "an integer >= 1")
+        check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0")
+        check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -159,10 +160,10 @@ class GuardSection:
     spike_ema: float = 0.95  # EMA decay of the loss mean and variance
 
     def validate(self) -> None:
-        _check(self.spike_zscore > 0, "guards.spike_zscore", self.spike_zscore, "> 0")
-        _check(self.spike_warmup_steps >= 0, "guards.spike_warmup_steps",
+        check(self.spike_zscore > 0, "guards.spike_zscore", self.spike_zscore, "> 0")
+        check(self.spike_warmup_steps >= 0, "guards.spike_warmup_steps",
                self.spike_warmup_steps, ">= 0")
-        _check(0 < self.spike_ema < 1, "guards.spike_ema", self.spike_ema, "in (0, 1)")
+        check(0 < self.spike_ema < 1, "guards.spike_ema", self.spike_ema, "in (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -176,10 +177,10 @@ class DebugSection:
     checkpoint_stall_step: int = 0
 
     def validate(self) -> None:
-        _check(self.nan_step >= 0, "debug.nan_step", self.nan_step, "an integer >= 0")
-        _check(self.nan_step == 0 or bool(self.nan_target), "debug.nan_target",
+        check(self.nan_step >= 0, "debug.nan_step", self.nan_step, "an integer >= 0")
+        check(self.nan_step == 0 or bool(self.nan_target), "debug.nan_target",
                self.nan_target, "\"loss\" or a parameter name when debug.nan_step is set")
-        _check(self.checkpoint_stall_step >= 0, "debug.checkpoint_stall_step",
+        check(self.checkpoint_stall_step >= 0, "debug.checkpoint_stall_step",
                self.checkpoint_stall_step, "an integer >= 0")
 
 
@@ -383,39 +384,8 @@ def _table(data: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _build_section(cls: type, table: dict[str, Any], name: str) -> Any:
-    hints = get_type_hints(cls)
-    known = [f.name for f in fields(cls)]
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in [{name}]; allowed: {known}")
-    values = {key: _coerce(value, hints[key], f"{name}.{key}") for key, value in table.items()}
-    section = cls(**values)
+    section = build_section(cls, table, name)
     section.validate()
     return section
 
 
-def _coerce(value: Any, hint: type, name: str) -> Any:
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} = {value!r}: expected true or false")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} = {value!r}: expected an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        raise ConfigError(f"{name} = {value!r}: expected a finite number")
-    if isinstance(value, str):
-        return value
-    raise ConfigError(f"{name} = {value!r}: expected a string")
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    _check(value in allowed, name, value, " | ".join(allowed))
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} = {value!r} is invalid; allowed: {allowed}")
