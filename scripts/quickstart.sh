@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# The README's main-job command: set up (idempotent), then run the main job.
+# The README's main-job command: set up (idempotent), then `megacpp quickstart`: build a
+# corpus from the C++ headers on this machine, train the tiny model on the CPU, sample from
+# it, and print where the checkpoint, plots and receipt are. Extra arguments go to quickstart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-if .venv/bin/megacpp quickstart --help >/dev/null 2>&1; then
-  exec .venv/bin/megacpp quickstart "$@"
-fi
-# Until the trainer lands `megacpp quickstart`, the main job is describing the flagship model.
-exec .venv/bin/megacpp model describe NAM56R "$@"
+exec .venv/bin/megacpp quickstart "$@"
