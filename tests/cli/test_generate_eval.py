@@ -51,5 +51,6 @@ def test_humaneval_x_scores_a_checkpoint_and_writes_a_receipt(run_dir, tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["pass_at_k"]["pass@1"] <= 1.0
     assert summary["model"]["checkpoint"].endswith("step_000002")
+    assert summary["problems"]["sha256"] and summary["problems"]["evaluated"] == 2
     receipt = json.loads((out / "receipt.json").read_text())
     assert receipt["kind"] == "eval" and "checkpoint" in json.dumps(receipt["config"])

@@ -284,7 +284,7 @@ def humaneval_x(
         generate, chosen, sampling, verifier=verifier, out_dir=out, workers=workers,
         model={"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
                "params": sum(p.numel() for p in model.parameters())},
-        ks=tuple(k or DEFAULT_KS), on_result=tick))
+        ks=tuple(k or DEFAULT_KS), on_result=tick, problem_file=problem_file))
     table = Table("metric", "value")
     for kk, value in report.pass_at_k.items():
         table.add_row(f"pass@{kk}", f"{value:.4f}")

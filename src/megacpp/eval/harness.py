@@ -139,6 +139,7 @@ def evaluate_generator(
     ks: Iterable[int] = DEFAULT_KS,
     workers: int = os.cpu_count() or 1,
     on_result: Callable[[SampleResult], None] | None = None,
+    problem_file: Path | None = None,
 ) -> EvalReport:
     """Sample ``sampling.n`` completions per problem from ``generate`` and score them."""
     completions = generate([problem.prompt for problem in problems], sampling.n,
@@ -149,7 +150,7 @@ def evaluate_generator(
                for index, completion in enumerate(per_problem)]
     return evaluate_samples(problems, samples, verifier=verifier, out_dir=out_dir, model=model,
                             sampling=asdict(sampling), ks=ks, workers=workers,
-                            on_result=on_result)
+                            on_result=on_result, problem_file=problem_file)
 
 
 def evaluate_samples(
