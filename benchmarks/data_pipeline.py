@@ -16,7 +16,8 @@ Stages (MB = 10^6 bytes of source as read from disk, wall-clock seconds):
 * ``encode (megacpp, 1 process)``: :meth:`CppTokenizer.encode_batch` (same ids), warm cache;
   and ``encode (megacpp, N processes)``: in the build's worker pool (process start included);
 * ``structure ids (1 process)``: tree-sitter parse + query + token mapping;
-* ``tokenize + structure (N processes)``: what the build runs, in its worker pool;
+* ``tokenize + structure (N processes)``: what the build runs in its worker pool when the
+  tokenizer is given (:func:`megacpp.data.encode.encode_chunk`: ids and per-token structure ids);
 * ``pack + write shards``: packing into rows and writing parquet, from encoded documents;
 * ``end to end, tokenizer given`` / ``end to end, tokenizer trained``: ``build_dataset``.
 
@@ -66,6 +67,16 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def python_loop_seconds() -> float:
+    """CPU seconds of a fixed pure-Python loop: how fast this (virtual) CPU is right now.
+    Recorded before and after: on a shared host it drifts by tens of percent."""
+    start = time.process_time()
+    total = 0
+    for i in range(5_000_000):
+        total += i
+    return time.process_time() - start
+
+
 def chunked(texts: list[str], size: int = 256) -> list[list[str]]:
     return [texts[i : i + size] for i in range(0, len(texts), size)]
 
@@ -77,7 +88,7 @@ def main() -> None:
     from megacpp.data.build import BuildConfig, build_dataset, plan_documents
     from megacpp.data.config import CorpusConfig
     from megacpp.data.curate import curate_stream
-    from megacpp.data.encode import ordered_map, structure_chunk, tokenize_chunk, worker_pool
+    from megacpp.data.encode import encode_chunk, ordered_map, tokenize_chunk, worker_pool
     from megacpp.data.structure import StructureLabeler, token_ends
     from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
 
@@ -99,6 +110,7 @@ def main() -> None:
 
     console = Console(stderr=True)
     load_before = os.getloadavg()
+    loop_before = python_loop_seconds()
     rows: list[dict[str, Any]] = []
 
     def record(stage: str, times: tuple[float, float], nbytes: int, **extra: Any) -> None:
@@ -183,11 +195,8 @@ def main() -> None:
         def pool_run() -> None:
             with worker_pool(args.workers) as pool:
                 chunks = chunked(texts, 64)
-                labels = [pool.submit(structure_chunk, c, 5.0) for c in chunks]
-                for _ in ordered_map(pool, tokenize_chunk, chunks, str(tok_path), ahead=4):
+                for _ in ordered_map(pool, encode_chunk, chunks, str(tok_path), 5.0, ahead=8):
                     pass
-                for future in labels:
-                    future.result()
 
         seconds, _ = timed(pool_run)
         record(f"tokenize + structure ({args.workers} processes)", seconds, text_bytes)
@@ -223,6 +232,8 @@ def main() -> None:
             "tokenizers": tokenizers.__version__,
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "python_loop_s_before": round(loop_before, 3),
+            "python_loop_s_after": round(python_loop_seconds(), 3),
         },
         "targets_mb_per_s": TARGETS,
         "stages": rows,

@@ -6,11 +6,11 @@ Stages, each counted in the manifest (``stages``):
 1. curation (:func:`megacpp.data.curate.curate_stream`): sources walk, binary/decode/size/
    generated/license filters, exact and near dedup -- in the main process; every batch of
    kept documents is handed at once to the worker pool for tree-sitter ``structure`` labels
-   (so parsing overlaps curation);
+   (so parsing overlaps curation) and, when a tokenizer is given, token ids too;
 2. ``split``: train/validation by content hash, then the seeded shuffle;
 3. the tokenizer: the one given, or one trained on (a capped sample of) the train split;
-4. ``tokenize``: in the worker pool, 64 documents a task; the main process maps the tokens
-   onto the structure labels and
+4. ``tokenize`` (a trained tokenizer only): in the worker pool, 64 documents a task; the main
+   process maps the tokens onto the structure labels and
 5. ``pack``s rows of ``seq_len + 1`` tokens, written to shards as they fill.
 
 The output does not depend on the number of workers.
@@ -54,10 +54,11 @@ from megacpp.data.config import CorpusConfig
 from megacpp.data.curate import curate_stream
 from megacpp.data.document import Document
 from megacpp.data.encode import (
+    EncodedDoc,
     LabelRuns,
+    encode_chunk,
     ordered_map,
     structure_chunk,
-    token_structure,
     tokenize_chunk,
     worker_pool,
 )
@@ -82,7 +83,7 @@ from megacpp.data.shards import (
     ShardWriter,
     write_manifest_and_marker,
 )
-from megacpp.data.structure import NUM_STRUCTURE_IDS, Structure, token_ends
+from megacpp.data.structure import NUM_STRUCTURE_IDS, Structure
 from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
 from megacpp.errors import ConfigError, MegaCppError
 
@@ -328,8 +329,9 @@ def _build_into(
     workers: int,
     progress: Progress,
 ) -> dict[str, Any]:
+    given = _copy_given_tokenizer(staging, tokenizer_path)
     with worker_pool(workers) as pool:
-        structure = _StructureJobs(pool, cfg.structure, progress)
+        structure = _StructureJobs(pool, cfg.structure, progress, given)
         docs, stages = curate_documents(sources, cfg.corpus, progress, structure.submit)
         planned, split_stats = plan_documents(docs, cfg.packing)
         del docs
@@ -338,7 +340,7 @@ def _build_into(
                 f"no training documents: curation kept {len(planned)} document(s) and "
                 f"val_permille={cfg.packing.val_permille} sent all of them to validation"
             )
-        tokenizer = _prepare_tokenizer(staging, planned, cfg.tokenizer, tokenizer_path, progress)
+        tokenizer = _prepare_tokenizer(staging, planned, cfg.tokenizer, given, progress)
         encode_stats, structure_stats, pack_stats = (
             StageStats("tokenize"),
             StageStats("structure"),
@@ -361,13 +363,18 @@ def _build_into(
 
 
 class _StructureJobs:
-    """Structure labelling submitted to the worker pool while curation is still running."""
+    """Structure labelling (and, with a ``tokenizer`` file known up front, tokenization)
+    submitted to the worker pool while curation is still running."""
 
-    def __init__(self, pool: Executor, cfg: StructureConfig, progress: Progress) -> None:
+    def __init__(
+        self, pool: Executor, cfg: StructureConfig, progress: Progress, tokenizer: Path | None
+    ) -> None:
         self._pool = pool
         self._cfg = cfg
         self._progress = progress
-        self._task = progress.add_task("structure ids (tree-sitter)", total=0)
+        self.tokenizer = tokenizer
+        what = "structure ids (tree-sitter)" + (" + tokenize" if tokenizer else "")
+        self._task = progress.add_task(what, total=0)
         self._submitted_bytes = 0
         self._where: dict[int, tuple[Future, int]] = {}  # id(document) -> (chunk, position)
 
@@ -376,28 +383,45 @@ class _StructureJobs:
         nbytes = sum(d.size for d in docs)
         self._submitted_bytes += nbytes
         self._progress.update(self._task, total=self._submitted_bytes)
-        future = self._pool.submit(structure_chunk, texts, self._cfg.timeout_s, self._cfg.enabled)
+        timeout_s, enabled = self._cfg.timeout_s, self._cfg.enabled
+        if self.tokenizer is None:
+            future = self._pool.submit(structure_chunk, texts, timeout_s, enabled)
+        else:
+            future = self._pool.submit(encode_chunk, texts, str(self.tokenizer), timeout_s, enabled)
         future.add_done_callback(lambda _: self._progress.update(self._task, advance=nbytes))
         for i, doc in enumerate(docs):
             self._where[id(doc)] = (future, i)
 
     def runs(self, doc: Document) -> LabelRuns:
-        """The label runs of ``doc`` (waits for its chunk)."""
+        """The label runs of ``doc`` (waits for its chunk); no ``tokenizer`` given."""
         future, i = self._where.pop(id(doc))
         return future.result()[i]
+
+    def encoded(self, doc: Document) -> EncodedDoc:
+        """The tokens and structure ids of ``doc`` (waits for its chunk); ``tokenizer`` given."""
+        future, i = self._where.pop(id(doc))
+        return future.result()[i]
+
+
+def _copy_given_tokenizer(staging: Path, given: str | Path | None) -> Path | None:
+    """The given tokenizer file copied into the dataset (workers load this copy), or None."""
+    if given is None:
+        return None
+    target = staging / TOKENIZER_FILE
+    shutil.copyfile(given, target)
+    return target
 
 
 def _prepare_tokenizer(
     staging: Path,
     planned: Sequence[_Planned],
     cfg: TokenizerConfig,
-    given: str | Path | None,
+    given: Path | None,
     progress: Progress,
 ) -> CppTokenizer:
+    if given is not None:  # already copied into staging by _copy_given_tokenizer
+        return CppTokenizer.load(given)
     target = staging / TOKENIZER_FILE
-    if given is not None:
-        shutil.copyfile(given, target)
-        return CppTokenizer.load(target)
     task = progress.add_task(f"training tokenizer (vocab {cfg.vocab_size})", total=None)
     texts = iter_capped((p.doc.text for p in planned if p.split == TRAIN), cfg.max_train_bytes)
     hf = train_tokenizer(
@@ -437,16 +461,16 @@ def _encode_and_pack(
         [planned[i] for i in range(start, min(start + 64, len(planned)))]
         for start in range(0, len(planned), 64)
     ]
-    texts = ([p.doc.text for p in chunk] for chunk in chunks)
-    encoded = ordered_map(pool, tokenize_chunk, texts, str(staging / TOKENIZER_FILE), ahead=4)
+    encoded = _encoded_chunks(chunks, pool, structure, tokenizer)
     next_index = 0
-    for chunk, chunk_ids in zip(chunks, encoded):
+    for chunk, chunk_encoded in zip(chunks, encoded):
         records = []
-        for p, ids in zip(chunk, chunk_ids):
-            runs = structure.runs(p.doc)
-            struct_ids = token_structure(runs, token_ends(ids, tokenizer.token_nbytes))
-            _count_encoded(p.doc, ids, runs.outcome, encode_stats, structure_stats)
-            tokens, struct_ids = with_bos_eos(ids, struct_ids, tokenizer.bos_id, tokenizer.eos_id)
+        for p, enc in zip(chunk, chunk_encoded):
+            ids = enc.ids
+            _count_encoded(p.doc, ids, enc.outcome, encode_stats, structure_stats)
+            tokens, struct_ids = with_bos_eos(
+                ids, enc.structure_ids, tokenizer.bos_id, tokenizer.eos_id
+            )
             packed = PackedDocument(next_index, p.doc.rel_path, p.doc.sha256, tokens, struct_ids)
             for row in packers[p.split].add(packed):
                 writers[p.split].write(row)
@@ -459,6 +483,27 @@ def _encode_and_pack(
         progress.update(task, advance=sum(p.doc.size for p in chunk))
     documents.close()
     return _finish_splits(packers, writers, totals, pack_stats)
+
+
+def _encoded_chunks(
+    chunks: list[list[_Planned]],
+    pool: Executor,
+    structure: _StructureJobs,
+    tokenizer: CppTokenizer,
+) -> Iterator[list[EncodedDoc]]:
+    """Each document encoded, chunk by chunk: from the structure jobs when they tokenized
+    too, else tokenized now in the pool (a few chunks ahead) and mapped onto the labels."""
+    if structure.tokenizer is not None:
+        for chunk in chunks:
+            yield [structure.encoded(p.doc) for p in chunk]
+        return
+    texts = ([p.doc.text for p in chunk] for chunk in chunks)
+    encoded = ordered_map(pool, tokenize_chunk, texts, tokenizer.path, ahead=4)
+    for chunk, chunk_ids in zip(chunks, encoded):
+        yield [
+            EncodedDoc.from_runs(ids, structure.runs(p.doc), tokenizer.token_nbytes)
+            for p, ids in zip(chunk, chunk_ids)
+        ]
 
 
 def _count_encoded(

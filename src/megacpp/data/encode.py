@@ -5,10 +5,13 @@ Two kinds of task, so the expensive one can start early:
 * :func:`structure_chunk` -- tree-sitter byte labels, returned run-length encoded. It needs no
   tokenizer, so the build submits it while curation is still running (curation on the main
   core, parsing on the others).
-* :func:`tokenize_chunk` -- token ids with the (trained or given) tokenizer.
+* :func:`tokenize_chunk` -- token ids with the (trained) tokenizer; the main process then maps
+  token ends onto the label runs (:class:`EncodedDoc.from_runs`).
 
-The main process then maps token ends onto the label runs (:func:`token_structure`), packs and
-writes. With ``workers <= 1`` everything runs inline, with identical results.
+A tokenizer given up front is known before curation ends, so the build submits one task per
+batch instead (:func:`encode_chunk`): token ids and per-token structure ids, all computed in
+the worker (the text crosses once, the byte labels never). Either way the main process packs
+and writes. With ``workers <= 1`` everything runs inline, with identical results.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from megacpp.data.structure import StructureLabeler
+from megacpp.data.structure import StructureLabeler, token_ends
 from megacpp.data.tokenizer import CppTokenizer
 
 STRUCTURE_DISABLED = "disabled"
@@ -41,6 +44,20 @@ class LabelRuns:
     def encode(cls, labels: np.ndarray, outcome: str) -> LabelRuns:
         starts = np.flatnonzero(np.diff(labels, prepend=np.int16(-1)))  # [k] run starts
         return cls(starts.astype(np.int64), labels[starts], outcome)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedDoc:
+    """One document's token ids, the structure id of each token and the parse outcome."""
+
+    ids: np.ndarray  # int32[n]
+    structure_ids: np.ndarray  # uint8[n]
+    outcome: str
+
+    @classmethod
+    def from_runs(cls, ids: np.ndarray, runs: LabelRuns, token_nbytes: np.ndarray) -> EncodedDoc:
+        """Map the tokens ``ids`` onto byte-label ``runs`` (``token_nbytes``: the tokenizer's)."""
+        return cls(ids, token_structure(runs, token_ends(ids, token_nbytes)), runs.outcome)
 
 
 def token_structure(runs: LabelRuns, token_ends: np.ndarray) -> np.ndarray:
@@ -87,6 +104,24 @@ def structure_chunk(texts: list[str], timeout_s: float, enabled: bool = True) ->
 def tokenize_chunk(texts: list[str], tokenizer_path: str) -> list[np.ndarray]:
     """int32 token ids of each text."""
     return _tokenizer(tokenizer_path).encode_batch(texts)
+
+
+def encode_chunk(
+    texts: list[str], tokenizer_path: str, timeout_s: float, enabled: bool = True
+) -> list[EncodedDoc]:
+    """Token ids and per-token structure ids of each text in one task (when the tokenizer is
+    known up front: the texts cross to the worker once, and the labels never leave it)."""
+    tokenizer = _tokenizer(tokenizer_path)
+    encoded = tokenizer.encode_batch(texts)
+    if not enabled:
+        return [
+            EncodedDoc(ids, np.zeros(len(ids), np.uint8), STRUCTURE_DISABLED) for ids in encoded
+        ]
+    labeler, nbytes = _labeler(timeout_s), tokenizer.token_nbytes
+    return [
+        EncodedDoc(ids, *labeler.token_labels(text.encode("utf-8"), token_ends(ids, nbytes)))
+        for text, ids in zip(texts, encoded)
+    ]
 
 
 # ---- executors -------------------------------------------------------------------------------

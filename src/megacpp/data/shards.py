@@ -17,7 +17,6 @@ file whose sha256 differs from the manifest: :class:`megacpp.errors.MegaCppError
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -155,14 +154,13 @@ class ShardWriter:
         self._next_row += n
         tokens = np.concatenate([r.tokens for r in rows])  # [n * row_len]
         structure = np.concatenate([r.structure_ids for r in rows])
-        segments = [[dataclasses.asdict(s) for s in r.segments] for r in rows]
         columns = [
             pa.array(np.arange(first, first + n, dtype=np.int64)),
             pa.FixedSizeListArray.from_arrays(pa.array(tokens), self.row_len),
             pa.FixedSizeListArray.from_arrays(pa.array(structure), self.row_len),
             pa.array([r.doc_starts for r in rows], type=pa.list_(pa.int32())),
             pa.array([r.num_tokens for r in rows], type=pa.int32()),
-            pa.array(segments, type=pa.list_(SEGMENT_TYPE)),
+            _segments_array(rows),
         ]
         return pa.Table.from_arrays(columns, schema=self.schema)
 
@@ -188,6 +186,19 @@ class ShardWriter:
                 sha256_file(path),
             )
         )
+
+
+def _segments_array(rows: Sequence[Row]) -> pa.ListArray:
+    """The rows' segments as a ``list<SEGMENT_TYPE>`` column, built field by field (no
+    per-segment dicts)."""
+    segments = [s for r in rows for s in r.segments]
+    offsets = np.cumsum([0, *(len(r.segments) for r in rows)], dtype=np.int32)  # [rows + 1]
+    fields = [
+        pa.array([getattr(s, field.name) for s in segments], type=field.type)
+        for field in SEGMENT_TYPE
+    ]
+    struct = pa.StructArray.from_arrays(fields, fields=list(SEGMENT_TYPE))
+    return pa.ListArray.from_arrays(pa.array(offsets), struct, type=pa.list_(SEGMENT_TYPE))
 
 
 class DocumentsWriter:

@@ -34,7 +34,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 
@@ -154,8 +155,12 @@ def to_byte_level(piece: str) -> str:
     return piece.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_BYTELEVEL)
 
 
+_BYTE_LEVEL_CHARS = "".join(_CHAR_TO_BYTE)
+
+
 def _byte_level_len(token: str) -> int:
-    return len(token) if all(c in _CHAR_TO_BYTE for c in token) else 0
+    """Bytes of a byte-level ``token``; 0 when it is not one (an added special token)."""
+    return 0 if token.strip(_BYTE_LEVEL_CHARS) else len(token)
 
 
 # ---- training ------------------------------------------------------------------------------
@@ -288,11 +293,7 @@ class CppTokenizer:
         ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
         self.pad_id, self.bos_id, self.eos_id, self.doc_sep_id = ids[:4]
         self.fim_prefix_id, self.fim_middle_id, self.fim_suffix_id = ids[4:]
-        self._piece_ids: dict[str, int] = {}  # piece -> row in the piece table
-        self._piece_start: list[int] = []
-        self._piece_count: list[int] = []
-        self._piece_tokens: list[int] = []
-        self._tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._pieces = _TokenCache(self._encode_pieces, _PIECE_CACHE_LIMIT)
 
     @classmethod
     def load(cls, path: str | Path) -> CppTokenizer:
@@ -338,65 +339,95 @@ class CppTokenizer:
         """Encode many documents; equal to HF ``encode`` of each, several times faster."""
         if not texts:
             return []
-        if len(self._piece_start) > _PIECE_CACHE_LIMIT:
-            self._forget_pieces()
         piece_lists = [_PIECE_RE.findall(t) for t in texts]
-        row_lists = self._piece_rows(piece_lists)
-        starts, counts, flat = self._piece_tables()
-        n_pieces = [len(rows) for rows in row_lists]
-        rows = np.fromiter(itertools.chain.from_iterable(row_lists), np.int64, sum(n_pieces))
-        count = counts[rows]  # [total_pieces] tokens per piece
-        ends = np.cumsum(count)
-        first = np.repeat(starts[rows] - (ends - count), count)  # gather offset per token
-        ids = flat[first + np.arange(int(ends[-1]) if len(ends) else 0)]
-        doc_ends = np.concatenate([[0], ends])[np.cumsum(n_pieces)]
+        n_pieces = [len(pieces) for pieces in piece_lists]
+        pieces = itertools.chain.from_iterable(piece_lists)
+        ids, count = self._pieces.lookup(pieces, sum(n_pieces))  # count: [pieces]
+        doc_ends = np.concatenate(([0], np.cumsum(count)))[np.cumsum(n_pieces)]  # [texts]
         return np.split(ids, doc_ends[:-1])
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (specials dropped unless ``skip_special_tokens=False``)."""
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def _piece_rows(self, piece_lists: list[list[str]]) -> list[list[int]]:
-        lookup = self._piece_ids.get
-        row_lists = [[lookup(p, -1) for p in pieces] for pieces in piece_lists]
-        unseen = {
-            p
-            for pieces, rows in zip(piece_lists, row_lists)
-            if -1 in rows
-            for p, r in zip(pieces, rows)
-            if r < 0
-        }
-        if not unseen:
-            return row_lists
-        self._learn_pieces(sorted(unseen))
-        lookup = self._piece_ids.__getitem__
-        return [[lookup(p) for p in pieces] for pieces in piece_lists]
+    def _encode_pieces(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token counts ``[len(pieces)]`` and all tokens of ``pieces``, by the BPE model."""
+        tokenize = self.hf.model.tokenize
+        token_lists = [[t.id for t in tokenize(to_byte_level(piece))] for piece in pieces]
+        count = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
+        flat = itertools.chain.from_iterable(token_lists)
+        return count, np.fromiter(flat, np.int32, int(count.sum()))
 
-    def _learn_pieces(self, pieces: list[str]) -> None:
-        model = self.hf.model
-        for piece in pieces:
-            ids = [t.id for t in model.tokenize(to_byte_level(piece))]
-            self._piece_ids[piece] = len(self._piece_start)
-            self._piece_start.append(len(self._piece_tokens))
-            self._piece_count.append(len(ids))
-            self._piece_tokens.extend(ids)
-        self._tables = None
 
-    def _forget_pieces(self) -> None:
-        self._piece_ids.clear()
-        self._piece_start.clear()
-        self._piece_count.clear()
-        self._piece_tokens.clear()
-        self._tables = None
+class _TokenCache:
+    """The token ids of every distinct string seen so far (up to ``limit`` strings), in flat
+    arrays: row ``r`` is ``tokens[start[r] : start[r] + count[r]]``; ``encode_new`` gives
+    ``(count, tokens)`` for strings not seen yet.
 
-    def _piece_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self._tables is None:
-            self._tables = (
-                np.asarray(self._piece_start, dtype=np.int64),
-                np.asarray(self._piece_count, dtype=np.int64),
-                np.asarray(self._piece_tokens, dtype=np.int32),
-            )
-        return self._tables
+    Lookups run at C speed: ``_row_of`` is a dict whose missing keys get the next row (its
+    own length) on first access, so a batch maps to rows in one ``map`` call, and the strings
+    new to the cache are the last keys inserted (encoded together afterwards).
+    """
+
+    def __init__(
+        self, encode_new: Callable[[list[str]], tuple[np.ndarray, np.ndarray]], limit: int
+    ) -> None:
+        self._encode_new = encode_new
+        self._limit = limit
+        self._row_of: defaultdict[str, int] = defaultdict()
+        self._row_of.default_factory = self._row_of.__len__  # a new string gets the next row
+        self._clear()
+
+    def lookup(self, strings: Iterable[str], n_strings: int) -> tuple[np.ndarray, np.ndarray]:
+        """All token ids of ``strings`` (one after the other) and the count of each
+        ``[n_strings]``."""
+        rows = self._rows(strings, n_strings)
+        count = self._count.view[rows]  # [n_strings]
+        ends = np.cumsum(count)
+        first = np.repeat(self._start.view[rows] - (ends - count), count)  # offset per token
+        ids = self._tokens.view[first + np.arange(int(ends[-1]) if len(ends) else 0)]
+        return ids, count
+
+    def _rows(self, strings: Iterable[str], n_strings: int) -> np.ndarray:
+        if len(self._row_of) > self._limit:
+            self._clear()
+        known = len(self._row_of)
+        try:
+            rows = np.fromiter(map(self._row_of.__getitem__, strings), np.int64, n_strings)
+            n_new = len(self._row_of) - known
+            if n_new:
+                new = list(itertools.islice(reversed(self._row_of), n_new))[::-1]  # row order
+                count, tokens = self._encode_new(new)
+                self._start.extend(len(self._tokens.view) + np.cumsum(count) - count)
+                self._count.extend(count)
+                self._tokens.extend(tokens)
+        except BaseException:
+            self._clear()  # rows may have been handed out without tokens: start over
+            raise
+        return rows
+
+    def _clear(self) -> None:
+        self._row_of.clear()
+        self._start = _GrowingArray(np.int64)  # [rows] first token of each string
+        self._count = _GrowingArray(np.int64)  # [rows] tokens of each string
+        self._tokens = _GrowingArray(np.int32)  # [sum(count)] token ids, string after string
+
+
+class _GrowingArray:
+    """A 1-D numpy array appended to in amortized O(1) per element (capacity doubling)."""
+
+    def __init__(self, dtype: type) -> None:
+        self._data = np.zeros(1024, dtype=dtype)
+        self.view = self._data[:0]
+
+    def extend(self, values: np.ndarray) -> None:
+        size = len(self.view) + len(values)
+        if size > len(self._data):
+            grown = np.zeros(max(size, 2 * len(self._data)), dtype=self._data.dtype)
+            grown[: len(self.view)] = self.view
+            self._data = grown
+        self._data[len(self.view) : size] = values
+        self.view = self._data[:size]
 
 
 def _check_is_megacpp_tokenizer(tok: Tokenizer, where: str) -> None:

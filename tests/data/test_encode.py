@@ -1,0 +1,120 @@
+"""The build's per-document work and the fast paths added for speed produce exactly what the
+straightforward paths produce: the one-task encode (tokenizer given) equals tokenize + label
+runs (tokenizer trained), the piece cache gives HF's ids whatever the batching or cache
+resets, and shard rows' provenance column equals the per-segment-dict one."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from tokenizers import Tokenizer
+
+from megacpp.data import tokenizer as tokenizer_module
+from megacpp.data.build import BuildConfig, build_dataset
+from megacpp.data.encode import (
+    STRUCTURE_DISABLED,
+    EncodedDoc,
+    encode_chunk,
+    structure_chunk,
+    tokenize_chunk,
+)
+from megacpp.data.packing import PackedDocument, RowPacker
+from megacpp.data.shards import SEGMENT_TYPE, _segments_array
+from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
+from tests.data.packed_fixtures import SYNTHETIC, real_texts, tiny_config_dict, write_corpus
+
+TEXTS_EXTRA = ["", "x <|eos|> y", "\r\r\n\x0b  \t\n", "int main() { return 0; }\n"]
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return real_texts() + list(SYNTHETIC.values()) + TEXTS_EXTRA
+
+
+@pytest.fixture(scope="module")
+def tok_file(tmp_path_factory, texts) -> str:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    CppTokenizer.from_hf(train_tokenizer(texts, 512)).save(path)
+    return str(path)
+
+
+def _hf_ids(tok_file: str, texts: list[str]) -> list[list[int]]:
+    hf = Tokenizer.from_file(tok_file)
+    hf.encode_special_tokens = True
+    return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+
+
+def test_encode_chunk_equals_tokenize_then_map_runs(texts, tok_file):
+    tok = CppTokenizer.load(tok_file)
+    one_task = encode_chunk(texts, tok_file, 5.0)
+    runs = structure_chunk(texts, 5.0)
+    two_tasks = [
+        EncodedDoc.from_runs(ids, r, tok.token_nbytes)
+        for ids, r in zip(tokenize_chunk(texts, tok_file), runs)
+    ]
+    assert [d.outcome for d in one_task] == [d.outcome for d in two_tasks]
+    for a, b in zip(one_task, two_tasks):
+        assert a.ids.tolist() == b.ids.tolist()
+        assert a.structure_ids.dtype == b.structure_ids.dtype == np.uint8
+        assert a.structure_ids.tolist() == b.structure_ids.tolist()
+    assert any(d.structure_ids.any() for d in one_task)  # real labels, not all OTHER
+
+
+def test_encode_chunk_with_structure_disabled(texts, tok_file):
+    for doc in encode_chunk(texts, tok_file, 5.0, enabled=False):
+        assert doc.outcome == STRUCTURE_DISABLED
+        assert doc.structure_ids.shape == doc.ids.shape and not doc.structure_ids.any()
+
+
+def test_piece_cache_any_batching_and_resets_equal_hf(texts, tok_file, monkeypatch):
+    expected = _hf_ids(tok_file, texts)
+    tok = CppTokenizer.load(tok_file)
+    one_by_one = [tok.encode(t).tolist() for t in reversed(texts)][::-1]  # warm cache, new order
+    assert one_by_one == expected
+    monkeypatch.setattr(tokenizer_module, "_PIECE_CACHE_LIMIT", 50)  # clears between batches
+    small = CppTokenizer.load(tok_file)
+    for start in range(0, len(texts), 3):
+        batch = texts[start : start + 3]
+        assert [ids.tolist() for ids in small.encode_batch(batch)] == expected[start : start + 3]
+    distinct = {p for t in texts for p in tokenizer_module._PIECE_RE.findall(t)}
+    assert len(small._pieces._row_of) < len(distinct)  # the cache was cleared on the way
+
+
+def test_segments_column_equals_per_segment_dicts():
+    packer = RowPacker(16, pad_id=0)
+    rows = []
+    for i, n in enumerate([5, 30, 1, 12, 40]):
+        doc = PackedDocument(
+            i, f"d{i}.h", f"{i:064x}", np.arange(n, dtype=np.int32), np.zeros(n, np.uint8)
+        )
+        rows += list(packer.add(doc))
+    rows += list(packer.finish())
+    reference = pa.array(
+        [[dataclasses.asdict(s) for s in r.segments] for r in rows], type=pa.list_(SEGMENT_TYPE)
+    )
+    assert _segments_array(rows).equals(reference)
+
+
+def _file_digests(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_given_tokenizer_build_equals_trained_build(tmp_path):
+    """The one-task path (tokenizer given, 2 workers) writes the same bytes, file for file,
+    as the two-task path (tokenizer trained in the build, inline)."""
+    sources = write_corpus(tmp_path / "src")
+    cfg = BuildConfig.from_dict(tiny_config_dict())
+    trained = build_dataset([sources], tmp_path / "trained", cfg, workers=1).out
+    given = build_dataset(
+        [sources], tmp_path / "given", cfg, tokenizer_path=trained / "tokenizer.json", workers=2
+    ).out
+    assert _file_digests(given) == _file_digests(trained)
