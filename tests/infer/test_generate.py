@@ -84,5 +84,10 @@ def test_function_body_generator_puts_the_closing_brace_back(generator):
     body = FunctionBodyGenerator(generator, max_new_tokens=24)
     out = body(["int f(int x){\n"], n=3, temperature=1.0, seed=3)
     assert len(out) == 1 and len(out[0]) == 3
-    for text in out[0]:
-        assert CPP_BODY_STOP not in text[:-3]  # only the final brace, if any
+    completions = generator.complete("int f(int x){\n", 3, SamplingParams(
+        temperature=1.0, max_new_tokens=24, seed=3, stop=(CPP_BODY_STOP,)))
+    for text, c in zip(out[0], completions, strict=True):
+        if c.finish_reason == "stop":  # the brace that ended the body is put back, once
+            assert text == c.text + CPP_BODY_STOP + "\n" and CPP_BODY_STOP not in c.text
+        else:
+            assert text == c.text
