@@ -1,9 +1,13 @@
-"""Training-step throughput: the hybrid model (reference kernels) vs. a dense Llama peer.
+"""Training-step throughput: the hybrid model (per kernel mode) vs. a dense Llama peer.
 
 Run on a GPU (the numbers in the README came from an H100)::
 
     PYTHONPATH=src python benchmarks/train_step.py --preset nam56r-350m --seq-len 2048 4096 \
         --modes eager compiled --out benchmarks/results/train_step_h100.json
+
+    # the fast path too (MEGACPP_KERNELS=auto: our Triton kernels where they qualify), with
+    # a profile of each hybrid row's top CUDA kernels
+    ... --kernels reference auto --profile benchmarks/results/train_step_profiles
 
 Everything is measured in one process on one device: first the bf16 matmul peak
 (8192^3, random data), then, for each model x mode x sequence length, the median time of a
@@ -39,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
+from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, set_kernel_mode
+from megacpp.kernels.timing import cuda_times_ms, matmul_peak_tflops
 from megacpp.model.config import load_config
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM, next_token_labels
@@ -60,28 +66,7 @@ class Result:
     mfu: float
     peak_mem_gib: float
     error: str | None = None
-
-
-def cuda_time_ms(fn, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def matmul_peak_tflops(n: int = 8192, iters: int = 30) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = statistics.median(cuda_time_ms(lambda: a @ b, warmup=10, iters=iters))
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+    kernels: dict[str, str] | None = None  # the hybrid's surface -> backend, as resolved
 
 
 def build_hybrid(preset: str, seq_len: int):
@@ -145,7 +130,9 @@ def compile_regions(model: torch.nn.Module) -> None:
         layer.compile()
 
 
-def bench_one(name, model, loss_fn, params, active, flops, mode, seq_len, batch, peak, iters):
+def bench_one(
+    name, model, loss_fn, params, active, flops, mode, seq_len, batch, peak, iters, profile=None
+):
     model = model.cuda()
     if mode == "compiled":
         compile_regions(model)
@@ -162,9 +149,12 @@ def bench_one(name, model, loss_fn, params, active, flops, mode, seq_len, batch,
 
     torch.cuda.reset_peak_memory_stats()
     warmup = 3 if mode == "eager" else 4
-    times = cuda_time_ms(step, warmup=warmup, iters=iters)
+    times = cuda_times_ms(step, warmup=warmup, iters=iters)
     ms = statistics.median(times)
     tok_s = batch * seq_len / (ms * 1e-3)
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    if profile is not None:
+        profile_steps(step, profile)
     return Result(
         model=name,
         mode=mode,
@@ -177,8 +167,23 @@ def bench_one(name, model, loss_fn, params, active, flops, mode, seq_len, batch,
         step_ms_spread=max(times) - min(times),
         tokens_per_s=tok_s,
         mfu=flops * tok_s / (peak * 1e12),
-        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+        peak_mem_gib=peak_mem,
+        kernels=chosen_kernels(),
     )
+
+
+def profile_steps(step, path: Path, steps: int = 3) -> None:
+    """Write the top CUDA kernels of ``steps`` training steps, by total device time, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} training steps, sorted by self CUDA time\n{table}\n")
 
 
 def main() -> None:
@@ -191,6 +196,15 @@ def main() -> None:
         "--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"]
     )
     ap.add_argument("--models", nargs="+", default=["hybrid", "llama"], choices=["hybrid", "llama"])
+    ap.add_argument(
+        "--kernels", nargs="+", default=["reference"], choices=["reference", "auto", "fast"],
+        help="kernel modes for the hybrid (MEGACPP_KERNELS); each is its own row, named "
+        "PRESET (reference) or PRESET+MODE",
+    )
+    ap.add_argument(
+        "--profile", type=Path, default=None, metavar="DIR",
+        help="also profile 3 steps of each hybrid row; top-kernel tables go to DIR",
+    )
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="results JSON (receipts go beside it)")
@@ -213,11 +227,18 @@ def main() -> None:
     for mode in args.modes:  # all eager rows first: they are cheap and never compile
         for seq_len in args.seq_len:
             batch = max(1, args.tokens_per_step // seq_len)
-            for which in args.models:
+            rows = [("hybrid", k) for k in args.kernels if "hybrid" in args.models]
+            rows += [("llama", None)] if "llama" in args.models else []
+            for which, kernels in rows:
                 torch.manual_seed(0)
+                clear_resolutions()  # so each row's receipt names only its own kernels
+                profile = None
                 if which == "hybrid":
+                    set_kernel_mode(kernels)
                     model, loss_fn, params, active, flops, _ = build_hybrid(args.preset, seq_len)
-                    name = args.preset
+                    name = args.preset if kernels == "reference" else f"{args.preset}+{kernels}"
+                    if args.profile:
+                        profile = args.profile / f"{name}_{mode}_L{seq_len}.txt"
                 else:
                     model, loss_fn, params, active, flops, name = llama_peer(*hybrid_shape, seq_len)
                 t0 = time.perf_counter()
@@ -234,6 +255,7 @@ def main() -> None:
                         batch,
                         peak,
                         args.iters,
+                        profile,
                     )
                 except torch.OutOfMemoryError as exc:
                     nan = float("nan")
@@ -295,6 +317,7 @@ def save_row(out: Path, r: Result, peak: float, preflight, facts) -> None:
         "batch": r.batch,
         "dtype": "bf16-autocast",
         "optimizer": "AdamW(fused)",
+        "kernels": r.kernels,
         "flop_formula": FLOP_FORMULA,
         # set when the code runs from an export without .git (e.g. on a lent GPU machine)
         "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT"),

@@ -50,3 +50,28 @@ def _one(fn, inputs, grad_args, cot, device: torch.device) -> float:
     end.record()
     torch.cuda.synchronize(device)
     return begin.elapsed_time(end)
+
+
+def cuda_times_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> list[float]:
+    """Per-call times (ms, CUDA events) of ``fn`` on the current device, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end))
+    return times
+
+
+def matmul_peak_tflops(n: int = 8192, iters: int = 30) -> float:
+    """The bf16 matmul rate (TFLOP/s) of an ``n``^3 GEMM on random data: the MFU denominator.
+    Measure it in the same run as what it divides (the card's clock drops under power limits)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = statistics.median(cuda_times_ms(lambda: a @ b, warmup=10, iters=iters))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
