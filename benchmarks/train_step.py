@@ -257,22 +257,12 @@ def main() -> None:
                         args.iters,
                         profile,
                     )
-                except torch.OutOfMemoryError as exc:
+                except Exception as exc:  # noqa: BLE001 -- OOM, or a backend that cannot run here
                     nan = float("nan")
+                    kind = "OOM" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
                     r = Result(
-                        name,
-                        mode,
-                        seq_len,
-                        batch,
-                        params,
-                        active,
-                        flops,
-                        nan,
-                        nan,
-                        nan,
-                        nan,
-                        nan,
-                        error=f"OOM: {exc}"[:200],
+                        name, mode, seq_len, batch, params, active, flops,
+                        nan, nan, nan, nan, nan, error=f"{kind}: {exc}"[:300],
                     )
                 print(
                     f"{r.model:>22} {mode:>8} L={seq_len:<5} B={batch:<3} "
