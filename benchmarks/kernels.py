@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,28 +21,23 @@ import torch
 
 from megacpp.kernels.catalog import device_facts, rejection
 from megacpp.kernels.registry import default_catalog
-from megacpp.kernels.timing import time_fwd_bwd
+from megacpp.kernels.timing import cuda_times_ms, time_fwd_bwd
 
 BENCH = {  # surface -> (cases, backends in table order)
     "rmsnorm": (["bench"], ["triton_fused", "torch_compile", "reference"]),
     "linear_cross_entropy": (["bench"], ["triton_chunked", "torch_plain", "liger"]),
     "moe_experts": (["e64_k8", "e16_k2"], ["grouped_mm", "reference"]),
     "attention": (["bench"], ["sdpa_flash", "reference"]),
+    # nam56r presets' R mixer (4 heads, K 64, V 128) at 4k and 8k tokens; fla's 16 x 128 shape
+    "gated_delta": (["nam56r_4k", "nam56r_8k", "h16_d128_4k"],
+                    ["triton_chunked", "fla", "reference"]),
+    # the issue's shape: batch 8, 32 heads x 64, d_state 128, chunk 64; peer: mamba_ssm 2.3.2
+    "mamba3_scan": (["seq4096", "seq8192"], ["triton_chunked", "mamba_ssm", "reference"]),
 }
 
 
 def _median_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(cuda_times_ms(fn, warmup=3, iters=repeats))
 
 
 def ceilings() -> dict[str, float]:
@@ -55,6 +51,23 @@ def ceilings() -> dict[str, float]:
     return {"copy_gbs": 2 * src.numel() * 4 / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
 
 
+def dense_same_gemms_tflops(inputs: dict) -> float:
+    """Rate of the MoE case's six GEMMs (fwd: x@W1^T, h@W2^T; bwd: dh, dW2, dx, dW1) run
+    dense, as if all N = T*k rows went to one expert: same shapes, FLOPs and dtype, no
+    routing, permutation or SwiGLU. The fair "dense rate" for the grouped path."""
+    n = inputs["expert_idx"].numel()
+    two_f, d = inputs["w_in"].shape[1:]
+    f = two_f // 2
+    shapes = [(n, d), (two_f, d), (d, f), (n, f), (n, d), (n, two_f)]
+    x, w1, w2, h, dy, da = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+
+    def gemms() -> None:
+        x @ w1.t(), h @ w2.t()  # forward
+        dy @ w2, dy.t() @ h, da @ w1, da.t() @ x  # backward: dh, dW2, dx, dW1
+
+    return 3 * 2 * n * d * (two_f + f) / _median_ms(gemms) / 1e9
+
+
 def dense_equivalent_tflops(flops: float) -> float:
     """Rate of one dense bf16 GEMM doing ``flops`` (square-ish M x 4096 x 1024 shape)."""
     m = max(256, int(flops / 3 / (2 * 4096 * 1024)))
@@ -63,13 +76,18 @@ def dense_equivalent_tflops(flops: float) -> float:
     return 2 * m * 4096 * 1024 / _median_ms(lambda: a @ b) / 1e9
 
 
-def run(out: Path) -> list[dict]:
+def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels") -> list[dict]:
     catalog, device = default_catalog(), torch.device("cuda")
     facts = device_facts(device)
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
     rows = []
+    unknown = sorted(set(surfaces or ()) - set(BENCH))
+    if unknown:
+        raise SystemExit(f"error: unknown --surfaces {unknown}; known: {sorted(BENCH)}")
     for name, (cases, backends) in BENCH.items():
+        if surfaces and name not in surfaces:
+            continue
         surface = catalog.surface(name)
         for case in cases:
             gen = torch.Generator(device=device).manual_seed(0)
@@ -77,6 +95,7 @@ def run(out: Path) -> list[dict]:
             flops = surface.flops(inputs) if surface.flops else None
             moved = surface.bytes_moved(inputs) if surface.bytes_moved else None
             dense = dense_equivalent_tflops(flops) if name == "moe_experts" else None
+            same = dense_same_gemms_tflops(inputs) if name == "moe_experts" else None
             for backend_name in backends:
                 backend = catalog.backend(name, backend_name)
                 why = rejection(backend, facts, "bfloat16")
@@ -84,7 +103,13 @@ def run(out: Path) -> list[dict]:
                     rows.append({"surface": name, "case": case, "backend": backend_name,
                                  "skipped": why})
                     continue
-                t = time_fwd_bwd(backend.fn, inputs, surface.grad_args, device, repeats=10)
+                try:
+                    t = time_fwd_bwd(backend.fn, inputs, surface.grad_args, device, repeats=10)
+                except RuntimeError as exc:  # a peer that refuses this stack: say why, go on
+                    rows.append({"surface": name, "case": case, "backend": backend_name,
+                                 "skipped": f"error: {str(exc)[:200]}"})
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
                 row = {"surface": name, "case": case, "backend": backend_name,
                        "role": backend.role, "ms": t.median_ms,
                        "peak_extra_gib": t.peak_extra_bytes / 2**30}
@@ -97,11 +122,14 @@ def run(out: Path) -> list[dict]:
                 if dense:
                     row["dense_equiv_tflops"] = dense
                     row["of_dense_equiv"] = row["tflops"] / dense
+                if same:
+                    row["dense_same_gemms_tflops"] = same
+                    row["of_dense_same_gemms"] = row["tflops"] / same
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels.json").write_text(json.dumps({"ceilings": ceil, "device": facts.to_dict(),
+    (out / f"{stem}.json").write_text(json.dumps({"ceilings": ceil, "device": facts.to_dict(),
                                                   "rows": rows}, indent=2))
     _receipts(out, ceil, rows)
     return rows
@@ -162,6 +190,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels"))
     parser.add_argument("--plot", type=Path, help="only draw the PNG from a kernels.json")
+    parser.add_argument("--surfaces", help="comma-separated surfaces to run (default: all)")
+    parser.add_argument("--name", default="kernels", help="stem of the JSON/PNG written")
     args = parser.parse_args()
     if args.plot:
         print(plot(args.plot))
@@ -169,10 +199,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: benchmarks/kernels.py needs a CUDA device", file=sys.stderr)
         return 2
-    rows = run(args.out)
+    rows = run(args.out, args.surfaces.split(",") if args.surfaces else None, args.name)
     print_table(rows)
     try:
-        print(plot(args.out / "kernels.json"))
+        print(plot(args.out / f"{args.name}.json"))
     except ImportError:
         print("matplotlib not importable here: run --plot on the JSON elsewhere")
     return 0

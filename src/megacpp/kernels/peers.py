@@ -38,15 +38,106 @@ def liger_linear_cross_entropy(
     )
 
 
-def mamba3_siso_combined(*args: Any, **kwargs: Any) -> Any:
-    """mamba_ssm's fused Mamba-3 SISO kernel, called in its own [B, H, L] layout."""
-    from mamba_ssm.ops.triton.mamba3 import mamba3_siso_combined as peer
+def _mamba3_siso_module() -> Any:
+    """mamba_ssm's ``mamba3_siso_combined`` module, imported without the package ``__init__``.
 
-    return peer(*args, **kwargs)
+    ``mamba_ssm/__init__.py`` imports its CUDA extensions (``selective_scan_cuda``), which a
+    pure-Python wheel (``MAMBA_SKIP_CUDA_BUILD=TRUE``) lacks. The Mamba-3 SISO op is plain
+    Triton, so a bare package module pointing at the installed folder stands in for the
+    ``__init__`` (a ``sys.modules`` entry; no library file is changed)."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "mamba_ssm" not in sys.modules:
+        spec = importlib.util.find_spec("mamba_ssm")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("mamba_ssm is not installed")
+        package = types.ModuleType("mamba_ssm")
+        package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec
+        sys.modules["mamba_ssm"] = package
+    return importlib.import_module("mamba_ssm.ops.triton.mamba3.mamba3_siso_combined")
 
 
-def fla_chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> Any:
-    """flash-linear-attention's chunked gated delta rule, in its own conventions."""
+def mamba3_siso_combined(
+    q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor,
+    q_bias: Tensor, k_bias: Tensor, angles: Tensor,
+    D: Tensor | None = None, z: Tensor | None = None, reset: Tensor | None = None,
+    initial_state: Any = None, chunk_size: int = 64,
+) -> Tensor:
+    """mamba_ssm's Mamba-3 SISO Triton op on the ``mamba3_scan`` surface's arguments -> y.
+
+    Per-head scalars go to its [B, H, L] layout. Packed documents (``reset``) become its
+    varlen form: the rows are concatenated into one sequence cut at every row start and
+    reset (``cu_seqlens``); the angle restarts per document there, which changes no output.
+    """
+    peer = _mamba3_siso_module().mamba3_siso_combined
+    seqlen = v.shape[1]
+    if reset is not None and bool(reset.any()):
+        if initial_state is not None:
+            raise ValueError("mamba_ssm's varlen mode takes no initial state")
+        starts = (reset | (torch.arange(seqlen, device=v.device) == 0)).flatten()
+        cu = torch.cat([starts.nonzero().flatten(), starts.new_tensor([starts.numel()]).long()])
+
+        def flat(t: Tensor) -> Tensor:
+            return t.flatten(0, 1)[None]
+
+        def per_head(t: Tensor) -> Tensor:
+            return flat(t).transpose(1, 2).contiguous()
+
+        y = peer(flat(q), flat(k), flat(v), per_head(adt), per_head(dt), per_head(trap), q_bias,
+                 k_bias, flat(angles), D, None if z is None else flat(z),
+                 chunk_size=chunk_size, cu_seqlens=cu.to(torch.int32))
+        return y.reshape(v.shape)
+    states = None if initial_state is None else tuple(initial_state)
+    return peer(q, k, v, adt.transpose(1, 2).contiguous(), dt.transpose(1, 2).contiguous(),
+                trap.transpose(1, 2).contiguous(), q_bias, k_bias, angles, D, z,
+                Input_States=states, chunk_size=chunk_size)
+
+
+def fla_chunk_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+    initial_state: Tensor | None = None, reset: Tensor | None = None,
+    output_final_state: bool = True, chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """fla's ``chunk_gated_delta_rule`` under the gated_delta surface contract.
+
+    Same layout ([B, L, H, D], state [B, H, K, V]). Document resets become fla's varlen form:
+    the rows are flattened into one and cut at every row start and reset (``cu_seqlens``);
+    row b's initial state seeds its first document unless that document starts with a reset,
+    and row b's final state is its last document's. fla always runs 64-token chunks here.
+
+    fla >= 0.5 refuses its gated backward on Hopper with Triton 3.4-3.7.0 (a Triton miscompile
+    of ``chunk_bwd_dqkwg`` at BK = 64, fla issue 640; this project's GPU stack has Triton 3.6).
+    The peer is measured for speed, so the guard is lifted here: fla's gradients at head_k_dim
+    64 may be wrong on that stack (its K = 32 check case and K = 128 are not affected).
+    """
+    import fla.ops.common.chunk_o as fla_chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return chunk_gated_delta_rule(*args, **kwargs)
+    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # lift the guard (see above); speed bar only
+
+    if reset is None:
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                      initial_state=initial_state,
+                                      output_final_state=output_final_state)
+    B, L, H, K = q.shape
+    starts = reset.clone()
+    starts[:, 0] = True
+    first = starts.flatten().nonzero().flatten()  # [S] flat index of every document start
+    cu_seqlens = torch.cat([first, first.new_tensor([B * L])])
+    docs_per_row = starts.sum(1)  # [B]
+    first_doc = torch.cumsum(docs_per_row, 0) - docs_per_row  # [B] sequence index of row starts
+    h0 = None
+    if initial_state is not None:
+        carried = initial_state * (~reset[:, 0]).to(initial_state.dtype)[:, None, None, None]
+        h0 = initial_state.new_zeros(first.numel(), H, K, v.shape[-1])
+        h0 = h0.index_copy(0, first_doc, carried)
+    o, state = chunk_gated_delta_rule(
+        *(x.flatten(0, 1)[None] for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if state is not None:
+        state = state.index_select(0, first_doc + docs_per_row - 1)  # each row's last document
+    return o.view(B, L, H, -1), state

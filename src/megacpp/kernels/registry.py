@@ -16,6 +16,9 @@ from megacpp.kernels.ops.attention.reference import (
     causal_attention_reference,
     causal_attention_sdpa_flash,
 )
+from megacpp.kernels.ops.gated_delta.reference import (
+    flops_per_token as gated_delta_flops_per_token,
+)
 from megacpp.kernels.ops.gated_delta.reference import gated_delta_rule_chunked
 from megacpp.kernels.ops.linear_ce.reference import (
     linear_cross_entropy_reference,
@@ -101,6 +104,95 @@ def _attention_flops(inp: dict[str, Any]) -> float:
     return 3.5 * 4 * b * h * length * length * dh / 2  # causal half; bwd = 2.5x fwd
 
 
+# -- Mamba-3 scan -------------------------------------------------------------------------------
+def _mamba3_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    """Model-like scan inputs: q/k RMS-normed, dt = softplus(.) and adt = A dt <= 0 in float32
+    (as the mixer makes them), per-head float32 biases and D; packed documents if asked."""
+    b, length, g, h = case["batch"], case["seq"], case["groups"], case["heads"]
+    n, p, r = case["d_state"], case["headdim"], case["angles"]
+
+    def rn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device) * scale
+
+    dt = torch.nn.functional.softplus(rn(b, length, h) - 2)
+    inputs = {
+        "q": torch.nn.functional.rms_norm(rn(b, length, g, n), (n,)).to(dtype),
+        "k": torch.nn.functional.rms_norm(rn(b, length, g, n), (n,)).to(dtype),
+        "v": rn(b, length, h, p).to(dtype),
+        "adt": -torch.rand(b, length, h, generator=gen, device=device) * dt,
+        "dt": dt,
+        "trap": rn(b, length, h).to(dtype),
+        "q_bias": 1 + rn(h, n, scale=0.1), "k_bias": 1 + rn(h, n, scale=0.1),
+        "angles": rn(b, length, h, r, scale=2.0).to(dtype),
+        "D": rn(h),
+        "z": rn(b, length, h, p).to(dtype),
+    }
+    inputs = {name: t.requires_grad_() for name, t in inputs.items()}
+    if case.get("resets"):
+        reset = torch.rand(b, length, generator=gen, device=device) < 4 / length
+        reset[:, 0] = False
+        inputs["reset"] = reset
+    inputs["chunk_size"] = case["chunk"]
+    return inputs
+
+
+def _mamba3_flops(inp: dict[str, Any]) -> float:
+    """Forward matmul FLOPs of the chunked form, times 3 for forward + backward."""
+    from megacpp.kernels.ops.mamba3_scan.reference import flops_per_token
+
+    b, length, h, p = inp["v"].shape
+    per_token = flops_per_token(length, inp["chunk_size"], h, p, inp["q"].shape[-1])
+    return 3 * b * length * per_token
+
+
+def _mamba3_bytes(inp: dict[str, Any]) -> float:
+    """Fewest bytes of forward + backward: each differentiable input read by the forward and
+    the backward and its gradient written (3x), y written and dy read (2x v)."""
+    grads = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+    read3 = sum(inp[name].numel() * inp[name].element_size() for name in grads)
+    return 3 * read3 + 2 * inp["v"].numel() * inp["v"].element_size()
+
+
+# -- gated delta rule ---------------------------------------------------------------------------
+def _gated_delta_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    """The mixer's call: unit-norm q and k (it L2-normalises them), g = log decay <= 0 and
+    beta in (0, 1) in float32, doc resets every ~doc_len tokens (0: none)."""
+    B, L, H = case["batch"], case["seq"], case["heads"]
+    K, V = case["head_k"], case["head_v"]
+
+    def unit(shape):
+        x = torch.randn(shape, generator=gen, device=device)
+        return (x / x.norm(dim=-1, keepdim=True)).to(dtype).requires_grad_()
+
+    def f32(shape, shift=0.0):
+        return torch.randn(shape, generator=gen, device=device) + shift
+
+    reset = None
+    if case.get("doc_len"):
+        reset = torch.rand(B, L, generator=gen, device=device) < 1.0 / case["doc_len"]
+    return {"q": unit((B, L, H, K)), "k": unit((B, L, H, K)),
+            "v": _randn((B, L, H, V), dtype, device, gen),
+            "g": torch.nn.functional.logsigmoid(f32((B, L, H), 2.0)).requires_grad_(),
+            "beta": torch.sigmoid(f32((B, L, H))).requires_grad_(),
+            "reset": reset, "output_final_state": bool(case.get("final_state", 0))}
+
+
+def _gated_delta_flops(inp: dict[str, Any]) -> float:
+    B, L, H, K = inp["q"].shape
+    V = inp["v"].shape[-1]
+    return 3 * B * L * gated_delta_flops_per_token(L, H, K, V)  # fwd matmuls; bwd ~ 2x fwd
+
+
+def _gated_delta_bytes(inp: dict[str, Any]) -> float:
+    # fwd: read q, k, v, g, beta; write o.  bwd: read them again and do; write every grad.
+    B, L, H, K = inp["q"].shape
+    V = inp["v"].shape[-1]
+    qkv = (2 * K + V) * inp["q"].element_size()
+    o = V * inp["q"].element_size()
+    gates = 2 * 4  # g and beta, float32
+    return B * L * H * (3 * qkv + 2 * o + 3 * gates)
+
+
 def _surfaces() -> list[Surface]:
     return [
         Surface(
@@ -115,8 +207,11 @@ def _surfaces() -> list[Surface]:
         Surface(
             "linear_cross_entropy",
             "h [T, D], weight [V, D] (same dtype), labels [T] int64 (-100 ignored) -> mean loss "
-            "fp32 scalar; fused backend never holds [T, V] logits (one token chunk at a time), "
-            "accumulates loss/dW in fp32 and saves dh, dW (grads computed in forward)",
+            "fp32 scalar; fused backend never holds [T, V] logits (one token chunk of <= 96 MiB "
+            "at a time), computes the grads in forward with fp32 sums (dW as an exact fp32 "
+            "accumulator split in two 16-bit [V, D] planes, the top one rounded in place into "
+            "the returned dW: no fp32 dW copy, no cast copy); keeps dh + planes for backward, "
+            "which scales them in place (a second backward is an error)",
             linear_cross_entropy_reference, _linear_ce_inputs,
             {"check": {"tokens": 300, "hidden": 64, "vocab": 1000},
              "bench": {"tokens": 16384, "hidden": 1024, "vocab": 65536}},
@@ -125,8 +220,10 @@ def _surfaces() -> list[Surface]:
         Surface(
             "moe_experts",
             "x [T, D], expert_idx [T, k] int64, weights [T, k], w_in [E, 2F, D] (gate|up), "
-            "w_out [E, D, F] -> [T, D] = sum_j w[t,j] * SwiGLU_e(x[t]); dropless; "
-            "grouped backend saves the permuted x, gate|up and SwiGLU output",
+            "w_out [E, D, F] -> [T, D] = sum_j w[t,j] * SwiGLU_e(x[t]); dropless; grouped "
+            "backend: no host sync (device offsets), routing weight folded into the SwiGLU "
+            "output, fp32 gather-sum combine; saves permuted x, gate|up, weighted SwiGLU "
+            "output and the dispatch plan",
             moe_experts_reference, _moe_inputs,
             {"check": {"tokens": 96, "dim": 64, "experts": 8, "top_k": 2, "ffn": 32},
              "e64_k8": {"tokens": 16384, "dim": 1024, "experts": 64, "top_k": 8, "ffn": 512},
@@ -144,15 +241,41 @@ def _surfaces() -> list[Surface]:
         ),
         Surface(
             "mamba3_scan",
-            "Mamba-3 SISO chunked scan: q, k [B, L, G, N], v [B, L, H, P], adt/dt/trap [B, L, H], "
-            "angles [B, L, H, R] -> y [B, L, H, P] + final state (see ops/mamba3_scan)",
-            mamba3_scan_chunked,
+            "Mamba-3 SISO chunked scan: q, k [B, L, G, N], v, z [B, L, H, P], adt/dt/trap "
+            "[B, L, H], angles [B, L, H, R], biases [H, N], D [H], reset [B, L] bool -> y "
+            "[B, L, H, P] in v.dtype + final state (float32); fp32 accumulation. triton_chunked: "
+            "initial_state=None only (a cached prefill runs the reference: the mixer picks it), "
+            "chunk_size 16/32/64 (runs chunks of <= 32 tokens: same function), headdim <= 64, "
+            "d_state <= 128, no gradient through the final state; bf16 matmul operands unless "
+            "v is fp32; saves the inputs and the state entering every chunk [B, H, L/32, P, N] "
+            "(bf16; fp32 for fp32 v)",
+            mamba3_scan_chunked, _mamba3_inputs,
+            {"check": {"batch": 2, "seq": 300, "groups": 2, "heads": 4, "d_state": 64,
+                       "headdim": 64, "angles": 16, "chunk": 64, "resets": 1},
+             "seq4096": {"batch": 8, "seq": 4096, "groups": 1, "heads": 32, "d_state": 128,
+                         "headdim": 64, "angles": 32, "chunk": 64},
+             "seq8192": {"batch": 8, "seq": 8192, "groups": 1, "heads": 32, "d_state": 128,
+                         "headdim": 64, "angles": 32, "chunk": 64}},
+            ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z"),
+            _mamba3_flops, _mamba3_bytes,
         ),
         Surface(
             "gated_delta",
-            "gated delta rule, chunked: q, k [B, L, H, K], v [B, L, H, V], g, beta [B, L, H] -> "
-            "o [B, L, H, V] + final state [B, H, K, V] (see ops/gated_delta)",
-            gated_delta_rule_chunked,
+            "gated delta rule, chunked: q, k [B, L, H, K], v [B, L, H, V] (same dtype), g, beta "
+            "[B, L, H] (float32), reset [B, L] bool doc starts or None, initial_state "
+            "[B, H, K, V] or None -> o [B, L, H, V] in q.dtype + final state [B, H, K, V] "
+            "float32 (see ops/gated_delta); triton saves q, k, v, g, beta, T [B, H, L, 64] fp32, "
+            "w, chunk-entry states [B, H, L/64, K, V], v_new fp32 and the decays (backward adds "
+            "a [B, H, L/64, 2, 64, 64] fp32 scratch); calls it cannot take (float16/float64, "
+            "K > 128, CPU) run the reference",
+            gated_delta_rule_chunked, _gated_delta_inputs,
+            {"check": {"batch": 2, "seq": 200, "heads": 2, "head_k": 32, "head_v": 64,
+                       "doc_len": 60, "final_state": 1},
+             "nam56r_4k": {"batch": 8, "seq": 4096, "heads": 4, "head_k": 64, "head_v": 128},
+             "nam56r_8k": {"batch": 8, "seq": 8192, "heads": 4, "head_k": 64, "head_v": 128},
+             "h16_d128_4k": {"batch": 8, "seq": 4096, "heads": 16, "head_k": 128,
+                             "head_v": 128}},
+            ("q", "k", "v", "g", "beta"), _gated_delta_flops, _gated_delta_bytes,
         ),
     ]
 
@@ -187,8 +310,8 @@ def _backends() -> list[Backend]:
                 "against, not a dependency of the training path"),
         # MoE experts
         Backend("grouped_mm", "moe_experts", "chosen",
-                Requirements(devices=("cuda",), min_capability=(9, 0), torch_ops=("_grouped_mm",),
-                             dtypes=("bfloat16",)),
+                Requirements(devices=("cuda",), min_capability=(9, 0), packages=("triton",),
+                             torch_ops=("_grouped_mm",), dtypes=("bfloat16",)),
                 _lazy("megacpp.kernels.ops.moe.grouped", "moe_experts_grouped")),
         Backend("reference", "moe_experts", "fallback", Requirements(), moe_experts_reference),
         Backend("triton_grouped", "moe_experts", "deferred",
@@ -209,26 +332,30 @@ def _backends() -> list[Backend]:
                 "FlashAttention-4 (CuTe DSL) targets Blackwell; not installable or testable on "
                 "the Hopper machines this project measures on"),
         # Mamba-3 scan
+        Backend("triton_chunked", "mamba3_scan", "chosen",
+                Requirements(packages=("triton",), dtypes=FLOATS, **cuda_sm80),
+                _lazy("megacpp.kernels.ops.mamba3_scan.triton", "mamba3_scan_triton")),
         Backend("reference", "mamba3_scan", "fallback", Requirements(), mamba3_scan_chunked),
         Backend("mamba_ssm", "mamba3_scan", "donor",
                 Requirements(devices=("cuda",), min_capability=(8, 0), packages=("mamba_ssm",),
-                             dtypes=HALF), _lazy("megacpp.kernels.peers", "mamba3_siso_combined"),
-                "peer: mamba_ssm's mamba3_siso_combined (its [B, H, L] layout); the speed bar for "
-                "our Triton scan, not a dependency of the training path"),
-        Backend("triton_chunked", "mamba3_scan", "deferred", Requirements(packages=("triton",)),
-                None, "our Triton chunked scan lands in a later session"),
+                             dtypes=("bfloat16",)),
+                _lazy("megacpp.kernels.peers", "mamba3_siso_combined"),
+                "peer: mamba_ssm 2.3.2's mamba3_siso_combined (Triton, bf16), called through an "
+                "adapter from this surface's layout; the speed bar for our Triton scan, not a "
+                "dependency of the training path"),
         Backend("tilelang_mimo", "mamba3_scan", "deferred",
                 Requirements(devices=("cuda",), packages=("tilelang",)), None,
                 "TileLang MIMO variant: tilelang is not installable here and the model uses SISO"),
         # gated delta rule
+        Backend("triton_chunked", "gated_delta", "chosen",
+                Requirements(packages=("triton",), dtypes=("float32", "bfloat16"), **cuda_sm80),
+                _lazy("megacpp.kernels.ops.gated_delta.triton", "gated_delta_rule_triton")),
         Backend("reference", "gated_delta", "fallback", Requirements(), gated_delta_rule_chunked),
         Backend("fla", "gated_delta", "donor",
                 Requirements(devices=("cuda",), min_capability=(8, 0), packages=("fla",),
                              dtypes=HALF), _lazy("megacpp.kernels.peers", "fla_chunk_gated_delta_rule"),
-                "peer: flash-linear-attention's chunk_gated_delta_rule; the speed bar for our "
-                "Triton kernel, not a dependency of the training path"),
-        Backend("triton_chunked", "gated_delta", "deferred", Requirements(packages=("triton",)),
-                None, "our Triton chunked gated delta rule lands in a later session"),
+                "peer: flash-linear-attention 0.6.0 (fla-core) chunk_gated_delta_rule, doc resets "
+                "as cu_seqlens; the speed bar for our Triton kernel, not on the training path"),
     ]
 
 

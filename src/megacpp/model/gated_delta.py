@@ -29,10 +29,8 @@ from megacpp.errors import ConfigError
 from megacpp.kernels.ops.gated_delta import (
     flops_per_token as gated_delta_flops_per_token,
 )
-from megacpp.kernels.ops.gated_delta import (
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
-)
+from megacpp.kernels.ops.gated_delta import gated_delta_rule_recurrent
+from megacpp.kernels.runtime import resolve
 
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon: x / sqrt(sum(x^2) + eps)
 A_INIT_RANGE = (1.0, 16.0)  # exp(A_log) ~ U(1, 16), as in fla's GatedDeltaNet
@@ -152,7 +150,8 @@ class GatedDeltaNetMixer(nn.Module):
         training path (zero initial state). With ``cache`` it continues from the cache (its
         first token continues the cached document) and writes the final state back: prefill.
         """
-        op = partial(gated_delta_rule_chunked, chunk_size=self.chunk_size)
+        chunked = resolve("gated_delta", x).fn  # the reference unless MEGACPP_KERNELS picks one
+        op = partial(chunked, chunk_size=self.chunk_size)
         return self._mix(x, doc_ids, cache, op)
 
     def step(self, x: Tensor, cache: GatedDeltaCache) -> Tensor:

@@ -27,6 +27,7 @@ from megacpp.kernels.ops.mamba3_scan.reference import (
 from megacpp.kernels.ops.mamba3_scan.reference import (
     flops_per_token as scan_flops_per_token,
 )
+from megacpp.kernels.runtime import resolve
 
 _CACHE_DTYPES = (torch.float32, torch.float64)
 
@@ -169,8 +170,12 @@ class Mamba3Mixer(nn.Module):
             first token continues the cached sequence (no reset at t = 0).
         """
         reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
-        y, final = mamba3_scan_chunked(
-            **self._scan_inputs(x), reset=reset,
+        inputs = self._scan_inputs(x)
+        # the catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
+        # continues a cache runs the reference, the only form that takes an initial state
+        scan = mamba3_scan_chunked if cache is not None else resolve("mamba3_scan", inputs["v"]).fn
+        y, final = scan(
+            **inputs, reset=reset,
             initial_state=None if cache is None else cache.scan_state(),
             chunk_size=self.chunk_size,
         )

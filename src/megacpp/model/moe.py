@@ -71,7 +71,9 @@ class MoE(nn.Module):
             out = out + self.shared(tokens)
 
         with torch.no_grad():
-            load = torch.bincount(expert_idx.reshape(-1), minlength=self.n_experts).float()
+            flat = expert_idx.reshape(-1)  # bincount would sync the host on CUDA
+            load = torch.zeros(self.n_experts, device=flat.device).index_add_(
+                0, flat, torch.ones(flat.shape, device=flat.device))
             self.last_load.copy_(load)
             if self.training:
                 self.routed_tokens += load

@@ -1,16 +1,24 @@
-"""Fused linear cross-entropy: the [T, V] logits are never materialised.
+"""Fused linear cross-entropy: the [T, V] logits are never materialised, and the weight
+gradient is accumulated in float32 without ever holding a float32 [V, D] tensor.
 
 Tokens are processed in chunks of ``chunk_tokens`` rows. Per chunk:
 
 1. ``logits = h_c @ W^T`` (cuBLAS, float32 accumulation, stored in the operand dtype) [C, V]
-2. one Triton program per row: online max / sum-exp over V in float32 -> lse, loss row;
+2. :func:`_ce_rows`: per row, online max / sum-exp over V in float32 -> lse and the loss; a
    second sweep writes ``(softmax - onehot) / n_kept`` over the logits in place [C, V]
-3. ``dh_c = G @ W`` [C, D];  ``dW += G^T @ h_c`` into a float32 accumulator [V, D]
+3. ``dh_c = G @ W`` (cuBLAS) [C, D]
+4. :func:`_dw_accumulate`: ``dW += G^T @ h_c`` as a Triton GEMM whose epilogue adds the tile
+   to a float32 accumulator kept as two 16-bit planes [V, D]: ``hi`` (the top half of each
+   float32's bits -- exactly a bfloat16) and ``lo`` (the bottom half). The sum is an exact
+   float32 accumulation (the same bits an fp32 ``addmm`` would give), in the same 4 bytes per
+   element, but the ``hi`` plane is already the [V, D] gradient's storage: backward rounds
+   ``grad_output * (hi, lo)`` into it in place and frees ``lo``, so no separate float32 dW and
+   no cast copy ever coexist with the result.
 
-so the loss and every gradient sum are accumulated in float32. The gradients are computed in
-the forward (the loss is a scalar, so backward only scales them by ``grad_output``). Saved for
-backward: dh [T, D] (operand dtype) and dW [V, D] (float32 until backward casts it).
-Peak extra memory: one chunk of logits (C * V operand-dtype elements) plus dW in float32.
+The loss sums in float32. Gradients are computed in the forward (the loss is a scalar, so
+backward only scales them by ``grad_output``, in place). Peak extra memory: dh [T, D] + the
+two planes (2 x V x D x 2 bytes) + one chunk of logits (C x V operand-dtype elements).
+Under ``no_grad`` (or when neither input needs a gradient) only the loss is computed.
 """
 
 from __future__ import annotations
@@ -20,86 +28,231 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.errors import MegaCppError
 from megacpp.kernels.ops.linear_ce.reference import IGNORE_INDEX
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk of logits at most this big
+DEFAULT_CHUNK_BYTES = 96 * 2**20  # one chunk of logits at most this big
+LOG2E = tl.constexpr(1.4426950408889634)
+# dW tile config; "tma" (tensor-descriptor tiles, 151 registers, no spills) where the strides
+# allow it, else the pointer kernel (it spills in the epilogue: a fallback for odd shapes)
+DW_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "tma": True}
 
 
 @triton.jit
-def _ce_rows(LOGITS, LABELS, LOSS, INV_N, stride, ignore_index, n_cols: tl.constexpr,
-             BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    base = LOGITS + row.to(tl.int64) * stride
+def _ce_rows(LOGITS, LABELS, LOSS, INV_N, n_rows, stride, ignore_index, n_cols: tl.constexpr,
+             BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
+    """Rows pid, pid + grid, ...: loss row (float32) and, if WRITE_GRAD, the gradient of the
+    mean loss written over the logits."""
     cols = tl.arange(0, BLOCK)
-    label = tl.load(LABELS + row)
-    # sweep 1: per-lane running max and sum of exp (float32)
-    m = tl.full((BLOCK,), -1e30, tl.float32)
-    s = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        v = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf"))
-        v = v.to(tl.float32)
-        m_new = tl.maximum(m, v)
-        s = s * tl.exp(m - m_new) + tl.exp(v - m_new)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
-    kept = label != ignore_index
-    safe_label = tl.where(kept, label, 0)
-    target = tl.load(base + safe_label).to(tl.float32)
-    tl.store(LOSS + row, tl.where(kept, lse - target, 0.0))
-    # sweep 2: gradient of the mean loss, written over the logits
-    scale = tl.where(kept, tl.load(INV_N), 0.0)
-    for start in range(0, n_cols, BLOCK):
-        idx = start + cols
-        v = tl.load(base + idx, mask=idx < n_cols, other=0.0).to(tl.float32)
-        g = tl.exp(v - lse) - tl.where(idx == safe_label, 1.0, 0.0)
-        tl.store(base + idx, (g * scale).to(LOGITS.dtype.element_ty), mask=idx < n_cols)
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        base = LOGITS + tl.cast(row, tl.int64) * stride
+        label = tl.load(LABELS + row)
+        # sweep 1: running max and sum of exp (float32, base 2)
+        m = -float("inf")
+        s = 0.0
+        for start in range(0, n_cols, BLOCK):
+            v = tl.load(base + start + cols, mask=start + cols < n_cols, other=-float("inf"))
+            v = v.to(tl.float32) * LOG2E
+            m_new = tl.maximum(m, tl.max(v, axis=0))
+            s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(v - m_new), axis=0)
+            m = m_new
+        lse2 = m + tl.log2(s)  # log2-sum-exp2 of the base-2 logits
+        kept = label != ignore_index
+        safe_label = tl.where(kept, label, 0)
+        target = tl.load(base + safe_label).to(tl.float32)
+        tl.store(LOSS + row, tl.where(kept, lse2 / LOG2E - target, 0.0))
+        if WRITE_GRAD:
+            # sweep 2: (softmax - onehot) * scale, over the logits in place
+            scale = tl.where(kept, tl.load(INV_N), 0.0)
+            for start in range(0, n_cols, BLOCK):
+                idx = start + cols
+                v = tl.load(base + idx, mask=idx < n_cols, other=0.0).to(tl.float32)
+                g = tl.exp2(v * LOG2E - lse2) - tl.where(idx == safe_label, 1.0, 0.0)
+                tl.store(base + idx, (g * scale).to(LOGITS.dtype.element_ty), mask=idx < n_cols)
 
 
-def _accumulate_weight_grad(dw: Tensor, grad_logits: Tensor, h_chunk: Tensor) -> None:
-    """dw [V, D] float32 += grad_logits^T [V, C] @ h_chunk [C, D] (float32 accumulation)."""
-    if dw.device.type == "cuda":
-        torch.addmm(dw, grad_logits.t(), h_chunk, out_dtype=torch.float32, out=dw)
-    else:  # the CPU (interpreter) path: no mixed-dtype addmm there
-        dw.add_(grad_logits.t().float() @ h_chunk.float())
+@triton.jit
+def _dw_accumulate(G, H, HI, LO, n_tok, n_vocab, hidden, stride_g, stride_h,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """(hi, lo) planes [V, D] += G^T [V, C] @ H [C, D], exactly in float32."""
+    pid = tl.program_id(0)
+    n_blocks_n = tl.cdiv(hidden, BN)
+    rm = (pid // n_blocks_n) * BM + tl.arange(0, BM)  # vocab rows
+    rn = (pid % n_blocks_n) * BN + tl.arange(0, BN)  # hidden columns
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, n_tok, BK):
+        tok = k0 + rk
+        g = tl.load(G + tok[:, None].to(tl.int64) * stride_g + rm[None, :],
+                    mask=(tok[:, None] < n_tok) & (rm[None, :] < n_vocab), other=0.0)  # [BK, BM]
+        h = tl.load(H + tok[:, None].to(tl.int64) * stride_h + rn[None, :],
+                    mask=(tok[:, None] < n_tok) & (rn[None, :] < hidden), other=0.0)  # [BK, BN]
+        acc = tl.dot(tl.trans(g), h, acc)
+    offs = rm[:, None].to(tl.int64) * hidden + rn[None, :]
+    mask = (rm[:, None] < n_vocab) & (rn[None, :] < hidden)
+    hi = tl.load(HI + offs, mask=mask, other=0).to(tl.int32)
+    lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    total = ((hi << 16) | lo).to(tl.float32, bitcast=True) + acc
+    bits = total.to(tl.int32, bitcast=True)
+    tl.store(HI + offs, (bits >> 16).to(tl.int16), mask=mask)
+    tl.store(LO + offs, bits.to(tl.int16), mask=mask)
 
 
-def _forward_and_grads(
-    h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """loss (float32 scalar), dh [T, D] (h.dtype), dw [V, D] (float32) of the mean loss."""
+@triton.jit
+def _dw_accumulate_tma(g_desc, h_desc, hi_desc, lo_desc, n_tok,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """:func:`_dw_accumulate` with tensor-descriptor (TMA) tiles: no pointer or mask tensors
+    in registers (the pointer version spills in its epilogue)."""
+    pid = tl.program_id(0)
+    n_blocks_n = tl.cdiv(hi_desc.shape[1], BN)
+    m0 = (pid // n_blocks_n) * BM
+    n0 = (pid % n_blocks_n) * BN
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, n_tok, BK):
+        g = g_desc.load([k0, m0])  # [BK, BM]
+        h = h_desc.load([k0, n0])  # [BK, BN]
+        acc = tl.dot(tl.trans(g), h, acc)
+    bits = (hi_desc.load([m0, n0]).to(tl.int32) << 16) | (lo_desc.load([m0, n0]).to(tl.int32)
+                                                          & 0xFFFF)
+    bits = (bits.to(tl.float32, bitcast=True) + acc).to(tl.int32, bitcast=True)
+    hi_desc.store([m0, n0], (bits >> 16).to(tl.int16))
+    lo_desc.store([m0, n0], bits.to(tl.int16))
+
+
+@triton.jit
+def _dw_finish(HI, LO, OUT, SCALE, n, BLOCK: tl.constexpr):
+    """OUT <- round(scale * float32(hi, lo)); OUT may alias HI (each element is read, then
+    written, by the same thread)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    hi = tl.load(HI + offs, mask=mask, other=0).to(tl.int32)
+    lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    value = ((hi << 16) | lo).to(tl.float32, bitcast=True) * tl.load(SCALE)
+    tl.store(OUT + offs, value.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_inplace(X, SCALE, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(SCALE)
+    tl.store(X + offs, x.to(X.dtype.element_ty), mask=mask)
+
+
+def _ce_programs(n_rows: int, device: torch.device, programs: int | None) -> int:
+    if programs is not None:
+        return max(1, min(n_rows, programs))
+    if device.type != "cuda":
+        return n_rows
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_rows, CE_PROGRAMS_PER_SM * sms))
+
+
+CE_PROGRAMS_PER_SM = 2  # persistent rows: a row's second sweep finds it still in L2
+
+
+def accumulate_weight_grad(hi: Tensor, lo: Tensor, grad_logits: Tensor, h_chunk: Tensor,
+                           config: dict | None = None) -> None:
+    """(hi, lo) float32 planes [V, D] += grad_logits^T [V, C] @ h_chunk [C, D]."""
+    cfg = {**DW_CONFIG, **(config or {})}
+    (n_tok, vocab), hidden = grad_logits.shape, h_chunk.shape[1]
+    grid = (triton.cdiv(vocab, cfg["BM"]) * triton.cdiv(hidden, cfg["BN"]),)
+    launch = {"BM": cfg["BM"], "BN": cfg["BN"], "BK": cfg["BK"], "num_warps": cfg["num_warps"],
+              "num_stages": cfg["num_stages"]}
+    if cfg.get("maxnreg"):
+        launch["maxnreg"] = cfg["maxnreg"]
+    if cfg.get("tma") and _tma_ok(grad_logits, h_chunk, hi, lo):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descs = [TensorDescriptor.from_tensor(grad_logits, [cfg["BK"], cfg["BM"]]),
+                 TensorDescriptor.from_tensor(h_chunk, [cfg["BK"], cfg["BN"]]),
+                 TensorDescriptor.from_tensor(hi, [cfg["BM"], cfg["BN"]]),
+                 TensorDescriptor.from_tensor(lo, [cfg["BM"], cfg["BN"]])]
+        _dw_accumulate_tma[grid](*descs, n_tok, **launch)
+        return
+    _dw_accumulate[grid](grad_logits, h_chunk, hi, lo, n_tok, vocab, hidden,
+                         grad_logits.stride(0), h_chunk.stride(0), **launch)
+
+
+def _tma_ok(*tensors: Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and row strides (and a CUDA device)."""
+    return all(t.is_cuda and t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def finish_weight_grad(hi: Tensor, lo: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """round(scale * float32(hi, lo)) into hi's own storage, returned as a ``dtype`` tensor."""
+    out = hi.view(dtype)
+    block = 4096
+    _dw_finish[(triton.cdiv(hi.numel(), block),)](hi, lo, out, scale, hi.numel(), BLOCK=block)
+    return out
+
+
+def _scale_(x: Tensor, scale: Tensor) -> Tensor:
+    block = 4096
+    _scale_inplace[(triton.cdiv(x.numel(), block),)](x, scale, x.numel(), BLOCK=block)
+    return x
+
+
+def _forward(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int,
+             need_dh: bool, need_dw: bool, dw_config: dict | None = None,
+             ce_programs: int | None = None) -> tuple[Tensor, Tensor | None, tuple | None]:
+    """loss (float32 scalar), dh [T, D] (h.dtype) and the (hi, lo) dW planes of the mean
+    loss (None where not needed)."""
     n_tokens, vocab = h.shape[0], weight.shape[0]
     n_kept = (labels != ignore_index).sum()
     inv_n = 1.0 / n_kept.clamp(min=1).to(torch.float32)  # stays on device: no host sync
     losses = torch.empty(n_tokens, device=h.device, dtype=torch.float32)
-    dh = torch.empty_like(h)
-    dw = torch.zeros(vocab, h.shape[1], device=h.device, dtype=torch.float32)
+    need_grad = need_dh or need_dw
+    dh = torch.empty_like(h) if need_dh else None
+    planes = None
+    if need_dw:
+        planes = tuple(torch.zeros(weight.shape, device=h.device, dtype=torch.int16)
+                       for _ in range(2))
     block = min(triton.next_power_of_2(vocab), 4096)
     for start in range(0, n_tokens, chunk_tokens):
         rows = slice(start, min(start + chunk_tokens, n_tokens))
         h_chunk = h[rows]  # [C, D]
         logits = h_chunk @ weight.t()  # [C, V], becomes the gradient in place
-        _ce_rows[(logits.shape[0],)](logits, labels[rows], losses[rows], inv_n,
-                                     logits.stride(0), ignore_index, n_cols=vocab, BLOCK=block,
-                                     num_warps=16)
-        torch.mm(logits, weight, out=dh[rows])
-        _accumulate_weight_grad(dw, logits, h_chunk)
-    return losses.sum() * inv_n, dh, dw
+        n_rows = logits.shape[0]
+        _ce_rows[(_ce_programs(n_rows, h.device, ce_programs),)](
+            logits, labels[rows], losses[rows], inv_n, n_rows, logits.stride(0), ignore_index,
+            n_cols=vocab, BLOCK=block, WRITE_GRAD=need_grad, num_warps=16)
+        if need_dh:
+            torch.mm(logits, weight, out=dh[rows])
+        if need_dw:
+            accumulate_weight_grad(*planes, logits, h_chunk, dw_config)
+        del logits
+    return losses.sum() * inv_n, dh, planes
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
-                chunk_tokens: int) -> Tensor:
-        loss, dh, dw = _forward_and_grads(h, weight, labels, ignore_index, chunk_tokens)
-        ctx.save_for_backward(dh, dw)
+                chunk_tokens: int, need_dh: bool, need_dw: bool) -> Tensor:
+        loss, dh, planes = _forward(h, weight, labels, ignore_index, chunk_tokens, need_dh,
+                                    need_dw)
+        # kept on ctx, not saved: backward scales them in place and hands them out
+        ctx.grads = (dh, planes)
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        dh, dw = ctx.saved_tensors
-        return dh * grad_loss.to(dh.dtype), (dw * grad_loss).to(ctx.weight_dtype), None, None, None
+        if ctx.grads is None:
+            raise MegaCppError("fused linear cross-entropy: backward ran twice on one forward "
+                               "(retain_graph is not supported: the gradients are handed out)")
+        (dh, planes), ctx.grads = ctx.grads, None
+        scale = grad_loss.detach().to(torch.float32).reshape(1)
+        if dh is not None:
+            dh = _scale_(dh, scale)
+        dw = finish_weight_grad(*planes, scale, ctx.weight_dtype) if planes else None
+        return dh, dw, None, None, None, None, None
+
+
+def default_chunk_tokens(vocab: int, element_size: int) -> int:
+    """Rows whose logits fit DEFAULT_CHUNK_BYTES (a multiple of 64, at least 64)."""
+    return max(64, DEFAULT_CHUNK_BYTES // (vocab * element_size) // 64 * 64)
 
 
 def linear_cross_entropy_triton(
@@ -107,10 +260,13 @@ def linear_cross_entropy_triton(
     chunk_tokens: int | None = None,
 ) -> Tensor:
     """Same contract as the reference: h [T, D], weight [V, D], labels [T] -> mean loss
-    (float32 scalar). ``chunk_tokens`` defaults to the rows whose logits fit 256 MiB."""
+    (float32 scalar). ``chunk_tokens`` defaults to the rows whose logits fit 96 MiB."""
+    if h.dtype != weight.dtype or h.dtype not in (torch.bfloat16, torch.float16):
+        raise MegaCppError(f"fused linear cross-entropy needs bf16/fp16 h and weight of one "
+                           f"dtype, got {h.dtype} and {weight.dtype}")
     if chunk_tokens is None:
-        per_row = weight.shape[0] * h.element_size()
-        chunk_tokens = max(16, DEFAULT_CHUNK_BYTES // per_row)
+        chunk_tokens = default_chunk_tokens(weight.shape[0], h.element_size())
+    grad = torch.is_grad_enabled()
     return _FusedLinearCrossEntropy.apply(
-        h.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, chunk_tokens
-    )
+        h.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, chunk_tokens,
+        grad and h.requires_grad, grad and weight.requires_grad)

@@ -1,35 +1,146 @@
-"""Routed-expert compute as two grouped GEMMs: permute -> grouped GEMM -> SwiGLU -> grouped
-GEMM -> weight and unpermute. No host sync (the per-expert offsets stay on the device).
+"""Routed-expert compute as grouped GEMMs with a hand-written backward. No host sync.
 
-``torch._grouped_mm(a [N, K], b [E, K, M], offs [E] int32 cumulative ends)`` multiplies the
-rows of each expert's group by that expert's matrix; autograd gives the backward (two grouped
-GEMMs per product: dA by group, dB by group). Same contract as
+Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
+
+    plan       stable sort of the flat expert ids -> order [N], inverse inv [T, k], offs [E]
+    permute    x_sorted = x[token_of]                                   [N, D]
+    gate|up    grouped GEMM x_sorted @ w_in[e]^T                        [N, 2F]
+    SwiGLU     hidden = silu(gate) * up * w     (routing weight folded in here)   [N, F]
+    down       grouped GEMM hidden @ w_out[e]^T                         [N, D]
+    combine    out[t] = sum_j y_sorted[inv[t, j]]      (gather-sum, float32)      [T, D]
+
+Backward: the combine's gradient is a row gather of dout; two grouped GEMMs give d hidden and
+dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass gives d(gate|up)
+and the routing weights' gradient; two more grouped GEMMs give dx_sorted and dw_in; a
+gather-sum unpermutes dx. Saved: x_sorted, gate|up, hidden and the plan.
+
+``torch._grouped_mm(a [N, K], b [E, K, M], offs)`` multiplies each expert's rows by its
+matrix; ``torch._grouped_mm(a [M, N], b [N, K], offs)`` sums each expert's rows into [E, M, K].
+On CUDA the elementwise steps run as Triton kernels (:mod:`.triton`); elsewhere the plain
+PyTorch functions below (the truth those kernels are tested against). Same contract as
 :func:`megacpp.kernels.ops.moe.reference.moe_experts_reference`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
+class DispatchPlan(NamedTuple):
+    order: Tensor  # [N] int64: sorted row -> flat (token, choice) index
+    token_of: Tensor  # [N] int64: sorted row -> token
+    inv: Tensor  # [T, k] int64: (token, choice) -> sorted row
+    offs: Tensor  # [E] int32: cumulative row count per expert (grouped GEMM group ends)
+
+
+def dispatch_plan(expert_idx: Tensor, n_experts: int) -> DispatchPlan:
+    """Group the T*k (token, choice) pairs by expert, all on the device (no .item/.tolist).
+
+    The sort keys are uint8 when the experts fit (one radix pass instead of eight for int64);
+    the group ends come from a binary search of the sorted keys (no bincount: it syncs)."""
+    k = expert_idx.shape[1]
+    key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
+    keys = expert_idx.reshape(-1).to(key_dtype)  # [N]
+    sorted_keys, order = torch.sort(keys, stable=True)
+    experts = torch.arange(n_experts, device=keys.device, dtype=key_dtype)
+    offs = torch.searchsorted(sorted_keys, experts, right=True, out_int32=True)
+    if order.is_cuda:
+        from megacpp.kernels.ops.moe.triton import plan_indices_triton
+
+        token_of, inv = plan_indices_triton(order, k)
+    else:
+        token_of = order // k
+        inv = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device))
+    return DispatchPlan(order, token_of, inv.view_as(expert_idx), offs)
+
+
+# -- the plain-PyTorch elementwise steps (CPU path and the Triton kernels' truth) ---------------
+def gather_sum_torch(src: Tensor, inv: Tensor) -> Tensor:
+    """src [N, D], inv [T, k] -> [T, D] = sum_j src[inv[t, j]] (float32 sums)."""
+    n_tokens, k = inv.shape
+    rows = src.index_select(0, inv.reshape(-1)).view(n_tokens, k, -1)
+    return rows.sum(1, dtype=torch.promote_types(src.dtype, torch.float32)).to(src.dtype)
+
+
+def swiglu_weighted_torch(gate_up: Tensor, w: Tensor) -> Tensor:
+    """gate_up [N, 2F], w [N] -> [N, F] = silu(gate) * up * w."""
+    compute = torch.promote_types(gate_up.dtype, torch.float32)
+    gate, up = gate_up.to(compute).chunk(2, dim=-1)
+    return (F.silu(gate) * up * w.to(compute)[:, None]).to(gate_up.dtype)
+
+
+def swiglu_weighted_backward_torch(gate_up: Tensor, w: Tensor, dh: Tensor
+                                   ) -> tuple[Tensor, Tensor]:
+    """-> d gate_up [N, 2F], dw [N] (float32 or wider) = sum_f dh * silu(gate) * up."""
+    compute = torch.promote_types(gate_up.dtype, torch.float32)
+    gate, up = gate_up.to(compute).chunk(2, dim=-1)
+    dh = dh.to(compute)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dw = (dh * silu * up).sum(-1)
+    dact = dh * w.to(compute)[:, None]
+    dgate = dact * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([dgate, dact * silu], dim=-1).to(gate_up.dtype), dw
+
+
+def gather_rows_torch(src: Tensor, idx: Tensor) -> Tensor:
+    """src [T, D], idx [N] -> [N, D] = src[idx]."""
+    return src.index_select(0, idx)
+
+
+def _ops(device: torch.device):
+    """(gather_rows, gather_sum, swiglu, swiglu_backward) for this device."""
+    if device.type == "cuda":
+        from megacpp.kernels.ops.moe import triton as kernels
+
+        return (kernels.gather_rows_triton, kernels.gather_sum_triton,
+                kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton)
+    return gather_rows_torch, gather_sum_torch, swiglu_weighted_torch, swiglu_weighted_backward_torch
+
+
+class _GroupedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
+                order: Tensor, token_of: Tensor, inv: Tensor, offs: Tensor) -> Tensor:
+        gather_rows, gather_sum, swiglu, _ = _ops(x.device)
+        x_sorted = gather_rows(x, token_of)  # [N, D]
+        gate_up = torch._grouped_mm(x_sorted, w_in.transpose(-2, -1), offs=offs)  # [N, 2F]
+        w_sorted = weights.reshape(-1).index_select(0, order)  # [N]
+        hidden = swiglu(gate_up, w_sorted)  # [N, F], weight folded in
+        y_sorted = torch._grouped_mm(hidden, w_out.transpose(-2, -1), offs=offs)  # [N, D]
+        ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, token_of, inv,
+                              offs)
+        ctx.weights_dtype = weights.dtype
+        return gather_sum(y_sorted, inv)  # [T, D]
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        x_sorted, gate_up, hidden, w_sorted, w_in, w_out, token_of, inv, offs = ctx.saved_tensors
+        gather_rows, gather_sum, _, swiglu_backward = _ops(dout.device)
+        need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
+        dy_sorted = gather_rows(dout.contiguous(), token_of)  # [N, D]
+        dhidden = torch._grouped_mm(dy_sorted, w_out, offs=offs)  # [N, F]
+        dw_out = torch._grouped_mm(dy_sorted.t(), hidden, offs=offs) if need_out else None
+        dgate_up, dw_sorted = swiglu_backward(gate_up, w_sorted, dhidden)  # [N, 2F], [N]
+        dx = dw_in = dweights = None
+        if need_x:
+            dx_sorted = torch._grouped_mm(dgate_up, w_in, offs=offs)  # [N, D]
+            dx = gather_sum(dx_sorted, inv)
+        if need_in:
+            dw_in = torch._grouped_mm(dgate_up.t(), x_sorted, offs=offs)  # [E, 2F, D]
+        if need_w:
+            dweights = dw_sorted[inv].to(ctx.weights_dtype)  # [T, k]
+        return dx, dweights, dw_in, dw_out, None, None, None, None
+
+
 def moe_experts_grouped(
     x: Tensor, expert_idx: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor
 ) -> Tensor:
     """x [T, D]; expert_idx, weights [T, k]; w_in [E, 2F, D]; w_out [E, D, F] -> [T, D]."""
-    k = expert_idx.shape[1]
-    n_experts = w_in.shape[0]
-    flat_expert = expert_idx.reshape(-1)  # [T*k]
-    order = torch.argsort(flat_expert, stable=True)  # (token, choice) pairs grouped by expert
-    token_of = order // k
-    offs = torch.bincount(flat_expert, minlength=n_experts).cumsum(0).to(torch.int32)  # [E]
-
-    x_sorted = x[token_of]  # [T*k, D]   permute
-    gate_up = torch._grouped_mm(x_sorted, w_in.transpose(-2, -1), offs=offs)  # [T*k, 2F]
-    gate, up = gate_up.chunk(2, dim=-1)
-    hidden = F.silu(gate) * up  # [T*k, F]
-    y_sorted = torch._grouped_mm(hidden, w_out.transpose(-2, -1), offs=offs)  # [T*k, D]
-
-    y_sorted = y_sorted * weights.reshape(-1)[order, None].to(y_sorted.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, y_sorted)  # unpermute + combine
+    plan = dispatch_plan(expert_idx, w_in.shape[0])
+    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan)

@@ -1,0 +1,613 @@
+"""The chunked gated delta rule in Triton, forward and backward.
+
+Same contract as :func:`megacpp.kernels.ops.gated_delta.reference.gated_delta_rule_chunked`
+(fla's layout: q, k [B, L, H, K], v [B, L, H, V], g, beta [B, L, H], reset [B, L] bool,
+state [B, H, K, V]); float32 or bfloat16 q/k/v, any float g/beta, float32 state and
+accumulation. Chunks are always ``CHUNK`` = 64 tokens: the result does not depend on the
+chunk length, so ``chunk_size`` is accepted and only validated.
+
+Per chunk of C tokens (one batch row, one head), with ``gc`` the in-chunk cumulative log decay
+and ``seg`` the number of resets seen so far in the chunk (decays never cross a reset)::
+
+    A      = strict_lower(beta_i * exp(gc_i - gc_j) * k_i.k_j)   (same segment)   [C, C]
+    T      = (I + A)^-1                                                           [C, C]
+    w, u   = T (beta * decay_in * k),  T (beta * v)                  (the WY / UT form)
+    v_new  = u - w S                       S: the state entering the chunk        [C, V]
+    o      = (scale * decay_in * q) S + (scale * q k^T * exp(gc_i - gc_j), causal) v_new
+    S'     = decay_chunk * S + (decay_out * k)^T v_new
+
+Kernels (grid in brackets; N chunks, BH = B * H):
+
+* ``_fwd_intra``  [N, BH]   A, T (block forward substitution, below), w, u (float32), and
+  the per-token decay_in / decay_out and per-chunk gamma the state passes read
+* ``_fwd_state``  [V/BV, BH] the only sequential pass: S per chunk, v_new, final state
+* ``_fwd_out``    [N, BH]   o
+* ``_bwd_dv_local`` [N, BH] the intra-chunk part of dL/dv_new: P^T do
+* ``_bwd_state``  [V/BV, BH] reverse pass: dL/dS per chunk, dL/dv_new, dL/d initial_state
+* ``_bwd_intra``  [N, BH]   dq, dk, dv, dbeta, dg (through T, the decays and the cumsum)
+
+T is built without tiny matmuls: the 16 x 16 diagonal blocks D of (I + A) are inverted
+together by 15 steps of forward substitution on the [64, 64] tile, and with F = D^-1 E (E the
+strictly block-lower part, F^4 = 0): ``T = (I - F)(I + F^2) D^-1``, the same products as the
+textbook block recurrence.
+
+Saved for backward: q, k, v, g, beta, reset, T [B, H, N*C, C] float32, w (k's dtype), the
+chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V] float32 (bfloat16 doubled
+o's error), the decays; u^T is recomputed. Backward needs a [B, H, N, 2, C, C] float32 scratch
+for two transposes (see ``_bwd_intra``). bfloat16 inputs use
+bfloat16 tensor-core products where both operands are bfloat16, tf32 where one is a float32
+intermediate (T, the state, decayed keys); float32 inputs use 3xTF32 products.
+
+Supported here: CUDA (or the Triton CPU interpreter, ``TRITON_INTERPRET=1``), q/k/v float32 or
+bfloat16, K <= 128, initial_state and output_final_state. Anything else (float64, float16,
+K > 128) is computed by the reference for that call (one warning per process).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from megacpp.kernels.ops.gated_delta.reference import _check_inputs, gated_delta_rule_chunked
+
+CHUNK = 64  # tokens per chunk (the tile side of A and T)
+SUB = 16  # diagonal block side of the forward substitution
+MAX_K = 128  # head_k_dim the kernels hold in registers
+# Smallest K / V tile. On the H100 (Triton 3.6) 16-wide tiles hit illegal memory accesses
+# (fp32 K = V = 16; bwd_intra with BV = 16), so narrower heads run masked 32-wide tiles.
+MIN_TILE = 32
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+# -- shared pieces ------------------------------------------------------------------------------
+@triton.jit
+def _tf32(x):
+    """x rounded to tf32 (10 mantissa bits, ties away from zero), kept as float32."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    return ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, MODE: tl.constexpr):
+    """a @ b with float32 accumulation. MODE 0 (float32 inputs): 3xTF32 (float32-accurate
+    products on the tensor cores; "ieee" would run these [64, 64] products on FMA units). MODE 1
+    (bfloat16 inputs): bfloat16 tensor cores when both operands are bfloat16 (inputs, stored
+    intermediates), else tf32, so float32 intermediates (T, the state, decayed keys) keep 10
+    mantissa bits instead of 7. MODE 2: MODE 1's rounding in IEEE float32 products (the CPU
+    interpreter, whose bfloat16 dot is wrong)."""
+    if MODE == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+    elif MODE == 1:
+        if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+            return tl.dot(a, b)
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    else:
+        return tl.dot(_tf32(a), _tf32(b), input_precision="ieee")
+
+
+@triton.jit
+def _gates(G, BETA, RST, b, h, n, L, H: tl.constexpr, BT: tl.constexpr,
+           HAS_RESET: tl.constexpr):
+    """The chunk's per-token gates. Returns (t [BT] token index, valid [BT], gc [BT] cumulative
+    log decay (resets contribute 0), seg [BT] resets seen so far, beta [BT])."""
+    t = n * BT + tl.arange(0, BT)
+    valid = t < L
+    row = b.to(tl.int64) * L + t  # [BT] index into [B, L]
+    g = tl.load(G + row * H + h, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + row * H + h, mask=valid, other=0.0).to(tl.float32)
+    if HAS_RESET:
+        rst = tl.load(RST + row, mask=valid, other=0).to(tl.int32)
+        g = tl.where(rst != 0, 0.0, g)
+    else:
+        rst = tl.zeros([BT], dtype=tl.int32)
+    gc = tl.cumsum(g, 0)
+    seg = tl.cumsum(rst, 0)
+    return t, valid, gc, seg, beta
+
+
+@triton.jit
+def _last(x, BT: tl.constexpr):
+    """x[BT - 1] of a [BT] vector, as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, BT) == BT - 1, x, 0), 0)
+
+
+@triton.jit
+def _decays(gc, seg, BT: tl.constexpr):
+    """decay_in [BT] (chunk start -> token i, inclusive), decay_out [BT] (token j -> chunk
+    end), gamma (the whole chunk), each zero across a reset."""
+    decay_in = tl.where(seg == 0, tl.exp(gc), 0.0)
+    gc_end, seg_end = _last(gc, BT), _last(seg, BT)
+    decay_out = tl.where(seg == seg_end, tl.exp(gc_end - gc), 0.0)
+    gamma = _last(decay_in, BT)
+    return decay_in, decay_out, gamma
+
+
+@triton.jit
+def _pair(gc, seg, BT: tl.constexpr, STRICT: tl.constexpr):
+    """[BT, BT] exp(gc_i - gc_j) for j < i (STRICT) or j <= i in the same segment, else 0."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    if STRICT:
+        mask = rows > cols
+    else:
+        mask = rows >= cols
+    mask = mask & (seg[:, None] == seg[None, :])
+    return tl.where(mask, tl.exp(tl.where(mask, gc[:, None] - gc[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _tile(PTR, row, valid, col0, D: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, h):
+    """Pointers and mask of the [BT, BD] tile (tokens row, features col0..) of a [B, L, H, D]
+    tensor, row = b * L + t (int64)."""
+    cols = col0 + tl.arange(0, BD)
+    ptrs = PTR + (row[:, None] * H + h) * D + cols[None, :]
+    return ptrs, valid[:, None] & (cols[None, :] < D)
+
+
+@triton.jit
+def _state_tile(PTR, base, col0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr):
+    """Pointers and mask of the [BK, BV] tile (values col0..) of a [K, V] state at ``base``."""
+    rk = tl.arange(0, BK)
+    cv = col0 + tl.arange(0, BV)
+    return PTR + base + rk[:, None] * V + cv[None, :], (rk[:, None] < K) & (cv[None, :] < V)
+
+
+@triton.jit
+def _loop_count(N, N_CONST: tl.constexpr):
+    """The chunk loop's bound: the runtime N, or N_CONST when > 0 (the CPU interpreter, whose
+    runtime scalars cannot bound a Python range under numpy 2)."""
+    if N_CONST > 0:
+        return N_CONST
+    else:
+        return N
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr, SUB: tl.constexpr, MODE: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular [BT, BT] A (BT / SUB <= 4 blocks)."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    eye = tl.where(rows == cols, 1.0, 0.0)
+    in_block = (rows // SUB) == (cols // SUB)
+    a_diag = tl.where(in_block, A, 0.0)
+    a_off = A - a_diag
+    d_inv = eye
+    for i in tl.static_range(1, SUB):  # row i of every diagonal block at once
+        d_inv = tl.where(rows % SUB == i, eye - _dot(a_diag, d_inv, MODE), d_inv)
+    f = _dot(d_inv, a_off, MODE)  # strictly block-lower: f^4 = 0
+    f2 = _dot(f, f, MODE)
+    return _dot(_dot(eye - f, eye + f2, MODE), d_inv, MODE)
+
+
+# -- forward ------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BT: tl.constexpr, SUB: tl.constexpr, HAS_RESET: tl.constexpr,
+               MODE: tl.constexpr):
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    decay_in, decay_out, gamma = _decays(gc, seg, BT)
+    row = b.to(tl.int64) * L + t
+    rows = tl.arange(0, BT)
+    gate_off = (bh.to(tl.int64) * N + n) * BT + rows  # [BH, N * BT] per-token gates
+    tl.store(DIN + gate_off, decay_in)
+    tl.store(DOUT + gate_off, decay_out)
+    tl.store(GAM + bh.to(tl.int64) * N + n, gamma)
+
+    k_ptrs, k_mask = _tile(K_, row, valid, 0, DK, BK, H, h)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [BT, BK]
+    kk = _dot(k, tl.trans(k), MODE)  # [BT, BT]
+    a = beta[:, None] * _pair(gc, seg, BT, True) * kk
+    tm = _unit_lower_inverse(a, BT, SUB, MODE)  # T = (I + A)^-1
+
+    w = _dot(tm, k.to(tl.float32) * (beta * decay_in)[:, None], MODE)  # [BT, BK]
+    w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
+    tl.store(w_ptrs, w.to(W.dtype.element_ty), mask=k_mask)
+    for v0 in range(0, DV, BV):
+        v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
+        u_ptrs, _u_mask = _tile(U, row, valid, v0, DV, BV, H, h)
+        tl.store(u_ptrs, _dot(tm, v * beta[:, None], MODE), mask=v_mask)  # float32 u
+
+    t_base = (bh.to(tl.int64) * N + n) * BT * BT
+    tl.store(TM + t_base + rows[:, None] * BT + rows[None, :], tm)
+
+
+@triton.jit
+def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BT: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr,
+               STORE_HT: tl.constexpr, MODE: tl.constexpr, N_CONST: tl.constexpr):
+    vb, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    v0 = vb * BV
+    rows = tl.arange(0, BT)
+    s_ptrs, s_mask = _state_tile(H0, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+    if HAS_H0:
+        state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BK, BV]
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    for n in range(_loop_count(N, N_CONST)):
+        hs_ptrs, _ = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, v0, DK, DV, BK, BV)
+        tl.store(hs_ptrs, state.to(HS.dtype.element_ty), mask=s_mask)
+        t = n * BT + rows
+        valid = t < L
+        row = b.to(tl.int64) * L + t
+        k_ptrs, k_mask = _tile(K_, row, valid, 0, DK, BK, H, h)
+        w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
+        u_ptrs, v_mask = _tile(U, row, valid, v0, DV, BV, H, h)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=v_mask, other=0.0)
+        decay_out = tl.load(DOUT + (bh.to(tl.int64) * N + n) * BT + rows)
+        gamma = tl.load(GAM + bh.to(tl.int64) * N + n)
+        v_new = u - _dot(w, state.to(w.dtype), MODE)  # [BT, BV]; bf16 S costs ~nothing here
+        vn_ptrs, _ = _tile(VN, row, valid, v0, DV, BV, H, h)
+        tl.store(vn_ptrs, v_new.to(VN.dtype.element_ty), mask=v_mask)
+        k_out = k.to(tl.float32) * decay_out[:, None]
+        state = state * gamma + _dot(tl.trans(k_out), v_new, MODE)
+    if STORE_HT:
+        ht_ptrs, _ = _state_tile(HT, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+        tl.store(ht_ptrs, state, mask=s_mask)
+
+
+@triton.jit
+def _fwd_out(Q, K_, G, BETA, RST, HS, VN, O, L, N, scale, H: tl.constexpr, DK: tl.constexpr,
+             DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+             HAS_RESET: tl.constexpr, MODE: tl.constexpr):
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, _ = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    decay_in, _, _ = _decays(gc, seg, BT)
+    row = b.to(tl.int64) * L + t
+    q_ptrs, k_mask = _tile(Q, row, valid, 0, DK, BK, H, h)
+    k_ptrs, _ = _tile(K_, row, valid, 0, DK, BK, H, h)
+    q = tl.load(q_ptrs, mask=k_mask, other=0.0)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    p = _dot(q, tl.trans(k), MODE) * scale * _pair(gc, seg, BT, False)  # [BT, BT]
+    q_in = q.to(tl.float32) * (scale * decay_in)[:, None]
+    for v0 in range(0, DV, BV):
+        hs_ptrs, s_mask = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, v0, DK, DV,
+                                      BK, BV)
+        state = tl.load(hs_ptrs, mask=s_mask, other=0.0)
+        vn_ptrs, v_mask = _tile(VN, row, valid, v0, DV, BV, H, h)
+        v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
+        o = _dot(q_in, state, MODE) + _dot(p, v_new, MODE)
+        o_ptrs, _o_mask = _tile(O, row, valid, v0, DV, BV, H, h)
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=v_mask)
+
+
+# -- backward -----------------------------------------------------------------------------------
+@triton.jit
+def _bwd_dv_local(Q, K_, G, BETA, RST, DO, DVN, L, scale, H: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                  HAS_RESET: tl.constexpr, MODE: tl.constexpr):
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, _ = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    row = b.to(tl.int64) * L + t
+    q_ptrs, k_mask = _tile(Q, row, valid, 0, DK, BK, H, h)
+    k_ptrs, _ = _tile(K_, row, valid, 0, DK, BK, H, h)
+    q = tl.load(q_ptrs, mask=k_mask, other=0.0)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    p_t = _dot(k, tl.trans(q), MODE) * scale * tl.trans(_pair(gc, seg, BT, False))  # P^T
+    for v0 in range(0, DV, BV):
+        do_ptrs, v_mask = _tile(DO, row, valid, v0, DV, BV, H, h)
+        do = tl.load(do_ptrs, mask=v_mask, other=0.0)
+        dvn_ptrs, _dvn_mask = _tile(DVN, row, valid, v0, DV, BV, H, h)
+        tl.store(dvn_ptrs, _dot(p_t, do, MODE), mask=v_mask)
+
+
+@triton.jit
+def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
+               H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, BT: tl.constexpr, HAS_RESET: tl.constexpr,
+               HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, MODE: tl.constexpr,
+               N_CONST: tl.constexpr):
+    vb, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    v0 = vb * BV
+    rows = tl.arange(0, BT)
+    s_ptrs, s_mask = _state_tile(DHT, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+    if HAS_DHT:
+        dstate = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    else:
+        dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(_loop_count(N, N_CONST)):
+        n = N - 1 - i
+        dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, v0, DK, DV,
+                                  BK, BV)
+        tl.store(dhs_ptrs, dstate.to(DHS.dtype.element_ty), mask=s_mask)  # dL/d(S leaving n)
+        t = n * BT + rows
+        valid = t < L
+        row = b.to(tl.int64) * L + t
+        gate_off = (bh.to(tl.int64) * N + n) * BT + rows
+        decay_in = tl.load(DIN + gate_off)
+        decay_out = tl.load(DOUT + gate_off)
+        gamma = tl.load(GAM + bh.to(tl.int64) * N + n)
+        q_ptrs, k_mask = _tile(Q, row, valid, 0, DK, BK, H, h)
+        k_ptrs, _ = _tile(K_, row, valid, 0, DK, BK, H, h)
+        w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
+        do_ptrs, v_mask = _tile(DO, row, valid, v0, DV, BV, H, h)
+        dvn_ptrs, _ = _tile(DVN, row, valid, v0, DV, BV, H, h)
+        q = tl.load(q_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=v_mask, other=0.0)
+        dv_new = tl.load(dvn_ptrs, mask=v_mask, other=0.0)
+        dv_new += _dot(k * decay_out[:, None], dstate, MODE)  # [BT, BV]
+        tl.store(dvn_ptrs, dv_new, mask=v_mask)
+        q_in = q * (scale * decay_in)[:, None]
+        dstate = (dstate * gamma + _dot(tl.trans(q_in), do, MODE)
+                  - _dot(tl.trans(w), dv_new, MODE))
+    if STORE_DH0:
+        dh0_ptrs, _ = _state_tile(DH0, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+        tl.store(dh0_ptrs, dstate, mask=s_mask)
+
+
+@triton.jit
+def _bwd_intra(Q, K_, V_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, DQ, DK_, DV_, DG,
+               DB, L, N, scale, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HAS_RESET: tl.constexpr,
+               MODE: tl.constexpr):
+    """Everything of one chunk's backward after the state pass. No tl.trans of a matmul
+    result feeds a matmul (Triton 3.4-3.7.0 miscompiles that on Hopper, fla issue 640):
+    T^T and w^T are loaded transposed, u^T is computed as (beta v)^T T^T, and the two [BT, BT]
+    matrices whose transposes are needed go through a per-program scratch tile."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    decay_in, decay_out, gamma = _decays(gc, seg, BT)
+    row = b.to(tl.int64) * L + t
+    rows = tl.arange(0, BT)
+    chunk = bh.to(tl.int64) * N + n
+    tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
+
+    d_q_in = tl.zeros([BT, BK], dtype=tl.float32)  # dL/d(scale * decay_in * q)
+    d_w = tl.zeros([BT, BK], dtype=tl.float32)
+    d_k_out = tl.zeros([BT, BK], dtype=tl.float32)  # dL/d(decay_out * k)
+    d_p = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dP
+    d_a = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dA (before masking)
+    d_beta = tl.zeros([BT], dtype=tl.float32)
+    d_gamma = tl.zeros([BK], dtype=tl.float32)  # summed at the end
+    for v0 in range(0, DV, BV):
+        hs_ptrs, s_mask = _state_tile(HS, chunk * DK * DV, v0, DK, DV, BK, BV)
+        dhs_ptrs, _ = _state_tile(DHS, chunk * DK * DV, v0, DK, DV, BK, BV)
+        state = tl.load(hs_ptrs, mask=s_mask, other=0.0)  # S entering the chunk [BK, BV]
+        dstate = tl.load(dhs_ptrs, mask=s_mask, other=0.0)  # dL/dS leaving it
+        v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
+        vn_ptrs, _ = _tile(VN, row, valid, v0, DV, BV, H, h)
+        do_ptrs, _ = _tile(DO, row, valid, v0, DV, BV, H, h)
+        dvn_ptrs, _ = _tile(DVN, row, valid, v0, DV, BV, H, h)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
+        v_beta = v * beta[:, None]
+        v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=v_mask, other=0.0)
+        du = tl.load(dvn_ptrs, mask=v_mask, other=0.0)  # dL/dv_new = dL/du  [BT, BV]
+
+        d_q_in += _dot(do, tl.trans(state), MODE)
+        d_w -= _dot(du, tl.trans(state), MODE)
+        d_k_out += _dot(v_new, tl.trans(dstate), MODE)
+        d_p += _dot(do, tl.trans(v_new), MODE)
+        d_gamma += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), 1)
+
+        dx_u = _dot(tm_t, du, MODE)  # dL/d(beta * v)  [BT, BV]
+        dv_ptrs, _ = _tile(DV_, row, valid, v0, DV, BV, H, h)
+        tl.store(dv_ptrs, (dx_u * beta[:, None]).to(DV_.dtype.element_ty), mask=v_mask)
+        d_beta += tl.sum(dx_u * v, 1)
+        u_t = _dot(tl.trans(v_beta), tm_t, MODE)  # u^T = (beta v)^T T^T  [BV, BT]
+        d_a -= _dot(dx_u, u_t, MODE)
+
+    q_ptrs, k_mask = _tile(Q, row, valid, 0, DK, BK, H, h)
+    k_ptrs, _ = _tile(K_, row, valid, 0, DK, BK, H, h)
+    q = tl.load(q_ptrs, mask=k_mask, other=0.0)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    kcols = tl.arange(0, BK)
+    w_t = tl.load(W + (row[None, :] * H + h) * DK + kcols[:, None],
+                  mask=valid[None, :] & (kcols[:, None] < DK), other=0.0)  # w^T [BK, BT]
+    dx_w = _dot(tm_t, d_w, MODE)  # dL/d(beta * decay_in * k)  [BT, BK]
+    d_a -= _dot(dx_w, w_t, MODE)
+
+    pair_strict = _pair(gc, seg, BT, True)
+    pair_causal = _pair(gc, seg, BT, False)
+    kk = _dot(k, tl.trans(k), MODE)
+    qk = _dot(q, tl.trans(k), MODE) * scale
+    d_a = tl.where(pair_strict != 0.0, d_a, 0.0)
+    d_kk = d_a * beta[:, None] * pair_strict  # dL/d(k_i . k_j), i > j
+    d_qk = d_p * pair_causal  # dL/d(scale * q_i . k_j)
+
+    # transposes through this program's scratch tile (see the docstring)
+    scr = SCR + (bh.to(tl.int64) * N + n) * 2 * BT * BT
+    tl.store(scr + rows[:, None] * BT + rows[None, :], d_kk)
+    tl.store(scr + BT * BT + rows[:, None] * BT + rows[None, :], d_qk)
+    tl.debug_barrier()
+    d_kk_t = tl.load(scr + rows[None, :] * BT + rows[:, None])
+    d_qk_t = tl.load(scr + BT * BT + rows[None, :] * BT + rows[:, None])
+
+    k32 = k.to(tl.float32)
+    q32 = q.to(tl.float32)
+    dq = d_q_in * (scale * decay_in)[:, None] + _dot(d_qk, k, MODE) * scale
+    dk = (_dot(d_kk + d_kk_t, k, MODE) + _dot(d_qk_t, q, MODE) * scale
+          + dx_w * (beta * decay_in)[:, None] + d_k_out * decay_out[:, None])
+    d_beta += tl.sum(d_a * pair_strict * kk, 1) + tl.sum(dx_w * k32, 1) * decay_in
+
+    # log-decay gradient: every decay is exp of a difference of gc entries
+    d_decay_in = beta * tl.sum(dx_w * k32, 1) + scale * tl.sum(d_q_in * q32, 1)
+    d_decay_out = tl.sum(d_k_out * k32, 1)
+    m = d_a * (beta[:, None] * pair_strict * kk) + d_p * (qk * pair_causal)  # d/d(gc_i - gc_j)
+    end = d_decay_out * decay_out
+    d_gc = (d_decay_in * decay_in + tl.sum(m, 1) - tl.sum(m, 0) - end
+            + tl.where(rows == BT - 1, tl.sum(end, 0) + tl.sum(d_gamma, 0) * gamma, 0.0))
+    d_g = tl.cumsum(d_gc, 0, reverse=True)
+    if HAS_RESET:
+        rst = tl.load(RST + row, mask=valid, other=0)
+        d_g = tl.where(rst != 0, 0.0, d_g)
+
+    dq_ptrs, _ = _tile(DQ, row, valid, 0, DK, BK, H, h)
+    dk_ptrs, _ = _tile(DK_, row, valid, 0, DK, BK, H, h)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=k_mask)
+    tl.store(dk_ptrs, dk.to(DK_.dtype.element_ty), mask=k_mask)
+    tl.store(DG + row * H + h, d_g, mask=valid)
+    tl.store(DB + row * H + h, d_beta, mask=valid)
+
+
+# -- autograd -----------------------------------------------------------------------------------
+# Launch settings per kernel: BV (value columns per tile), num_warps, num_stages, from a quick
+# benchmarks/gated_delta_tune.py sweep on an H100 (nam56r shape; the spread between settings
+# was within ~5% of fwd+bwd). Known gap (H100, nam56r_4k): _bwd_intra runs at 255 registers with
+# ~176 spilled and takes ~0.8 of ~1.5 ms device time; splitting its V loop in two kernels (the
+# do-side and du-side accumulators) is the next step. See gated_delta_h100.json.
+CONFIG: dict[str, dict[str, int]] = {
+    "fwd_intra": {"num_warps": 4, "num_stages": 1},
+    "fwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "fwd_out": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "bwd_intra": {"BV": 32, "num_warps": 8, "num_stages": 1},
+}
+
+
+def _dot_mode(q: Tensor) -> int:
+    """The kernels' MODE: 0 float32 (3xTF32 products), 1 bfloat16 tensor cores, 2 bfloat16
+    emulated in float32 (the CPU interpreter)."""
+    if q.dtype == torch.float32:
+        return 0
+    return 2 if q.device.type == "cpu" else 1
+
+
+class _Launcher:
+    """Grid and constexpr arguments shared by the six kernels for one call's shapes."""
+
+    def __init__(self, q: Tensor, v: Tensor, reset: Tensor | None, g: Tensor) -> None:
+        B, L, H, K = q.shape
+        V = v.shape[-1]
+        self.B, self.L, self.H, self.K, self.V = B, L, H, K, V
+        self.N = triton.cdiv(L, CHUNK)
+        self.rst = reset.view(torch.uint8) if reset is not None else g  # unused without reset
+        self.on_cpu = q.device.type == "cpu"
+        self.const = {"H": H, "DK": K, "DV": V, "BK": max(MIN_TILE, triton.next_power_of_2(K)),
+                      "BT": CHUNK, "MODE": _dot_mode(q), "HAS_RESET": reset is not None}
+
+    def __call__(self, kernel, name: str, per_chunk: bool, *args, **const):
+        """Launch ``kernel`` over [N, B*H] (per_chunk) or [V / BV, B*H] with CONFIG[name]."""
+        cfg = dict(CONFIG[name])
+        bv = max(MIN_TILE, min(cfg.pop("BV", 64), triton.next_power_of_2(self.V)))
+        if not per_chunk:
+            const["N_CONST"] = self.N if self.on_cpu else 0  # see _loop_count
+        grid = (self.N if per_chunk else triton.cdiv(self.V, bv), self.B * self.H)
+        launch_cfg = {} if self.on_cpu else cfg
+        return kernel[grid](*args, BV=bv, **self.const, **const, **launch_cfg)
+
+
+class _ChunkedGatedDelta(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, reset, scale: float):
+        run = _Launcher(q, v, reset, g)
+        B, L, H, K, V, N, rst = run.B, run.L, run.H, run.K, run.V, run.N, run.rst
+        f32 = {"device": q.device, "dtype": torch.float32}
+        tm = torch.empty(B, H, N * CHUNK, CHUNK, **f32)
+        w, u = torch.empty_like(k), torch.empty(B, L, H, V, **f32)
+        decay_in, decay_out = (torch.empty(B, H, N * CHUNK, **f32) for _ in range(2))
+        gamma = torch.empty(B, H, N, **f32)
+        run(_fwd_intra, "fwd_intra", True, k, v, g, beta, rst, w, u, tm, decay_in, decay_out,
+            gamma, L, N, SUB=SUB)
+        hs = torch.empty(B, H, N, K, V, device=q.device, dtype=q.dtype)
+        v_new = torch.empty(B, L, H, V, **f32)  # bfloat16 here would double o's error
+        ht = torch.empty(B, H, K, V, **f32)
+        run(_fwd_state, "fwd_state", False, k, w, u, decay_out, gamma,
+            ht if h0 is None else h0, hs, v_new, ht, L, N, HAS_H0=h0 is not None, STORE_HT=True)
+        del u
+        o = torch.empty_like(v)
+        run(_fwd_out, "fwd_out", True, q, k, g, beta, rst, hs, v_new, o, L, N, scale)
+        ctx.save_for_backward(q, k, v, g, beta, reset, tm, w, hs, v_new, decay_in, decay_out,
+                              gamma)
+        ctx.scale, ctx.has_h0 = scale, h0 is not None
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, reset, tm, w, hs, v_new, decay_in, decay_out, gamma = ctx.saved_tensors
+        run = _Launcher(q, v, reset, g)
+        B, L, H, K, V, N, rst = run.B, run.L, run.H, run.K, run.V, run.N, run.rst
+        f32 = {"device": q.device, "dtype": torch.float32}
+        do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
+        dvn = torch.empty(B, L, H, V, **f32)  # dL/dv_new: the local part, then all of it
+        run(_bwd_dv_local, "bwd_dv_local", True, q, k, g, beta, rst, do, dvn, L, ctx.scale)
+        dhs = torch.empty_like(hs)
+        dh0 = torch.empty(B, H, K, V, **f32) if ctx.has_h0 else None
+        dht_arg = dvn if dht is None else dht.float().contiguous()
+        run(_bwd_state, "bwd_state", False, q, k, w, decay_in, decay_out, gamma, do, dvn,
+            dht_arg, dhs, dvn if dh0 is None else dh0, L, N, ctx.scale,
+            HAS_DHT=dht is not None, STORE_DH0=ctx.has_h0)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dg, db = torch.empty_like(g), torch.empty_like(beta)
+        scratch = torch.empty(B, H, N, 2, CHUNK, CHUNK, **f32)  # see _bwd_intra
+        run(_bwd_intra, "bwd_intra", True, q, k, v, g, beta, rst, tm, w, hs, v_new, dhs, do, dvn,
+            scratch, dq, dk, dv, dg, db, L, N, ctx.scale)
+        return dq, dk, dv, dg, db, dh0, None, None
+
+
+# -- entry point --------------------------------------------------------------------------------
+def unsupported_reason(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the Triton kernels cannot take this call (the reference then does), or None."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
+        return f"device {q.device.type} (CUDA, or the CPU under TRITON_INTERPRET=1)"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} (float32 or bfloat16, all equal)"
+    if q.shape[-1] > MAX_K:
+        return f"head_k_dim {q.shape[-1]} > {MAX_K}"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def gated_delta_rule_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    reset: Tensor | None = None,
+    output_final_state: bool = True,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked gated delta rule in Triton; the arguments and results of
+    :func:`~megacpp.kernels.ops.gated_delta.reference.gated_delta_rule_chunked`.
+
+    ``chunk_size`` is validated but the kernels always use 64-token chunks (same result).
+    Calls the kernels cannot take (see :func:`unsupported_reason`) run the reference.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, reset)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    why = unsupported_reason(q, k, v)
+    if why is not None:
+        if why not in _warned:
+            _warned.add(why)
+            warnings.warn(f"gated_delta triton: {why}; this call uses the reference",
+                          stacklevel=2)
+        return gated_delta_rule_chunked(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, reset=reset,
+            output_final_state=output_final_state, chunk_size=chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o, state = _ChunkedGatedDelta.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
+        beta.float().contiguous(), h0, None if reset is None else reset.contiguous(),
+        float(scale))
+    return o, (state if output_final_state else None)

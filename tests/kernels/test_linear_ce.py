@@ -1,0 +1,110 @@
+"""GPU: the fused linear cross-entropy's float32 weight-gradient planes, its memory bound, its
+no-grad path and its single-use gradients. (The catalog check against the float64 reference
+runs in test_ops_triton.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp.errors import MegaCppError
+from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _case(tokens, hidden, vocab, dtype, seed):
+    g = torch.Generator("cuda").manual_seed(seed)
+    h = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * hidden**-0.5).to(dtype)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    labels[torch.rand(tokens, device="cuda", generator=g) < 0.1] = -100
+    return h, w.requires_grad_(), labels
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grads_scaled_by_grad_output_match_fp32_reference(dtype):
+    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+
+    h, w, labels = _case(3000, 256, 10007, dtype, 0)  # ragged vocab / last chunk
+    scale = 0.37
+    loss = linear_cross_entropy_triton(h, w, labels, chunk_tokens=704)
+    dh, dw = torch.autograd.grad(loss * scale, [h, w])
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = linear_cross_entropy_reference(h32, w32, labels)
+    rdh, rdw = torch.autograd.grad(ref * scale, [h32, w32])
+    assert dw.dtype == dtype and dw.shape == w.shape and dh.dtype == dtype
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-4
+    assert _rel(dh, rdh) < 1e-2 and _rel(dw, rdw) < 1e-2
+
+
+def test_weight_grad_planes_are_an_fp32_accumulation():
+    """Several chunks into the (hi, lo) planes == float32 addmm accumulation, to fp32 rounding
+    (not to bf16 rounding)."""
+    from megacpp.kernels.ops.linear_ce.triton import accumulate_weight_grad
+
+    g = torch.Generator("cuda").manual_seed(1)
+    vocab, hidden = 4096, 512
+    hi = torch.zeros(vocab, hidden, device="cuda", dtype=torch.int16)
+    lo = torch.zeros_like(hi)
+    want = torch.zeros(vocab, hidden, device="cuda", dtype=torch.float32)
+    for _ in range(6):
+        grad = (torch.randn(300, vocab, device="cuda", generator=g) * 1e-3).bfloat16()
+        h = torch.randn(300, hidden, device="cuda", generator=g).bfloat16()
+        accumulate_weight_grad(hi, lo, grad, h)
+        want.addmm_(grad.t().float(), h.float())
+    got = ((hi.int() << 16) | (lo.int() & 0xFFFF)).view(torch.float32)
+    assert _rel(got, want) < 1e-5  # bf16 accumulation would be ~1e-3
+
+
+def test_no_grad_path_computes_only_the_loss():
+    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+
+    h, w, labels = _case(2048, 256, 32000, torch.bfloat16, 2)
+    with_grad = linear_cross_entropy_triton(h, w, labels, chunk_tokens=512)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        loss = linear_cross_entropy_triton(h, w, labels, chunk_tokens=512)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert abs(loss.item() - with_grad.item()) < 1e-6
+    assert peak < 512 * 32000 * 2 + 2**20  # one chunk of logits, no gradient buffers
+
+
+def test_backward_twice_is_a_clear_error():
+    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+
+    h, w, labels = _case(256, 64, 1000, torch.bfloat16, 3)
+    loss = linear_cross_entropy_triton(h, w, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(MegaCppError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_peak_memory_and_no_host_sync():
+    """Peak extra memory over fwd+bwd <= dh + the two 16-bit planes + one chunk of logits
+    (no float32 [V, D] dW, no cast copy); nothing syncs the host."""
+    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+
+    tokens, hidden, vocab, chunk = 4096, 512, 32768, 512
+    h, w, labels = _case(tokens, hidden, vocab, torch.bfloat16, 4)
+    linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk).backward()  # compile
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dh, dw = torch.autograd.grad(
+            linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk), [h, w])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = tokens * hidden * 2 + 2 * vocab * hidden * 2 + chunk * vocab * 2
+    assert peak <= bound + 2 * 2**20, (peak, bound)
+    assert dw.dtype == torch.bfloat16 and torch.isfinite(dw).all() and torch.isfinite(dh).all()

@@ -1,0 +1,235 @@
+"""Our Triton Mamba-3 scan against the float64 reference: y, final state, every input grad.
+
+GPU tests run the compiled kernels (float32 and bf16 operands, with and without document
+resets, lengths that are not a multiple of the chunk). One CPU test runs the same kernels
+through the Triton interpreter (skipped when triton is not importable, as in CI).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, mamba3_scan_chunked
+
+GRAD_ARGS = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_inputs(batch, seqlen, groups, nheads, d_state, headdim, n_angles, dtype, device, seed,
+                with_reset=True):
+    """Model-like inputs: q/k RMS-normed, dt ~ softplus, adt = A dt <= 0, all random."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    dt = F.softplus(randn(batch, seqlen, nheads) - 2)
+    inputs = {
+        "q": F.rms_norm(randn(batch, seqlen, groups, d_state), (d_state,)).to(dtype),
+        "k": F.rms_norm(randn(batch, seqlen, groups, d_state), (d_state,)).to(dtype),
+        "v": randn(batch, seqlen, nheads, headdim).to(dtype),
+        "adt": -torch.rand(batch, seqlen, nheads, generator=g) * dt,  # float32 as in the model
+        "dt": dt,
+        "trap": randn(batch, seqlen, nheads).to(dtype),
+        "q_bias": 1 + 0.1 * randn(nheads, d_state),
+        "k_bias": 1 + 0.1 * randn(nheads, d_state),
+        "angles": randn(batch, seqlen, nheads, n_angles, scale=2.0).to(dtype),
+        "D": randn(nheads),
+        "z": randn(batch, seqlen, nheads, headdim).to(dtype),
+    }
+    inputs = {n: t.to(device).requires_grad_() for n, t in inputs.items()}
+    reset = None
+    if with_reset:
+        reset = torch.rand(batch, seqlen, generator=g) < 0.02
+        reset[0, min(seqlen - 1, 16)] = True  # on a chunk boundary (chunk 16)
+        reset[-1, seqlen // 2] = True
+        reset[:, 0] = False
+        reset = reset.to(device)
+    return inputs, reset
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if not torch.isfinite(actual).all():
+        return float("nan")
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def angle_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest wrapped difference of two angle tensors, in radians."""
+    diff = actual.detach().double().cpu() - expected.detach().double().cpu()
+    return float((torch.remainder(diff + math.pi, 2 * math.pi) - math.pi).abs().max())
+
+
+def compare(scan, inputs, reset, chunk_size, tol) -> dict[str, float]:
+    """Run ``scan`` and the float64 reference with one random cotangent; relative errors."""
+    ours = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
+    ref = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
+    y, state = scan(**ours, reset=reset, chunk_size=chunk_size)
+    y_ref, state_ref = mamba3_scan_chunked(**ref, reset=reset, chunk_size=chunk_size)
+    assert y.dtype == inputs["v"].dtype and y.shape == y_ref.shape
+    cot = torch.randn(y_ref.shape, dtype=torch.float64, device=y_ref.device)
+    grads = torch.autograd.grad((y.float() * cot.float()).sum(),
+                                [ours[n] for n in GRAD_ARGS])
+    grads_ref = torch.autograd.grad((y_ref * cot).sum(), [ref[n] for n in GRAD_ARGS])
+    errors = {"y": rel(y, y_ref)}
+    for name in Mamba3ScanState._fields[1:]:
+        errors[f"state.{name}"] = rel(getattr(state, name), getattr(state_ref, name))
+    errors["state.angle"] = angle_error(state.angle, state_ref.angle) / (2 * math.pi)
+    for name, g, g_ref in zip(GRAD_ARGS, grads, grads_ref):
+        assert g.dtype == inputs[name].dtype and g.shape == inputs[name].shape, name
+        errors[f"d{name}"] = rel(g, g_ref)
+    bad = {k: v for k, v in errors.items() if not v <= tol}  # NaN never passes
+    assert not bad, f"errors over {tol}: {bad}\nall: {errors}"
+    return errors
+
+
+# -- CPU: the Triton interpreter ---------------------------------------------------------------
+def _interpreter_check() -> list[dict[str, float]]:
+    """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported)."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+
+    def patch(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element 1-D array
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.ravel(self.handle.data)[0]))
+
+    interp._patch_lang_tensor = patch
+    from megacpp.kernels.ops.mamba3_scan.triton import mamba3_scan_triton
+
+    # 3 chunks of 16 (the last one partial), packed documents, 2 heads per q/k group,
+    # odd d_state / headdim / rotated pairs (strided pair loads)
+    inputs, reset = make_inputs(batch=2, seqlen=45, groups=1, nheads=2, d_state=10, headdim=12,
+                                n_angles=3, dtype=torch.float32, device="cpu", seed=0)
+    errors = compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)
+    # d_state filling the pair tile (one contiguous q/k load, split in two)
+    inputs, reset = make_inputs(batch=1, seqlen=20, groups=1, nheads=2, d_state=32, headdim=16,
+                                n_angles=5, dtype=torch.float32, device="cpu", seed=1)
+    return [errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
+
+
+def test_interpreter_matches_reference() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    code = "import test_mamba3_triton as t; print(t._interpreter_check())"
+    run = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                         timeout=300)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+
+
+# -- GPU -------------------------------------------------------------------------------------
+def _gpu_scan():
+    from megacpp.kernels.ops.mamba3_scan.triton import mamba3_scan_triton
+
+    return mamba3_scan_triton
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+GPU_CASES = [  # (batch, seqlen, groups, nheads, d_state, headdim, n_angles, chunk, dtype, reset)
+    # the model's shape, L not a multiple of the chunk
+    *[(2, 300, 2, 8, 128, 64, 32, 64, dtype, reset) for dtype in (F32, BF16)
+      for reset in (False, True)],
+    (2, 77, 1, 3, 20, 24, 7, 16, F32, True),  # odd everything, chunk 16
+    (2, 77, 1, 3, 20, 24, 7, 16, BF16, True),
+    (1, 130, 2, 4, 64, 32, 32, 32, BF16, True),  # every pair rotated, chunk 32
+    (1, 4096, 1, 32, 128, 64, 32, 64, BF16, True),  # the benchmark's row length and heads
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_matches_reference(case) -> None:
+    *shape, chunk, dtype, with_reset = case
+    inputs, reset = make_inputs(*shape, dtype=dtype, device="cuda", seed=len(str(case)),
+                                with_reset=with_reset)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    print(case, compare(_gpu_scan(), inputs, reset, chunk, tol))
+
+
+@pytest.mark.gpu
+def test_gpu_no_gate_no_skip_and_fresh_inputs() -> None:
+    """Without D and z; two seeds give different outputs (nothing cached or unwritten)."""
+    scan = _gpu_scan()
+    outs = []
+    for seed in (1, 2):
+        inputs, reset = make_inputs(2, 200, 1, 4, 128, 64, 32, torch.bfloat16, "cuda", seed)
+        kept = {n: t for n, t in inputs.items() if n not in ("D", "z")}
+        y, _ = scan(**kept, reset=reset)
+        ref, _ = mamba3_scan_chunked(**{n: t.detach().double() for n, t in kept.items()},
+                                     reset=reset)
+        assert rel(y, ref) < 1e-2
+        outs.append(y)
+    assert rel(outs[0], outs[1]) > 0.5
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_what_it_does_not_support() -> None:
+    from megacpp.errors import MegaCppError
+    from megacpp.kernels.ops.mamba3_scan.reference import zero_scan_state
+
+    scan = _gpu_scan()
+    inputs, _ = make_inputs(1, 32, 1, 2, 16, 16, 4, torch.bfloat16, "cuda", 0, with_reset=False)
+    state = zero_scan_state(1, 2, 16, 16, 4, device="cuda")
+    with pytest.raises(MegaCppError, match="initial_state"):
+        scan(**inputs, initial_state=state)
+    with pytest.raises(MegaCppError, match="chunk_size"):
+        scan(**inputs, chunk_size=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_catalog_check_passes(dtype: str) -> None:
+    from megacpp.kernels.check import check_backend
+    from megacpp.kernels.registry import default_catalog
+
+    catalog = default_catalog()
+    result = check_backend(catalog.surface("mamba3_scan"),
+                           catalog.backend("mamba3_scan", "triton_chunked"),
+                           torch.device("cuda"), dtype, seed=5)
+    print(result.errors)
+    assert result.passed, result.errors
+
+
+@pytest.mark.gpu
+def test_mixer_auto_mode_uses_the_kernel_and_matches_reference_mode() -> None:
+    """The M mixer under MEGACPP_KERNELS=auto: same output and grads; a cache uses the ref."""
+    from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
+    from megacpp.model.mamba3 import Mamba3Mixer
+
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(d_model=256, d_state=64, headdim=32).cuda().bfloat16()
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+    doc_ids = torch.cumsum(torch.rand(2, 200, device="cuda") < 0.02, dim=1)
+    results = {}
+    for mode in ("reference", "auto"):
+        clear_resolutions()
+        with kernel_mode_override(mode):
+            out = mixer(x, doc_ids=doc_ids)
+            grads = torch.autograd.grad(out.float().square().sum(),
+                                        [mixer.in_proj.weight, mixer.dt_bias, mixer.B_bias])
+            results[mode] = (out.float(), [g.float() for g in grads])
+            chosen = chosen_kernels()["mamba3_scan"]
+        assert chosen == ("reference" if mode == "reference" else "triton_chunked")
+    (ref_out, ref_grads), (out, grads) = results["reference"], results["auto"]
+    assert rel(out, ref_out) < 1e-2
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < 3e-2
+    with kernel_mode_override("fast"):  # a prefill from a cache runs the reference
+        cache = mixer.init_cache(2, device="cuda")
+        with torch.no_grad():
+            prefill = mixer(x, cache=cache)
+            whole = mixer(x)
+        assert rel(prefill, whole) < 1e-2
