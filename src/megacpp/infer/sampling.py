@@ -16,6 +16,7 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy decoding. ``top_k == 0`` and ``top_p == 1`` disable those
     filters. ``stop`` strings end a completion and are not part of it (OpenAI semantics).
+    ``ignore_eos`` keeps generating past EOS until ``max_new_tokens`` (for benchmarks).
     """
 
     temperature: float = 1.0
@@ -24,6 +25,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -34,6 +36,8 @@ class SamplingParams:
             raise MegaCppError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise MegaCppError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise MegaCppError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise MegaCppError(f"stop sequences must be non-empty strings, got {self.stop!r}")
 
@@ -56,3 +60,40 @@ def sample_next_token(
         scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
     probs = scores.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row, each row with its own parameters, in one batched pass (no host
+    sync, no per-row kernels) -- the serving engine's sampler.
+
+    Args:
+        logits: [B, V].
+        temperature: [B] float; rows with 0 are greedy (argmax).
+        top_k: [B] int64; 0 disables. top_p: [B] float in (0, 1].
+        uniform: [B] float in [0, 1): each row's random draw (from the request's own
+            generator, so a request's samples do not depend on what it is batched with).
+    Returns:
+        [B] int64 token ids. The same filters as :func:`sample_next_token` (top-k first, then
+        top-p over the renormalised rest), sampled by inverse CDF over the sorted tokens.
+    """
+    V = logits.shape[-1]
+    greedy = temperature <= 0
+    scores = logits.float() / torch.where(greedy, 1.0, temperature.float())[:, None]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(V, device=logits.device)
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    sorted_scores = sorted_scores.masked_fill(rank >= k, -math.inf)
+    probs = sorted_scores.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= top_p.float()[:, None]  # the tokens above reach top_p
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1)  # [B, V]
+    target = uniform.float()[:, None] * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=V - 1)  # [B, 1]
+    sampled = order.gather(-1, pick).squeeze(-1)
+    return torch.where(greedy, logits.argmax(-1), sampled)

@@ -6,12 +6,14 @@ its own document, so attention never crosses a document boundary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_cos_sin
 
@@ -70,13 +72,15 @@ class GroupedQueryAttention(nn.Module):
         self,
         x: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedView | None = None,
     ) -> torch.Tensor:
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv_proj(x).view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, hd]
         q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(cache, PagedView):
+            return self._forward_paged(q, k, v, cache)
 
         offset = cache.length if cache is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device)
@@ -101,6 +105,26 @@ class GroupedQueryAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
         )  # [B, H, L, hd]
         return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+    def _forward_paged(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedView
+    ) -> torch.Tensor:
+        """Rows at their own positions over the paged cache: write the new keys/values, gather
+        each row's blocks, attend with keys past the query's position masked.
+        q [B, H, L, hd], k/v [B, Hkv, L, hd] (before RoPE)."""
+        B, _, L, _ = q.shape
+        table_dtype = torch.promote_types(q.dtype, torch.float32)
+        cos, sin = cache.batch.rope(self.head_dim, self.rope_base, table_dtype)  # [B, L, hd/2]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, L, hd/2]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.append(k=k.transpose(1, 2), v=v.transpose(1, 2))  # [B, T, Hkv, hd]
+        allowed = cache.batch.allowed_keys(keys.shape[1])  # [B, L, T]
+        out = grouped_attention(q, keys, values, allowed)  # [B, H, L, hd]
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+    def paged_layout(self) -> dict[str, tuple[int, ...]]:
+        """Per-token cache entries of the paged layout: keys and values (after RoPE)."""
+        return {"k": (self.n_kv_heads, self.head_dim), "v": (self.n_kv_heads, self.head_dim)}
 
     def init_cache(
         self, batch_size: int, capacity: int, device: torch.device, dtype: torch.dtype
@@ -132,3 +156,21 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return causal & same_doc
+
+
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """Grouped-query attention of per-row key sets without repeating K/V per head (the paged
+    decode reference): q [B, H, L, hd]; keys, values [B, T, Hkv, hd]; allowed [B, L, T] bool
+    (every query needs one allowed key) -> [B, H, L, hd]. Scores and softmax in at least
+    float32; the H // Hkv query heads of a group share their K/V head."""
+    B, H, L, hd = q.shape
+    Hkv = keys.shape[2]
+    qg = q.reshape(B, Hkv, H // Hkv * L, hd)  # heads of one group are adjacent
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bkqd,btkd->bkqt", qg, keys).to(dtype) * hd**-0.5  # [B, Hkv, G*L, T]
+    scores = scores.view(B, Hkv, H // Hkv, L, -1).masked_fill(~allowed[:, None, None], -math.inf)
+    probs = scores.softmax(-1).to(values.dtype).view(B, Hkv, H // Hkv * L, -1)
+    out = torch.einsum("bkqt,btkd->bkqd", probs, values)  # [B, Hkv, G*L, hd]
+    return out.reshape(B, H, L, hd)

@@ -50,6 +50,7 @@ from megacpp.kernels.ops.sparse_attention import (
     latent_attention,
     select_topk,
 )
+from megacpp.model.cache import PagedView
 from megacpp.model.config import DSA_MODES
 from megacpp.model.mla import MLACache, MultiHeadLatentAttention
 from megacpp.model.norm import RMSNorm
@@ -109,7 +110,8 @@ class LightningIndexer(nn.Module):
         B, L, _ = x.shape
         q = self.q_proj(q_in).view(B, L, self.n_heads, self.head_dim)
         weights = self.weights_proj(x) * self.n_heads**-0.5
-        return self._rope(q, cos[:, None], sin[:, None]), weights
+        # cos/sin [L, dr/2] (or [B, L, dr/2] for per-row positions) -> broadcast over heads
+        return self._rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), weights
 
     def keys(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """-> index keys [B, L, di]."""
@@ -181,8 +183,10 @@ class DeepSeekSparseAttention(nn.Module):
         self.aux_loss: Tensor | None = None
 
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: DSACache | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: DSACache | PagedView | None = None
     ) -> Tensor:
+        if isinstance(cache, PagedView):
+            return self._forward_paged(x, cache)
         L = x.shape[1]
         offset = cache.length if cache is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device)
@@ -202,7 +206,9 @@ class DeepSeekSparseAttention(nn.Module):
         for rows in self._chunks(L):
             query_doc = doc_ids[:, rows] if doc_ids is not None else None
             allowed = allowed_keys(positions[rows], latent.shape[1], query_doc, doc_ids)
-            o_latent, chunk_kl = self._attend_chunk(queries.rows(rows), keys, allowed)
+            o_latent, chunk_kl = self._attend_chunk(
+                queries.rows(rows), keys, allowed, stable=cache is not None
+            )
             outputs.append(o_latent)
             kl.append(chunk_kl)
         self.aux_loss = (
@@ -210,21 +216,45 @@ class DeepSeekSparseAttention(nn.Module):
         )
         return self.attn.output_from_latent(torch.cat(outputs, dim=1))
 
+    def _forward_paged(self, x: Tensor, cache: PagedView) -> Tensor:
+        """Rows at their own positions over the paged cache (latents, RoPE keys, index keys).
+
+        Same selection as the contiguous path: keys past a row's position (other rows' longer
+        histories, unused block entries) are never allowed, so never picked as valid."""
+        cos, sin = self.attn.paged_rope_tables(cache, x.dtype)  # [B, L, dr/2]
+        q_nope, q_rope, q_in = self.attn.queries(x, cos, sin)
+        latent, k_rope = self.attn.compress_kv(x, cos, sin)
+        index_q, index_w = self.indexer.queries(x, q_in, cos, sin)
+        index_k = self.indexer.keys(x, cos, sin)
+        keys = _Keys(*cache.append(latent=latent, k_rope=k_rope, index_k=index_k))  # [B, T, d]
+        queries = _Queries(self.attn.absorb_query(q_nope), q_rope, index_q, index_w)
+        allowed = cache.batch.allowed_keys(keys.latent.shape[1])  # [B, L, T]
+        outputs = [
+            self._attend_chunk(queries.rows(rows), keys, allowed[:, rows], stable=True)[0]
+            for rows in self._chunks(x.shape[1])
+        ]
+        return self.attn.output_from_latent(torch.cat(outputs, dim=1))
+
     def _chunks(self, length: int) -> Iterator[slice]:
         for start in range(0, length, self.query_chunk):
             yield slice(start, min(start + self.query_chunk, length))
 
     def _attend_chunk(
-        self, q: _Queries, keys: _Keys, allowed: Tensor
+        self, q: _Queries, keys: _Keys, allowed: Tensor, stable: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """One chunk of C queries over T keys -> o_latent [B, C, H, r], per-query KL [B, C]."""
+        """One chunk of C queries over T keys -> o_latent [B, C, H, r], per-query KL [B, C].
+
+        ``stable`` (decoding): equal indexer scores are broken toward the earlier position,
+        so the selection does not depend on how many (disallowed) keys pad the row -- the
+        relu makes exact ties (score 0) common, and ``topk``'s tie order varies with T."""
         n_keys = keys.latent.shape[1]
         if self.mode == "sparse" and self.top_k < n_keys:
             with torch.no_grad():
                 scores = indexer_scores(
                     q.index, q.index_weights, keys.index[:, None], self.indexer.scale
                 )
-                picked, allowed = select_topk(scores, allowed, self.top_k)
+                select = select_topk_stable if stable else select_topk
+                picked, allowed = select(scores, allowed, self.top_k)
             attended = keys.picked(picked)
         else:  # dense: every allowed key (warm-up, or top_k covers them all)
             attended = keys.shared()
@@ -244,6 +274,10 @@ class DeepSeekSparseAttention(nn.Module):
             batch_size, capacity, self.indexer.head_dim, device=device, dtype=dtype
         )
         return DSACache(self.attn.init_cache(batch_size, capacity, device, dtype), index_k)
+
+    def paged_layout(self) -> dict[str, tuple[int, ...]]:
+        """Per-token cache entries of the paged layout: MLA's, plus the indexer key."""
+        return {**self.attn.paged_layout(), "index_k": (self.indexer.head_dim,)}
 
     def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
         return self.attn.cache_bytes_per_token(dtype) + self.indexer.head_dim * dtype.itemsize
@@ -266,6 +300,15 @@ class DeepSeekSparseAttention(nn.Module):
         if keys < seq_len:
             indexer += self.indexer.score_flops(keys)
         return a.projection_flops_per_token() + absorb + attention + indexer
+
+
+def select_topk_stable(scores: Tensor, allowed: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """:func:`select_topk` with ties broken toward the lower key position (a stable sort), in
+    the same order whatever the number of keys T: [B, C, T] scores -> indices, valid."""
+    k = min(top_k, scores.shape[-1])
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    indices = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    return indices, allowed.expand_as(scores).gather(-1, indices)
 
 
 def indexer_parameters(model: nn.Module) -> Iterator[nn.Parameter]:

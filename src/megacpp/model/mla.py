@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from megacpp.kernels.ops.sparse_attention import allowed_keys, latent_attention
 from megacpp.model.attention import document_causal_mask
+from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_cos_sin
 
@@ -115,9 +116,15 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- projections (shared with DSA) --------------------------------------------------------
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin [L, rope_dim/2] for ``positions`` [L] (float64 for float64 models)."""
+        """cos/sin [..., L, rope_dim/2] for ``positions`` [..., L] (float64 for float64
+        models); [L] positions for rows that share them, [B, L] for per-row positions."""
         table_dtype = torch.promote_types(dtype, torch.float32)
         return rope_cos_sin(positions, self.rope_dim, self.rope_base, table_dtype)
+
+    def paged_rope_tables(self, cache: PagedView, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [B, L, rope_dim/2] at a paged batch's per-row positions (shared by layers)."""
+        table_dtype = torch.promote_types(dtype, torch.float32)
+        return cache.batch.rope(self.rope_dim, self.rope_base, table_dtype)
 
     def query_input(self, x: Tensor) -> Tensor:
         """The compressed, normalised query ``q_in`` [B, L, q_lora_rank] (or x when full rank)."""
@@ -129,7 +136,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_in = self.query_input(x)
         q = self.q_up(q_in).view(B, L, self.n_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        return q_nope, apply_rope(q_rope, cos[:, None], sin[:, None]), q_in
+        # cos/sin [L, dr/2] (or [B, L, dr/2] for per-row positions) -> broadcast over heads
+        return q_nope, apply_rope(q_rope, cos.unsqueeze(-2), sin.unsqueeze(-2)), q_in
 
     def compress_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """x [B, L, D] -> latent [B, L, r] (normalised), k_rope [B, L, dr] (rotated)."""
@@ -154,8 +162,10 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- attention ------------------------------------------------------------------------------
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: MLACache | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: MLACache | PagedView | None = None
     ) -> Tensor:
+        if isinstance(cache, PagedView):
+            return self._forward_paged(x, cache)
         L = x.shape[1]
         offset = cache.length if cache is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device)
@@ -169,6 +179,17 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError("cached attention decodes one document per row; drop doc_ids")
         latent, k_rope = cache.append(latent, k_rope)
         allowed = allowed_keys(positions, latent.shape[1])  # [1, L, T]
+        if self.decode_mode == "absorbed":
+            return self.attend_absorbed(q_nope, q_rope, latent, k_rope, allowed)
+        return self.attend_naive(q_nope, q_rope, latent, k_rope, allowed[:, None])
+
+    def _forward_paged(self, x: Tensor, cache: PagedView) -> Tensor:
+        """Rows at their own positions over the paged latent cache (``decode_mode`` form)."""
+        cos, sin = self.paged_rope_tables(cache, x.dtype)  # [B, L, dr/2]
+        q_nope, q_rope, _ = self.queries(x, cos, sin)
+        latent, k_rope = self.compress_kv(x, cos, sin)
+        latent, k_rope = cache.append(latent=latent, k_rope=k_rope)  # [B, T, r], [B, T, dr]
+        allowed = cache.batch.allowed_keys(latent.shape[1])  # [B, L, T]
         if self.decode_mode == "absorbed":
             return self.attend_absorbed(q_nope, q_rope, latent, k_rope, allowed)
         return self.attend_naive(q_nope, q_rope, latent, k_rope, allowed[:, None])
@@ -207,6 +228,11 @@ class MultiHeadLatentAttention(nn.Module):
             torch.zeros(batch_size, capacity, self.kv_lora_rank, device=device, dtype=dtype),
             torch.zeros(batch_size, capacity, self.rope_dim, device=device, dtype=dtype),
         )
+
+    def paged_layout(self) -> dict[str, tuple[int, ...]]:
+        """Per-token cache entries of the paged layout: the normalised latent and the
+        rotated shared RoPE key."""
+        return {"latent": (self.kv_lora_rank,), "k_rope": (self.rope_dim,)}
 
     def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
         return (self.kv_lora_rank + self.rope_dim) * dtype.itemsize

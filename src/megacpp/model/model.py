@@ -16,8 +16,9 @@ from torch import nn
 
 from megacpp.kernels.runtime import resolve
 from megacpp.model.blocks import Block
-from megacpp.model.cache import ModelCache
+from megacpp.model.cache import ModelCache, PagedBatch, PagedView, gather_state, scatter_state
 from megacpp.model.config import ModelConfig
+from megacpp.model.moe import MoE
 from megacpp.model.mtp import MultiTokenPrediction
 from megacpp.model.norm import RMSNorm
 from megacpp.pattern import LayerPlan, load, require_buildable
@@ -209,6 +210,48 @@ class HybridLM(nn.Module):
             out.append(next_token[:, None])
         return torch.cat(out, dim=1)
 
+    # -- paged decoding (the serving engine) ---------------------------------------------------
+    @torch.no_grad()
+    def forward_paged(
+        self, input_ids: torch.Tensor, layers: list, batch: PagedBatch, layer_fn=None
+    ) -> torch.Tensor:
+        """Rows at their own positions through the engine's paged caches: input_ids [B, L]
+        -> next-token logits [B, V] at each row's last real token (``batch.last_index``).
+
+        ``layers[i]`` is layer i's cache: a :class:`~megacpp.model.cache.PagedPool` for
+        attention, a state pool (the mixer's cache object with one row per slot) for M and R,
+        None for E and D. M/R rows are gathered from ``batch.state_slots``, advanced (one
+        token: the mixer's recurrent ``step``; more: its chunked forward continuing from the
+        state, i.e. chunked prefill -- one row per call then, since padding would corrupt the
+        state) and scattered back. One-token steps run the MoE layers through
+        :func:`moe_all_experts` (same function, fixed shapes). No host syncs in a one-token
+        step: capturable in a CUDA graph for a fixed batch shape.
+
+        ``layer_fn`` replaces :func:`paged_layer` (same signature), e.g. by a compiled copy."""
+        batch.forget()  # per-forward tables are recomputed (a replayed step reuses the batch)
+        layer_fn = layer_fn or paged_layer
+        x = self.embed(input_ids)  # [B, L, D]
+        for block, pool in zip(self.blocks, layers, strict=True):
+            x = layer_fn(block, pool, x, batch)
+        if batch.last_index is None:
+            last = x[:, -1]
+        else:
+            last = x[torch.arange(x.shape[0], device=x.device), batch.last_index]
+        return self.logits(self.norm(last))  # [B, V]
+
+    def paged_layouts(self) -> list[dict[str, tuple[int, ...]] | None]:
+        """Per layer: the attention layer's paged layout, or None (M, R, E, D)."""
+        return [b.mixer.paged_layout() if b.family == "A" else None for b in self.blocks]
+
+    def init_state_pool(
+        self, layer: int, slots: int, device: torch.device | str, dtype: torch.dtype
+    ) -> object | None:
+        """Layer ``layer``'s state pool for ``slots`` sequences (M, R), or None."""
+        block = self.blocks[layer]
+        if block.family == "A" or not hasattr(block.mixer, "init_cache"):
+            return None
+        return block.mixer.init_cache(slots, device=device, dtype=dtype)
+
     # -- MoE balancing --------------------------------------------------------------------------
     def moe_blocks(self) -> list[Block]:
         """Every E block, the MTP modules' included."""
@@ -224,6 +267,44 @@ class HybridLM(nn.Module):
         after the main stack, in :meth:`all_blocks` order)."""
         blocks = enumerate(self.all_blocks())
         return {i: b.mixer.last_load.tolist() for i, b in blocks if b.family == "E"}
+
+
+def paged_layer(block: Block, pool: object, x: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    """One block of :meth:`HybridLM.forward_paged`: x [B, L, D] -> [B, L, D]."""
+    if block.family == "E" and x.shape[1] == 1:
+        return x + moe_all_experts(block.mixer, block.norm(x))
+    if pool is None:
+        return block(x)
+    if block.family == "A":
+        return block(x, cache=PagedView(pool, batch))
+    state = gather_state(pool, batch.state_slots)
+    x = block(x, cache=state)
+    scatter_state(pool, batch.state_slots, state)
+    return x
+
+
+def moe_all_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The routed + shared experts of ``moe`` on x [B, L, D] -> [B, L, D], computed densely:
+    every expert runs on every token and is weighted by the router's combine weight (0 for
+    the experts a token did not choose). The same function as ``MoE.forward`` (same routing,
+    same weights) without its host sync and with fixed shapes -- for decode steps, where the
+    few tokens make the dense compute cheap and reading every expert's weights is what the
+    sparse path costs anyway at batch sizes >= n_experts / top_k. Load statistics are not
+    updated (serving does not balance)."""
+    B, L, D = x.shape
+    tokens = x.reshape(-1, D)  # [T, D]
+    logits = moe.router(tokens)
+    scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+    expert_idx = torch.topk(scores + moe.expert_bias, moe.top_k, dim=-1).indices  # [T, k]
+    chosen = scores.gather(-1, expert_idx)
+    weights = chosen / chosen.sum(-1, keepdim=True) * moe.routed_scaling  # [T, k]
+    dense = torch.zeros_like(scores).scatter_(-1, expert_idx, weights)  # [T, E]
+    gate, up = torch.einsum("td,efd->etf", tokens, moe.w_in).chunk(2, dim=-1)  # [E, T, F]
+    y = torch.bmm(F.silu(gate) * up, moe.out_proj.transpose(1, 2))  # [E, T, D]
+    out = (y * dense.t()[..., None].to(y.dtype)).sum(0)  # [T, D]
+    if moe.shared is not None:
+        out = out + moe.shared(tokens)
+    return out.view(B, L, D)
 
 
 def next_token_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,428 @@
+"""Decode throughput and latency: our serving Engine vs. ``transformers`` ``generate``.
+
+Run on a GPU (the README's numbers came from an H100)::
+
+    PYTHONPATH=src python benchmarks/serve_decode.py --preset nam56r-350m \\
+        --tokenizer TOKENIZER.json --batch 1 16 64 --prompt-len 128 --new-tokens 256 \\
+        --out benchmarks/results/serve_h100/serve_decode.json
+
+Both systems run in this one process on one device, in bf16 weights (no autocast):
+
+- **engine**: ``megacpp.infer.engine.Engine`` over the hybrid preset (random init: the
+  weights do not change the work per token) with paged KV caches, continuous batching and
+  incremental detokenization, driven step by step as the server's engine thread drives it.
+- **hf**: ``transformers`` ``LlamaForCausalLM.generate`` (SDPA attention, dynamic KV cache,
+  no compile) with a dense Llama sized to the hybrid's *total* parameter count (the peer of
+  ``benchmarks/train_step.py``), random init.
+
+Per batch size ``B``: ``B`` prompts of ``--prompt-len`` random token ids (BOS first; the
+same ids for both systems) all arrive at t0; each generates exactly ``--new-tokens`` tokens
+(greedy; ``ignore_eos`` for the engine, ``min_new_tokens`` for hf), so both do the same
+number of decode steps. A warm-up run per batch size comes first: for ``engine`` an identical
+run (it captures the CUDA graphs of exactly the decode buckets the timed run replays), for the
+others 8 tokens. ``engine-eager`` is the engine with ``cuda_graphs=False``, for reference;
+``engine-async`` is the graphs engine driven through ``AsyncEngine`` (the server's engine
+thread and asyncio consumers, no HTTP), measured right after ``engine`` on the same engine. Times are host
+clocks after the per-step device sync both systems already do (the engine reads sampled
+tokens with ``.tolist()``; hf's streamer gets ``tokens.cpu()``).
+
+Metrics per (system, B): ``output_tok_s`` = B x new tokens / (last token - t0), prefill
+included; ``decode_tok_s`` = tokens produced after the last request's first token / the time
+after it (steady-state decode); TTFT (t0 -> a request's first token) and inter-token latency
+(between a request's consecutive tokens) p50/p90/p99 in ms. Writes the JSON, one ``bench``
+receipt per (system, B) beside it, and prints a table with the engine/hf ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from megacpp.data.tokenizer import CppTokenizer
+from megacpp.infer.engine import Engine, EngineConfig
+from megacpp.infer.sampling import SamplingParams
+from megacpp.model.config import load_config
+from megacpp.model.counting import count_model
+from megacpp.model.model import HybridLM
+
+
+@dataclass
+class Row:
+    system: str  # "engine" | "hf"
+    model: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    params: int
+    active_params: int
+    output_tok_s: float
+    decode_tok_s: float
+    ttft_ms_p50: float
+    ttft_ms_p90: float
+    ttft_ms_p99: float
+    itl_ms_p50: float
+    itl_ms_p90: float
+    itl_ms_p99: float
+    wall_s: float
+    peak_mem_gib: float
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of non-empty ``values``."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(token_times: list[list[float]], t0: float) -> dict[str, float]:
+    """Throughput and latency from each request's token timestamps (host seconds)."""
+    n_tokens = sum(len(ts) for ts in token_times)
+    t_end = max(ts[-1] for ts in token_times)
+    last_first = max(ts[0] for ts in token_times)
+    after = sum(1 for ts in token_times for t in ts if t > last_first)
+    ttft = [(ts[0] - t0) * 1e3 for ts in token_times]
+    itl = [(b - a) * 1e3 for ts in token_times for a, b in itertools.pairwise(ts)]
+    out = {"output_tok_s": n_tokens / (t_end - t0),
+           "decode_tok_s": after / (t_end - last_first) if t_end > last_first else float("nan"),
+           "wall_s": t_end - t0}
+    for q in (50, 90, 99):
+        out[f"ttft_ms_p{q}"] = percentile(ttft, q)
+        out[f"itl_ms_p{q}"] = percentile(itl, q) if itl else float("nan")
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(batch: int, prompt_len: int, vocab: int, bos: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(16, vocab, (batch, prompt_len - 1), generator=g)  # no special ids
+    return [[bos, *row] for row in body.tolist()]
+
+
+# ---- our engine -----------------------------------------------------------------------------
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    times: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            times[out.request_id].extend([now] * len(out.new_token_ids))
+    assert all(len(ts) == new_tokens for ts in times.values()), "a request stopped early"
+    return list(times.values()), t0
+
+
+def run_async(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+    """The same through :class:`AsyncEngine` (the server's path: an engine thread, one
+    asyncio consumer per request); token times are taken when the consumer receives them."""
+    import asyncio
+
+    from megacpp.infer.async_engine import AsyncEngine
+
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+
+    async def main():
+        wrapper = AsyncEngine(engine, "bench")
+        wrapper.start()
+
+        async def one(i: int, prompt: list[int]) -> list[float]:
+            times: list[float] = []
+            async for out in wrapper.generate(f"{tag}-{i}", prompt, params):
+                times.extend([time.perf_counter()] * len(out.new_token_ids))
+            return times
+
+        try:
+            sync(engine.device)
+            t0 = time.perf_counter()
+            times = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            await wrapper.shutdown()
+        return list(times), t0
+
+    times, t0 = asyncio.run(main())
+    assert all(len(ts) == new_tokens for ts in times), "a request stopped early"
+    return times, t0
+
+
+# ---- the transformers peer ------------------------------------------------------------------
+
+
+class TimingStreamer:
+    """A ``generate`` streamer that records when each step's tokens reach the host."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()  # put() receives host tensors: the step has synced
+        if not self.prompt_seen:
+            self.prompt_seen = True  # the first call carries the prompt
+            return
+        self.times.append(now)
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.device):
+    ids = torch.tensor(prompts, device=device)
+    streamer = TimingStreamer()
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, use_cache=True, streamer=streamer,
+                             pad_token_id=0)
+    sync(device)
+    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
+    assert len(streamer.times) == new_tokens, len(streamer.times)
+    return [list(streamer.times) for _ in prompts], t0  # a static batch: one clock per step
+
+
+def build_llama(target_params: int, vocab: int, d_model: int, max_len: int, device, dtype):
+    from train_step import llama_peer
+
+    model, _, params, _, _, name = llama_peer(target_params, vocab, d_model, max_len)
+    model.generation_config.eos_token_id = None  # exactly new_tokens tokens, never EOS
+    return model.to(device=device, dtype=dtype).eval(), params, name
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+
+def measure(system: str, runner, batch: int, args, meta: dict) -> Row:
+    device = meta["device"]
+    prompts = random_prompts(batch, args.prompt_len, meta["vocab"], meta["bos"], seed=batch)
+    # the engine's warm-up is the whole run: it captures exactly the graphs the run replays
+    warm = args.new_tokens if system == "engine" else min(8, args.new_tokens)
+    runner(prompts, warm, f"warm{batch}")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    token_times, t0 = runner(prompts, args.new_tokens, f"b{batch}")
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return Row(system=system, model=meta["name"], batch=batch, prompt_len=args.prompt_len,
+               new_tokens=args.new_tokens, params=meta["params"],
+               active_params=meta["active_params"], peak_mem_gib=peak,
+               **summarize(token_times, t0))
+
+
+def failed_row(system: str, batch: int, args, meta: dict, exc: BaseException) -> Row:
+    nan = float("nan")
+    return Row(system, meta["name"], batch, args.prompt_len, args.new_tokens, meta["params"],
+               meta["active_params"], nan, nan, nan, nan, nan, nan, nan, nan, nan, nan,
+               error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def bench_engine(args, device, dtype, tok: CppTokenizer, system: str) -> list[Row]:
+    cfg = load_config(args.preset)
+    cost = count_model(cfg)
+    torch.manual_seed(0)
+    model = HybridLM(cfg)
+    config = EngineConfig(max_num_seqs=max(args.batch), block_size=args.block_size,
+                          max_model_len=args.prompt_len + args.new_tokens,
+                          prefill_chunk=args.prefill_chunk, max_waiting=max(args.batch),
+                          cuda_graphs=system == "engine")
+    engine = Engine(model, tok, config, device=device, dtype=dtype)
+    meta = {"device": device, "vocab": min(cfg.vocab_size, tok.vocab_size), "bos": tok.bos_id,
+            "name": args.preset, "params": cost.params, "active_params": cost.active_params}
+
+    def runner(prompts, new_tokens, tag):
+        return run_engine(engine, prompts, new_tokens, tag)
+
+    def async_runner(prompts, new_tokens, tag):
+        return run_async(engine, prompts, new_tokens, tag)
+
+    rows = []
+    for batch in args.batch:
+        runs = [(system, runner)]
+        if system == "engine" and "engine-async" in args.systems:
+            runs.append(("engine-async", async_runner))  # same engine, graphs already warm
+        for name, run in runs:
+            try:
+                rows.append(measure(name, run, batch, args, meta))
+            except torch.OutOfMemoryError as exc:
+                rows.append(failed_row(name, batch, args, meta, exc))
+            print_row(rows[-1])
+    return rows
+
+
+def bench_hf(args, device, dtype, tok: CppTokenizer) -> list[Row]:
+    cfg = load_config(args.preset)
+    cost = count_model(cfg)
+    torch.manual_seed(0)
+    model, params, name = build_llama(cost.params, cfg.vocab_size, cfg.d_model,
+                                      args.prompt_len + args.new_tokens, device, dtype)
+    meta = {"device": device, "vocab": min(cfg.vocab_size, tok.vocab_size), "bos": tok.bos_id,
+            "name": name, "params": params, "active_params": params}
+
+    def runner(prompts, new_tokens, tag):
+        return run_hf(model, prompts, new_tokens, device)
+
+    rows = []
+    for batch in args.batch:
+        try:
+            rows.append(measure("hf", runner, batch, args, meta))
+        except torch.OutOfMemoryError as exc:
+            rows.append(failed_row("hf", batch, args, meta, exc))
+        print_row(rows[-1])
+    return rows
+
+
+def release(device: torch.device) -> None:
+    """Free the last system's model and caches before the next one is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def print_row(r: Row) -> None:
+    if r.error:
+        print(f"{r.system:>12} B={r.batch:<3} {r.model}: {r.error}", flush=True)
+        return
+    print(f"{r.system:>12} B={r.batch:<3} {r.model:>15}  out {r.output_tok_s:9.0f} tok/s  "
+          f"decode {r.decode_tok_s:9.0f} tok/s  TTFT p50 {r.ttft_ms_p50:8.1f} ms  "
+          f"ITL p50/p99 {r.itl_ms_p50:6.2f}/{r.itl_ms_p99:6.2f} ms  mem {r.peak_mem_gib:5.1f} GiB",
+          flush=True)
+
+
+def ratios(rows: list[Row]) -> dict[int, dict[str, float]]:
+    by = {(r.system, r.batch): r for r in rows if not r.error}
+    out = {}
+    for (system, batch), r in by.items():
+        peer = by.get(("hf", batch))
+        if system == "engine" and peer is not None:
+            out[batch] = {"decode_tok_s": r.decode_tok_s / peer.decode_tok_s,
+                          "output_tok_s": r.output_tok_s / peer.output_tok_s}
+    return out
+
+
+def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: str) -> None:
+    from megacpp.receipts import write_receipt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "serve_decode",
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "dtype": args.dtype,
+        "tokenizer_sha256": tokenizer_sha256,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "tokenizer")},
+        "engine_over_hf": {str(b): v for b, v in ratios(rows).items()},
+        "results": [asdict(r) for r in rows],
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    receipts = out.parent / f"{out.stem}_receipts"
+    for r in rows:
+        if r.error:
+            continue
+        config = {"benchmark": "serve_decode", "system": r.system, "model": r.model,
+                  "batch": r.batch, "prompt_len": r.prompt_len, "new_tokens": r.new_tokens,
+                  "dtype": args.dtype, "block_size": args.block_size,
+                  "prefill_chunk": args.prefill_chunk, "weights": "random init",
+                  "tokenizer_sha256": tokenizer_sha256,
+                  "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT")}
+        metrics = {k: float(v) for k, v in asdict(r).items()
+                   if isinstance(v, float | int) and k not in ("batch", "prompt_len",
+                                                               "new_tokens")}
+        write_receipt(receipts / f"{r.system}_B{r.batch}.json", "bench", config, metrics,
+                      preflight=preflight, fingerprint=facts)
+
+
+def _version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="nam56r-350m")
+    ap.add_argument("--tokenizer", type=Path, required=True,
+                    help="a megacpp tokenizer.json (vocab <= the model's); for detokenization")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--systems", nargs="+", default=["engine", "hf"],
+                    choices=["engine", "engine-async", "engine-eager", "hf"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--out", type=Path, default=None, help="results JSON (receipts beside it)")
+    ap.add_argument("--skip-preflight", action="append", default=[], metavar="RULE")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/serve_decode.py: --device cuda but no CUDA GPU here")
+    if args.prompt_len < 2 or args.new_tokens < 2 or min(args.batch) < 1:
+        sys.exit("--prompt-len and --new-tokens must be >= 2, --batch >= 1")
+    dtype = getattr(torch, args.dtype)
+    tok = CppTokenizer.load(args.tokenizer)
+    facts = preflight = None
+    if args.out:
+        from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
+
+        facts = capture_fingerprint()
+        preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}  "
+          f"dtype {args.dtype}  prompt {args.prompt_len}  new tokens {args.new_tokens}",
+          flush=True)
+    rows: list[Row] = []
+    for system in ("engine", "hf", "engine-eager"):  # the slowest, least needed last
+        if system not in args.systems:
+            continue
+        try:
+            if system == "hf":
+                rows += bench_hf(args, device, dtype, tok)
+            else:
+                rows += bench_engine(args, device, dtype, tok, system)
+        except Exception:  # noqa: BLE001 - one system failing must not lose the others
+            traceback.print_exc()
+            print(f"{system}: FAILED (traceback above); continuing", flush=True)
+        release(device)
+        if args.out:  # saved (and receipted) after each system: a cut-off run keeps its rows
+            save(args.out, rows, args, preflight, facts, tok.sha256)
+    for batch, r in ratios(rows).items():
+        print(f"engine / hf at B={batch}: decode x{r['decode_tok_s']:.2f}, "
+              f"output x{r['output_tok_s']:.2f}")
+    if args.out:
+        print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

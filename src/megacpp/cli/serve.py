@@ -1,0 +1,179 @@
+"""``megacpp serve``: the OpenAI-compatible HTTP server over one or more checkpoints.
+
+    megacpp serve --checkpoint runs/a [--checkpoint NAME=DIR ...] [--router router.json]
+                  [--host 127.0.0.1 --port 8000] [engine options]
+    megacpp serve router-train --source NAME=DIR --source NAME=DIR --out router.json
+
+Each ``--checkpoint`` is one specialist, named ``NAME`` (default: its run directory's name);
+requests choose it with ``"model": NAME``, or ``"model": "auto"`` with a router model that
+``router-train`` made from each specialist's corpus (see :mod:`megacpp.infer.router`).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from megacpp.errors import MegaCppError
+
+app = typer.Typer(no_args_is_help=False)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def split_named(value: str, what: str) -> tuple[str | None, Path]:
+    """``NAME=PATH`` -> (NAME, PATH); a plain ``PATH`` -> (None, PATH)."""
+    name, sep, rest = value.partition("=")
+    if sep and _NAME.match(name) and rest:
+        return name, Path(rest)
+    if sep and not Path(value).exists():
+        raise MegaCppError(f"{what} {value!r}: expected NAME=PATH with NAME made of letters, "
+                           "digits, '_', '.', '-' (or a plain PATH)")
+    return None, Path(value)
+
+
+@app.callback(invoke_without_command=True)
+def serve(
+    ctx: typer.Context,
+    checkpoint: Annotated[list[str] | None, typer.Option(
+        help="[NAME=]DIR: a run directory or checkpoints/step_N (repeatable: specialists).")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="tokenizer.json for every checkpoint (default: each run's dataset tokenizer).")] = None,
+    router: Annotated[Path | None, typer.Option(
+        help="Router model JSON (from `megacpp serve router-train`) for model 'auto'.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: any free port; the URL is printed).")] = 8000,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded together at most.")] = 32,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
+    num_blocks: Annotated[int | None, typer.Option(
+        help="KV blocks per attention layer (default: max-num-seqs x max-model-len).")] = None,
+    max_model_len: Annotated[int, typer.Option(help="Prompt + completion tokens at most.")] = 2048,
+    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 512,
+    max_waiting: Annotated[int, typer.Option(
+        help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str | None, typer.Option(
+        help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu).")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve checkpoints over an OpenAI-compatible HTTP API: /v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not checkpoint:
+        raise MegaCppError("give at least one --checkpoint [NAME=]DIR")
+    import torch
+
+    from megacpp.infer.engine import EngineConfig
+
+    dtype_name = DTYPES.get((dtype or ("bfloat16" if device == "cuda" else "float32")).lower())
+    if dtype_name is None:
+        raise MegaCppError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise MegaCppError(f"--device {device!r}: choose cpu or cuda")
+    config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
+                          max_model_len=max_model_len, prefill_chunk=prefill_chunk,
+                          max_waiting=max_waiting)
+    named = [split_named(value, "--checkpoint") for value in checkpoint]
+    classifier = _load_router(router)
+    sock = _bind(host, port)  # before loading: a taken port fails fast
+    specialists = [_load_specialist(name, path, tokenizer, device, getattr(torch, dtype_name),
+                                    config) for name, path in named]
+    _run(specialists, classifier, sock, log_level)
+
+
+def _load_router(path: Path | None):
+    if path is None:
+        return None
+    from megacpp.infer.router import SnippetClassifier
+
+    return SnippetClassifier.load(path)
+
+
+def _load_specialist(name, path, tokenizer, device, dtype, config):
+    from megacpp.cli._checkpoint import load_for_inference
+    from megacpp.infer.async_engine import AsyncEngine
+    from megacpp.infer.engine import Engine
+    from megacpp.infer.server import Specialist
+
+    if name is None:  # the run directory's name
+        resolved = Path(path).resolve()
+        name = resolved.parent.parent.name if resolved.parent.name == "checkpoints" \
+            else resolved.name
+    model, tok, ckpt = load_for_inference(path, tokenizer, device)
+    engine = Engine(model, tok, config, device=device, dtype=dtype)
+    typer.echo(f"loaded {name}: {ckpt} ({sum(p.numel() for p in model.parameters()):,} "
+               f"parameters, {config.total_blocks} KV blocks x {config.block_size} tokens, "
+               f"{config.max_num_seqs} slots)")
+    return Specialist(name, AsyncEngine(engine, name), tok, config.max_model_len, str(ckpt))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise MegaCppError(f"--port {port}: must be in 0..65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise MegaCppError(f"cannot listen on {host}:{port}: {exc}") from None
+    return sock
+
+
+def _run(specialists, classifier, sock: socket.socket, log_level: str) -> None:
+    import uvicorn
+
+    from megacpp.infer.server import create_app
+
+    application = create_app(specialists, classifier)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    names = ", ".join(s.name for s in specialists) + (" (+ auto)" if classifier else "")
+    typer.echo(f"serving {names} on http://{shown}:{port}")
+    config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    typer.echo("stopped")
+
+
+@app.command("router-train")
+def router_train(
+    source: Annotated[list[str], typer.Option(
+        help="NAME=PATH: a specialist's corpus (a megacpp dataset or a C/C++ source dir).")],
+    out: Annotated[Path, typer.Option(help="Where to write the router model JSON.")],
+    snippet_lines: Annotated[int, typer.Option(help="Lines per training snippet.")] = 30,
+    max_features: Annotated[int, typer.Option(help="Most frequent features kept.")] = 50_000,
+    alpha: Annotated[float, typer.Option(help="Additive (Laplace) smoothing.")] = 1.0,
+) -> None:
+    """Train the `auto` router: naive Bayes over C++ tokens, labelled by corpus source."""
+    from megacpp.infer.router import train_router
+
+    sources: dict[str, Path] = {}
+    for value in source:
+        name, path = split_named(value, "--source")
+        if name is None:
+            raise MegaCppError(f"--source {value!r}: expected NAME=PATH")
+        if name in sources:
+            raise MegaCppError(f"--source {name} given twice")
+        if not path.exists():
+            raise MegaCppError(f"--source {name}: {path} does not exist")
+        sources[name] = path
+    if len(sources) < 2:
+        raise MegaCppError("the router needs at least two --source NAME=PATH")
+    clf = train_router(sources, snippet_lines=snippet_lines, max_features=max_features,
+                       alpha=alpha)
+    clf.save(out)
+    meta = clf.meta
+    counts = ", ".join(f"{k}: {v}" for k, v in meta["snippets"].items())
+    typer.echo(f"router: {len(clf.vocab)} features, training snippets {counts}; held-out "
+               f"accuracy {meta['heldout_accuracy']:.3f} on {meta['heldout_snippets']} snippets")
+    typer.echo(f"wrote {out}")

@@ -1,0 +1,131 @@
+"""The serving engine's cache memory: paged blocks for attention, state slots for M and R.
+
+Layout per layer family (one pool per layer, allocated once at engine start):
+
+* ``A:gqa``  -- ``k``, ``v``: [num_blocks + 1, block_size, n_kv_heads, head_dim]
+* ``A:mla``  -- ``latent`` [.., kv_lora_rank] and ``k_rope`` [.., qk_rope_head_dim]
+* ``A:dsa``  -- MLA's two, plus the indexer keys ``index_k`` [.., index_head_dim]
+* ``M``      -- the Mamba-3 state (angle, ssm, k, v), one row per slot: [max_num_seqs + 1, ...]
+* ``R``      -- the gated-delta state and conv tail, one row per slot
+* ``E``, ``D`` -- nothing
+
+One :class:`IdAllocator` hands out block ids (the same id in every attention layer's pool)
+and one hands out state slots (the same slot in every M/R layer). The extra block and slot
+at the end are scratch space for padding rows; they are never handed out. A sequence owns a
+block table (its blocks, in position order) and one slot from admission until it finishes,
+is aborted or is preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from megacpp.errors import MegaCppError
+from megacpp.model.cache import PagedPool, paged_pool, zero_state_slots
+from megacpp.model.model import HybridLM
+
+
+class IdAllocator:
+    """A free list of integer ids ``0..total-1`` with counters."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.what = total, what
+        self._free: deque[int] = deque(range(total))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int = 1) -> list[int]:
+        if n > len(self._free):
+            raise MegaCppError(f"out of {self.what}: asked for {n}, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+
+
+class CacheManager:
+    """Per-layer paged pools and state pools of one model, and who owns which block/slot."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.block_size, self.num_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
+        self.null_block, self.null_slot = num_blocks, max_num_seqs  # scratch for padding rows
+        self.blocks = IdAllocator(num_blocks, "KV blocks")
+        self.slots = IdAllocator(max_num_seqs, "state slots")
+        self.families = [b.family for b in model.blocks]
+        self.device = device
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        self.layers: list[object | None] = []
+        for i, layout in enumerate(model.paged_layouts()):
+            if layout is not None:
+                self.layers.append(paged_pool(layout, num_blocks + 1, block_size, device, dtype))
+            else:
+                self.layers.append(model.init_state_pool(i, max_num_seqs + 1, device, state_dtype))
+        self.state_pools = [p for p in self.layers if p is not None and not isinstance(p, PagedPool)]
+        self.tables: dict[str, list[int]] = {}  # sequence id -> its blocks, in position order
+        self.slot_of: dict[str, int] = {}
+
+    # -- ownership -------------------------------------------------------------------------------
+    def blocks_needed(self, seq_id: str, n_tokens: int) -> int:
+        """Blocks ``seq_id`` still lacks to hold ``n_tokens`` tokens."""
+        have = len(self.tables.get(seq_id, ()))
+        return max(0, -(-n_tokens // self.block_size) - have)
+
+    def can_hold(self, seq_id: str, n_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, n_tokens) <= self.blocks.num_free
+
+    def reserve(self, seq_id: str, n_tokens: int) -> bool:
+        """Grow ``seq_id``'s block table to hold ``n_tokens`` tokens; False if blocks ran out
+        (nothing allocated then)."""
+        need = self.blocks_needed(seq_id, n_tokens)
+        if need > self.blocks.num_free:
+            return False
+        self.tables.setdefault(seq_id, []).extend(self.blocks.allocate(need))
+        return True
+
+    def open_slot(self, seq_id: str) -> int:
+        """Give ``seq_id`` a state slot, reset to the empty-prefix state."""
+        if seq_id in self.slot_of:
+            raise AssertionError(f"sequence {seq_id!r} already holds slot {self.slot_of[seq_id]}")
+        (slot,) = self.slots.allocate(1)
+        self.slot_of[seq_id] = slot
+        index = torch.tensor([slot], device=self.device)
+        for pool in self.state_pools:
+            zero_state_slots(pool, index)
+        return slot
+
+    def release(self, seq_id: str) -> None:
+        """Return ``seq_id``'s blocks and slot to the free lists (no-op for unknown ids)."""
+        self.blocks.free(self.tables.pop(seq_id, []))
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.slots.free([slot])
+
+    # -- accounting ------------------------------------------------------------------------------
+    def bytes_by_family(self) -> dict[str, int]:
+        """Bytes allocated per layer family (``A``, ``M``, ``R``), scratch block/slot included."""
+        out: dict[str, int] = {}
+        for family, pool in zip(self.families, self.layers, strict=True):
+            if pool is not None:
+                out[family] = out.get(family, 0) + pool.nbytes()
+        return out
+
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_family().values())
+
+
+def default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """Enough blocks for every running sequence at full length."""
+    return max_num_seqs * -(-max_model_len // block_size)

@@ -1,0 +1,346 @@
+"""The serving engine: continuous batching over the hybrid model's paged caches.
+
+``Engine.step()`` runs one scheduling round (see :mod:`megacpp.infer.scheduler`): each
+prefill chunk is one forward of one row (M/R states and KV carried between chunks), and all
+decoding sequences advance together in one batched forward where every row sits at its own
+position. Sampling is per request (its own ``torch.Generator``, seeded when ``seed`` is set);
+greedy is exact argmax, so a sequence's greedy tokens do not depend on what it was batched
+with (up to floating-point summation order, which the float64 tests rule out).
+
+The model's multi-token-prediction heads (``[mtp]``) are not used for serving.
+The engine is single-threaded: one thread calls add_request / abort / step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megacpp.data.tokenizer import CppTokenizer
+from megacpp.errors import ConfigError, MegaCppError
+from megacpp.infer.cache_manager import CacheManager, default_num_blocks
+from megacpp.infer.detokenize import IncrementalDetokenizer, StopText
+from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
+from megacpp.infer.sampling import SamplingParams, sample_rows
+from megacpp.infer.scheduler import PrefillChunk, Scheduler, Sequence
+from megacpp.model.cache import PagedBatch
+from megacpp.model.model import HybridLM
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32  # running sequences at most (= state slots per M/R layer)
+    block_size: int = 16  # tokens per KV block (attention / MLA latent pages)
+    num_blocks: int | None = None  # KV blocks per attention layer; None: enough for
+    #                                max_num_seqs * max_model_len tokens
+    max_model_len: int = 2048  # prompt + completion tokens per sequence
+    prefill_chunk: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
+    max_waiting: int = 256  # bounded waiting queue; add_request raises QueueFull beyond it
+    cuda_graphs: bool = True  # on CUDA: replay the decode step as captured CUDA graphs
+    compile_decode: bool = False  # with cuda_graphs: torch.compile each block family's
+    #                               decode step first (fewer kernels; slow first steps)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_blocks is not None:
+            if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+                raise ConfigError(
+                    f"EngineConfig.num_blocks must be a positive integer or None, "
+                    f"got {self.num_blocks!r}"
+                )
+            if self.num_blocks * self.block_size < self.max_model_len:
+                raise ConfigError(
+                    f"EngineConfig: num_blocks * block_size = {self.num_blocks * self.block_size}"
+                    f" tokens cannot hold one sequence of max_model_len = {self.max_model_len}"
+                )
+
+    @property
+    def total_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return default_num_blocks(self.max_num_seqs, self.max_model_len, self.block_size)
+
+
+class QueueFull(MegaCppError):
+    """The waiting queue holds ``max_waiting`` requests (HTTP 429)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # tokens produced by this step for this request (may be empty)
+    new_text: str  # text delta, stop-aware (never contains a stop string or text after it)
+    finished: bool
+    finish_reason: str | None  # "stop" | "eos" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    free_slots: int
+    total_slots: int
+    preemptions: int  # cumulative
+    prompt_tokens: int  # cumulative, counted once per request
+    generated_tokens: int  # cumulative
+
+
+class Engine:
+    def __init__(
+        self,
+        model: HybridLM,
+        tokenizer: CppTokenizer,
+        config: EngineConfig,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype if dtype is not None else next(model.parameters()).dtype
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.tokenizer, self.config = tokenizer, config
+        if tokenizer.vocab_size > model.cfg.vocab_size:
+            raise MegaCppError(
+                f"tokenizer has {tokenizer.vocab_size} tokens, the model only "
+                f"{model.cfg.vocab_size}"
+            )
+        self.cache = CacheManager(
+            self.model,
+            num_blocks=config.total_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.prefill_chunk)
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            max_width = -(-config.max_model_len // config.block_size)
+            decode_fn = compiled_decode_fn(self.model) if config.compile_decode else None
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, config.max_num_seqs, max_width, decode_fn
+            )
+        self.sequences: dict[str, Sequence] = {}  # unfinished requests
+        self._aborted: list[RequestOutput] = []  # reported by the next step()
+        self._prompt_tokens = self._generated_tokens = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request. ``str`` prompts get BOS prepended; ``list[int]`` is taken as is.
+        Raises MegaCppError for an invalid request, QueueFull when the queue is full."""
+        if not isinstance(request_id, str) or not request_id:
+            raise MegaCppError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.sequences:
+            raise MegaCppError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise MegaCppError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_ids(prompt)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFull(
+                f"the waiting queue is full ({self.config.max_waiting} requests); retry later"
+            )
+        generator = None  # a CPU generator: one uniform draw per sampled token
+        if params.temperature > 0:
+            generator = torch.Generator()
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed % 2**64)  # any int seed is accepted
+        seq = Sequence(
+            request_id=request_id,
+            prompt_len=len(prompt_ids),
+            token_ids=prompt_ids,
+            params=params,
+            generator=generator,
+            detok=IncrementalDetokenizer(self.tokenizer),
+            stop_text=StopText(tuple(params.stop)),
+        )
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens += len(prompt_ids)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = [self.tokenizer.bos_id, *self.tokenizer.encode(prompt).tolist()]
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            vocab = self.model.cfg.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                   or not 0 <= t < vocab]
+            if bad:
+                raise MegaCppError(
+                    f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]!r}"
+                )
+        else:
+            raise MegaCppError(f"prompt must be a string or a list of token ids, got "
+                               f"{type(prompt).__name__}")
+        if not ids:
+            raise MegaCppError("the prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise MegaCppError(
+                f"the prompt has {len(ids)} tokens; max_model_len is "
+                f"{self.config.max_model_len} (prompt + completion), so at most "
+                f"{self.config.max_model_len - 1} prompt tokens are accepted"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks and slot; the next step() reports it
+        finished with reason "abort". Unknown or already finished ids are ignored."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self._aborted.append(self._output(seq, [], "", "abort"))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences) or bool(self._aborted)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            free_blocks=self.cache.blocks.num_free,
+            total_blocks=self.cache.blocks.total,
+            free_slots=self.cache.slots.num_free,
+            total_slots=self.cache.slots.total,
+            preemptions=self.scheduler.preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generated_tokens=self._generated_tokens,
+        )
+
+    # -- one round -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting sequences, run the prefill chunks and one batched decode step;
+        outputs for every request that produced tokens, finished or was aborted."""
+        outputs, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        sampled: list[tuple[Sequence, int]] = []
+        for chunk in plan.prefills:
+            logits = self._run_prefill(chunk)
+            chunk.seq.num_computed = chunk.end
+            if chunk.completes:
+                sampled += self._sample([chunk.seq], logits)
+        if plan.decodes:
+            logits = self._run_decode(plan.decodes)
+            for seq in plan.decodes:
+                seq.num_computed += 1
+            sampled += self._sample(plan.decodes, logits)
+        for seq, token in sampled:
+            out = self._append_token(seq, token)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _run_prefill(self, chunk: PrefillChunk) -> torch.Tensor:
+        """One row's chunk of tokens through the model -> logits [1, V] at its last token."""
+        seq, dev = chunk.seq, self.device
+        ids = torch.tensor([seq.token_ids[chunk.start : chunk.end]], device=dev)
+        positions = torch.arange(chunk.start, chunk.end, device=dev)[None]
+        batch = PagedBatch(
+            positions=positions,
+            slot_mapping=self._slot_mapping(seq.request_id, positions[0]),
+            block_tables=self._block_tables([seq], chunk.end),
+            state_slots=torch.tensor([self.cache.slot_of[seq.request_id]], device=dev),
+        )
+        return self.model.forward_paged(ids, self.cache.layers, batch)
+
+    def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Every decoding row's last token at its own position -> logits [B, V]."""
+        bs, tables = self.cache.block_size, self.cache.tables
+        ids = [s.token_ids[-1] for s in seqs]
+        pos = [s.num_computed for s in seqs]
+        slot_mapping = [tables[s.request_id][p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        state_slots = [self.cache.slot_of[s.request_id] for s in seqs]
+        if self.graphs is not None:
+            rows = [tables[s.request_id] for s in seqs]
+            return self.graphs.run(ids, pos, slot_mapping, state_slots, rows)
+        dev = self.device
+        batch = PagedBatch(
+            positions=torch.tensor(pos, device=dev)[:, None],
+            slot_mapping=torch.tensor(slot_mapping, device=dev),
+            block_tables=self._block_tables(seqs, max(pos) + 1),
+            state_slots=torch.tensor(state_slots, device=dev),
+        )
+        return self.model.forward_paged(torch.tensor(ids, device=dev)[:, None], self.cache.layers,
+                                        batch)
+
+    def _slot_mapping(self, seq_id: str, positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(self.cache.tables[seq_id], device=self.device)
+        bs = self.cache.block_size
+        return table[positions // bs] * bs + positions % bs
+
+    def _block_tables(self, seqs: list[Sequence], n_tokens: int) -> torch.Tensor:
+        """[B, ceil(n_tokens / block_size)] block ids, padded with the scratch block."""
+        width = -(-n_tokens // self.cache.block_size)
+        rows = []
+        for s in seqs:
+            table = self.cache.tables[s.request_id][:width]
+            rows.append(table + [self.cache.null_block] * (width - len(table)))
+        return torch.tensor(rows, device=self.device)
+
+    # -- sampling and outputs --------------------------------------------------------------------
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
+        """One token per row of ``logits`` [B, V], batched (a single host sync)."""
+        if all(s.generator is None for s in seqs):
+            tokens = logits.argmax(-1)
+        else:
+            params = torch.tensor(
+                [(s.params.temperature, s.params.top_p, _draw(s.generator)) for s in seqs],
+                dtype=torch.float64,
+            ).to(self.device)
+            top_k = torch.tensor([s.params.top_k for s in seqs]).to(self.device)
+            tokens = sample_rows(logits, params[:, 0], top_k, params[:, 1], params[:, 2])
+        return list(zip(seqs, tokens.tolist(), strict=True))
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput | None:
+        seq.token_ids.append(token)
+        self._generated_tokens += 1
+        params = seq.params
+        reason = None
+        if token == self.tokenizer.eos_id and not params.ignore_eos:
+            reason = "eos"
+            text = ""
+        else:
+            text = seq.stop_text.add(seq.detok.add(token))
+            if seq.stop_text.hit is not None:
+                reason = "stop"
+            elif (seq.completion_len >= params.max_new_tokens
+                  or len(seq.token_ids) >= self.config.max_model_len):
+                reason = "length"
+        if reason in ("eos", "length"):
+            text += seq.stop_text.add(seq.detok.flush()) + seq.stop_text.flush()
+            if seq.stop_text.hit is not None:
+                reason = "stop"
+        if reason is not None:
+            self.sequences.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+        return self._output(seq, [token], text, reason)
+
+    def _output(self, seq: Sequence, ids: list[int], text: str, reason: str | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=ids,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=seq.completion_len,
+        )
+
+
+def _draw(generator: torch.Generator | None) -> float:
+    """The next uniform [0, 1) of a request's generator (0 for greedy requests)."""
+    if generator is None:
+        return 0.0
+    return float(torch.rand((), generator=generator, dtype=torch.float64))

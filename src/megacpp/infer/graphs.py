@@ -1,0 +1,186 @@
+"""The batched decode step as replayed CUDA graphs, one per (batch, width) bucket.
+
+A decode step of ``B`` rows whose longest block table has ``W`` blocks runs the graph of the
+smallest captured bucket ``(b >= B, w >= W)``: batch sizes 1, 2, 4, 8, then multiples of 8
+(up to ``max_num_seqs``); widths powers of two (up to the blocks of ``max_model_len``).
+Padding rows feed token 0 at position 0, write their cache entries into the scratch block
+and their M/R state into the scratch slot, so they never touch a real sequence; padding
+table entries point at the scratch block and sit past every query's position (masked).
+
+All inputs travel in one pinned int64 buffer and one host-to-device copy per step; the
+graph reads them from fixed device addresses. Graphs are captured lazily on first use
+(:meth:`DecodeGraphs.capture_all` captures every bucket up front) and share one memory pool.
+The eager path (:meth:`HybridLM.forward_paged`) is the reference the graphs are tested
+against (``tests/infer/test_engine_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from megacpp.infer.cache_manager import CacheManager
+from megacpp.model.cache import PagedBatch
+from megacpp.model.model import HybridLM, paged_layer
+
+DecodeFn = Callable[[torch.Tensor, list, PagedBatch], torch.Tensor]
+
+
+def compiled_decode_fn(model: HybridLM, backend: str = "inductor") -> DecodeFn:
+    """``model.forward_paged`` with every block run through one ``torch.compile``'d
+    :func:`~megacpp.model.model.paged_layer`. Blocks of one family share the compiled code
+    (their parameters are graph inputs), so compile time grows with the families and bucket
+    shapes, not with the depth; the win is fusing the many small elementwise kernels of the
+    recurrent steps, norms and RoPE. Used inside the captured graphs (``compile_decode``)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)  # families x variants x shapes
+    layer = torch.compile(paged_layer, fullgraph=True, backend=backend)
+    return functools.partial(model.forward_paged, layer_fn=layer)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, ... up to and including ``max_batch``."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return [*sizes, max_batch]
+
+
+def width_buckets(max_width: int) -> list[int]:
+    """Powers of two below ``max_width``, then ``max_width``."""
+    sizes, w = [], 1
+    while w < max_width:
+        sizes.append(w)
+        w *= 2
+    return [*sizes, max_width]
+
+
+def bucket(sizes: list[int], n: int) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+class DecodeGraphs:
+    """Captures and replays the decode step; see the module docstring."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        cache: CacheManager,
+        max_batch: int,
+        max_width: int,
+        decode_fn: DecodeFn | None = None,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.cache, self.capture = model, cache, capture
+        self.decode_fn = decode_fn or model.forward_paged
+        self.batches, self.widths = batch_buckets(max_batch), width_buckets(max_width)
+        self.max_batch, self.max_width = max_batch, max_width
+        n = max_batch
+        pinned = cache.device.type == "cuda"
+        self._host = torch.empty(4 * n + n * max_width, dtype=torch.int64, pin_memory=pinned)
+        self._host_np = self._host.numpy()
+        self._dev = torch.empty(self._host.shape, dtype=torch.int64, device=cache.device)
+        d = self._dev
+        self.ids, self.positions = d[:n].view(n, 1), d[n : 2 * n].view(n, 1)
+        self.slot_mapping, self.state_slots = d[2 * n : 3 * n], d[3 * n : 4 * n]
+        self.tables = d[4 * n :].view(n, max_width)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.buckets_used: set[tuple[int, int]] = set()
+        self._pool = None
+
+    # -- replay ----------------------------------------------------------------------------------
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        state_slots: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Next-token logits [B, V] for B rows (a view into the graph's output buffer, valid
+        until the next call)."""
+        B, W = len(ids), max(len(t) for t in tables)
+        if B > self.max_batch or W > self.max_width:
+            raise ValueError(f"decode batch {B} x {W} blocks exceeds the captured maximum "
+                             f"{self.max_batch} x {self.max_width}")
+        b, w = bucket(self.batches, B), bucket(self.widths, W)
+        graph, out = self._graph(b, w)  # capture first: it fills the buffers with padding
+        self.buckets_used.add((b, w))
+        self._stage(ids, positions, slot_mapping, state_slots, tables)
+        graph.replay()
+        return out[:B]
+
+    def _stage(self, ids, positions, slot_mapping, state_slots, tables) -> None:
+        """Write the step's inputs (and padding everywhere else) to the device buffers."""
+        n, h = self.max_batch, self._host_np
+        B = len(ids)
+        self._fill_padding()
+        h[:B], h[n : n + B], h[2 * n : 2 * n + B], h[3 * n : 3 * n + B] = (
+            ids, positions, slot_mapping, state_slots
+        )
+        table_np = h[4 * n :].reshape(n, self.max_width)
+        for i, row in enumerate(tables):
+            table_np[i, : len(row)] = row
+        self._dev.copy_(self._host, non_blocking=True)
+
+    def _fill_padding(self) -> None:
+        n, h, c = self.max_batch, self._host_np, self.cache
+        h[: 2 * n] = 0  # token 0 at position 0
+        h[2 * n : 3 * n] = c.null_block * c.block_size  # writes go to the scratch block
+        h[3 * n : 4 * n] = c.null_slot
+        h[4 * n :] = c.null_block
+
+    def _batch(self, b: int, w: int) -> PagedBatch:
+        """The bucket's view of the static input buffers."""
+        return PagedBatch(
+            positions=self.positions[:b],
+            slot_mapping=self.slot_mapping[:b],
+            block_tables=self.tables[:b, :w],
+            state_slots=self.state_slots[:b],
+        )
+
+    # -- capture ---------------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Capture every bucket now (largest first, so smaller ones reuse its memory)."""
+        for b in reversed(self.batches):
+            for w in reversed(self.widths):
+                self._graph(b, w)
+
+    def _graph(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if (b, w) not in self.graphs:
+            self.graphs[(b, w)] = self._capture(b, w)
+        return self.graphs[(b, w)]
+
+    @torch.no_grad()
+    def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._fill_padding()  # warm-up and capture runs touch only the scratch block/slot
+        self._dev.copy_(self._host)
+        batch = self._batch(b, w)
+        ids, layers = self.ids[:b], self.cache.layers
+        if not self.capture:  # CPU stand-in: same buffers, same order, eager replays
+            out = self.decode_fn(ids, layers, batch)
+            return _EagerReplay(lambda: self.decode_fn(ids, layers, batch), out), out
+        stream = torch.cuda.Stream(device=self._dev.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # allocator, cuBLAS and (if compiled) autotuning warm-up
+                self.decode_fn(ids, layers, batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.decode_fn(ids, layers, batch)
+        self._pool = graph.pool()
+        return graph, out
+
+
+
+class _EagerReplay:
+    """A stand-in for a captured graph (``capture=False``, e.g. on the CPU): ``replay()``
+    reruns the step on the static buffers into the same output tensor, so the tests exercise
+    the real runner's buffer handling and call order without CUDA."""
+
+    def __init__(self, step: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+        self.step, self.out = step, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.step())
