@@ -23,7 +23,9 @@ Stages (MB = 10^6 bytes of source as read from disk, wall-clock seconds):
 
 The machine may be shared: the load average before and after is recorded with the numbers,
 and every stage also reports MB per CPU-second (user + system time of this process, its
-threads and its finished worker processes), which other users' load disturbs much less.
+threads and its finished worker processes), which other users' load disturbs much less;
+``cpu_seconds_main`` / ``cpu_seconds_workers`` split it between this process (curation,
+packing, writing) and the worker processes (tokenize, tree-sitter).
 """
 
 from __future__ import annotations
@@ -54,17 +56,21 @@ TARGETS = {
 }
 
 
-def timed(fn: Callable[[], Any]) -> tuple[tuple[float, float], Any]:
-    """((wall seconds, CPU seconds of this process and its finished children), result)."""
-    start, cpu = time.perf_counter(), _cpu_seconds()
+SELF, CHILDREN = resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN
+
+
+def timed(fn: Callable[[], Any]) -> tuple[tuple[float, float, float], Any]:
+    """((wall seconds, CPU seconds of this process, CPU seconds of its finished children),
+    result)."""
+    start, own, children = time.perf_counter(), _cpu_seconds(SELF), _cpu_seconds(CHILDREN)
     result = fn()
-    return (time.perf_counter() - start, _cpu_seconds() - cpu), result
+    wall = time.perf_counter() - start
+    return (wall, _cpu_seconds(SELF) - own, _cpu_seconds(CHILDREN) - children), result
 
 
-def _cpu_seconds() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+def _cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def python_loop_seconds() -> float:
@@ -113,8 +119,9 @@ def main() -> None:
     loop_before = python_loop_seconds()
     rows: list[dict[str, Any]] = []
 
-    def record(stage: str, times: tuple[float, float], nbytes: int, **extra: Any) -> None:
-        wall, cpu = times
+    def record(stage: str, times: tuple[float, float, float], nbytes: int, **extra: Any) -> None:
+        wall, cpu_main, cpu_workers = times
+        cpu = cpu_main + cpu_workers
         rows.append(
             {
                 "stage": stage,
@@ -123,6 +130,8 @@ def main() -> None:
                 "mb_per_s": round(nbytes / MB / wall, 2),
                 "cpu_seconds": round(cpu, 3),
                 "mb_per_cpu_s": round(nbytes / MB / cpu, 2),
+                "cpu_seconds_main": round(cpu_main, 3),
+                "cpu_seconds_workers": round(cpu_workers, 3),
                 **extra,
             }
         )
@@ -246,17 +255,19 @@ def main() -> None:
 
 def _pack_and_write(root: Path, planned, encoded, labels, tok) -> None:
     from megacpp.data.packing import PackedDocument, RowPacker, with_bos_eos
-    from megacpp.data.shards import ShardWriter
+    from megacpp.data.shards import ShardWriter, WriteBehind
 
     packer = RowPacker(2049, tok.pad_id)
-    writer = ShardWriter(root, "train", 2049, rows_per_shard=4096, rows_per_group=64)
-    for i, (p, ids, structure) in enumerate(zip(planned, encoded, labels)):
-        tokens, struct_ids = with_bos_eos(ids, structure, tok.bos_id, tok.eos_id)
-        for row in packer.add(PackedDocument(i, p.doc.rel_path, p.doc.sha256, tokens, struct_ids)):
+    with WriteBehind() as io:  # as the build does: parquet writes on a second thread
+        writer = ShardWriter(root, "train", 2049, rows_per_shard=4096, rows_per_group=64, io=io)
+        for i, (p, ids, structure) in enumerate(zip(planned, encoded, labels)):
+            tokens, struct_ids = with_bos_eos(ids, structure, tok.bos_id, tok.eos_id)
+            doc = PackedDocument(i, p.doc.rel_path, p.doc.sha256, tokens, struct_ids)
+            for row in packer.add(doc):
+                writer.write(row)
+        for row in packer.finish():
             writer.write(row)
-    for row in packer.finish():
-        writer.write(row)
-    writer.close()
+        writer.close()
 
 
 def _print_table(rows: list[dict[str, Any]], console) -> None:

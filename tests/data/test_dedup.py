@@ -8,9 +8,10 @@ import hashlib
 
 import numpy as np
 import pytest
-from datasketch import MinHash
+from datasketch import MinHash, MinHashLSH
 
 from megacpp.data.dedup import (
+    BandIndex,
     ExactDedup,
     MinHasher,
     NearDedup,
@@ -119,6 +120,47 @@ def test_signature_jaccard_estimate_is_close(cpp_source):
     sa = hasher.signature(np.array(sorted(a), dtype=np.uint32))
     sb = hasher.signature(np.array(sorted(b), dtype=np.uint32))
     assert abs((sa == sb).mean() - len(a & b) / len(a | b)) < 0.1
+
+
+# ------------------------------------------------------------------ LSH index
+
+
+def _signatures_with_shared_bands(rng: np.random.Generator, n: int, num_perm: int) -> np.ndarray:
+    """uint32 [n, num_perm] signatures where many pairs share some (not all) bands: each row
+    copies random 8-value blocks of earlier rows, and small values make chance equal bands
+    likely too."""
+    sigs = rng.integers(0, 3, size=(n, num_perm), dtype=np.uint32)
+    for i in range(1, n):
+        for _ in range(int(rng.integers(0, 4))):
+            j, band = int(rng.integers(0, i)), int(rng.integers(0, num_perm // 8))
+            sigs[i, band * 8 : band * 8 + 8] = sigs[j, band * 8 : band * 8 + 8]
+    return sigs
+
+
+@pytest.mark.parametrize(("bands", "rows", "num_perm"), [(16, 8, 128), (5, 3, 16), (2, 8, 16)])
+def test_band_index_finds_what_datasketch_lsh_finds(bands, rows, num_perm):
+    """Same candidates as datasketch.MinHashLSH for every query, over an interleaved
+    insert/query stream like NearDedup's (including bands*rows < num_perm)."""
+    rng = np.random.default_rng(bands * 100 + rows)
+    sigs = _signatures_with_shared_bands(rng, 300, num_perm)
+    hasher = MinHasher(num_perm=num_perm, seed=1)
+    ours, reference = BandIndex(bands, rows), MinHashLSH(num_perm=num_perm, params=(bands, rows))
+    nonempty = 0
+    for key, sig in enumerate(sigs):
+        found = ours.query(sig)
+        assert found == set(reference.query(hasher.to_minhash(sig))), key
+        nonempty += bool(found)
+        if key % 3:  # NearDedup inserts only the kept documents
+            ours.insert(key, sig)
+            reference.insert(key, hasher.to_minhash(sig), check_duplication=False)
+    assert nonempty > 100  # the stream really exercises shared bands
+
+
+def test_band_index_ignores_values_past_the_bands():
+    index = BandIndex(2, 2)
+    index.insert(7, np.array([1, 2, 3, 4, 5, 6], dtype=np.uint32))
+    assert index.query(np.array([1, 2, 9, 9, 0, 0], dtype=np.uint32)) == {7}
+    assert index.query(np.array([1, 9, 3, 9, 5, 6], dtype=np.uint32)) == set()
 
 
 # ------------------------------------------------------------------ near dedup

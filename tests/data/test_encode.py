@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import random
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from megacpp.data import tokenizer as tokenizer_module
-from megacpp.data.build import BuildConfig, build_dataset
+from megacpp.data.build import BuildConfig, StructureConfig, _StructureJobs, build_dataset
+from megacpp.data.document import Document
 from megacpp.data.encode import (
     STRUCTURE_DISABLED,
     EncodedDoc,
@@ -118,3 +121,58 @@ def test_given_tokenizer_build_equals_trained_build(tmp_path):
         [sources], tmp_path / "given", cfg, tokenizer_path=trained / "tokenizer.json", workers=2
     ).out
     assert _file_digests(given) == _file_digests(trained)
+
+
+class _ManualExecutor(Executor):
+    """Tasks wait until :meth:`run` (so a test decides which chunks a worker has started)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[Future, list[str]]] = []
+        self._calls: dict[int, tuple] = {}
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self.tasks.append((future, args[0]))
+        self._calls[id(future)] = (fn, args, kwargs)
+        return future
+
+    def run(self, future: Future) -> None:
+        fn, args, kwargs = self._calls.pop(id(future))
+        if future.set_running_or_notify_cancel():
+            future.set_result(fn(*args, **kwargs))
+
+
+def test_prioritize_resubmits_unstarted_chunks_in_packing_order(texts, tok_file):
+    """Chunks no worker started are cancelled and their documents resubmitted in the order
+    packing needs them; started and finished chunks stay; every document's result equals
+    encoding it alone."""
+    from rich.progress import Progress
+
+    docs = [
+        Document("/s", f"d{i}.h", len(t.encode()), f"{i:064x}", text=t) for i, t in enumerate(texts)
+    ]
+    pool = _ManualExecutor()
+    jobs = _StructureJobs(pool, StructureConfig(), Progress(disable=True), Path(tok_file))
+    for start in range(0, len(docs), 3):
+        jobs.submit(docs[start : start + 3])
+    first, second, third = (future for future, _ in pool.tasks[:3])
+    pool.run(first)  # finished
+    assert second.set_running_or_notify_cancel()  # a worker is on it
+    order = docs[:]
+    random.Random(0).shuffle(order)
+    submitted = len(pool.tasks)
+    moved = jobs.prioritize(order)
+    assert moved == len(docs) - 6 > 0
+    assert third.cancelled()
+    resubmitted = [text for _, chunk in pool.tasks[submitted:] for text in chunk]
+    assert resubmitted == [d.text for d in order if d not in docs[:6]]
+    second.set_result(encode_chunk([d.text for d in docs[3:6]], tok_file, 5.0))
+    for future, _ in pool.tasks:
+        if not future.done():
+            pool.run(future)
+    for doc in docs:
+        (alone,) = encode_chunk([doc.text], tok_file, 5.0)
+        got = jobs.encoded(doc)
+        assert got.ids.tolist() == alone.ids.tolist(), doc.rel_path
+        assert got.structure_ids.tolist() == alone.structure_ids.tolist()
+        assert got.outcome == alone.outcome

@@ -286,3 +286,27 @@ def test_license_step_drop_reasons():
     assert out == "unknown_license" and doc.license == UNKNOWN
     out, doc, _ = run_step(LicenseStep(keep_unknown=True), CODE)
     assert out is doc
+
+
+def test_license_step_decides_each_expression_once(monkeypatch):
+    """The step remembers the verdict per expression (a corpus has a handful); repeated and
+    interleaved documents get the same decisions as a fresh verdict each time."""
+    from megacpp.data import license as license_module
+
+    calls: list[str] = []
+
+    def counting_verdict(expression, allow, deny):
+        calls.append(expression)
+        return license_verdict(expression, allow, deny)
+
+    monkeypatch.setattr(license_module, "license_verdict", counting_verdict)
+    step = LicenseStep(allow=["MIT", "BSL-1.0"], deny=["GPL-*"])
+    texts = [commented(HEADERS[k]) for k in ("MIT", "BSL-1.0", "MIT", "BSL-1.0", "MIT")]
+    decisions = [run_step(step, text)[0] for text in texts]
+    assert [d if isinstance(d, str) else d.license for d in decisions] == [
+        "MIT", "BSL-1.0", "MIT", "BSL-1.0", "MIT"
+    ]  # fmt: skip
+    assert sorted(calls) == ["BSL-1.0", "MIT"]
+    denied = commented(HEADERS["LicenseRef-Proprietary"])
+    step = LicenseStep(deny=["LicenseRef-*"])
+    assert [run_step(step, denied)[0] for _ in range(3)] == ["license_denied"] * 3

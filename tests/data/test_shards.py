@@ -13,8 +13,16 @@ import pytest
 
 from megacpp._io import sha256_file
 from megacpp.data.build import BuildConfig, build_dataset
-from megacpp.data.packing import SPLITS
-from megacpp.data.shards import MANIFEST, MARKER, SCHEMA_VERSION, ShardedDataset
+from megacpp.data.packing import SPLITS, PackedDocument, RowPacker
+from megacpp.data.shards import (
+    MANIFEST,
+    MARKER,
+    SCHEMA_VERSION,
+    DocumentsWriter,
+    ShardedDataset,
+    ShardWriter,
+    WriteBehind,
+)
 from megacpp.errors import MegaCppError
 from tests.data.packed_fixtures import build_tiny, tiny_config_dict, write_corpus
 
@@ -157,3 +165,65 @@ def test_structure_ids_cover_several_regions(dataset_dir):
     for block in ds.iter_blocks("train", with_provenance=False):
         counts += np.bincount(block.structure_ids.ravel(), minlength=len(counts))
     assert (counts > 0).sum() >= 6
+
+
+# ---- writes on a background thread ----------------------------------------------------------
+
+
+def _rows(n_docs: int, row_len: int) -> list:
+    rng = np.random.default_rng(0)
+    packer, rows = RowPacker(row_len, pad_id=0), []
+    for i in range(n_docs):
+        n = int(rng.integers(1, 3 * row_len))
+        tokens = rng.integers(7, 500, n).astype(np.int32)
+        structure = rng.integers(0, 9, n).astype(np.uint8)
+        rows += packer.add(PackedDocument(i, f"d{i}.h", f"{i:064x}", tokens, structure))
+    return rows + list(packer.finish())
+
+
+def _write_split(root: Path, rows: list, io: WriteBehind | None) -> list:
+    writer = ShardWriter(root, "train", 33, rows_per_shard=7, rows_per_group=3, io=io)
+    for row in rows:
+        writer.write(row)
+    return [s.to_dict() for s in writer.close()]
+
+
+def test_write_behind_writes_the_same_bytes(tmp_path):
+    """Shards (several per split, groups split across shards) and documents written on the
+    WriteBehind thread are byte-identical to synchronous writes, with the same manifest
+    entries."""
+    rows = _rows(40, 33)
+    records = [
+        {"doc_index": i, "split": "train", "source_root": "/s", "rel_path": f"d{i}.h",
+         "sha256": f"{i:064x}", "size": 10 * i, "license": "MIT", "num_tokens": i,
+         "text": "x" * i, "meta": "{}"}
+        for i in range(50)
+    ]  # fmt: skip
+    results = {}
+    for name, io in (("sync", None), ("behind", WriteBehind(max_pending=2))):
+        root = tmp_path / name
+        shards = _write_split(root, rows, io)
+        documents = DocumentsWriter(root / "documents.parquet", io)
+        for start in range(0, len(records), 8):
+            documents.write(records[start : start + 8])
+        documents.close()
+        files = sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+        results[name] = (shards, {f: sha256_file(root / f) for f in files})
+    assert results["behind"] == results["sync"]
+    assert len(results["sync"][0]) == -(-len(rows) // 7) >= 3
+
+
+def test_write_behind_raises_a_failed_write():
+    def fail() -> None:
+        raise OSError("disk full")
+
+    io = WriteBehind()
+    with pytest.raises(OSError, match="disk full"):  # from submit (if done) or wait
+        io.submit(fail)
+        io.wait()
+    with pytest.raises(OSError, match="disk full"), WriteBehind() as io:
+        io.submit(fail)
+    done: list[int] = []
+    with pytest.raises(RuntimeError, match="stop"), WriteBehind() as io:
+        io.submit(done.append, 1)
+        raise RuntimeError("stop")  # leaving on an error still ends the thread cleanly

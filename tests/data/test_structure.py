@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tree_sitter
 
 from megacpp.data.structure import (
+    _CAPTURES,
     PARSE_ERRORS,
     PARSE_OK,
     PARSE_TIMEOUT,
@@ -119,3 +121,71 @@ def test_real_headers_get_comment_and_code_regions(labeler):
         assert labels[0] == S.COMMENT  # the GPL header comment
         present = set(np.unique(labels).tolist())
         assert {S.COMMENT, S.PREPROCESSOR} <= present
+
+
+# ---- the painter against a brute-force reference ------------------------------------------
+
+HOSTILE_CPP = [
+    b"",
+    b"   \n\t\r\n",
+    b"namespace a { namespace b { struct S { void f() { auto l = [](int x) { return x; }; } }; } }",
+    b"int f( { ))) ; } /* unterminated comment",
+    b'const char* s = "unterminated string\n#define X 1\n',
+    b"auto r = R\"delim(raw ) \" string)delim\"; char c = '\\'';",
+    b"#if A\n#ifdef B\nint x;\n#elif C\n#else\n#endif\n#endif\n#if\n",
+    b"template <typename T, template <class> class U, int N = sizeof(T)> struct X {};",
+    b"class C : public B { public: C() : x(1) {} ~C(); int x; };;;}}}{{{",
+    b"#define M(a, b) a ## b \\\n  continued\nM(int, x) = 0;",
+    b"\x00\xff\xfe garbage \xc3\x28 bytes { [ ( \x80",
+    b"void g() try { throw 1; } catch (...) { } // \xe2\x98\x83",
+    b'extern "C" { int h(void); }\nint (*fp)(int) = nullptr;',
+    b"struct { int a; } anon; union U { int i; float f; };" * 20,
+    # nested regions that start at the same byte (#if condition 'a' == 'b' and its 'a'), and
+    # equal spans with two ids (#elif condition 'c' is PREPROCESSOR and STRING: STRING wins)
+    b"#if 'a' == 'b'\nint x;\n#elif 'c'\n#endif\n",
+]
+
+
+def reference_byte_labels(labeler: StructureLabeler, source: bytes) -> tuple[np.ndarray, str]:
+    """The labelling rule by brute force: each byte takes the id of the shortest captured
+    region containing it, ties (equal spans) going to the larger id."""
+    labels = np.zeros(len(source), dtype=np.uint8)
+    tree = labeler._parse(source)
+    if tree is None:
+        return labels, PARSE_TIMEOUT
+    best = np.full(len(source), np.iinfo(np.int64).max, dtype=np.int64)
+    captures = tree_sitter.QueryCursor(labeler._query).captures(tree.root_node)
+    for name, nodes in captures.items():
+        for node in nodes:
+            start, end, sid = node.start_byte, node.end_byte, int(_CAPTURES[name])
+            span_best, span_labels = best[start:end], labels[start:end]
+            wins = (end - start < span_best) | ((end - start == span_best) & (sid > span_labels))
+            span_best[wins], span_labels[wins] = end - start, sid
+    return labels, PARSE_ERRORS if tree.root_node.has_error else PARSE_OK
+
+
+@pytest.mark.parametrize("source", HOSTILE_CPP, ids=range(len(HOSTILE_CPP)))
+def test_painter_equals_reference_on_hostile_cpp(labeler, source):
+    labels, outcome = labeler.byte_labels(source)
+    expected, expected_outcome = reference_byte_labels(labeler, source)
+    assert outcome == expected_outcome
+    assert labels.dtype == np.uint8 and np.array_equal(labels, expected)
+
+
+def test_same_start_and_equal_span_regions(labeler):
+    src = HOSTILE_CPP[-1]
+    labels, _ = labeler.byte_labels(src)
+    assert label_set(labels, src, "'a'") == {S.STRING}  # inside the condition: innermost
+    assert label_set(labels, src, "== 'b'") == {S.PREPROCESSOR, S.STRING}
+    assert label_set(labels, src, "'c'") == {S.STRING}  # tie: the larger id
+
+
+def test_painter_equals_reference_on_real_headers(labeler):
+    texts = real_texts() + list(SYNTHETIC.values())
+    for text in texts:
+        source = text.encode()
+        labels, outcome = labeler.byte_labels(source)
+        expected, expected_outcome = reference_byte_labels(labeler, source)
+        assert outcome == expected_outcome
+        assert np.array_equal(labels, expected)
+    assert len(texts) > 5

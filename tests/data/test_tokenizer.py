@@ -95,6 +95,19 @@ def test_pretokenizer_pieces():
     assert _PIECE_RE.findall("// é ✓\r\n") == ["//", " é", " ✓", "\r\n"]
 
 
+HOSTILE_TEXTS = [
+    "",
+    " ",
+    "a \t \n\r\n  \r\r\n\x0b\x0c\x00\x1f\x7f x",
+    "\u00a0\u0085\u2028 é  é\t✓ 𝄞x",  # Unicode spaces (``\\s`` in str patterns), astral
+    "  \u00e9  \u00a0 a  \x85b",
+    "int\u00a0x = 'é';  // ☃\n\t\t  \n",
+    "x <|eos|> y",
+    "\r",
+    "\n\n  \t\r\n \t",
+]
+
+
 def test_round_trip_real_and_synthetic(tok, corpus):
     for text, ids in zip(corpus, tok.encode_batch(corpus)):
         assert ids.dtype == np.int32
@@ -104,7 +117,7 @@ def test_round_trip_real_and_synthetic(tok, corpus):
 
 def test_fast_encoder_equals_hf(tok, tok_file, corpus):
     hf = _hf(tok_file)
-    texts = corpus + ["x <|eos|> y <|bos|>", "", "\x00\x01\r\r\n\x0b", "  \t \n"]
+    texts = corpus + HOSTILE_TEXTS + ["x <|eos|> y <|bos|>", "\x00\x01\r\r\n\x0b", "  \t \n"]
     ours = tok.encode_batch(texts)
     ref = hf.encode_batch(texts, add_special_tokens=False)
     for text, a, b in zip(texts, ours, ref):

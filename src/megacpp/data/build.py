@@ -11,7 +11,11 @@ Stages, each counted in the manifest (``stages``):
 3. the tokenizer: the one given, or one trained on (a capped sample of) the train split;
 4. ``tokenize`` (a trained tokenizer only): in the worker pool, 64 documents a task; the main
    process maps the tokens onto the structure labels and
-5. ``pack``s rows of ``seq_len + 1`` tokens, written to shards as they fill.
+5. ``pack``s rows of ``seq_len + 1`` tokens, written to shards as they fill (parquet encoding
+   and compression on a writer thread, :class:`megacpp.data.shards.WriteBehind`).
+
+When curation ends, the worker chunks not started yet are resubmitted in packing order
+(:meth:`_StructureJobs.prioritize`), so packing overlaps the workers' last chunks.
 
 The output does not depend on the number of workers.
 
@@ -81,6 +85,7 @@ from megacpp.data.shards import (
     TOKENIZER_FILE,
     DocumentsWriter,
     ShardWriter,
+    WriteBehind,
     write_manifest_and_marker,
 )
 from megacpp.data.structure import NUM_STRUCTURE_IDS, Structure
@@ -335,6 +340,7 @@ def _build_into(
         docs, stages = curate_documents(sources, cfg.corpus, progress, structure.submit)
         planned, split_stats = plan_documents(docs, cfg.packing)
         del docs
+        structure.prioritize([p.doc for p in planned])
         if not any(p.split == TRAIN for p in planned):
             raise MegaCppError(
                 f"no training documents: curation kept {len(planned)} document(s) and "
@@ -364,7 +370,13 @@ def _build_into(
 
 class _StructureJobs:
     """Structure labelling (and, with a ``tokenizer`` file known up front, tokenization)
-    submitted to the worker pool while curation is still running."""
+    submitted to the worker pool while curation is still running.
+
+    Packing needs the documents in the shuffled ``planned`` order, which is only known once
+    curation ends; by then the workers usually still have a backlog (about a third of the
+    chunks on 2 cores). :meth:`prioritize` resubmits the backlog in the planned order, so
+    packing overlaps the workers' last chunks instead of waiting for all of them. Results do
+    not depend on how documents are grouped into chunks."""
 
     def __init__(
         self, pool: Executor, cfg: StructureConfig, progress: Progress, tokenizer: Path | None
@@ -377,18 +389,37 @@ class _StructureJobs:
         self._task = progress.add_task(what, total=0)
         self._submitted_bytes = 0
         self._where: dict[int, tuple[Future, int]] = {}  # id(document) -> (chunk, position)
+        self._chunks: dict[Future, list[Document]] = {}  # submitted, maybe not started
 
     def submit(self, docs: list[Document]) -> None:
-        texts = [d.text for d in docs]
         nbytes = sum(d.size for d in docs)
         self._submitted_bytes += nbytes
         self._progress.update(self._task, total=self._submitted_bytes)
+        self._submit(docs, nbytes)
+
+    def prioritize(self, order: Sequence[Document]) -> int:
+        """Cancel the chunks no worker has started and resubmit their documents sorted by
+        their position in ``order`` (every submitted document is in it). Returns how many
+        documents moved."""
+        position = {id(doc): i for i, doc in enumerate(order)}
+        waiting = [doc for future, docs in self._chunks.items() if future.cancel() for doc in docs]
+        self._chunks.clear()
+        waiting.sort(key=lambda doc: position[id(doc)])
+        for batch in _batches(waiting):
+            self._submit(batch, sum(d.size for d in batch))
+        return len(waiting)
+
+    def _submit(self, docs: list[Document], nbytes: int) -> None:
+        texts = [d.text for d in docs]
         timeout_s, enabled = self._cfg.timeout_s, self._cfg.enabled
         if self.tokenizer is None:
             future = self._pool.submit(structure_chunk, texts, timeout_s, enabled)
         else:
             future = self._pool.submit(encode_chunk, texts, str(self.tokenizer), timeout_s, enabled)
-        future.add_done_callback(lambda _: self._progress.update(self._task, advance=nbytes))
+        future.add_done_callback(
+            lambda f: f.cancelled() or self._progress.update(self._task, advance=nbytes)
+        )
+        self._chunks[future] = docs
         for i, doc in enumerate(docs):
             self._where[id(doc)] = (future, i)
 
@@ -442,6 +473,21 @@ def _encode_and_pack(
     progress: Progress,
     stats: tuple[StageStats, StageStats, StageStats],
 ) -> dict[str, dict[str, Any]]:
+    with WriteBehind() as io:  # parquet compression overlaps the packing on another core
+        return _pack_all(staging, planned, tokenizer, pk, pool, structure, progress, stats, io)
+
+
+def _pack_all(
+    staging: Path,
+    planned: Sequence[_Planned],
+    tokenizer: CppTokenizer,
+    pk: PackingConfig,
+    pool: Executor,
+    structure: _StructureJobs,
+    progress: Progress,
+    stats: tuple[StageStats, StageStats, StageStats],
+    io: WriteBehind,
+) -> dict[str, dict[str, Any]]:
     encode_stats, structure_stats, pack_stats = stats
     packers = {s: RowPacker(pk.seq_len + 1, tokenizer.pad_id) for s in SPLITS}
     writers = {
@@ -451,10 +497,11 @@ def _encode_and_pack(
             pk.seq_len + 1,
             rows_per_shard=pk.rows_per_shard,
             rows_per_group=pk.rows_per_group,
+            io=io,
         )
         for s in SPLITS
     }
-    documents = DocumentsWriter(staging / DOCUMENTS_FILE)
+    documents = DocumentsWriter(staging / DOCUMENTS_FILE, io)
     totals = {s: {"documents": 0, "tokens": 0, "bytes": 0} for s in SPLITS}
     task = progress.add_task("tokenize + pack", total=sum(p.doc.size for p in planned))
     chunks = [

@@ -8,7 +8,10 @@
   reformatting and comment edits do not hide a copy). A MinHash of ``num_perm`` permutations
   (datasketch's ``affine32`` scheme) summarizes each set; LSH with ``bands`` x ``rows`` finds
   candidates (S-curve threshold ``(1/bands)**(1/rows)``), and a candidate counts only when
-  the MinHash estimate of its Jaccard similarity is ``>= threshold``.
+  the MinHash estimate of its Jaccard similarity is ``>= threshold``. The LSH index
+  (:class:`BandIndex`) finds the same candidates as ``datasketch.MinHashLSH`` (a kept
+  document is one when any band of ``rows`` signature values equals the query's), with one
+  dict lookup per band instead of datasketch's per-band numpy and storage calls (tested).
 
 Both keep the first occurrence in stream order (the sources walk is sorted, so the result is
 deterministic) and note on the dropped document which kept document it duplicates.
@@ -28,7 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from datasketch import MinHash, MinHashLSH
+from datasketch import MinHash
 
 from megacpp.data import cpp_lex
 from megacpp.data.document import Document
@@ -266,6 +269,37 @@ def validate_near_dedup(
         raise ConfigError(f"near dedup threshold: expected 0 < threshold <= 1, got {threshold!r}")
 
 
+class BandIndex:
+    """LSH over MinHash signatures: the integer keys of the inserted signatures that share at
+    least one whole band (``rows`` consecutive values; bands ``0..bands-1`` from the start)
+    with a query. The candidates ``datasketch.MinHashLSH(params=(bands, rows))`` returns for
+    the same signatures, without its per-band overhead: one dict per band, keyed by the
+    band's bytes (equal bytes <=> equal values, so no false or missed candidates)."""
+
+    def __init__(self, bands: int, rows: int) -> None:
+        self.bands = bands
+        self.rows = rows
+        self._tables: list[dict[bytes, list[int]]] = [{} for _ in range(bands)]
+
+    def _band_keys(self, signature: np.ndarray) -> list[bytes]:
+        data = np.ascontiguousarray(signature[: self.bands * self.rows], np.uint32).tobytes()
+        width = 4 * self.rows
+        return [data[i : i + width] for i in range(0, len(data), width)]
+
+    def query(self, signature: np.ndarray) -> set[int]:
+        """Keys of the inserted signatures sharing a band with ``signature`` (uint32[num_perm])."""
+        found: set[int] = set()
+        for table, band in zip(self._tables, self._band_keys(signature)):
+            keys = table.get(band)
+            if keys is not None:
+                found.update(keys)
+        return found
+
+    def insert(self, key: int, signature: np.ndarray) -> None:
+        for table, band in zip(self._tables, self._band_keys(signature)):
+            table.setdefault(band, []).append(key)
+
+
 class NearDedup(Step):
     """MinHash + LSH near-duplicate removal (``near_duplicate``); see the module docstring."""
 
@@ -284,7 +318,7 @@ class NearDedup(Step):
         self.threshold = threshold
         self.shingle_size = shingle_size
         self._hasher = MinHasher(num_perm, seed)
-        self._lsh = MinHashLSH(num_perm=num_perm, params=(bands, rows))
+        self._lsh = BandIndex(bands, rows)
         self._kept: list[Document] = []
         self._signatures = np.zeros((64, num_perm), dtype=np.uint32)  # [capacity, num_perm]
         self._queued: deque[np.ndarray | None] = deque()  # signatures of the current batch
@@ -317,8 +351,7 @@ class NearDedup(Step):
         if signature is None:
             stats.notes["no_tokens"] += 1
             return doc
-        minhash = self._hasher.to_minhash(signature)
-        match = self._best_match(minhash, signature)
+        match = self._best_match(signature)
         if match is not None:
             kept, similarity = match
             doc.meta["near_duplicate_of"] = kept.doc_id
@@ -327,11 +360,11 @@ class NearDedup(Step):
                 DuplicateRecord(_location(doc), _location(kept), kept.doc_id, similarity)
             )
             return Drop("near_duplicate")
-        self._remember(doc, minhash, signature)
+        self._remember(doc, signature)
         return doc
 
-    def _best_match(self, minhash: MinHash, signature: np.ndarray) -> tuple[Document, float] | None:
-        found = self._lsh.query(minhash)
+    def _best_match(self, signature: np.ndarray) -> tuple[Document, float] | None:
+        found = self._lsh.query(signature)
         if not found:
             return None
         candidates = np.array(sorted(found), dtype=np.int64)
@@ -341,10 +374,10 @@ class NearDedup(Step):
             return None
         return self._kept[int(candidates[best])], float(similarity[best])
 
-    def _remember(self, doc: Document, minhash: MinHash, signature: np.ndarray) -> None:
+    def _remember(self, doc: Document, signature: np.ndarray) -> None:
         key = len(self._kept)
         if key == self._signatures.shape[0]:
             self._signatures = np.concatenate((self._signatures, np.zeros_like(self._signatures)))
         self._signatures[key] = signature
         self._kept.append(_provenance(doc))
-        self._lsh.insert(key, minhash, check_duplication=False)
+        self._lsh.insert(key, signature)

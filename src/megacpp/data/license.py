@@ -387,11 +387,15 @@ class LicenseStep(Step):
         self, allow: Sequence[str] = (), deny: Sequence[str] = (), keep_unknown: bool = True
     ) -> None:
         self.allow, self.deny, self.keep_unknown = tuple(allow), tuple(deny), keep_unknown
+        self._verdicts: dict[str, str | None] = {}  # expression -> license_verdict (a corpus
+        # has a handful of distinct expressions; parsing and matching each once is enough)
 
     def process(self, doc: Document, stats: StageStats) -> Document | Drop:
         doc.license = detect_license(require_text(doc, self.name))
         stats.notes[f"license={doc.license}"] += 1
         if doc.license == UNKNOWN:
             return doc if self.keep_unknown else Drop("unknown_license")
-        reason = license_verdict(doc.license, self.allow, self.deny)
+        if doc.license not in self._verdicts:
+            self._verdicts[doc.license] = license_verdict(doc.license, self.allow, self.deny)
+        reason = self._verdicts[doc.license]
         return doc if reason is None else Drop(reason)

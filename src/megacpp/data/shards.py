@@ -18,10 +18,12 @@ file whose sha256 differs from the manifest: :class:`megacpp.errors.MegaCppError
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import pyarrow as pa
@@ -103,20 +105,74 @@ class ShardInfo:
         }
 
 
+class WriteBehind:
+    """One background thread that runs file writes in submission order: parquet encoding and
+    compression, closing, hashing. pyarrow and hashlib release the GIL, so the writes overlap
+    the caller's Python work (packing the next rows) on another core. The files are the same
+    bytes as with synchronous writes: same tables, same writer, same order.
+
+    At most ``max_pending`` writes wait (memory stays bounded). A failed write raises from
+    the next :meth:`submit` or from :meth:`wait`. Leaving the ``with`` block waits for the
+    writes; on an exception it cancels the ones not started."""
+
+    def __init__(self, max_pending: int = 8) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megacpp-write")
+        self._pending: deque[Future] = deque()
+        self._max_pending = max_pending
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._pending.append(self._pool.submit(fn, *args))
+        while self._pending and (self._pending[0].done() or len(self._pending) > self._max_pending):
+            self._pending.popleft().result()  # raises the error of a failed write
+
+    def wait(self) -> None:
+        """Block until every submitted write is done (raises the first failure)."""
+        while self._pending:
+            self._pending.popleft().result()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is None:
+                self.wait()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+
+
+def _run(io: WriteBehind | None, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` now, or on ``io``'s thread when given."""
+    if io is None:
+        fn(*args)
+    else:
+        io.submit(fn, *args)
+
+
 class ShardWriter:
     """Writes the rows of one split into ``<root>/<split>/shard-NNNNN.parquet`` files of at
-    most ``rows_per_shard`` rows, in row groups of ``rows_per_group`` rows."""
+    most ``rows_per_shard`` rows, in row groups of ``rows_per_group`` rows. With ``io`` the
+    file work runs on that :class:`WriteBehind` thread (tables are built here)."""
 
     def __init__(
-        self, root: Path, split: str, row_len: int, *, rows_per_shard: int, rows_per_group: int
+        self,
+        root: Path,
+        split: str,
+        row_len: int,
+        *,
+        rows_per_shard: int,
+        rows_per_group: int,
+        io: WriteBehind | None = None,
     ) -> None:
         self.root = Path(root)
+        self._io = io
         self.split = split
         self.schema = shard_schema(row_len)
         self.row_len = row_len
         self.rows_per_shard = rows_per_shard
         self.rows_per_group = min(rows_per_group, rows_per_shard)
-        self.shards: list[ShardInfo] = []
+        self.shards: list[ShardInfo] = []  # filled by _finish_shard (maybe on io's thread)
+        self._opened = 0  # shards opened so far (numbers the files)
         self._pending: list[Row] = []
         self._writer: pq.ParquetWriter | None = None
         self._current = ""  # the open shard, relative to root
@@ -134,6 +190,8 @@ class ShardWriter:
         if self._pending:
             self._flush_group()
         self._close_shard()
+        if self._io is not None:
+            self._io.wait()  # the shards list fills in on the writer thread
         return self.shards
 
     def _flush_group(self) -> None:
@@ -142,7 +200,7 @@ class ShardWriter:
                 self._open_shard()
             room = self.rows_per_shard - self._rows_in_shard
             group, self._pending = self._pending[:room], self._pending[room:]
-            self._writer.write_table(self._rows_table(group))
+            _run(self._io, self._writer.write_table, self._rows_table(group))
             self._rows_in_shard += len(group)
             self._tokens_in_shard += sum(r.num_tokens for r in group)
             if self._rows_in_shard == self.rows_per_shard:
@@ -165,7 +223,8 @@ class ShardWriter:
         return pa.Table.from_arrays(columns, schema=self.schema)
 
     def _open_shard(self) -> None:
-        rel = f"{self.split}/shard-{len(self.shards):05d}.parquet"
+        rel = f"{self.split}/shard-{self._opened:05d}.parquet"
+        self._opened += 1
         (self.root / self.split).mkdir(parents=True, exist_ok=True)
         self._current = rel
         self._writer = pq.ParquetWriter(self.root / rel, self.schema, compression=_COMPRESSION)
@@ -174,18 +233,14 @@ class ShardWriter:
     def _close_shard(self) -> None:
         if self._writer is None:
             return
-        self._writer.close()
+        shard = (self._writer, self._current, self._rows_in_shard, self._tokens_in_shard)
+        _run(self._io, self._finish_shard, *shard)
         self._writer = None
-        path = self.root / self._current
-        self.shards.append(
-            ShardInfo(
-                self._current,
-                self._rows_in_shard,
-                self._tokens_in_shard,
-                path.stat().st_size,
-                sha256_file(path),
-            )
-        )
+
+    def _finish_shard(self, writer: pq.ParquetWriter, rel: str, rows: int, tokens: int) -> None:
+        writer.close()
+        path = self.root / rel
+        self.shards.append(ShardInfo(rel, rows, tokens, path.stat().st_size, sha256_file(path)))
 
 
 def _segments_array(rows: Sequence[Row]) -> pa.ListArray:
@@ -202,20 +257,25 @@ def _segments_array(rows: Sequence[Row]) -> pa.ListArray:
 
 
 class DocumentsWriter:
-    """Streams curated documents (text + provenance) into ``documents.parquet``."""
+    """Streams curated documents (text + provenance) into ``documents.parquet`` (with ``io``,
+    the file work runs on that :class:`WriteBehind` thread)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, io: WriteBehind | None = None) -> None:
         self.path = Path(path)
         self._writer = pq.ParquetWriter(self.path, DOCUMENTS_SCHEMA, compression=_COMPRESSION)
+        self._io = io
         self.count = 0
 
     def write(self, records: Sequence[dict[str, Any]]) -> None:
         if records:
-            self._writer.write_table(pa.Table.from_pylist(list(records), schema=DOCUMENTS_SCHEMA))
+            table = pa.Table.from_pylist(list(records), schema=DOCUMENTS_SCHEMA)
+            _run(self._io, self._writer.write_table, table)
             self.count += len(records)
 
     def close(self) -> None:
-        self._writer.close()
+        _run(self._io, self._writer.close)
+        if self._io is not None:
+            self._io.wait()
 
 
 def write_manifest_and_marker(root: Path, manifest: dict[str, Any]) -> str:
