@@ -230,7 +230,7 @@ def select(
     rejected += [(b.name, f"{b.role}: {b.reason or 'not on the training path'}")
                  for b in catalog.of(surface) if b.role in ("donor", "deferred")]
     lines = "\n".join(f"  - {name}: {why}" for name, why in rejected) or "  (no chosen backend)"
-    hint = (f" (allow the reference with kernels='auto' or --allow-reference)"
+    hint = (" (allow the reference with kernels='auto' or --allow-reference)"
             if fallbacks else "")
     raise KernelSelectionError(
         f"no chosen backend of {surface!r} qualifies on {device.type} ({device.name}) for "

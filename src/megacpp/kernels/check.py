@@ -3,6 +3,7 @@ on fresh random inputs, by relative error ‖out − ref‖ / ‖ref‖ (referen
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ class CheckResult:
     @property
     def passed(self) -> bool:
         return self.skipped is None and all(
-            e == e and e <= self.tolerance for e in self.errors.values()  # NaN never passes
+            not math.isnan(e) and e <= self.tolerance for e in self.errors.values()
         )
 
     @property

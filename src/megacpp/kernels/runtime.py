@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from megacpp.errors import ConfigError
+from megacpp.kernels.amp import effective_dtype
 from megacpp.kernels.catalog import Backend, Selection, device_facts, dtype_name, select
 from megacpp.kernels.registry import default_catalog
 
@@ -60,11 +61,14 @@ def kernel_mode_override(mode: str) -> Iterator[None]:
 
 
 def resolve(surface: str, like: torch.Tensor) -> Backend:
-    """The backend for ``surface`` on ``like``'s device and dtype under the current mode."""
+    """The backend for ``surface`` on ``like``'s device and dtype under the current mode.
+
+    Under ``torch.autocast`` a float32 ``like`` selects for the autocast dtype (the dtype its
+    matmuls run in); see :mod:`megacpp.kernels.amp`."""
     mode = kernel_mode()
     if mode == "auto" and torch.compiler.is_compiling():
         mode = "reference"
-    key = (surface, str(like.device), dtype_name(like.dtype), mode)
+    key = (surface, str(like.device), dtype_name(effective_dtype(like)), mode)
     if key not in _resolved:
         catalog = default_catalog()
         if mode == "reference":

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
+from megacpp.kernels.amp import autocast_operands
 from megacpp.kernels.ops.linear_ce.reference import IGNORE_INDEX
 
 DEFAULT_CHUNK_BYTES = 96 * 2**20  # one chunk of logits at most this big
@@ -260,7 +261,10 @@ def linear_cross_entropy_triton(
     chunk_tokens: int | None = None,
 ) -> Tensor:
     """Same contract as the reference: h [T, D], weight [V, D], labels [T] -> mean loss
-    (float32 scalar). ``chunk_tokens`` defaults to the rows whose logits fit 96 MiB."""
+    (float32 scalar). ``chunk_tokens`` defaults to the rows whose logits fit 96 MiB.
+    Under autocast, float32 h / weight run in the autocast dtype (as the reference's
+    ``h @ W.T`` does)."""
+    h, weight = autocast_operands(h, weight)
     if h.dtype != weight.dtype or h.dtype not in (torch.bfloat16, torch.float16):
         raise MegaCppError(f"fused linear cross-entropy needs bf16/fp16 h and weight of one "
                            f"dtype, got {h.dtype} and {weight.dtype}")

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megacpp.kernels.amp import autocast_operands
+
 
 class DispatchPlan(NamedTuple):
     order: Tensor  # [N] int64: sorted row -> flat (token, choice) index
@@ -141,6 +143,9 @@ class _GroupedExperts(torch.autograd.Function):
 def moe_experts_grouped(
     x: Tensor, expert_idx: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor
 ) -> Tensor:
-    """x [T, D]; expert_idx, weights [T, k]; w_in [E, 2F, D]; w_out [E, D, F] -> [T, D]."""
+    """x [T, D]; expert_idx, weights [T, k]; w_in [E, 2F, D]; w_out [E, D, F] -> [T, D].
+    Under autocast, float32 x / w_in / w_out run in the autocast dtype, as the reference's
+    matmuls do."""
+    x, w_in, w_out = autocast_operands(x, w_in, w_out)
     plan = dispatch_plan(expert_idx, w_in.shape[0])
     return _GroupedExperts.apply(x, weights, w_in, w_out, *plan)

@@ -41,7 +41,7 @@ def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DW_PARTIAL, n_rows, n_cols, ROWS: t
     mask = cols < n_cols
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, ROWS):
+    for i in range(ROWS):
         row = pid * ROWS + i
         live = mask & (row < n_rows)  # the last program may run past the end
         h = tl.load(H + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
