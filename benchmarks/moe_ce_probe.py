@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -21,24 +22,13 @@ from pathlib import Path
 import torch
 
 from megacpp.kernels.registry import default_catalog
-from megacpp.kernels.timing import time_fwd_bwd
+from megacpp.kernels.timing import cuda_times_ms, time_fwd_bwd
 
 RESULTS: dict[str, object] = {}
 
 
 def _ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(cuda_times_ms(fn, warmup=3, iters=repeats))
 
 
 def _load(path: Path, name: str):

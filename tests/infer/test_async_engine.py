@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from megacpp.errors import MegaCppError
 from megacpp.infer.async_engine import AsyncEngine, EngineStopped
@@ -19,13 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
 LONG = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread (the CPU is shared); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_engine(**config) -> Engine:

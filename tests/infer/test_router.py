@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from megacpp.errors import MegaCppError
 from megacpp.infer.router import (
@@ -44,12 +43,7 @@ CRYPTO = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

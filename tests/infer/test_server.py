@@ -9,7 +9,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from megacpp.infer.server import CHAT_STOP, ChatMessage, render_chat
@@ -19,13 +18,7 @@ PROMPT = "template <typename T>\nint count(const T& xs) {\n"
 LONG = {"max_tokens": 1000, "ignore_eos": True}  # seconds of decoding on the tiny model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread (the CPU is shared); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
