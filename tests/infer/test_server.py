@@ -215,10 +215,13 @@ def test_disconnect_cancels_the_sequence_and_frees_its_blocks(srv, client):
 
 
 def test_full_queue_answers_429(client):
+    # 8000 tokens: the running request must outlast the test on any CPU (it is aborted when
+    # its stream is dropped, so the length costs nothing)
     with live_server([tiny_specialist("one", max_num_seqs=1, max_waiting=1,
-                                      max_model_len=1024)]) as small, \
+                                      max_model_len=8192)]) as small, \
             httpx.Client(base_url=small.url, timeout=30) as c:
-        body = {"model": "one", "prompt": PROMPT, "stream": True, **LONG}
+        body = {"model": "one", "prompt": PROMPT, "stream": True, "max_tokens": 8000,
+                "ignore_eos": True}
         with c.stream("POST", "/v1/completions", json=body) as running:
             lines = running.iter_lines()  # kept: dropping it would close the connection
             next(lines)  # it is decoding: the one slot is taken
