@@ -112,6 +112,26 @@ def test_batched_greedy_equals_alone_and_generate_greedy(model, tokenizer, batch
     assert len({tuple(b[0]) for b in batched.values()}) > 1  # the tokens really vary
 
 
+def test_equal_length_prompts_prefill_in_one_forward_and_equal_alone(model, tokenizer):
+    """A burst of same-size prompts is prefilled as one [B, L] forward (no padding: M/R
+    states and paged KV of every row), and still decodes exactly as each prompt alone."""
+    prompts = _prompts(model.cfg.vocab_size, lengths=(6, 6, 6, 6, 11, 11))
+    engine = _engine(model, tokenizer, prefill_chunk=24)
+    groups = []
+    run_prefill = engine._run_prefill
+
+    def spy(chunks):  # records how many rows each prefill forward carried
+        groups.append(len(chunks))
+        return run_prefill(chunks)
+
+    engine._run_prefill = spy
+    together = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
+    assert max(groups) >= 2
+    for i, prompt in enumerate(prompts):
+        reference = model.generate_greedy(torch.tensor([prompt]), GREEDY.max_new_tokens)
+        assert together[str(i)][0] == reference[0, len(prompt):].tolist()
+
+
 def test_requests_join_between_decode_steps(tiny_model, tokenizer):
     """Continuous batching: a request added while others decode gets the same tokens."""
     engine = _engine(tiny_model, tokenizer)

@@ -226,11 +226,15 @@ class Engine:
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         sampled: list[tuple[Sequence, int]] = []
-        for chunk in plan.prefills:
-            logits = self._run_prefill(chunk)
-            chunk.seq.num_computed = chunk.end
-            if chunk.completes:
-                sampled += self._sample([chunk.seq], logits)
+        for group in _equal_length_groups(plan.prefills):
+            logits = self._run_prefill(group)  # [len(group), V]
+            done = []
+            for i, chunk in enumerate(group):
+                chunk.seq.num_computed = chunk.end
+                if chunk.completes:
+                    done.append(i)
+            if done:
+                sampled += self._sample([group[i].seq for i in done], logits[done])
         if plan.decodes:
             logits = self._run_decode(plan.decodes)
             for seq in plan.decodes:
@@ -242,16 +246,21 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _run_prefill(self, chunk: PrefillChunk) -> torch.Tensor:
-        """One row's chunk of tokens through the model -> logits [1, V] at its last token."""
-        seq, dev = chunk.seq, self.device
-        ids = torch.tensor([seq.token_ids[chunk.start : chunk.end]], device=dev)
-        positions = torch.arange(chunk.start, chunk.end, device=dev)[None]
+    def _run_prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Chunks of equal length, one row each, through the model in one forward -> logits
+        [len(chunks), V] at each row's last token. (Rows are never padded: padding would run
+        the M/R recurrences over tokens that are not there.)"""
+        dev = self.device
+        ids = torch.tensor([c.seq.token_ids[c.start : c.end] for c in chunks], device=dev)
+        positions = torch.stack([torch.arange(c.start, c.end, device=dev) for c in chunks])
+        seqs = [c.seq for c in chunks]
         batch = PagedBatch(
-            positions=positions,
-            slot_mapping=self._slot_mapping(seq.request_id, positions[0]),
-            block_tables=self._block_tables([seq], chunk.end),
-            state_slots=torch.tensor([self.cache.slot_of[seq.request_id]], device=dev),
+            positions=positions,  # [B, L]
+            slot_mapping=torch.cat([
+                self._slot_mapping(c.seq.request_id, row) for c, row in zip(chunks, positions)
+            ]),
+            block_tables=self._block_tables(seqs, max(c.end for c in chunks)),
+            state_slots=torch.tensor([self.cache.slot_of[s.request_id] for s in seqs], device=dev),
         )
         return self.model.forward_paged(ids, self.cache.layers, batch)
 
@@ -337,6 +346,15 @@ class Engine:
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.completion_len,
         )
+
+
+def _equal_length_groups(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+    """The step's prefill chunks grouped by length (first-seen order), so chunks of equal
+    length -- a burst of same-size prompts -- share one forward."""
+    groups: dict[int, list[PrefillChunk]] = {}
+    for chunk in chunks:
+        groups.setdefault(chunk.end - chunk.start, []).append(chunk)
+    return list(groups.values())
 
 
 def _draw(generator: torch.Generator | None) -> float:

@@ -222,8 +222,8 @@ class HybridLM(nn.Module):
         attention, a state pool (the mixer's cache object with one row per slot) for M and R,
         None for E and D. M/R rows are gathered from ``batch.state_slots``, advanced (one
         token: the mixer's recurrent ``step``; more: its chunked forward continuing from the
-        state, i.e. chunked prefill -- one row per call then, since padding would corrupt the
-        state) and scattered back. One-token steps run the MoE layers through
+        state, i.e. chunked prefill -- rows of equal length only, never padded, since padding
+        would corrupt the state) and scattered back. One-token steps run the MoE layers through
         :func:`moe_all_experts` (same function, fixed shapes). No host syncs in a one-token
         step: capturable in a CUDA graph for a fixed batch shape.
 
