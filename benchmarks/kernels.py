@@ -128,10 +128,11 @@ def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels") -> 
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"ceilings": ceil, "device": facts.to_dict(),
-                                                  "rows": rows}, indent=2))
-    _receipts(out, ceil, rows)
+            # after every case: a run cut short by a time limit keeps what it measured
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{stem}.json").write_text(json.dumps(
+                {"ceilings": ceil, "device": facts.to_dict(), "rows": rows}, indent=2))
+            _receipts(out, ceil, [r for r in rows if (r["surface"], r["case"]) == (name, case)])
     return rows
 
 
