@@ -76,6 +76,49 @@ def test_prefill_then_step_equals_full_forward(prefill_lengths):
     torch.testing.assert_close(torch.cat(outputs, dim=1), y_full, rtol=1e-10, atol=1e-12)
 
 
+def test_prefill_into_a_zero_cache_is_the_scan_without_initial_state():
+    """A first prefill takes the catalog's backend (is_zero); it must equal continuing from
+    the zero state with the reference, output and final state alike."""
+    from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
+
+    mixer = make_mixer()
+    x = make_x(batch=2, seqlen=13)
+    cache = mixer.init_cache(2, dtype=F64)
+    assert cache.is_zero()
+    y = mixer(x, cache=cache)
+    assert not cache.is_zero()
+    inputs = mixer._scan_inputs(x)
+    zero = mixer.init_cache(2, dtype=F64).scan_state()
+    y_ref, final_ref = mamba3_scan_chunked(**inputs, initial_state=zero, chunk_size=8)
+    torch.testing.assert_close(y, mixer.out_proj(y_ref.flatten(2)), rtol=1e-12, atol=1e-13)
+    for got, want in zip(cache.scan_state(), final_ref):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.gpu
+def test_gpu_first_prefill_uses_the_fast_scan_and_matches_the_reference():
+    """Under MEGACPP_KERNELS=auto a prefill into a zero cache runs the chosen Triton scan and
+    gives the reference's output and cache state (bf16); a second prefill continues it."""
+    from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
+
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(d_model=256, d_state=64, headdim=32, chunk_size=32).cuda().bfloat16()
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for mode in ("reference", "auto"):
+        clear_resolutions()
+        with kernel_mode_override(mode):
+            cache = mixer.init_cache(2, device="cuda", dtype=torch.float32)
+            y = torch.cat([mixer(x[:, :150], cache=cache), mixer(x[:, 150:], cache=cache)], 1)
+        results[mode] = (y.float(), [t.float() for t in cache.scan_state()])
+        if mode == "auto":
+            assert chosen_kernels()["mamba3_scan"] == "triton_chunked"
+    (y_ref, s_ref), (y, s) = results["reference"], results["auto"]
+    assert ((y - y_ref).norm() / y_ref.norm()).item() < 2e-2
+    for a, b in zip(s, s_ref):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
 def test_step_with_float32_cache_on_float32_model():
     mixer = make_mixer(torch.float32)
     x = make_x(batch=1, seqlen=6, dtype=torch.float32)

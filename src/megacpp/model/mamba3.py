@@ -50,6 +50,11 @@ class Mamba3Cache:
     def scan_state(self) -> Mamba3ScanState:
         return Mamba3ScanState(self.angle, self.ssm, self.k, self.v)
 
+    def is_zero(self) -> bool:
+        """True when every state tensor is zero (nothing seen yet): a scan continuing from it is
+        the scan with no initial state. Reads the result on the host (a device sync)."""
+        return not any(bool(t.any()) for t in self.scan_state())
+
     def update_(self, state: Mamba3ScanState) -> None:
         """Overwrite in place with a scan's final state (no gradient flows into the cache)."""
         for f, new in zip(fields(self), state):
@@ -172,13 +177,11 @@ class Mamba3Mixer(nn.Module):
         reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
         inputs = self._scan_inputs(x)
         # the catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
-        # continues a cache runs the reference, the only form that takes an initial state
-        scan = mamba3_scan_chunked if cache is not None else resolve("mamba3_scan", inputs["v"]).fn
-        y, final = scan(
-            **inputs, reset=reset,
-            initial_state=None if cache is None else cache.scan_state(),
-            chunk_size=self.chunk_size,
-        )
+        # continues a non-zero cache runs the reference, the only form that takes an initial
+        # state (an all-zero cache -- a first prefill chunk -- is the same as none)
+        initial = None if cache is None or cache.is_zero() else cache.scan_state()
+        scan = mamba3_scan_chunked if initial is not None else resolve("mamba3_scan", inputs["v"]).fn
+        y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size)
         if cache is not None:
             cache.update_(final)
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
