@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.sampling import SamplingParams
+from megacpp.kernels.runtime import chosen_kernels, set_kernel_mode
 from megacpp.model.config import load_config
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM
@@ -338,6 +339,7 @@ def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: s
         "dtype": args.dtype,
         "tokenizer_sha256": tokenizer_sha256,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "tokenizer")},
+        "chosen_kernels": chosen_kernels(),
         "engine_over_hf": {str(b): v for b, v in ratios(rows).items()},
         "results": [asdict(r) for r in rows],
     }
@@ -350,6 +352,7 @@ def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: s
                   "batch": r.batch, "prompt_len": r.prompt_len, "new_tokens": r.new_tokens,
                   "dtype": args.dtype, "block_size": args.block_size,
                   "prefill_chunk": args.prefill_chunk, "weights": "random init",
+                  "kernels": args.kernels, "chosen_kernels": chosen_kernels(),
                   "tokenizer_sha256": tokenizer_sha256,
                   "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT")}
         metrics = {k: float(v) for k, v in asdict(r).items()
@@ -378,7 +381,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
+    ap.add_argument("--kernels", default="auto", choices=["reference", "auto", "fast"],
+                    help="kernel mode of the engine's model (megacpp serve's default: auto)")
     ap.add_argument("--systems", nargs="+", default=["engine", "hf"],
                     choices=["engine", "engine-async", "engine-eager", "hf"])
     ap.add_argument("--device", default="cuda")
@@ -386,6 +391,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="results JSON (receipts beside it)")
     ap.add_argument("--skip-preflight", action="append", default=[], metavar="RULE")
     args = ap.parse_args()
+    set_kernel_mode(args.kernels)  # the engine rows only: hf runs its own kernels
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/serve_decode.py: --device cuda but no CUDA GPU here")

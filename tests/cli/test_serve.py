@@ -86,6 +86,7 @@ def test_serve_bad_input_is_one_line(setup, tmp_path, capsys):
          "not loaded specialists"),
         (("--checkpoint", "bad name=x"), "NAME=PATH"),
         (("--checkpoint", lib, "--port", "70000"), "--port"),
+        (("--checkpoint", lib, "--tokenizer", tok, "--kernels", "turbo"), "--kernels"),
     ]:
         assert needle in cli_error(capsys, "serve", *args), args
     for args, needle in [

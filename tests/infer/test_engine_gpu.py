@@ -90,3 +90,25 @@ def test_compiled_graph_decode_equals_eager_decode(tokenizer):
     requests = {str(i): (p, params) for i, p in enumerate(_prompts(cfg.vocab_size, (5, 17, 9)))}
     compiled = _run(_engine(model, tokenizer, max_num_seqs=4, compile_decode=True), requests)
     assert compiled == _run(_engine(model, tokenizer, cuda_graphs=False), requests)
+
+
+@pytest.mark.gpu
+def test_engine_under_auto_kernels_equals_reference_kernels(tokenizer):
+    """Serving runs the catalog's chosen backends (``megacpp serve --kernels auto``): a first
+    prefill's Mamba-3 scan is the Triton one, the R mixer's too, and the greedy tokens equal
+    those of the reference kernels (float32, where the Triton scans qualify with IEEE dots)."""
+    from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(load_config("tiny"), vocab_size=tokenizer.vocab_size, init_std=0.3)
+    model = HybridLM(cfg).cuda().eval()
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    requests = {str(i): (p, params) for i, p in enumerate(_prompts(cfg.vocab_size, LENGTHS))}
+    out = {}
+    for mode in ("reference", "auto"):
+        clear_resolutions()
+        with kernel_mode_override(mode):
+            out[mode] = _run(_engine(model, tokenizer), requests)
+            chosen = chosen_kernels()
+    assert chosen["mamba3_scan"] == "triton_chunked" and chosen["gated_delta"] == "triton_chunked"
+    assert out["auto"] == out["reference"]

@@ -54,13 +54,16 @@ def serve(
     num_blocks: Annotated[int | None, typer.Option(
         help="KV blocks per attention layer (default: max-num-seqs x max-model-len).")] = None,
     max_model_len: Annotated[int, typer.Option(help="Prompt + completion tokens at most.")] = 2048,
-    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 512,
+    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str | None, typer.Option(
         help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    kernels: Annotated[str, typer.Option(
+        help="Kernel mode: auto (the catalog's chosen backends where they qualify, else the "
+             "reference), fast (fail if none qualifies) or reference.")] = "auto",
 ) -> None:
     """Serve checkpoints over an OpenAI-compatible HTTP API: /v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics."""
@@ -77,15 +80,24 @@ def serve(
         raise MegaCppError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise MegaCppError(f"--device {device!r}: choose cpu or cuda")
+    from megacpp.kernels.runtime import KERNEL_MODES, set_kernel_mode
+
+    if kernels not in KERNEL_MODES:
+        raise MegaCppError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                           max_waiting=max_waiting)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     classifier = _load_router(router)
     sock = _bind(host, port)  # before loading: a taken port fails fast
-    specialists = [_load_specialist(name, path, tokenizer, device, getattr(torch, dtype_name),
-                                    config) for name, path in named]
-    _run(specialists, classifier, sock, log_level)
+    set_kernel_mode(kernels)  # process-wide; reset when serving ends (in-process callers)
+    try:
+        specialists = [_load_specialist(name, path, tokenizer, device,
+                                        getattr(torch, dtype_name), config)
+                       for name, path in named]
+        _run(specialists, classifier, sock, log_level)
+    finally:
+        set_kernel_mode(None)
 
 
 def _load_router(path: Path | None):

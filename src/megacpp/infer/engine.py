@@ -35,7 +35,7 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks per attention layer; None: enough for
     #                                max_num_seqs * max_model_len tokens
     max_model_len: int = 2048  # prompt + completion tokens per sequence
-    prefill_chunk: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
+    prefill_chunk: int = 2048  # prompt tokens prefilled per engine step (chunked prefill)
     max_waiting: int = 256  # bounded waiting queue; add_request raises QueueFull beyond it
     cuda_graphs: bool = True  # on CUDA: replay the decode step as captured CUDA graphs
     compile_decode: bool = False  # with cuda_graphs: torch.compile each block family's
