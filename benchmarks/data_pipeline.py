@@ -21,7 +21,9 @@ Stages (MB = 10^6 bytes of source as read from disk, wall-clock seconds):
 * ``pack + write shards``: packing into rows and writing parquet, from encoded documents;
 * ``end to end, tokenizer given`` / ``end to end, tokenizer trained``: ``build_dataset``.
 
-The machine may be shared: the load average before and after is recorded with the numbers,
+The two stages with a target (encode in N processes, end to end with the tokenizer given) run
+``--repeats`` times (default 3) and report the median run, with every run's wall clock in
+``runs_seconds``. The machine may be shared: the load average before and after is recorded with the numbers,
 and every stage also reports MB per CPU-second (user + system time of this process, its
 threads and its finished worker processes), which other users' load disturbs much less;
 ``cpu_seconds_main`` / ``cpu_seconds_workers`` split it between this process (curation,
@@ -68,6 +70,14 @@ def timed(fn: Callable[[], Any]) -> tuple[tuple[float, float, float], Any]:
     return (wall, _cpu_seconds(SELF) - own, _cpu_seconds(CHILDREN) - children), result
 
 
+def timed_median(fn: Callable[[int], Any], repeats: int) -> tuple[tuple[float, float, float], dict]:
+    """``fn(i)`` run ``repeats`` times: the times of the median run (by wall clock) and
+    ``{"runs_seconds": [...]}`` (every run's wall clock, in order) for the record."""
+    runs = [timed(lambda i=i: fn(i))[0] for i in range(repeats)]
+    median = sorted(runs)[(len(runs) - 1) // 2]
+    return median, {"runs_seconds": [round(r[0], 3) for r in runs]}
+
+
 def _cpu_seconds(who: int) -> float:
     usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime
@@ -109,6 +119,10 @@ def main() -> None:
     parser.add_argument("--train-mb", type=float, default=32 * 1.048576)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/data_pipeline.json")
+    parser.add_argument(
+        "--repeats", type=int, default=3,
+        help="runs of the stages with a target (the median is reported; the VM's speed drifts)",
+    )
     args = parser.parse_args()
     missing = [str(s) for s in args.sources if not s.exists()]
     if missing:
@@ -182,15 +196,15 @@ def main() -> None:
         )
         record("encode (megacpp, 1 process)", seconds, text_bytes)
 
-        def pool_encode() -> None:
+        def pool_encode(_run: int) -> None:
             with worker_pool(args.workers) as pool:
                 for _ in ordered_map(
                     pool, tokenize_chunk, chunked(texts, 64), str(tok_path), ahead=4
                 ):
                     pass
 
-        seconds, _ = timed(pool_encode)
-        record(f"encode (megacpp, {args.workers} processes)", seconds, text_bytes)
+        seconds, runs = timed_median(pool_encode, args.repeats)
+        record(f"encode (megacpp, {args.workers} processes)", seconds, text_bytes, **runs)
 
         labeler = StructureLabeler()
         seconds, labels = timed(
@@ -213,12 +227,13 @@ def main() -> None:
         seconds, _ = timed(lambda: _pack_and_write(work / "pack", planned, encoded, labels, fast))
         record("pack + write shards", seconds, text_bytes)
 
-        seconds, _ = timed(
-            lambda: build_dataset(
-                args.sources, work / "ds1", cfg, tokenizer_path=tok_path, workers=args.workers
-            )
-        )
-        record("end to end, tokenizer given", seconds, source_bytes)
+        def build_given(run: int) -> None:
+            out = work / f"ds1_{run}"
+            build_dataset(args.sources, out, cfg, tokenizer_path=tok_path, workers=args.workers)
+            shutil.rmtree(out)
+
+        seconds, runs = timed_median(build_given, args.repeats)
+        record("end to end, tokenizer given", seconds, source_bytes, **runs)
         seconds, _ = timed(
             lambda: build_dataset(args.sources, work / "ds2", cfg, workers=args.workers)
         )
