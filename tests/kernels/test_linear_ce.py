@@ -1,8 +1,14 @@
-"""GPU: the fused linear cross-entropy's float32 weight-gradient planes, its memory bound, its
-no-grad path and its single-use gradients. (The catalog check against the float64 reference
-runs in test_ops_triton.py.)"""
+"""The fused linear cross-entropy's float32 weight-gradient accumulators (cuBLAS halves and
+the 16-bit planes), its memory bound, its no-grad path and its single-use gradients (GPU), and
+the halves' accumulate/finish logic under the Triton interpreter (CPU). (The catalog check
+against the float64 reference runs in test_ops_triton.py.)"""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +16,8 @@ import torch
 from megacpp.errors import MegaCppError
 from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
 
-pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+gpu = pytest.mark.gpu
 
 
 def _case(tokens, hidden, vocab, dtype, seed):
@@ -26,13 +33,15 @@ def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@gpu
+@pytest.mark.parametrize("strategy", ["addmm", "planes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_grads_scaled_by_grad_output_match_fp32_reference(dtype):
+def test_grads_scaled_by_grad_output_match_fp32_reference(dtype, strategy):
     from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
 
     h, w, labels = _case(3000, 256, 10007, dtype, 0)  # ragged vocab / last chunk
     scale = 0.37
-    loss = linear_cross_entropy_triton(h, w, labels, chunk_tokens=704)
+    loss = linear_cross_entropy_triton(h, w, labels, chunk_tokens=704, strategy=strategy)
     dh, dw = torch.autograd.grad(loss * scale, [h, w])
     h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     ref = linear_cross_entropy_reference(h32, w32, labels)
@@ -42,6 +51,7 @@ def test_grads_scaled_by_grad_output_match_fp32_reference(dtype):
     assert _rel(dh, rdh) < 1e-2 and _rel(dw, rdw) < 1e-2
 
 
+@gpu
 def test_weight_grad_planes_are_an_fp32_accumulation():
     """Several chunks into the (hi, lo) planes == float32 addmm accumulation, to fp32 rounding
     (not to bf16 rounding)."""
@@ -61,6 +71,7 @@ def test_weight_grad_planes_are_an_fp32_accumulation():
     assert _rel(got, want) < 1e-5  # bf16 accumulation would be ~1e-3
 
 
+@gpu
 def test_no_grad_path_computes_only_the_loss():
     from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
 
@@ -76,6 +87,7 @@ def test_no_grad_path_computes_only_the_loss():
     assert peak < 512 * 32000 * 2 + 2**20  # one chunk of logits, no gradient buffers
 
 
+@gpu
 def test_backward_twice_is_a_clear_error():
     from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
 
@@ -86,14 +98,18 @@ def test_backward_twice_is_a_clear_error():
         loss.backward()
 
 
-def test_peak_memory_and_no_host_sync():
-    """Peak extra memory over fwd+bwd <= dh + the two 16-bit planes + one chunk of logits
-    (no float32 [V, D] dW, no cast copy); nothing syncs the host."""
+@gpu
+@pytest.mark.parametrize("strategy", ["addmm", "planes"])
+def test_peak_memory_and_no_host_sync(strategy):
+    """Peak extra memory over fwd+bwd <= dh + the float32 dW (halves or planes) + one chunk of
+    logits; the halves' finish adds at most a quarter of the float32 dW after the logits are
+    gone (no float32 dW + full cast copy); nothing syncs the host."""
     from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
 
     tokens, hidden, vocab, chunk = 4096, 512, 32768, 512
     h, w, labels = _case(tokens, hidden, vocab, torch.bfloat16, 4)
-    linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk).backward()  # compile
+    linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk,
+                                strategy=strategy).backward()  # compile
     h.grad = w.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -101,10 +117,61 @@ def test_peak_memory_and_no_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         dh, dw = torch.autograd.grad(
-            linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk), [h, w])
+            linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk, strategy=strategy),
+            [h, w])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     peak = torch.cuda.max_memory_allocated() - base
-    bound = tokens * hidden * 2 + 2 * vocab * hidden * 2 + chunk * vocab * 2
+    fp32_dw = vocab * hidden * 4
+    bound = tokens * hidden * 2 + max(fp32_dw + chunk * vocab * 2, fp32_dw * 5 // 4)
     assert peak <= bound + 2 * 2**20, (peak, bound)
     assert dw.dtype == torch.bfloat16 and torch.isfinite(dw).all() and torch.isfinite(dh).all()
+
+
+def test_unknown_strategy_is_a_clear_error():
+    pytest.importorskip("triton")
+    from megacpp.kernels.ops.linear_ce.triton import _forward
+
+    h = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(MegaCppError, match="unknown dW strategy"):
+        _forward(h, torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long),
+                 -100, 4, True, True, strategy="fp64")
+
+
+# -- CPU: the Triton interpreter ----------------------------------------------------------------
+def _interpreter_check() -> dict:
+    """float32 halves accumulated over several chunks == one float32 addmm accumulation; the
+    finish scales and casts both halves into one [V, D] tensor and empties the list. Run in a
+    fresh process with TRITON_INTERPRET=1 (float32 output: the interpreter's bf16 cast
+    truncates instead of rounding)."""
+    from megacpp.kernels.ops.linear_ce import triton as lce
+
+    g = torch.Generator().manual_seed(0)
+    errors = {}
+    for vocab in (301, 64, 9, 1):
+        hidden = 24
+        halves = lce._fp32_halves(torch.empty(vocab, hidden))
+        want = torch.zeros(vocab, hidden)
+        for _ in range(3):
+            grad = torch.randn(40, vocab, generator=g).bfloat16()
+            h = torch.randn(40, hidden, generator=g).bfloat16()
+            lce.accumulate_weight_grad_fp32(halves, grad, h)
+            want.addmm_(grad.t().float(), h.float())
+        scale = torch.tensor([0.37])
+        out = lce.finish_weight_grad_fp32(halves, scale, torch.float32)
+        assert out.shape == (vocab, hidden) and not halves and out.is_contiguous()
+        errors[vocab] = _rel(out, want * 0.37)
+    assert max(errors.values()) < 1e-6, errors
+    return errors
+
+
+def test_interpreter_fp32_halves_accumulate_and_finish() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    code = "import test_linear_ce as t; print(t._interpreter_check())"
+    run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
+                         capture_output=True, text=True, timeout=300)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]

@@ -1,6 +1,12 @@
-"""GPU: our fast backends against the float64 reference, forward and backward, fresh inputs."""
+"""GPU: our fast backends against the float64 reference, forward and backward, fresh inputs.
+CPU: the RMSNorm kernels under the Triton interpreter."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +14,8 @@ import torch
 from megacpp.kernels.check import check_backend
 from megacpp.kernels.registry import default_catalog
 
-pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+gpu = pytest.mark.gpu
 
 CASES = [
     ("rmsnorm", "triton_fused", "float32"),
@@ -19,6 +26,7 @@ CASES = [
 ]
 
 
+@gpu
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize(("surface", "backend", "dtype"), CASES)
 def test_backend_matches_reference(surface: str, backend: str, dtype: str, seed: int) -> None:
@@ -29,6 +37,7 @@ def test_backend_matches_reference(surface: str, backend: str, dtype: str, seed:
     assert result.passed, result.errors
 
 
+@gpu
 def test_linear_ce_dw_against_fp32_at_lm_head_scale() -> None:
     """A vocab that needs several chunks and several column blocks per row; dW vs fp32."""
     from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
@@ -50,6 +59,7 @@ def test_linear_ce_dw_against_fp32_at_lm_head_scale() -> None:
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
+@gpu
 def test_model_auto_mode_matches_reference_mode() -> None:
     """The wired model: MEGACPP_KERNELS=auto on a GPU gives the reference's loss and grads."""
     from megacpp.kernels.runtime import chosen_kernels, kernel_mode_override
@@ -73,3 +83,42 @@ def test_model_auto_mode_matches_reference_mode() -> None:
     assert abs(loss - ref_loss) / ref_loss < 1e-2
     for g, r in zip(grads, ref_grads):
         assert ((g - r).norm() / r.norm()).item() < 5e-2
+
+
+# -- CPU: the RMSNorm kernels under the Triton interpreter -----------------------------------
+def _rmsnorm_interpreter_check() -> dict:
+    """Forward and backward (x, weight, residual) vs the reference in float32: row counts
+    that leave partial forward / backward tiles, a width that is not a power of two, with and
+    without the residual. Run in a fresh process with TRITON_INTERPRET=1."""
+    from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+    from megacpp.kernels.ops.rmsnorm.triton import rmsnorm_triton
+
+    g = torch.Generator().manual_seed(0)
+    errors = {}
+    for tokens, dim, residual in ((67, 384, True), (5, 100, False), (9, 1000, True)):
+        x = torch.randn(tokens, dim, generator=g)
+        r = torch.randn(tokens, dim, generator=g) if residual else None
+        w = 1 + 0.1 * torch.randn(dim, generator=g)
+        cot = [torch.randn(tokens, dim, generator=g) for _ in range(2)]
+        got = []
+        for fn in (rmsnorm_triton, rmsnorm_reference):
+            leaves = [t.clone().requires_grad_() for t in (x, w) + ((r,) if residual else ())]
+            y, h = fn(leaves[0], leaves[1], leaves[2] if residual else None)
+            loss = (y * cot[0]).sum() + ((h * cot[1]).sum() if residual else 0)
+            got.append([y, h, *torch.autograd.grad(loss, leaves)])
+        for name, a, b in zip(("y", "h", "dx", "dw", "dres"), *got):
+            errors[f"{tokens}x{dim}/{name}"] = float((a - b).norm() / b.norm())
+    assert max(errors.values()) < 1e-5, errors
+    return errors
+
+
+def test_rmsnorm_interpreter_matches_reference() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    code = "import test_ops_triton as t; print(t._rmsnorm_interpreter_check())"
+    run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
+                         capture_output=True, text=True, timeout=300)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]

@@ -201,17 +201,20 @@ def _surfaces() -> list[Surface]:
             "h = x + residual (fp32 sum), y = h * rsqrt(mean(h^2) + eps) * weight; "
             "saves h, weight, rstd [T] fp32",
             rmsnorm_reference, _rmsnorm_inputs,
-            {"check": {"tokens": 67, "dim": 384}, "bench": {"tokens": 16384, "dim": 1024}},
+            # bench: 262144 rows (4 GiB moved); at 16384 rows the ~0.1 ms of kernels hide
+            # under ~0.8 ms of host launch time and every backend measures the host
+            {"check": {"tokens": 67, "dim": 384}, "bench": {"tokens": 262144, "dim": 1024}},
             ("x", "residual", "weight"), None, _rmsnorm_bytes,
         ),
         Surface(
             "linear_cross_entropy",
             "h [T, D], weight [V, D] (same dtype), labels [T] int64 (-100 ignored) -> mean loss "
-            "fp32 scalar; fused backend never holds [T, V] logits (one token chunk of <= 96 MiB "
-            "at a time), computes the grads in forward with fp32 sums (dW as an exact fp32 "
-            "accumulator split in two 16-bit [V, D] planes, the top one rounded in place into "
-            "the returned dW: no fp32 dW copy, no cast copy); keeps dh + planes for backward, "
-            "which scales them in place (a second backward is an error)",
+            "fp32 scalar; fused backend never holds [T, V] logits (one token chunk of <= 128 MiB "
+            "at a time), computes the grads in forward with fp32 sums (dW accumulated by cuBLAS "
+            "addmm into an fp32 [V, D] held as two row halves; backward casts the first half "
+            "into a temporary and frees it before allocating the result: never fp32 dW + a full "
+            "cast copy); keeps dh + the fp32 dW for backward, which scales them in place (a "
+            "second backward is an error)",
             linear_cross_entropy_reference, _linear_ce_inputs,
             {"check": {"tokens": 300, "hidden": 64, "vocab": 1000},
              "bench": {"tokens": 16384, "hidden": 1024, "vocab": 65536}},

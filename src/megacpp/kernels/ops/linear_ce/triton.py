@@ -1,5 +1,5 @@
-"""Fused linear cross-entropy: the [T, V] logits are never materialised, and the weight
-gradient is accumulated in float32 without ever holding a float32 [V, D] tensor.
+"""Fused linear cross-entropy: the [T, V] logits are never materialised, every sum is float32,
+and the float32 weight gradient never coexists with its full-size cast copy.
 
 Tokens are processed in chunks of ``chunk_tokens`` rows. Per chunk:
 
@@ -7,17 +7,22 @@ Tokens are processed in chunks of ``chunk_tokens`` rows. Per chunk:
 2. :func:`_ce_rows`: per row, online max / sum-exp over V in float32 -> lse and the loss; a
    second sweep writes ``(softmax - onehot) / n_kept`` over the logits in place [C, V]
 3. ``dh_c = G @ W`` (cuBLAS) [C, D]
-4. :func:`_dw_accumulate`: ``dW += G^T @ h_c`` as a Triton GEMM whose epilogue adds the tile
-   to a float32 accumulator kept as two 16-bit planes [V, D]: ``hi`` (the top half of each
-   float32's bits -- exactly a bfloat16) and ``lo`` (the bottom half). The sum is an exact
-   float32 accumulation (the same bits an fp32 ``addmm`` would give), in the same 4 bytes per
-   element, but the ``hi`` plane is already the [V, D] gradient's storage: backward rounds
-   ``grad_output * (hi, lo)`` into it in place and frees ``lo``, so no separate float32 dW and
-   no cast copy ever coexist with the result.
+4. ``dW += G^T @ h_c`` in float32, one of two ways (``strategy``):
+
+   * ``"addmm"`` (default on CUDA): cuBLAS ``addmm(..., out_dtype=float32)`` into a float32
+     accumulator held as two row halves [V/2, D] (float32 accumulation inside the GEMM, the
+     accumulator read and written once per chunk by the GEMM's epilogue). Backward scales and
+     rounds the first half into a temporary, frees it, then writes the [V, D] result: the
+     float32 halves and a full cast copy never coexist (peak = 1.25 x the float32 dW).
+   * ``"planes"``: a Triton GEMM whose epilogue adds the tile to a float32 accumulator kept as
+     two 16-bit planes [V, D]: ``hi`` (the top half of each float32's bits -- exactly a
+     bfloat16) and ``lo`` (the bottom half); backward rounds ``grad_output * (hi, lo)`` into
+     ``hi`` in place. Same 4 bytes per element, no cast copy at all, but its GEMM runs slower
+     than cuBLAS (kept for the probe and for reference).
 
 The loss sums in float32. Gradients are computed in the forward (the loss is a scalar, so
 backward only scales them by ``grad_output``, in place). Peak extra memory: dh [T, D] + the
-two planes (2 x V x D x 2 bytes) + one chunk of logits (C x V operand-dtype elements).
+float32 dW (V x D x 4 bytes) + one chunk of logits (C x V operand-dtype elements).
 Under ``no_grad`` (or when neither input needs a gradient) only the loss is computed.
 """
 
@@ -32,7 +37,9 @@ from megacpp.errors import MegaCppError
 from megacpp.kernels.amp import autocast_operands
 from megacpp.kernels.ops.linear_ce.reference import IGNORE_INDEX
 
-DEFAULT_CHUNK_BYTES = 96 * 2**20  # one chunk of logits at most this big
+DEFAULT_CHUNK_BYTES = 128 * 2**20  # one chunk of logits at most this big (H100 sweep: notes)
+DEFAULT_STRATEGY = "addmm"  # the dW accumulation (see the module docstring)
+STRATEGIES = ("addmm", "planes")
 LOG2E = tl.constexpr(1.4426950408889634)
 # dW tile config; "tma" (tensor-descriptor tiles, 151 registers, no spills) where the strides
 # allow it, else the pointer kernel (it spills in the epilogue: a fallback for odd shapes)
@@ -140,6 +147,15 @@ def _scale_inplace(X, SCALE, n, BLOCK: tl.constexpr):
     tl.store(X + offs, x.to(X.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_cast(SRC, OUT, SCALE, n, BLOCK: tl.constexpr):
+    """OUT (any float dtype, contiguous) <- round(scale * SRC) for a float32 SRC."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(SRC + offs, mask=mask, other=0.0) * tl.load(SCALE)
+    tl.store(OUT + offs, x.to(OUT.dtype.element_ty), mask=mask)
+
+
 def _ce_programs(n_rows: int, device: torch.device, programs: int | None) -> int:
     if programs is not None:
         return max(1, min(n_rows, programs))
@@ -195,21 +211,72 @@ def _scale_(x: Tensor, scale: Tensor) -> Tensor:
     return x
 
 
+def _fp32_halves(weight: Tensor) -> list[Tensor]:
+    """Zeroed float32 accumulator for dW as two separate row halves [V/2, D] (two allocations,
+    so backward can free the first before the result is allocated)."""
+    vocab = weight.shape[0]
+    split = min(vocab, ((vocab + 1) // 2 + 7) // 8 * 8)  # 16-byte aligned second half
+    return [torch.zeros(rows, weight.shape[1], device=weight.device, dtype=torch.float32)
+            for rows in (split, vocab - split) if rows > 0]
+
+
+def accumulate_weight_grad_fp32(halves: list[Tensor], grad_logits: Tensor, h_chunk: Tensor
+                                ) -> None:
+    """float32 halves [V_i, D] += grad_logits[:, V_i]^T @ h_chunk (float32 accumulation)."""
+    start = 0
+    for acc in halves:
+        g = grad_logits[:, start:start + acc.shape[0]].t()  # [V_i, C], column-major view
+        if acc.is_cuda:
+            torch.addmm(acc, g, h_chunk, out_dtype=torch.float32, out=acc)
+        else:  # CPU (the interpreter tests): no mixed-dtype addmm there
+            acc.addmm_(g.float(), h_chunk.float())
+        start += acc.shape[0]
+
+
+def _scale_cast_into(src: Tensor, out: Tensor, scale: Tensor) -> None:
+    block = 4096
+    _scale_cast[(triton.cdiv(src.numel(), block),)](src, out, scale, src.numel(), BLOCK=block)
+
+
+def finish_weight_grad_fp32(halves: list[Tensor], scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """round(scale * float32 dW) as one [V, D] ``dtype`` tensor; empties ``halves``. The first
+    half is cast into a temporary and freed before the result is allocated (peak: the float32
+    dW + a quarter of it, never float32 + a full cast copy)."""
+    first = halves.pop(0)
+    rows, hidden = first.shape
+    tmp = torch.empty(first.shape, device=first.device, dtype=dtype)
+    _scale_cast_into(first, tmp, scale)
+    del first
+    out = torch.empty(rows + sum(a.shape[0] for a in halves), hidden, device=tmp.device,
+                      dtype=dtype)
+    out[:rows].copy_(tmp)
+    del tmp
+    if halves:
+        _scale_cast_into(halves.pop(0), out[rows:], scale)
+    return out
+
+
 def _forward(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int,
              need_dh: bool, need_dw: bool, dw_config: dict | None = None,
-             ce_programs: int | None = None) -> tuple[Tensor, Tensor | None, tuple | None]:
-    """loss (float32 scalar), dh [T, D] (h.dtype) and the (hi, lo) dW planes of the mean
-    loss (None where not needed)."""
+             ce_programs: int | None = None, strategy: str = DEFAULT_STRATEGY,
+             ) -> tuple[Tensor, Tensor | None, tuple | list | None]:
+    """loss (float32 scalar), dh [T, D] (h.dtype) and the dW accumulator of the mean loss
+    (``strategy`` "addmm": float32 halves; "planes": the (hi, lo) planes; None if not needed)."""
+    if strategy not in STRATEGIES:
+        raise MegaCppError(f"fused linear cross-entropy: unknown dW strategy {strategy!r}; "
+                           f"known: {STRATEGIES}")
     n_tokens, vocab = h.shape[0], weight.shape[0]
     n_kept = (labels != ignore_index).sum()
     inv_n = 1.0 / n_kept.clamp(min=1).to(torch.float32)  # stays on device: no host sync
     losses = torch.empty(n_tokens, device=h.device, dtype=torch.float32)
     need_grad = need_dh or need_dw
     dh = torch.empty_like(h) if need_dh else None
-    planes = None
-    if need_dw:
-        planes = tuple(torch.zeros(weight.shape, device=h.device, dtype=torch.int16)
-                       for _ in range(2))
+    acc = None
+    if need_dw and strategy == "addmm":
+        acc = _fp32_halves(weight)
+    elif need_dw:
+        acc = tuple(torch.zeros(weight.shape, device=h.device, dtype=torch.int16)
+                    for _ in range(2))
     block = min(triton.next_power_of_2(vocab), 4096)
     for start in range(0, n_tokens, chunk_tokens):
         rows = slice(start, min(start + chunk_tokens, n_tokens))
@@ -221,20 +288,22 @@ def _forward(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk
             n_cols=vocab, BLOCK=block, WRITE_GRAD=need_grad, num_warps=16)
         if need_dh:
             torch.mm(logits, weight, out=dh[rows])
-        if need_dw:
-            accumulate_weight_grad(*planes, logits, h_chunk, dw_config)
+        if need_dw and strategy == "addmm":
+            accumulate_weight_grad_fp32(acc, logits, h_chunk)
+        elif need_dw:
+            accumulate_weight_grad(*acc, logits, h_chunk, dw_config)
         del logits
-    return losses.sum() * inv_n, dh, planes
+    return losses.sum() * inv_n, dh, acc
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
-                chunk_tokens: int, need_dh: bool, need_dw: bool) -> Tensor:
-        loss, dh, planes = _forward(h, weight, labels, ignore_index, chunk_tokens, need_dh,
-                                    need_dw)
+                chunk_tokens: int, need_dh: bool, need_dw: bool, strategy: str) -> Tensor:
+        loss, dh, acc = _forward(h, weight, labels, ignore_index, chunk_tokens, need_dh,
+                                 need_dw, strategy=strategy)
         # kept on ctx, not saved: backward scales them in place and hands them out
-        ctx.grads = (dh, planes)
+        ctx.grads = (dh, acc)
         ctx.weight_dtype = weight.dtype
         return loss
 
@@ -243,12 +312,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if ctx.grads is None:
             raise MegaCppError("fused linear cross-entropy: backward ran twice on one forward "
                                "(retain_graph is not supported: the gradients are handed out)")
-        (dh, planes), ctx.grads = ctx.grads, None
+        (dh, acc), ctx.grads = ctx.grads, None
         scale = grad_loss.detach().to(torch.float32).reshape(1)
         if dh is not None:
             dh = _scale_(dh, scale)
-        dw = finish_weight_grad(*planes, scale, ctx.weight_dtype) if planes else None
-        return dh, dw, None, None, None, None, None
+        dw = None
+        if isinstance(acc, list):
+            dw = finish_weight_grad_fp32(acc, scale, ctx.weight_dtype)
+        elif acc is not None:
+            dw = finish_weight_grad(*acc, scale, ctx.weight_dtype)
+        return dh, dw, None, None, None, None, None, None
 
 
 def default_chunk_tokens(vocab: int, element_size: int) -> int:
@@ -258,10 +331,11 @@ def default_chunk_tokens(vocab: int, element_size: int) -> int:
 
 def linear_cross_entropy_triton(
     h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX,
-    chunk_tokens: int | None = None,
+    chunk_tokens: int | None = None, strategy: str = DEFAULT_STRATEGY,
 ) -> Tensor:
     """Same contract as the reference: h [T, D], weight [V, D], labels [T] -> mean loss
-    (float32 scalar). ``chunk_tokens`` defaults to the rows whose logits fit 96 MiB.
+    (float32 scalar). ``chunk_tokens`` defaults to the rows whose logits fit 128 MiB;
+    ``strategy`` picks the float32 dW accumulation ("addmm" or "planes", module docstring).
     Under autocast, float32 h / weight run in the autocast dtype (as the reference's
     ``h @ W.T`` does)."""
     h, weight = autocast_operands(h, weight)
@@ -273,4 +347,4 @@ def linear_cross_entropy_triton(
     grad = torch.is_grad_enabled()
     return _FusedLinearCrossEntropy.apply(
         h.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, chunk_tokens,
-        grad and h.requires_grad, grad and weight.requires_grad)
+        grad and h.requires_grad, grad and weight.requires_grad, strategy)

@@ -1,7 +1,7 @@
 """Fused RMSNorm (+ residual add) in Triton, forward and backward.
 
-Forward: one program per row block reads x (and residual) once, writes y and h = x + residual,
-and saves rstd [T] (float32). Backward recomputes h_hat from the saved h and rstd:
+Forward: one program per block of FWD_ROWS rows reads x (and residual) once, writes y and
+h = x + residual, and saves rstd [T] (float32). Backward recomputes h_hat from the saved h and rstd:
 
     dh = rstd * (dy*w - h_hat * mean(dy*w*h_hat)) + dh_out        (dh_out: grad of h output)
     dw = sum_rows dy * h_hat     (per-program float32 partials, summed once at the end)
@@ -18,43 +18,54 @@ from torch import Tensor
 
 
 @triton.jit
-def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_rows, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """ROWS rows per program as one [ROWS, BLOCK] tile."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    h = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        h += tl.load(R + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(H + row * n_cols + cols, h.to(H.dtype.element_ty), mask=mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * n_cols + cols, (h * rstd * w).to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+        h += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / n_cols + eps)  # [ROWS]
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (h * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
 
 
 @triton.jit
 def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DW_PARTIAL, n_rows, n_cols, ROWS: tl.constexpr,
-                 HAS_DH_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_DH_OUT: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [pid * ROWS, (pid + 1) * ROWS) in [TILE, BLOCK] tiles; one float32 dw partial."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(ROWS):
-        row = pid * ROWS + i
-        live = mask & (row < n_rows)  # the last program may run past the end
-        h = tl.load(H + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=row < n_rows, other=0.0)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((TILE, BLOCK), dtype=tl.float32)
+    first = pid * ROWS
+    for i in range(0, ROWS, TILE):
+        rows = first + i + tl.arange(0, TILE)
+        row_ok = (rows < n_rows) & (rows < first + ROWS)
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         h_hat = h * rstd
-        dyw = dy * w
-        dh = rstd * (dyw - h_hat * (tl.sum(dyw * h_hat, axis=0) / n_cols))
+        dyw = dy * w[None, :]
+        dh = rstd * (dyw - h_hat * (tl.sum(dyw * h_hat, axis=1) / n_cols)[:, None])
         if HAS_DH_OUT:
-            dh += tl.load(DH_OUT + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
-        tl.store(DH + row * n_cols + cols, dh.to(DH.dtype.element_ty), mask=live)
+            dh += tl.load(DH_OUT + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DH + offs, dh.to(DH.dtype.element_ty), mask=mask)
         dw += dy * h_hat
-    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_ok)
+
+
+# launch shape (the probe's sweep picks these): rows per forward program, rows per backward
+# tile, backward programs per SM
+FWD_ROWS, BWD_TILE, BWD_PROGRAMS_PER_SM = 2, 2, 8  # H100 sweep, moe_ce_notes.md
 
 
 def _block(n_cols: int) -> tuple[int, int]:
@@ -62,11 +73,16 @@ def _block(n_cols: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)  # BLOCK, num_warps
 
 
+def _tile_rows(rows: int, block: int) -> int:
+    """Rows per tile, capped so one fp32 tile stays <= 8192 elements (registers)."""
+    return max(1, min(rows, 8192 // block))
+
+
 def _max_programs(device: torch.device) -> int:
-    """Backward grid: 4 programs per SM (each sums its rows' dw partial in registers)."""
+    """Backward grid: BWD_PROGRAMS_PER_SM programs per SM (each sums its rows' dw partial)."""
     if device.type != "cuda":
         return 8  # the Triton interpreter (CPU) -- correctness runs only
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -81,8 +97,10 @@ class _FusedRMSNorm(torch.autograd.Function):
         h = torch.empty_like(x2) if has_residual else x2  # no residual: h is x itself
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         block, warps = _block(n_cols)
-        _rmsnorm_fwd[(n_rows,)](x2, r2, weight, y, h, rstd, n_cols, eps,
-                                HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=warps)
+        rows = _tile_rows(FWD_ROWS, block)
+        _rmsnorm_fwd[(triton.cdiv(n_rows, rows),)](
+            x2, r2, weight, y, h, rstd, n_rows, n_cols, eps, HAS_RESIDUAL=has_residual,
+            ROWS=rows, BLOCK=block, num_warps=warps)
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_residual, ctx.shape = has_residual, shape
         return (y.view(shape), h.view(shape)) if has_residual else y.view(shape)
@@ -101,7 +119,8 @@ class _FusedRMSNorm(torch.autograd.Function):
         dw_partial = torch.empty(n_programs, n_cols, device=h.device, dtype=torch.float32)
         block, warps = _block(n_cols)
         _rmsnorm_bwd[(n_programs,)](dy2, dh_out2, h, weight, rstd, dh, dw_partial, n_rows, n_cols,
-                                    ROWS=rows_per_program, HAS_DH_OUT=has_dh_out, BLOCK=block,
+                                    ROWS=rows_per_program, HAS_DH_OUT=has_dh_out,
+                                    TILE=_tile_rows(BWD_TILE, block), BLOCK=block,
                                     num_warps=warps)
         dw = dw_partial.sum(0).to(weight.dtype)
         dh = dh.view(ctx.shape)
