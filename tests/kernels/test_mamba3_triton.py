@@ -93,8 +93,9 @@ def compare(scan, inputs, reset, chunk_size, tol) -> dict[str, float]:
 
 
 # -- CPU: the Triton interpreter ---------------------------------------------------------------
-def _interpreter_check() -> list[dict[str, float]]:
-    """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported)."""
+def _interpreter_check(path: str = "seq") -> list[dict[str, float]]:
+    """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
+    ``path``: the forward kernels to run ("seq" fused sequential, "chunked")."""
     import numpy as np
     import triton.runtime.interpreter as interp
 
@@ -105,8 +106,9 @@ def _interpreter_check() -> list[dict[str, float]]:
         scope.set_attr(tensor, "__index__", lambda self: int(np.ravel(self.handle.data)[0]))
 
     interp._patch_lang_tensor = patch
-    from megacpp.kernels.ops.mamba3_scan.triton import mamba3_scan_triton
+    from megacpp.kernels.ops.mamba3_scan.triton import TUNING, mamba3_scan_triton
 
+    TUNING["fwd"] = path
     # 3 chunks of 16 (the last one partial), packed documents, 2 heads per q/k group,
     # odd d_state / headdim / rotated pairs (strided pair loads)
     inputs, reset = make_inputs(batch=2, seqlen=45, groups=1, nheads=2, d_state=10, headdim=12,
@@ -115,15 +117,20 @@ def _interpreter_check() -> list[dict[str, float]]:
     # d_state filling the pair tile (one contiguous q/k load, split in two)
     inputs, reset = make_inputs(batch=1, seqlen=20, groups=1, nheads=2, d_state=32, headdim=16,
                                 n_angles=5, dtype=torch.float32, device="cpu", seed=1)
-    return [errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
+    errors = [errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
+    # 2 q/k groups of 2 heads, 3 chunks of 32 (dq, dk summed over a group's heads)
+    inputs, reset = make_inputs(batch=2, seqlen=70, groups=2, nheads=4, d_state=12, headdim=8,
+                                n_angles=2, dtype=torch.float32, device="cpu", seed=3)
+    return [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
 
 
-def test_interpreter_matches_reference() -> None:
+@pytest.mark.parametrize("path", ["seq", "chunked"])
+def test_interpreter_matches_reference(path: str) -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
                                           os.environ.get("PYTHONPATH", "")])}
-    code = "import test_mamba3_triton as t; print(t._interpreter_check())"
+    code = f"import test_mamba3_triton as t; print(t._interpreter_check({path!r}))"
     run = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
                          timeout=300)
     print(run.stdout)
@@ -131,6 +138,17 @@ def test_interpreter_matches_reference() -> None:
 
 
 # -- GPU -------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _kernel_path_from_env(monkeypatch):
+    """MAMBA3_TEST_FWD ("seq" or "chunked") runs the GPU tests on a forward path other than
+    the default (a dev sweep's check of a candidate TUNING)."""
+    path = os.environ.get("MAMBA3_TEST_FWD")
+    if path:
+        from megacpp.kernels.ops.mamba3_scan import triton as kernels
+
+        monkeypatch.setitem(kernels.TUNING, "fwd", path)
+
+
 def _gpu_scan():
     from megacpp.kernels.ops.mamba3_scan.triton import mamba3_scan_triton
 
@@ -157,6 +175,17 @@ def test_gpu_matches_reference(case) -> None:
                                 with_reset=with_reset)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     print(case, compare(_gpu_scan(), inputs, reset, chunk, tol))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["seq", "chunked"])
+def test_gpu_both_paths_at_the_model_shape(path: str, monkeypatch) -> None:
+    """Both forward paths (fused sequential and chunk-parallel) stay correct on the GPU."""
+    from megacpp.kernels.ops.mamba3_scan import triton as kernels
+
+    monkeypatch.setitem(kernels.TUNING, "fwd", path)
+    inputs, reset = make_inputs(2, 300, 2, 8, 128, 64, 32, torch.bfloat16, "cuda", 11)
+    print(path, compare(kernels.mamba3_scan_triton, inputs, reset, 64, 1e-2))
 
 
 @pytest.mark.gpu

@@ -32,6 +32,11 @@ Kernels (grid):
                                          bias grads, and the adt / dt / trap / angles grads
 Saved for backward: the inputs and S_in [B, H, C, P, N] (bf16; float32 for float32 ``v``).
 Backward scratch: G (as S_in), do [B, L, H, P], d(q.k) [B, H, C, T, T], fp32 partials.
+
+A fused sequential forward lives in ``triton_seq.py`` (_fwd_seq: one program per (head, row)
+walking the chunks with the state in registers; it saves the same S_in), chosen by
+``TUNING["fwd"] = "seq"``. The default is still the two-kernel forward above; the H100 sweep
+that compared them is in benchmarks/results/kernels/mamba3_h100_s2.log.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ TUNING = {
         "bwd_dstate": {"num_warps": 4, "num_stages": 1},
         "bwd_intra": {"num_warps": 8, "num_stages": 1},
         "bwd_qk": {"num_warps": 8, "num_stages": 1},
+        "fwd_seq": {"num_warps": 4, "num_stages": 1},
     },
+    "fwd": "chunked",  # "chunked": _fwd_state + _fwd_out; "seq": triton_seq._fwd_seq
     "state_bp": 64,
     "main_heads": 8,
     "max_chunk": 32,
@@ -642,6 +649,8 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
     per_group = H // G
     HB = max(d for d in range(1, min(per_group, TUNING["main_heads"]) + 1) if per_group % d == 0)
     T = min(chunk_size, TUNING["max_chunk"])  # any chunking computes the same function
+    if v.dtype == torch.float32:
+        T = min(T, 32)  # float32 operands of 64-token chunks overflow shared memory
     return _Geometry(B, L, H, G, P, N, R, T, triton.cdiv(L, T), BP, N2B, BPS,
                      triton.cdiv(P, BPS), HB)
 
@@ -687,11 +696,108 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
     return Mamba3ScanState(angle, ssm, _rotate(k_last, angle), v[:, L - 1].float())
 
 
+def _forward_chunked(geo: _Geometry, args: tuple, st: dict, y: Tensor, s_in: Tensor,
+                     s_fin: Tensor, phi: Tensor, dot, fast: bool) -> None:
+    """_fwd_state then _fwd_out (the chunk-parallel forward)."""
+    q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
+    B, L, H, G, P, N, R, T, NC = geo[:9]
+    _fwd_state[(geo.NPT, H, B)](
+        k, v, adt, dt, trap, angles, k_bias, rst, s_in, s_fin, phi,
+        *st["k"], *st["v"], *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["kb"],
+        L, H, G, NC, P, N, R, T=T, BP=geo.BPS, N2B=geo.N2B,
+        HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k), **_launch("fwd_state"))
+    _fwd_out[(H, NC, B)](
+        q, k, v, z, y, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in,
+        *st["q"], *st["k"], *st["v"], *st["z"], *st["adt"], *st["dt"], *st["trap"],
+        *st["ang"], *st["qb"], *st["kb"],
+        L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
+        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
+        **_launch("fwd_out"))
+
+
+def _forward_seq(geo: _Geometry, args: tuple, st: dict, y: Tensor, s_in: Tensor,
+                 s_fin: Tensor, phi: Tensor, dot, fast: bool) -> None:
+    """One fused sequential kernel per (head, row): triton_seq._fwd_seq."""
+    from megacpp.kernels.ops.mamba3_scan.triton_seq import _fwd_seq
+
+    q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
+    B, L, H, G, P, N, R, T, NC = geo[:9]
+    _fwd_seq[(H, B)](
+        q, k, v, z, y, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in, s_fin, phi,
+        *st["q"], *st["k"], *st["v"], *st["z"], *st["adt"], *st["dt"], *st["trap"],
+        *st["ang"], *st["qb"], *st["kb"],
+        L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
+        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast,
+        PAIRED=_paired(geo, q, k), **_launch("fwd_seq"))
+
+
+def _backward_chunked(geo: _Geometry, args: tuple, st: dict, dy: Tensor, s_in: Tensor, dot,
+                      fast: bool) -> tuple:
+    """_bwd_dstate, _bwd_intra, _bwd_qk (the chunk-parallel backward); the input grads."""
+    q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
+    B, L, H, G, P, N, R, T, NC = geo[:9]
+    dev = v.device
+    g_st = torch.empty_like(s_in)
+    bnd = torch.zeros(B, H, NC, geo.NPT, device=dev, dtype=torch.float32)
+    _bwd_dstate[(geo.NPT, H, B)](
+        q, k, v, z, dy, adt, dt, trap, angles, q_bias, k_bias, rst, g_st, bnd,
+        *st["q"], *st["k"], *st["v"], *st["z"], *dy.stride(), *st["adt"], *st["dt"],
+        *st["trap"], *st["ang"], *st["qb"], *st["kb"],
+        L, H, G, NC, geo.NPT, P, N, R, T=T, BP=geo.BPS, N2B=geo.N2B,
+        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
+        **_launch("bwd_dstate"))
+
+    state_dtype = s_in.dtype
+    f32 = {"device": dev, "dtype": torch.float32}
+    dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
+    dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
+    do = torch.empty(B, L, H, P, device=dev, dtype=state_dtype)
+    d_qk = torch.empty(B, H, NC, T, T, device=dev, dtype=state_dtype)
+    scal = torch.empty(3, B, L, H, **f32)  # intra parts: d gamma, d scale, d a
+    d_dec = torch.empty(B, H, NC, **f32)
+    d_phi = torch.empty(B, H, NC, geo.N2B, **f32)
+    dd_part = torch.empty(B, H, NC, **f32)
+    _bwd_intra[(H, NC, B)](
+        q, k, v, z, dy, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in, g_st,
+        dv, dz, do, d_qk, scal, d_dec, d_phi, dd_part,
+        *st["q"], *st["k"], *st["v"], *st["z"], *dy.stride(), *st["adt"], *st["dt"],
+        *st["trap"], *st["ang"], *st["qb"], *st["kb"],
+        B, L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
+        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
+        **_launch("bwd_intra"))
+
+    nhb = H // G // geo.HB
+    dq_part = torch.empty(nhb, B, L, G, N, **f32)
+    dk_part = torch.empty(nhb, B, L, G, N, **f32)
+    dqb_part = torch.empty(B, NC, H, N, **f32)
+    dkb_part = torch.empty(B, NC, H, N, **f32)
+    dadt = torch.empty(B, L, H, **f32)
+    ddt = torch.empty(B, L, H, **f32)
+    dtrap = torch.empty(B, L, H, **f32)
+    dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
+    _bwd_qk[(G * nhb, NC, B)](
+        q, k, v, adt, dt, trap, angles, q_bias, k_bias, rst, s_in, g_st, bnd, do, d_qk,
+        scal, d_dec, d_phi, dq_part, dk_part, dqb_part, dkb_part, dadt, ddt, dtrap, dang,
+        *st["q"], *st["k"], *st["v"],
+        *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["qb"], *st["kb"],
+        B, L, H, G, NC, geo.NPT, P, N, R, geo.HB,
+        T=T, BP=geo.BP, N2B=geo.N2B, NPTB=max(2, triton.next_power_of_2(geo.NPT)),
+        HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k), **_launch("bwd_qk"))
+    dq = dq_part.sum(0).to(q.dtype)
+    dk = dk_part.sum(0).to(k.dtype)
+    dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
+    return (dq, dk, dv, dadt.to(adt.dtype), ddt.to(dt.dtype), dtrap.to(trap.dtype),
+            dqb_part.sum((0, 1)).to(q_bias.dtype), dkb_part.sum((0, 1)).to(k_bias.dtype),
+            dang, dD, dz, None, None)
+
+
+
+
 class _Mamba3ScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, reset, chunk_size):
         geo = _geometry(q, v, angles, chunk_size)
-        B, L, H, G, P, N, R, T, NC = geo[:9]
+        B, L, H, P, NC = geo.B, geo.L, geo.H, geo.P, geo.NC
         state_dtype, dot, fast = _precision(v)
         dev = v.device
         s_in = torch.empty(B, H, NC, P, 2, geo.N2B, device=dev, dtype=state_dtype)
@@ -699,19 +805,12 @@ class _Mamba3ScanFn(torch.autograd.Function):
         phi = torch.empty(B, H, NC, geo.N2B, device=dev, dtype=torch.float32)
         rst = reset.to(torch.int8).contiguous() if reset is not None else None
         st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
-        _fwd_state[(geo.NPT, H, B)](
-            k, v, adt, dt, trap, angles, k_bias, rst, s_in, s_fin, phi,
-            *st["k"], *st["v"], *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["kb"],
-            L, H, G, NC, P, N, R, T=T, BP=geo.BPS, N2B=geo.N2B,
-            HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k), **_launch("fwd_state"))
         y = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
-        _fwd_out[(H, NC, B)](
-            q, k, v, z, y, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in,
-            *st["q"], *st["k"], *st["v"], *st["z"], *st["adt"], *st["dt"], *st["trap"],
-            *st["ang"], *st["qb"], *st["kb"],
-            L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
-            HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
-            **_launch("fwd_out"))
+        args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
+        if TUNING["fwd"] == "seq":
+            _forward_seq(geo, args, st, y, s_in, s_fin, phi, dot, fast)
+        else:
+            _forward_chunked(geo, args, st, y, s_in, s_fin, phi, dot, fast)
         final = _final_state(geo, k, v, k_bias, s_fin, phi)
         ctx.save_for_backward(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in)
         ctx.geo = geo
@@ -722,62 +821,10 @@ class _Mamba3ScanFn(torch.autograd.Function):
     def backward(ctx, dy, *_state_grads):
         q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in = ctx.saved_tensors
         geo = ctx.geo
-        B, L, H, G, P, N, R, T, NC = geo[:9]
-        dev = v.device
         _, dot, fast = _precision(v)
         st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
-        g_st = torch.empty_like(s_in)
-        bnd = torch.zeros(B, H, NC, geo.NPT, device=dev, dtype=torch.float32)
-        _bwd_dstate[(geo.NPT, H, B)](
-            q, k, v, z, dy, adt, dt, trap, angles, q_bias, k_bias, rst, g_st, bnd,
-            *st["q"], *st["k"], *st["v"], *st["z"], *dy.stride(), *st["adt"], *st["dt"],
-            *st["trap"], *st["ang"], *st["qb"], *st["kb"],
-            L, H, G, NC, geo.NPT, P, N, R, T=T, BP=geo.BPS, N2B=geo.N2B,
-            HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
-            **_launch("bwd_dstate"))
-
-        state_dtype = s_in.dtype
-        f32 = {"device": dev, "dtype": torch.float32}
-        dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
-        dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
-        do = torch.empty(B, L, H, P, device=dev, dtype=state_dtype)
-        d_qk = torch.empty(B, H, NC, T, T, device=dev, dtype=state_dtype)
-        scal = torch.empty(3, B, L, H, **f32)  # intra parts: d gamma, d scale, d a
-        d_dec = torch.empty(B, H, NC, **f32)
-        d_phi = torch.empty(B, H, NC, geo.N2B, **f32)
-        dd_part = torch.empty(B, H, NC, **f32)
-        _bwd_intra[(H, NC, B)](
-            q, k, v, z, dy, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in, g_st,
-            dv, dz, do, d_qk, scal, d_dec, d_phi, dd_part,
-            *st["q"], *st["k"], *st["v"], *st["z"], *dy.stride(), *st["adt"], *st["dt"],
-            *st["trap"], *st["ang"], *st["qb"], *st["kb"],
-            B, L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
-            HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
-            **_launch("bwd_intra"))
-
-        nhb = H // G // geo.HB
-        dq_part = torch.empty(nhb, B, L, G, N, **f32)
-        dk_part = torch.empty(nhb, B, L, G, N, **f32)
-        dqb_part = torch.empty(B, NC, H, N, **f32)
-        dkb_part = torch.empty(B, NC, H, N, **f32)
-        dadt = torch.empty(B, L, H, **f32)
-        ddt = torch.empty(B, L, H, **f32)
-        dtrap = torch.empty(B, L, H, **f32)
-        dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
-        _bwd_qk[(G * nhb, NC, B)](
-            q, k, v, adt, dt, trap, angles, q_bias, k_bias, rst, s_in, g_st, bnd, do, d_qk,
-            scal, d_dec, d_phi, dq_part, dk_part, dqb_part, dkb_part, dadt, ddt, dtrap, dang,
-            *st["q"], *st["k"], *st["v"],
-            *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["qb"], *st["kb"],
-            B, L, H, G, NC, geo.NPT, P, N, R, geo.HB,
-            T=T, BP=geo.BP, N2B=geo.N2B, NPTB=max(2, triton.next_power_of_2(geo.NPT)),
-            HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k), **_launch("bwd_qk"))
-        dq = dq_part.sum(0).to(q.dtype)
-        dk = dk_part.sum(0).to(k.dtype)
-        dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
-        return (dq, dk, dv, dadt.to(adt.dtype), ddt.to(dt.dtype), dtrap.to(trap.dtype),
-                dqb_part.sum((0, 1)).to(q_bias.dtype), dkb_part.sum((0, 1)).to(k_bias.dtype),
-                dang, dD, dz, None, None)
+        args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
+        return _backward_chunked(geo, args, st, dy, s_in, dot, fast)
 
 
 def mamba3_scan_triton(
