@@ -1,7 +1,14 @@
 """The grouped-GEMM MoE expert path: dispatch plan, elementwise steps, forward and backward
-against the per-expert-loop reference (CPU), and its Triton kernels + sync-freedom (GPU)."""
+against the per-expert-loop reference (CPU), its Triton kernels under the Triton interpreter
+(CPU, float32, a fresh process; skipped without triton, as in CI) and on the GPU, and
+sync-freedom (GPU)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,12 +16,15 @@ import torch.nn.functional as F
 
 from megacpp.kernels.ops.moe.grouped import (
     dispatch_plan,
+    dispatch_plan_torch,
     gather_sum_torch,
     moe_experts_grouped,
     swiglu_weighted_backward_torch,
     swiglu_weighted_torch,
 )
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _inputs(tokens, dim, experts, k, ffn, dtype, device, seed, skip_experts=()):
@@ -42,13 +52,16 @@ def _rel(a, b) -> float:
 
 def test_dispatch_plan_groups_by_expert_and_inverts():
     idx = torch.tensor([[2, 0], [1, 2], [2, 1], [0, 3]])
-    plan = dispatch_plan(idx, n_experts=5)
+    w = torch.rand(4, 2, dtype=torch.float64)
+    plan = dispatch_plan_torch(idx, 5, w)
     flat = idx.reshape(-1)
     assert plan.offs.tolist() == [2, 4, 7, 8, 8]  # expert 4 is empty
     assert plan.offs.dtype == torch.int32
     assert torch.equal(flat[plan.order], flat.sort(stable=True).values)
     assert torch.equal(plan.order[plan.inv.reshape(-1)], torch.arange(8))
     assert torch.equal(plan.token_of, plan.order // 2)
+    assert torch.equal(plan.w_sorted, w.reshape(-1)[plan.order])
+    assert dispatch_plan_torch(idx, 5).w_sorted is None
 
 
 def test_elementwise_steps_match_autograd():
@@ -60,9 +73,11 @@ def test_elementwise_steps_match_autograd():
     expected = F.silu(gate) * up * w[:, None]
     torch.testing.assert_close(swiglu_weighted_torch(gate_up, w), expected)
     want_dgu, want_dw = torch.autograd.grad(expected, [gate_up, w], dh)
-    dgu, dw = swiglu_weighted_backward_torch(gate_up.detach(), w.detach(), dh)
+    order = torch.randperm(7, generator=g)  # sorted row -> (token, choice) slot
+    dgu, dw = swiglu_weighted_backward_torch(gate_up.detach(), w.detach(), dh, order,
+                                             torch.float64)
     torch.testing.assert_close(dgu, want_dgu)
-    torch.testing.assert_close(dw, want_dw)
+    torch.testing.assert_close(dw[order], want_dw)
     src = torch.randn(6, 3, generator=g, dtype=torch.float64)
     inv = torch.tensor([[4, 0], [1, 5], [3, 2]])
     torch.testing.assert_close(gather_sum_torch(src, inv), src[inv].sum(1))
@@ -80,6 +95,64 @@ def test_grouped_matches_reference_forward_and_backward_cpu(skip):
         assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
 
 
+# -- CPU: the Triton kernels under the interpreter ----------------------------------------------
+def _plan_cases():  # (tokens, experts, k, experts that get no token)
+    return ((53, 8, 3, ()), (41, 5, 2, (1, 3)), (300, 256, 2, (0, 7, 255)), (20, 64, 8, ()))
+
+
+def _interpreter_check() -> dict:
+    """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
+    Small blocks so that the plan spans several blocks and the gathers have ragged tails."""
+    from megacpp.kernels.ops.moe import triton as kernels
+
+    kernels.PLAN_BLOCK, kernels.GATHER_ROWS, kernels.GATHER_COLS = 32, 4, 16
+    result = {}
+    for tokens, experts, k, skip in _plan_cases():  # the counting sort == the stable torch sort
+        _, idx, w, _, _ = _inputs(tokens, 8, experts, k, 8, torch.float32, "cpu", tokens, skip)
+        got = dispatch_plan(idx, experts, w)  # takes the Triton plan under the interpreter
+        want = dispatch_plan_torch(idx, experts, w)
+        for name, a, b in zip(got._fields, got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (tokens, experts, name)
+        result[f"plan_t{tokens}_e{experts}"] = "exact"
+    src = torch.randn(30, 37)
+    idx = torch.randint(0, 30, (45,))
+    assert torch.equal(kernels.gather_rows_triton(src, idx), src[idx])  # 45 % 4, 37 % 16 tails
+    for skip in ((), (1, 5)):  # forward and backward of the whole path vs the loop reference
+        x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
+        cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(3))
+        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+        ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot)
+        for name, a, b in zip(("out", "dx", "dw", "dw_in", "dw_out"), got, ref):
+            result[f"skip{len(skip)}/{name}"] = _rel(a, b)
+            assert _rel(a, b) < 1e-5, (skip, name, _rel(a, b))
+        for e in skip:
+            assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
+    return result
+
+
+def test_interpreter_kernels_match_reference() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    code = "import test_moe_grouped as t; print(t._interpreter_check())"
+    run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
+                         capture_output=True, text=True, timeout=300)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_moe_plan_triton_matches_torch_sort():
+    for tokens, experts, k, skip in (*_plan_cases(), (16384, 64, 8, (5,)), (5000, 256, 4, ())):
+        _, idx, w, _, _ = _inputs(tokens, 8, experts, k, 8, torch.float32, "cuda", 1, skip)
+        got = dispatch_plan(idx, experts, w)
+        want = dispatch_plan_torch(idx, experts, w)
+        for name, a, b in zip(got._fields, got, want):
+            assert torch.equal(a, b.to(a.dtype)), (tokens, experts, name)
+
+
 @pytest.mark.gpu
 def test_moe_triton_kernels_match_torch_steps():
     from megacpp.kernels.ops.moe import triton as kernels
@@ -89,14 +162,19 @@ def test_moe_triton_kernels_match_torch_steps():
         gate_up = torch.randn(301, 2 * ffn, generator=g, device="cuda").bfloat16()
         w = torch.rand(301, generator=g, device="cuda")
         dh = torch.randn(301, ffn, generator=g, device="cuda").bfloat16()
+        order = torch.randperm(301, generator=g, device="cuda")
         assert _rel(kernels.swiglu_weighted_triton(gate_up, w),
                     swiglu_weighted_torch(gate_up, w)) < 1e-2
-        dgu, dw = kernels.swiglu_weighted_backward_triton(gate_up, w, dh)
-        want_dgu, want_dw = swiglu_weighted_backward_torch(gate_up, w, dh)
+        dgu, dw = kernels.swiglu_weighted_backward_triton(gate_up, w, dh, order, torch.float32)
+        want_dgu, want_dw = swiglu_weighted_backward_torch(gate_up, w, dh, order, torch.float32)
         assert _rel(dgu, want_dgu) < 1e-2 and _rel(dw, want_dw) < 1e-5
     src = torch.randn(600, 3000, generator=g, device="cuda").bfloat16()
     inv = torch.randperm(600, generator=g, device="cuda").view(200, 3)
     assert _rel(kernels.gather_sum_triton(src, inv), gather_sum_torch(src, inv)) < 1e-2
+    for cols in (1024, 1000, 3000):  # the row gather is a copy: exact, ragged tails included
+        src = torch.randn(700, cols, generator=g, device="cuda").bfloat16()
+        idx = torch.randint(0, 700, (2001,), generator=g, device="cuda")
+        assert torch.equal(kernels.gather_rows_triton(src, idx), src[idx])
 
 
 @pytest.mark.gpu

@@ -57,20 +57,28 @@ def test_linear_ce_kernels_compile_for_hopper():
 def test_moe_kernels_compile_for_hopper():
     from megacpp.kernels.ops.moe import triton as moe
 
-    _compile(moe._plan_kernel, {"ORDER": "*i64", "TOKEN_OF": "*i64", "INV": "*i64", "n": "i32",
-                                "K": "constexpr", "BLOCK": "constexpr"}, {"K": 8, "BLOCK": 1024})
+    plan = {"E_PAD": 64, "BLOCK": 1024, "SUB": 128}
+    _compile(moe._expert_counts_kernel, {"IDS": "*i64", "COUNTS": "*i32", "n": "i32",
+                                         **dict.fromkeys(plan, "constexpr")}, plan, num_warps=4)
+    plan_scatter = {**plan, "K": 8, "RB": 64, "NB_CONST": 0}
+    _compile(moe._plan_scatter_kernel,
+             {"IDS": "*i64", "W": "*fp32", "COUNTS": "*i32", "ORDER": "*i64", "TOKEN_OF": "*i64",
+              "INV": "*i64", "W_SORTED": "*fp32", "OFFS": "*i32", "n": "i32", "n_blocks": "i32",
+              "n_experts": "i32", **dict.fromkeys(plan_scatter, "constexpr")},
+             plan_scatter, num_warps=4)
     _compile(moe._gather_rows_kernel,
              {"SRC": "*bf16", "IDX": "*i64", "OUT": "*bf16", "n_rows": "i32", "n_cols": "i32",
-              "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-             {"BLOCK_R": 4, "BLOCK_C": 1024}, num_warps=4)
+              "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "C_CONST": "constexpr"},
+             {"BLOCK_R": 8, "BLOCK_C": 1024, "C_CONST": 0}, num_warps=4)
     _compile(moe._gather_sum_kernel,
              {"SRC": "*bf16", "INV": "*i64", "OUT": "*bf16", "n_cols": "i32", "K": "constexpr",
               "BLOCK": "constexpr"}, {"K": 8, "BLOCK": 1024}, num_warps=4)
-    rows = {"BLOCK_R": 8, "BLOCK_F": 512}
+    rows = {"BLOCK_R": 8, "BLOCK_F": 512, "F_CONST": 0}
     _compile(moe._swiglu_fwd_kernel,
              {"GU": "*bf16", "W": "*fp32", "H": "*bf16", "n_rows": "i32", "ffn": "i32",
-              "BLOCK_R": "constexpr", "BLOCK_F": "constexpr"}, rows, num_warps=8)
-    _compile(moe._swiglu_bwd_kernel,
-             {"GU": "*bf16", "W": "*fp32", "DH": "*bf16", "DGU": "*bf16", "DW": "*fp32",
-              "n_rows": "i32", "ffn": "i32", "BLOCK_R": "constexpr", "BLOCK_F": "constexpr"},
+              "BLOCK_R": "constexpr", "BLOCK_F": "constexpr", "F_CONST": "constexpr"},
              rows, num_warps=8)
+    _compile(moe._swiglu_bwd_kernel,
+             {"GU": "*bf16", "W": "*fp32", "DH": "*bf16", "ORDER": "*i64", "DGU": "*bf16",
+              "DW": "*fp32", "n_rows": "i32", "ffn": "i32", "BLOCK_R": "constexpr",
+              "BLOCK_F": "constexpr", "F_CONST": "constexpr"}, rows, num_warps=8)

@@ -2,7 +2,9 @@
 
 Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
 
-    plan       stable sort of the flat expert ids -> order [N], inverse inv [T, k], offs [E]
+    plan       stable sort of the flat expert ids -> order [N], inverse inv [T, k], offs [E],
+               routing weights in sorted order w_sorted [N] (on CUDA, E <= 256: a two-launch
+               Triton counting sort; else torch.sort + searchsorted)
     permute    x_sorted = x[token_of]                                   [N, D]
     gate|up    grouped GEMM x_sorted @ w_in[e]^T                        [N, 2F]
     SwiGLU     hidden = silu(gate) * up * w     (routing weight folded in here)   [N, F]
@@ -11,8 +13,9 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
 
 Backward: the combine's gradient is a row gather of dout; two grouped GEMMs give d hidden and
 dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass gives d(gate|up)
-and the routing weights' gradient; two more grouped GEMMs give dx_sorted and dw_in; a
-gather-sum unpermutes dx. Saved: x_sorted, gate|up, hidden and the plan.
+and the routing weights' gradient (written to each row's (token, choice) slot); two more
+grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved: x_sorted, gate|up,
+hidden and the plan.
 
 ``torch._grouped_mm(a [N, K], b [E, K, M], offs)`` multiplies each expert's rows by its
 matrix; ``torch._grouped_mm(a [M, N], b [N, K], offs)`` sums each expert's rows into [E, M, K].
@@ -23,6 +26,7 @@ PyTorch functions below (the truth those kernels are tested against). Same contr
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -37,28 +41,41 @@ class DispatchPlan(NamedTuple):
     token_of: Tensor  # [N] int64: sorted row -> token
     inv: Tensor  # [T, k] int64: (token, choice) -> sorted row
     offs: Tensor  # [E] int32: cumulative row count per expert (grouped GEMM group ends)
+    w_sorted: Tensor | None  # [N]: routing weight of each sorted row (detached); None if no weights
 
 
-def dispatch_plan(expert_idx: Tensor, n_experts: int) -> DispatchPlan:
-    """Group the T*k (token, choice) pairs by expert, all on the device (no .item/.tolist).
+def dispatch_plan(expert_idx: Tensor, n_experts: int, weights: Tensor | None = None
+                  ) -> DispatchPlan:
+    """Group the T*k (token, choice) pairs by expert, all on the device (no .item/.tolist);
+    ``weights`` [T, k] (optional) come back in sorted order, detached.
 
-    The sort keys are uint8 when the experts fit (one radix pass instead of eight for int64);
-    the group ends come from a binary search of the sorted keys (no bincount: it syncs)."""
+    On CUDA with at most 256 experts: a Triton counting sort (two launches, see
+    :func:`megacpp.kernels.ops.moe.triton.plan_triton`; its w_sorted is float32). Else a
+    stable torch.sort of uint8/int32 keys and the group ends from a binary search of the
+    sorted keys (no bincount: it syncs)."""
+    if _use_triton(expert_idx.device) and n_experts <= 256:
+        from megacpp.kernels.ops.moe.triton import plan_triton
+
+        if weights is None:
+            weights = torch.ones(expert_idx.shape, device=expert_idx.device)
+        return DispatchPlan(*plan_triton(expert_idx, weights, n_experts))
+    return dispatch_plan_torch(expert_idx, n_experts, weights)
+
+
+def dispatch_plan_torch(expert_idx: Tensor, n_experts: int, weights: Tensor | None = None
+                        ) -> DispatchPlan:
+    """The plan from torch.sort + searchsorted (any E, any device; the Triton plan's truth)."""
     k = expert_idx.shape[1]
     key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
     keys = expert_idx.reshape(-1).to(key_dtype)  # [N]
     sorted_keys, order = torch.sort(keys, stable=True)
     experts = torch.arange(n_experts, device=keys.device, dtype=key_dtype)
     offs = torch.searchsorted(sorted_keys, experts, right=True, out_int32=True)
-    if order.is_cuda:
-        from megacpp.kernels.ops.moe.triton import plan_indices_triton
-
-        token_of, inv = plan_indices_triton(order, k)
-    else:
-        token_of = order // k
-        inv = torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.numel(), device=order.device))
-    return DispatchPlan(order, token_of, inv.view_as(expert_idx), offs)
+    token_of = order // k
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                  device=order.device))
+    w_sorted = None if weights is None else weights.detach().reshape(-1).index_select(0, order)
+    return DispatchPlan(order, token_of, inv.view_as(expert_idx), offs, w_sorted)
 
 
 # -- the plain-PyTorch elementwise steps (CPU path and the Triton kernels' truth) ---------------
@@ -76,9 +93,11 @@ def swiglu_weighted_torch(gate_up: Tensor, w: Tensor) -> Tensor:
     return (F.silu(gate) * up * w.to(compute)[:, None]).to(gate_up.dtype)
 
 
-def swiglu_weighted_backward_torch(gate_up: Tensor, w: Tensor, dh: Tensor
-                                   ) -> tuple[Tensor, Tensor]:
-    """-> d gate_up [N, 2F], dw [N] (float32 or wider) = sum_f dh * silu(gate) * up."""
+def swiglu_weighted_backward_torch(gate_up: Tensor, w: Tensor, dh: Tensor, order: Tensor,
+                                   dw_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """gate_up [N, 2F], w [N], dh [N, F], order [N] (sorted row -> (token, choice) slot)
+    -> d gate_up [N, 2F], dweights [N] in slot order (``dw_dtype``) = sum_f dh * silu(gate) * up
+    (float32 or wider sums)."""
     compute = torch.promote_types(gate_up.dtype, torch.float32)
     gate, up = gate_up.to(compute).chunk(2, dim=-1)
     dh = dh.to(compute)
@@ -87,7 +106,9 @@ def swiglu_weighted_backward_torch(gate_up: Tensor, w: Tensor, dh: Tensor
     dw = (dh * silu * up).sum(-1)
     dact = dh * w.to(compute)[:, None]
     dgate = dact * up * sig * (1 + gate * (1 - sig))
-    return torch.cat([dgate, dact * silu], dim=-1).to(gate_up.dtype), dw
+    dweights = torch.empty(dw.shape, device=dw.device, dtype=dw_dtype)
+    return (torch.cat([dgate, dact * silu], dim=-1).to(gate_up.dtype),
+            dweights.index_copy_(0, order, dw.to(dw_dtype)))
 
 
 def gather_rows_torch(src: Tensor, idx: Tensor) -> Tensor:
@@ -95,49 +116,56 @@ def gather_rows_torch(src: Tensor, idx: Tensor) -> Tensor:
     return src.index_select(0, idx)
 
 
+def _use_triton(device: torch.device) -> bool:
+    """The Triton kernels run on CUDA, and on CPU tensors under the Triton interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _ops(device: torch.device):
     """(gather_rows, gather_sum, swiglu, swiglu_backward) for this device."""
-    if device.type == "cuda":
+    if _use_triton(device):
         from megacpp.kernels.ops.moe import triton as kernels
 
         return (kernels.gather_rows_triton, kernels.gather_sum_triton,
                 kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton)
-    return gather_rows_torch, gather_sum_torch, swiglu_weighted_torch, swiglu_weighted_backward_torch
+    return (gather_rows_torch, gather_sum_torch, swiglu_weighted_torch,
+            swiglu_weighted_backward_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
-                order: Tensor, token_of: Tensor, inv: Tensor, offs: Tensor) -> Tensor:
+                order: Tensor, token_of: Tensor, inv: Tensor, offs: Tensor,
+                w_sorted: Tensor) -> Tensor:
         gather_rows, gather_sum, swiglu, _ = _ops(x.device)
         x_sorted = gather_rows(x, token_of)  # [N, D]
         gate_up = torch._grouped_mm(x_sorted, w_in.transpose(-2, -1), offs=offs)  # [N, 2F]
-        w_sorted = weights.reshape(-1).index_select(0, order)  # [N]
         hidden = swiglu(gate_up, w_sorted)  # [N, F], weight folded in
         y_sorted = torch._grouped_mm(hidden, w_out.transpose(-2, -1), offs=offs)  # [N, D]
-        ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, token_of, inv,
-                              offs)
+        ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, token_of,
+                              inv, offs)
         ctx.weights_dtype = weights.dtype
         return gather_sum(y_sorted, inv)  # [T, D]
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        x_sorted, gate_up, hidden, w_sorted, w_in, w_out, token_of, inv, offs = ctx.saved_tensors
+        (x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, token_of, inv,
+         offs) = ctx.saved_tensors
         gather_rows, gather_sum, _, swiglu_backward = _ops(dout.device)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
         dy_sorted = gather_rows(dout.contiguous(), token_of)  # [N, D]
         dhidden = torch._grouped_mm(dy_sorted, w_out, offs=offs)  # [N, F]
         dw_out = torch._grouped_mm(dy_sorted.t(), hidden, offs=offs) if need_out else None
-        dgate_up, dw_sorted = swiglu_backward(gate_up, w_sorted, dhidden)  # [N, 2F], [N]
-        dx = dw_in = dweights = None
+        dgate_up, dweights = swiglu_backward(gate_up, w_sorted, dhidden, order,
+                                             ctx.weights_dtype)  # [N, 2F], [N] slot order
+        dx = dw_in = None
         if need_x:
             dx_sorted = torch._grouped_mm(dgate_up, w_in, offs=offs)  # [N, D]
             dx = gather_sum(dx_sorted, inv)
         if need_in:
             dw_in = torch._grouped_mm(dgate_up.t(), x_sorted, offs=offs)  # [E, 2F, D]
-        if need_w:
-            dweights = dw_sorted[inv].to(ctx.weights_dtype)  # [T, k]
-        return dx, dweights, dw_in, dw_out, None, None, None, None
+        dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
+        return dx, dweights, dw_in, dw_out, None, None, None, None, None
 
 
 def moe_experts_grouped(
@@ -147,5 +175,5 @@ def moe_experts_grouped(
     Under autocast, float32 x / w_in / w_out run in the autocast dtype, as the reference's
     matmuls do."""
     x, w_in, w_out = autocast_operands(x, w_in, w_out)
-    plan = dispatch_plan(expert_idx, w_in.shape[0])
+    plan = dispatch_plan(expert_idx, w_in.shape[0], weights)
     return _GroupedExperts.apply(x, weights, w_in, w_out, *plan)

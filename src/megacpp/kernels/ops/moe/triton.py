@@ -1,7 +1,10 @@
 """Triton kernels for the memory-bound steps around the grouped expert GEMMs.
 
-* :func:`plan_indices_triton` -- token of each expert-sorted row and the inverse permutation,
-  one pass over the sort order.
+* :func:`plan_triton` -- the dispatch plan as a stable counting sort in two launches (no
+  sort, no searchsorted, no host sync), for up to 256 experts: per-block expert counts, then
+  each block's rows scattered to ``expert start + rows of that expert in earlier blocks +
+  rank in this block``, writing the sort order, token of each sorted row, the inverse
+  permutation, the routing weights in sorted order and the grouped GEMM's group ends.
 * :func:`gather_rows_triton` -- the permute (and the combine's backward): rows of x by token.
 * :func:`gather_sum_triton` -- the combine (and the backward of the permute): each token sums
   its ``k`` rows of the expert-sorted tensor, read through the inverse permutation, in float32.
@@ -9,7 +12,8 @@
 * :func:`swiglu_weighted_triton` -- ``silu(gate) * up * w`` over the grouped GEMM's [N, 2F]
   output, the routing weight folded in before the down projection.
 * :func:`swiglu_weighted_backward_triton` -- d(gate|up) and the routing weight's gradient
-  (a row reduction) in one pass, recomputing the activation from gate|up.
+  (a row reduction, written straight to its (token, choice) slot) in one pass, recomputing
+  the activation from gate|up.
 
 Same contracts as the plain-PyTorch versions in :mod:`megacpp.kernels.ops.moe.grouped`, which
 are the truth these are tested against.
@@ -17,50 +21,132 @@ are the truth these are tested against.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+MAX_PLAN_EXPERTS = 256  # the counting sort keeps one [rows, experts] one-hot tile in registers
+PLAN_BLOCK = 1024  # (token, choice) pairs per program of the two plan kernels
+GATHER_ROWS = 8  # rows per program of the row gather (swept by the probe)
+GATHER_COLS = 1024  # columns per inner step of the row gather
+GATHER_WARPS = 4
+
+
+def _const(n: int) -> int:
+    """A loop bound as a constexpr under the CPU interpreter (whose runtime scalars cannot bound
+    a Python range under numpy 2), else 0: the kernel then loops to the runtime value."""
+    return n if os.environ.get("TRITON_INTERPRET") == "1" else 0
+
 
 @triton.jit
-def _plan_kernel(ORDER, TOKEN_OF, INV, n, K: tl.constexpr, BLOCK: tl.constexpr):
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = p < n
-    pair = tl.load(ORDER + p, mask=mask, other=0)
-    tl.store(TOKEN_OF + p, pair // K, mask=mask)
-    tl.store(INV + pair, p.to(tl.int64), mask=mask)  # the inverse permutation (a scatter)
+def _bound(n, N_CONST: tl.constexpr):
+    if N_CONST > 0:
+        return N_CONST
+    else:
+        return n
 
 
-def plan_indices_triton(order: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """order [N] (sorted row -> pair) -> token_of [N] = order // k, inv [N] = order^-1."""
-    n = order.numel()
-    token_of, inv = torch.empty_like(order), torch.empty_like(order)
-    _plan_kernel[(triton.cdiv(n, 1024),)](order, token_of, inv, n, K=k, BLOCK=1024)
-    return token_of, inv
+# -- dispatch plan: a stable counting sort --------------------------------------------------------
+@triton.jit
+def _expert_counts_kernel(IDS, COUNTS, n, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                          SUB: tl.constexpr):
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    acc = tl.zeros((E_PAD,), tl.int32)
+    for s in range(0, BLOCK, SUB):
+        p = pid * BLOCK + s + tl.arange(0, SUB)
+        e = tl.load(IDS + p, mask=p < n, other=-1).to(tl.int32)  # [SUB]; -1 counts nowhere
+        acc += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(COUNTS + pid * E_PAD + experts, acc)
 
 
+@triton.jit
+def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, TOKEN_OF, INV, W_SORTED, OFFS, n, n_blocks,
+                         n_experts, K: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                         SUB: tl.constexpr, RB: tl.constexpr, NB_CONST: tl.constexpr):
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    total = tl.zeros((E_PAD,), tl.int32)  # rows of each expert, all blocks
+    before = tl.zeros((E_PAD,), tl.int32)  # rows of each expert in blocks before this one
+    for b0 in range(0, _bound(n_blocks, NB_CONST), RB):
+        b = b0 + tl.arange(0, RB)
+        tile = tl.load(COUNTS + b[:, None] * E_PAD + experts[None, :],
+                       mask=(b < n_blocks)[:, None], other=0)  # [RB, E_PAD]
+        total += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where((b < pid)[:, None], tile, 0), axis=0)
+    ends = tl.cumsum(total, axis=0)  # group ends of the grouped GEMM
+    tl.store(OFFS + experts, ends, mask=(experts < n_experts) & (pid == 0))
+    base = ends - total + before  # [E_PAD] first sorted row of this block's rows of each expert
+    for s in range(0, BLOCK, SUB):
+        p = pid * BLOCK + s + tl.arange(0, SUB)
+        e = tl.load(IDS + p, mask=p < n, other=-1).to(tl.int32)  # [SUB]
+        hit = e[:, None] == experts[None, :]  # [SUB, E_PAD] one-hot
+        rank = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive rank within the expert
+        pos = tl.sum(tl.where(hit, base[None, :] + rank - 1, 0), axis=1)  # [SUB] sorted row
+        base += tl.sum(hit.to(tl.int32), axis=0)
+        ok = (p < n) & (e >= 0) & (e < E_PAD)  # an id out of range writes nothing
+        pair = p.to(tl.int64)
+        pos64 = pos.to(tl.int64)
+        tl.store(ORDER + pos64, pair, mask=ok)
+        tl.store(TOKEN_OF + pos64, pair // K, mask=ok)
+        tl.store(INV + pair, pos64, mask=ok)
+        w = tl.load(W + p, mask=ok, other=0.0).to(tl.float32)
+        tl.store(W_SORTED + pos64, w, mask=ok)
+
+
+def plan_triton(expert_idx: Tensor, weights: Tensor, n_experts: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """expert_idx [T, k] (ids in [0, E), E <= 256), weights [T, k] -> order [N], token_of [N],
+    inv [T, k] (int64), offs [E] int32 (group ends), w_sorted [N] float32; N = T * k.
+    Stable: rows of one expert keep their (token, choice) order."""
+    if n_experts > MAX_PLAN_EXPERTS:
+        raise ValueError(f"plan_triton takes at most {MAX_PLAN_EXPERTS} experts, got {n_experts}")
+    n, k = expert_idx.numel(), expert_idx.shape[1]
+    if n >= 2**31:
+        raise ValueError(f"plan_triton needs fewer than 2**31 (token, choice) pairs, got {n}")
+    ids, w = expert_idx.reshape(-1), weights.detach().reshape(-1)
+    ids, w = ids.contiguous(), w.contiguous()
+    e_pad = max(16, triton.next_power_of_2(n_experts))
+    sub = min(PLAN_BLOCK, max(16, 8192 // e_pad))
+    n_blocks = triton.cdiv(n, PLAN_BLOCK)
+    idx64 = torch.empty(3, n, device=ids.device, dtype=torch.int64)  # order, token_of, inv
+    buf32 = torch.empty(n_blocks * e_pad + e_pad, device=ids.device, dtype=torch.int32)
+    counts, offs = buf32[: n_blocks * e_pad], buf32[n_blocks * e_pad:][:n_experts]
+    w_sorted = torch.empty(n, device=ids.device, dtype=torch.float32)
+    _expert_counts_kernel[(n_blocks,)](ids, counts, n, E_PAD=e_pad, BLOCK=PLAN_BLOCK, SUB=sub,
+                                       num_warps=4)
+    _plan_scatter_kernel[(n_blocks,)](
+        ids, w, counts, idx64[0], idx64[1], idx64[2], w_sorted, offs, n, n_blocks, n_experts,
+        K=k, E_PAD=e_pad, BLOCK=PLAN_BLOCK, SUB=sub, RB=max(1, 4096 // e_pad),
+        NB_CONST=_const(n_blocks), num_warps=4)
+    return idx64[0], idx64[1], idx64[2].view(expert_idx.shape), offs, w_sorted
+
+
+# -- row gathers ----------------------------------------------------------------------------------
 @triton.jit
 def _gather_rows_kernel(SRC, IDX, OUT, n_rows, n_cols, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+                        BLOCK_C: tl.constexpr, C_CONST: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < n_rows
-    src_rows = tl.load(IDX + rows, mask=row_ok, other=0).to(tl.int64)
-    mask = row_ok[:, None] & (cols < n_cols)[None, :]
-    vals = tl.load(SRC + src_rows[:, None] * n_cols + cols[None, :], mask=mask)
-    tl.store(OUT + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], vals, mask=mask)
+    src = SRC + tl.load(IDX + rows, mask=row_ok, other=0).to(tl.int64)[:, None] * n_cols
+    dst = OUT + rows.to(tl.int64)[:, None] * n_cols
+    for c0 in range(0, _bound(n_cols, C_CONST), BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)[None, :]
+        mask = row_ok[:, None] & (cols < n_cols)
+        tl.store(dst + cols, tl.load(src + cols, mask=mask), mask=mask)
 
 
 def gather_rows_triton(src: Tensor, idx: Tensor) -> Tensor:
     """src [T, D], idx [N] -> [N, D] = src[idx] (the permute, and the combine's backward)."""
     n_rows, n_cols = idx.numel(), src.shape[1]
     out = torch.empty(n_rows, n_cols, device=src.device, dtype=src.dtype)
-    block_c = min(triton.next_power_of_2(n_cols), 1024)
-    block_r = max(1, 4096 // block_c)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
-    _gather_rows_kernel[grid](src.contiguous(), idx, out, n_rows, n_cols, BLOCK_R=block_r,
-                              BLOCK_C=block_c, num_warps=4)
+    block_c = min(triton.next_power_of_2(n_cols), GATHER_COLS)
+    _gather_rows_kernel[(triton.cdiv(n_rows, GATHER_ROWS),)](
+        src.contiguous(), idx, out, n_rows, n_cols, BLOCK_R=GATHER_ROWS, BLOCK_C=block_c,
+        C_CONST=_const(n_cols), num_warps=GATHER_WARPS)
     return out
 
 
@@ -90,13 +176,14 @@ def gather_sum_triton(src: Tensor, inv: Tensor) -> Tensor:
 
 
 @triton.jit
-def _swiglu_fwd_kernel(GU, W, H, n_rows, ffn, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _swiglu_fwd_kernel(GU, W, H, n_rows, ffn, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+                       F_CONST: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     w = tl.load(W + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     gu_row = GU + rows.to(tl.int64)[:, None] * (2 * ffn)
     h_row = H + rows.to(tl.int64)[:, None] * ffn
-    for start in range(0, ffn, BLOCK_F):
+    for start in range(0, _bound(ffn, F_CONST), BLOCK_F):
         cols = start + tl.arange(0, BLOCK_F)[None, :]
         mask = row_ok[:, None] & (cols < ffn)
         gate = tl.load(gu_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -106,8 +193,8 @@ def _swiglu_fwd_kernel(GU, W, H, n_rows, ffn, BLOCK_R: tl.constexpr, BLOCK_F: tl
 
 
 @triton.jit
-def _swiglu_bwd_kernel(GU, W, DH, DGU, DW, n_rows, ffn, BLOCK_R: tl.constexpr,
-                       BLOCK_F: tl.constexpr):
+def _swiglu_bwd_kernel(GU, W, DH, ORDER, DGU, DW, n_rows, ffn, BLOCK_R: tl.constexpr,
+                       BLOCK_F: tl.constexpr, F_CONST: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     w = tl.load(W + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -115,7 +202,7 @@ def _swiglu_bwd_kernel(GU, W, DH, DGU, DW, n_rows, ffn, BLOCK_R: tl.constexpr,
     dgu_row = DGU + rows.to(tl.int64)[:, None] * (2 * ffn)
     dh_row = DH + rows.to(tl.int64)[:, None] * ffn
     dw = tl.zeros((BLOCK_R,), tl.float32)
-    for start in range(0, ffn, BLOCK_F):
+    for start in range(0, _bound(ffn, F_CONST), BLOCK_F):
         cols = start + tl.arange(0, BLOCK_F)[None, :]
         mask = row_ok[:, None] & (cols < ffn)
         gate = tl.load(gu_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -128,7 +215,8 @@ def _swiglu_bwd_kernel(GU, W, DH, DGU, DW, n_rows, ffn, BLOCK_R: tl.constexpr,
         dgate = dact * up * sig * (1.0 + gate * (1.0 - sig))
         tl.store(dgu_row + cols, dgate.to(DGU.dtype.element_ty), mask=mask)
         tl.store(dgu_row + ffn + cols, (dact * silu).to(DGU.dtype.element_ty), mask=mask)
-    tl.store(DW + rows, dw, mask=row_ok)
+    slot = tl.load(ORDER + rows, mask=row_ok, other=0)  # sorted row -> (token, choice)
+    tl.store(DW + slot, dw.to(DW.dtype.element_ty), mask=row_ok)
 
 
 def _row_blocks(ffn: int) -> tuple[int, int]:
@@ -143,17 +231,20 @@ def swiglu_weighted_triton(gate_up: Tensor, w: Tensor) -> Tensor:
     block_r, block_f = _row_blocks(ffn)
     _swiglu_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
         gate_up.contiguous(), w.contiguous(), h, n_rows, ffn, BLOCK_R=block_r, BLOCK_F=block_f,
-        num_warps=8)
+        F_CONST=_const(ffn), num_warps=8)
     return h
 
 
-def swiglu_weighted_backward_triton(gate_up: Tensor, w: Tensor, dh: Tensor) -> tuple[Tensor, Tensor]:
-    """-> d gate_up [N, 2F] (gate_up.dtype), dw [N] float32 = sum_f dh * silu(gate) * up."""
+def swiglu_weighted_backward_triton(gate_up: Tensor, w: Tensor, dh: Tensor, order: Tensor,
+                                    dw_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """gate_up [N, 2F], w [N], dh [N, F], order [N] (sorted row -> (token, choice) slot)
+    -> d gate_up [N, 2F] (gate_up.dtype), dweights [N] in slot order (``dw_dtype``) =
+    sum_f dh * silu(gate) * up, float32 sums."""
     n_rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     dgate_up = torch.empty_like(gate_up)
-    dw = torch.empty(n_rows, device=gate_up.device, dtype=torch.float32)
+    dweights = torch.empty(n_rows, device=gate_up.device, dtype=dw_dtype)
     block_r, block_f = _row_blocks(ffn)
     _swiglu_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        gate_up.contiguous(), w.contiguous(), dh.contiguous(), dgate_up, dw, n_rows, ffn,
-        BLOCK_R=block_r, BLOCK_F=block_f, num_warps=8)
-    return dgate_up, dw
+        gate_up.contiguous(), w.contiguous(), dh.contiguous(), order, dgate_up, dweights, n_rows,
+        ffn, BLOCK_R=block_r, BLOCK_F=block_f, F_CONST=_const(ffn), num_warps=8)
+    return dgate_up, dweights
