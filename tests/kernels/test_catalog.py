@@ -160,3 +160,24 @@ def test_cli_list_json_and_bad_input(tmp_path) -> None:
     ok = _cli("bench", "--surface", "rmsnorm", "--repeats", "2", "--out", str(receipt))
     assert ok.returncode == 0, ok.stderr
     assert "rmsnorm/reference/ms" in json.loads(receipt.read_text())["metrics"]
+
+
+def test_lazy_backends_are_opaque_to_torch_compile() -> None:
+    """A compiled model runs the catalog's lazily imported backends as they are (a graph
+    break around each call) instead of tracing into their host code -- the H100 fast-path
+    compiled training row failed inside Dynamo tracing a Triton op's launch code -- and gets
+    the same values as eager."""
+    from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+    from megacpp.kernels.registry import _lazy
+
+    lazy = _lazy("megacpp.kernels.ops.rmsnorm.reference", "rmsnorm_reference")
+    x, w = torch.randn(4, 8, 16), torch.rand(16) + 0.5
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lazy(x * 2, weight=w, eps=1e-6)[0] + 1
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(x)
+    assert explained.graph_break_count == 1  # the plain function would trace: 0 breaks
+    compiled = torch.compile(f, backend="eager")
+    torch.testing.assert_close(compiled(x), rmsnorm_reference(x * 2, weight=w, eps=1e-6)[0] + 1)

@@ -33,13 +33,17 @@ HALF = ("bfloat16", "float16")
 
 
 def _lazy(module: str, attr: str) -> Callable[..., Any]:
-    """A callable that imports ``module`` on first use (Triton / peers stay optional)."""
+    """A callable that imports ``module`` on first use (Triton / peers stay optional).
+
+    Opaque to ``torch.compile``: a compiled model (``MEGACPP_KERNELS=fast``) runs our kernels
+    as they are, between compiled regions (a graph break per call), instead of tracing into
+    their host code."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"{module}.{attr}"
-    return call
+    return torch.compiler.disable(call)
 
 
 def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: Any, gen: torch.Generator,
