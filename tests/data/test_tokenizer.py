@@ -18,6 +18,7 @@ from megacpp.data.tokenizer import (
     compare_with_plain_bpe,
     reserved_budget,
     reserved_strings,
+    split_units,
     train_plain_bpe,
     train_tokenizer,
 )
@@ -130,6 +131,25 @@ def test_fast_encoder_equals_hf_and_round_trips_any_text(tok, tok_file, text):
     ids = tok.encode(text)
     assert ids.tolist() == _hf(tok_file).encode(text, add_special_tokens=False).ids
     assert tok.decode(ids) == text
+
+
+NEWLINE_HEAVY = st.text(alphabet=" \t\r\n\x0bab{}é", max_size=80)
+
+
+@settings(max_examples=400, deadline=None)
+@given(NEWLINE_HEAVY | st.text(alphabet=st.characters(codec="utf-8"), max_size=120))
+def test_units_cut_only_at_piece_boundaries(text):
+    """The encoder caches lines and newline runs: their pieces, unit by unit, must be the
+    pieces of the whole text (CRLF, lone CR, blank and space-only lines, indentation)."""
+    units = split_units(text)
+    assert "".join(units) == text
+    assert [p for u in units for p in _PIECE_RE.findall(u)] == _PIECE_RE.findall(text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(NEWLINE_HEAVY)
+def test_fast_encoder_equals_hf_on_newline_heavy_text(tok, tok_file, text):
+    assert tok.encode(text).tolist() == _hf(tok_file).encode(text, add_special_tokens=False).ids
 
 
 def test_loadable_by_transformers(tok, tok_file, corpus):

@@ -26,7 +26,10 @@ Encoding: :meth:`CppTokenizer.encode_batch` produces exactly the ids of HF
 ``Tokenizer.encode(text, add_special_tokens=False)`` with ``encode_special_tokens=True`` (a
 literal ``<|eos|>`` in source code is ordinary text), but runs several times faster: it splits
 with Python's ``re`` (same pattern, same leftmost-first semantics) and caches the BPE result of
-every distinct piece; only unseen pieces go to the HF model. Tests check the equality.
+every distinct piece; only unseen pieces go to the HF model. Above the pieces, it cuts each
+text at its newline runs (a fast literal search) into lines and runs, which pre-tokenize
+independently (:func:`split_units`) and repeat a lot in code, and caches their tokens too:
+only unseen lines are split into pieces. Tests check the equality.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ PRETOKENIZE_PATTERN = (
 )
 _PIECE_RE = re.compile(PRETOKENIZE_PATTERN)
 _PIECE_CACHE_LIMIT = 4_000_000  # distinct pieces remembered by one CppTokenizer
+# A newline run + indentation: exactly the pattern's ``(?:\r?\n)+[ \t]*`` piece, less the
+# ``\r`` before its first ``\n`` (see :func:`split_units`). Its literal first character lets
+# ``re`` find it at memchr speed.
+_RUN_RE = re.compile(r"(\n(?:\r?\n)*[ \t]*)")
+_UNIT_CACHE_LIMIT = 1_000_000  # distinct lines (units) remembered by one CppTokenizer
 
 # C++ keywords, most frequent in real code first (the order is the reservation priority).
 CPP_KEYWORDS = (  # noqa: SIM905 -- a word list reads best as text
@@ -221,6 +229,24 @@ def train_plain_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int
     return tok
 
 
+def split_units(text: str) -> list[str]:
+    """``text`` cut at piece boundaries into units that pre-tokenize independently:
+    ``[line, run, line, run, ..., line]``, where a run is one whole newline-run piece
+    (``(?:\r?\n)+[ \t]*``) and a line is what lies between two runs. The pattern's pieces of
+    ``text`` are the concatenation of each unit's pieces (tested), so units can be cached:
+    a run ends at a character that is not a space, tab or newline, where every piece
+    alternative starts afresh, and no piece of a line can reach into the next run.
+
+    The split regex cannot look behind, so a ``\r`` that ends a line and precedes its run's
+    ``\n`` (a CRLF) is moved into the run afterwards."""
+    units = _RUN_RE.split(text)
+    if "\r" in text:
+        for i in range(0, len(units) - 1, 2):  # lines at even indices, runs after them
+            if units[i].endswith("\r"):
+                units[i], units[i + 1] = units[i][:-1], "\r" + units[i + 1]
+    return units
+
+
 def _bpe_pieces(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
     """Apply BPE merges (lowest rank first) to one byte-level word."""
     pieces = list(word)
@@ -294,6 +320,7 @@ class CppTokenizer:
         self.pad_id, self.bos_id, self.eos_id, self.doc_sep_id = ids[:4]
         self.fim_prefix_id, self.fim_middle_id, self.fim_suffix_id = ids[4:]
         self._pieces = _TokenCache(self._encode_pieces, _PIECE_CACHE_LIMIT)
+        self._units = _TokenCache(self._encode_units, _UNIT_CACHE_LIMIT)
 
     @classmethod
     def load(cls, path: str | Path) -> CppTokenizer:
@@ -339,16 +366,26 @@ class CppTokenizer:
         """Encode many documents; equal to HF ``encode`` of each, several times faster."""
         if not texts:
             return []
-        piece_lists = [_PIECE_RE.findall(t) for t in texts]
-        n_pieces = [len(pieces) for pieces in piece_lists]
-        pieces = itertools.chain.from_iterable(piece_lists)
-        ids, count = self._pieces.lookup(pieces, sum(n_pieces))  # count: [pieces]
-        doc_ends = np.concatenate(([0], np.cumsum(count)))[np.cumsum(n_pieces)]  # [texts]
+        unit_lists = [split_units(t) for t in texts]  # lines and newline runs repeat a lot
+        n_units = [len(units) for units in unit_lists]
+        units = itertools.chain.from_iterable(unit_lists)
+        ids, count = self._units.lookup(units, sum(n_units))  # count: [units]
+        doc_ends = np.concatenate(([0], np.cumsum(count)))[np.cumsum(n_units)]  # [texts]
         return np.split(ids, doc_ends[:-1])
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (specials dropped unless ``skip_special_tokens=False``)."""
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _encode_units(self, units: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token counts ``[len(units)]`` and all tokens of ``units`` (new to the unit cache):
+        their pieces, through the piece cache."""
+        piece_lists = [_PIECE_RE.findall(u) for u in units]
+        n_pieces = np.fromiter(map(len, piece_lists), np.int64, len(piece_lists))
+        pieces = itertools.chain.from_iterable(piece_lists)
+        ids, count = self._pieces.lookup(pieces, int(n_pieces.sum()))  # count: [pieces]
+        ends = np.concatenate(([0], np.cumsum(count)))[np.cumsum(n_pieces)]  # [units]
+        return np.diff(ends, prepend=0), ids
 
     def _encode_pieces(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token counts ``[len(pieces)]`` and all tokens of ``pieces``, by the BPE model."""
