@@ -26,6 +26,7 @@ from megacpp.data.encode import (
     structure_chunk,
     tokenize_chunk,
 )
+from megacpp.data.native import native_library, native_status
 from megacpp.data.packing import PackedDocument, RowPacker
 from megacpp.data.shards import SEGMENT_TYPE, _segments_array
 from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
@@ -74,18 +75,32 @@ def test_encode_chunk_with_structure_disabled(texts, tok_file):
         assert doc.structure_ids.shape == doc.ids.shape and not doc.structure_ids.any()
 
 
-def test_piece_cache_any_batching_and_resets_equal_hf(texts, tok_file, monkeypatch):
-    expected = _hf_ids(tok_file, texts)
+def _load(tok_file, native: bool) -> CppTokenizer:
     tok = CppTokenizer.load(tok_file)
+    if not native:
+        tok._native = None  # the pure-Python path (what MEGACPP_NATIVE=0 or no g++ gives)
+    return tok
+
+
+def _cached_pieces(tok: CppTokenizer) -> int:
+    return len(tok._native[0]) if tok._native else len(tok._pieces._row_of)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_piece_cache_any_batching_and_resets_equal_hf(texts, tok_file, monkeypatch, native):
+    if native and native_library() is None:
+        pytest.skip(native_status())
+    expected = _hf_ids(tok_file, texts)
+    tok = _load(tok_file, native)
     one_by_one = [tok.encode(t).tolist() for t in reversed(texts)][::-1]  # warm cache, new order
     assert one_by_one == expected
     monkeypatch.setattr(tokenizer_module, "_PIECE_CACHE_LIMIT", 50)  # clears between batches
-    small = CppTokenizer.load(tok_file)
+    small = _load(tok_file, native)
     for start in range(0, len(texts), 3):
         batch = texts[start : start + 3]
         assert [ids.tolist() for ids in small.encode_batch(batch)] == expected[start : start + 3]
     distinct = {p for t in texts for p in tokenizer_module._PIECE_RE.findall(t)}
-    assert len(small._pieces._row_of) < len(distinct)  # the cache was cleared on the way
+    assert 0 < _cached_pieces(small) < len(distinct)  # the cache was cleared on the way
 
 
 def test_segments_column_equals_per_segment_dicts():

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from megacpp.data.native import PieceIndex, native_library, native_status
 from megacpp.data.tokenizer import (
     _PIECE_RE,
     SPECIAL_TOKENS,
@@ -199,3 +200,34 @@ def test_saved_file_is_deterministic(tmp_path, corpus):
     CppTokenizer.from_hf(train_tokenizer(corpus[:5], 400)).save(a)
     CppTokenizer.from_hf(train_tokenizer(corpus[:5], 400)).save(b)
     assert json.loads(a.read_text()) == json.loads(b.read_text())
+
+
+@settings(max_examples=400, deadline=None)
+@given(NEWLINE_HEAVY | st.text(alphabet=st.characters(codec="utf-8"), max_size=120))
+def test_native_pretokenizer_equals_the_pattern(text):
+    """The C++ pre-tokenizer splits any text into exactly the pattern's pieces (Python ``re``
+    is the reference), and its index hands out rows in order of first appearance."""
+    lib = native_library()
+    if lib is None:
+        pytest.skip(native_status())
+    index = PieceIndex(lib)
+    rows, per_text, new = index.rows([text, text])
+    expected = _PIECE_RE.findall(text)
+    assert new == list(dict.fromkeys(expected))  # a fresh index: every distinct piece, in order
+    assert per_text.tolist() == [len(expected)] * 2
+    assert [new[r] for r in rows.tolist()] == expected * 2
+    assert len(index) == len(new)
+
+
+def test_native_and_python_encoders_agree(tok, corpus):
+    """The two encoder paths give the same ids (the Python one is the native one's reference;
+    ``MEGACPP_NATIVE=0`` or a missing g++ selects it)."""
+    if native_library() is None:
+        pytest.skip(native_status())
+    texts = corpus + HOSTILE_TEXTS
+    native = CppTokenizer.from_hf(tok.hf)
+    python = CppTokenizer.from_hf(tok.hf)
+    python._native = None
+    for a, b in zip(native.encode_batch(texts), python.encode_batch(texts)):
+        assert a.tolist() == b.tolist()
+    assert native._native and len(native._native[0]) > 0 and len(python._units._row_of) > 0
