@@ -105,6 +105,7 @@ def main() -> None:
     from megacpp.data.config import CorpusConfig
     from megacpp.data.curate import curate_stream
     from megacpp.data.encode import encode_chunk, ordered_map, tokenize_chunk, worker_pool
+    from megacpp.data.native import native_status
     from megacpp.data.structure import StructureLabeler, token_ends
     from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
 
@@ -254,6 +255,7 @@ def main() -> None:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "tokenizers": tokenizers.__version__,
+            "megacpp_encoder": native_status(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
             "python_loop_s_before": round(loop_before, 3),

@@ -231,3 +231,18 @@ def test_native_and_python_encoders_agree(tok, corpus):
     for a, b in zip(native.encode_batch(texts), python.encode_batch(texts)):
         assert a.tolist() == b.tolist()
     assert native._native and len(native._native[0]) > 0 and len(python._units._row_of) > 0
+
+
+def test_without_a_compiler_the_encoder_stays_pure_python(monkeypatch, tmp_path):
+    """No g++ on PATH (and no cached build): the native library is unavailable, says why,
+    and a tokenizer encodes through the Python path."""
+    from megacpp.data import native
+
+    monkeypatch.setenv("MEGACPP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.native_library() is None
+    assert native.native_status().startswith("pure Python (no compiler (g++ or c++) on PATH")
+    monkeypatch.setenv("MEGACPP_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert native.native_status() == "pure Python (MEGACPP_NATIVE=0)"

@@ -106,7 +106,7 @@ def test_the_launcher_is_built_into_the_cache_dir(monkeypatch, tmp_path):
     assert jail_binary() == built  # cached by source hash
     monkeypatch.setenv("MEGACPP_CACHE_DIR", str(tmp_path / "other"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.raises(SandboxError, match="no C compiler"):
+    with pytest.raises(SandboxError, match="no compiler .cc or gcc. on PATH"):
         jail_binary()
 
 
