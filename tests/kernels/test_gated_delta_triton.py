@@ -4,8 +4,6 @@ output, final state and every input gradient, on fresh random inputs (relative n
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megacpp.kernels.ops.gated_delta.reference import gated_delta_rule_chunked
+from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
@@ -100,15 +99,7 @@ def _interpreter_check() -> dict:
 
 
 def test_interpreter_matches_reference() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    code = "import test_gated_delta_triton as t; print(t._interpreter_check())"
-    run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
-                         capture_output=True, text=True, timeout=300)
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    run_interpreter_check(__file__, "_interpreter_check")
 
 
 def test_unsupported_calls_use_the_reference() -> None:

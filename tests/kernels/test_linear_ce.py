@@ -5,9 +5,6 @@ against the float64 reference runs in test_ops_triton.py.)"""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
+from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
 gpu = pytest.mark.gpu
@@ -166,12 +164,4 @@ def _interpreter_check() -> dict:
 
 
 def test_interpreter_fp32_halves_accumulate_and_finish() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    code = "import test_linear_ce as t; print(t._interpreter_check())"
-    run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
-                         capture_output=True, text=True, timeout=300)
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    run_interpreter_check(__file__, "_interpreter_check")

@@ -5,9 +5,6 @@ sync-freedom (GPU)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from megacpp.kernels.ops.moe.grouped import (
     swiglu_weighted_torch,
 )
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,15 +129,7 @@ def _interpreter_check() -> dict:
 
 
 def test_interpreter_kernels_match_reference() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    code = "import test_moe_grouped as t; print(t._interpreter_check())"
-    run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
-                         capture_output=True, text=True, timeout=300)
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    run_interpreter_check(__file__, "_interpreter_check")
 
 
 # -- GPU ------------------------------------------------------------------------------------------

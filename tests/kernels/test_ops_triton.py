@@ -3,9 +3,6 @@ CPU: the RMSNorm kernels under the Triton interpreter."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 
 from megacpp.kernels.check import check_backend
 from megacpp.kernels.registry import default_catalog
+from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
 gpu = pytest.mark.gpu
@@ -113,12 +111,4 @@ def _rmsnorm_interpreter_check() -> dict:
 
 
 def test_rmsnorm_interpreter_matches_reference() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    code = "import test_ops_triton as t; print(t._rmsnorm_interpreter_check())"
-    run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
-                         capture_output=True, text=True, timeout=300)
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    run_interpreter_check(__file__, "_rmsnorm_interpreter_check")
