@@ -203,6 +203,25 @@ def _last(v, T: tl.constexpr):
 
 
 @triton.jit
+def _advance_state(s_e, s_o, x, a, seg, scale, k_e, k_o, ell, t, T: tl.constexpr,
+                   DOT: tl.constexpr, FAST: tl.constexpr):
+    """The state [BP, N2B] (even/odd halves) at a chunk's end from the state at its start,
+    the chunk's x [T, BP] and biased, rotated k halves [T, N2B], rotated by -phi (the chunk's
+    total angle) into the next chunk's frame. Returns (s_e, s_o, phi [N2B])."""
+    a_last = _last(a, T)
+    seg_last = tl.max(seg, axis=0)
+    to_end = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0)  # [T]
+    xw = tl.trans(x * (to_end * scale)[:, None])  # [BP, T]
+    decay = tl.where(seg_last == 0, tl.exp(a_last), 0.0)
+    u_e = decay * s_e + _mm(xw, k_e, DOT)  # [BP, N2B]
+    u_o = decay * s_o + _mm(xw, k_o, DOT)
+    phi = tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0)  # [N2B]
+    cp, sp = _cos_sin(phi, FAST)
+    cp, sp = cp[None, :], sp[None, :]
+    return u_e * cp + u_o * sp, u_o * cp - u_e * sp, phi
+
+
+@triton.jit
 def _state_ptrs(S, bhc, p, N2B: tl.constexpr):
     """Pointers of the even half of a [P, 2, N2B] state tile (the odd half is + N2B)."""
     j = tl.arange(0, N2B)
@@ -242,20 +261,10 @@ def _fwd_state(K, V, ADT, DT, TRAP, ANG, KBIAS, RESET, SIN, SFIN, PHI,
         raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n, N2B, PAIRED)
         cos, sin = _cos_sin(ell, FAST)
         k_e, k_o = _biased_rotated(raw_e, raw_o, kb_e, kb_o, live, cos, sin)
-        a_last = _last(a, T)
-        seg_last = tl.max(seg, axis=0)
-        to_end = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0)  # [T]
         x = tl.load(V + b * sv_b + tok[:, None] * sv_l + h * sv_h + p[None, :] * sv_p,
                     mask=live[:, None] & (p < P)[None, :], other=0.0).to(tl.float32)
-        xw = tl.trans(x * (to_end * scale)[:, None])  # [BP, T]
-        decay = tl.where(seg_last == 0, tl.exp(a_last), 0.0)
-        u_e = decay * s_e + _mm(xw, k_e, DOT)  # [BP, N2B]
-        u_o = decay * s_o + _mm(xw, k_o, DOT)
-        phi = tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0)  # [N2B]
-        cp, sp = _cos_sin(phi, FAST)
-        cp, sp = cp[None, :], sp[None, :]
-        s_e = u_e * cp + u_o * sp  # rotate by -phi: into the next chunk's frame
-        s_o = u_o * cp - u_e * sp
+        s_e, s_o, phi = _advance_state(s_e, s_o, x, a, seg, scale, k_e, k_o, ell, t, T, DOT,
+                                       FAST)
         if pid_p == 0:
             tl.store(PHI + ((b * H + h) * NC + c) * N2B + j, phi)
     ptr = _state_ptrs(SFIN, (b * H + h) * P, p, N2B)

@@ -19,12 +19,12 @@ import triton
 import triton.language as tl
 
 from megacpp.kernels.ops.mamba3_scan.triton import (
+    _advance_state,
     _bias_pairs,
     _biased_rotated,
     _chunk_scalars,
     _cos_sin,
     _decay_matrix,
-    _last,
     _local_angle,
     _mm,
     _pairs,
@@ -95,18 +95,8 @@ def _fwd_seq(Q, K, V, Z, Y, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET, SIN,
         tl.store(out, y.to(Y.dtype.element_ty), mask=mask)
 
         # the state at the chunk's end, rotated by -phi into the next chunk's frame
-        a_last = _last(a, T)
-        seg_last = tl.max(seg, axis=0)
-        to_end = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0)  # [T]
-        xw = tl.trans(x * (to_end * scale)[:, None])  # [BP, T]
-        decay = tl.where(seg_last == 0, tl.exp(a_last), 0.0)
-        u_e = decay * s_e + _mm(xw, k_e, DOT)  # [BP, N2B]
-        u_o = decay * s_o + _mm(xw, k_o, DOT)
-        phi = tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0)  # [N2B]
-        cp, sp = _cos_sin(phi, FAST)
-        cp, sp = cp[None, :], sp[None, :]
-        s_e = u_e * cp + u_o * sp
-        s_o = u_o * cp - u_e * sp
+        s_e, s_o, phi = _advance_state(s_e, s_o, x, a, seg, scale, k_e, k_o, ell, t, T, DOT,
+                                       FAST)
         tl.store(PHI + bhc * N2B + j, phi)
     ptr = _state_ptrs(SFIN, (b * H + h) * P, p, N2B)
     tl.store(ptr, s_e, mask=mp)
