@@ -352,16 +352,18 @@ def _build_into(
             StageStats("structure"),
             StageStats("pack"),
         )
-        splits = _encode_and_pack(
-            staging,
-            planned,
-            tokenizer,
-            cfg.packing,
-            pool,
-            structure,
-            progress,
-            (encode_stats, structure_stats, pack_stats),
-        )
+        with WriteBehind() as io:  # parquet compression overlaps the packing on another core
+            splits = _pack_all(
+                staging,
+                planned,
+                tokenizer,
+                cfg.packing,
+                pool,
+                structure,
+                progress,
+                (encode_stats, structure_stats, pack_stats),
+                io,
+            )
     stages = [*stages, split_stats, encode_stats, structure_stats, pack_stats]
     manifest = _manifest(staging, sources, cfg, tokenizer, len(planned), splits, stages)
     write_manifest_and_marker(staging, manifest)
@@ -461,20 +463,6 @@ def _prepare_tokenizer(
     CppTokenizer.from_hf(hf).save(target)
     progress.update(task, total=1, completed=1)
     return CppTokenizer.load(target)
-
-
-def _encode_and_pack(
-    staging: Path,
-    planned: Sequence[_Planned],
-    tokenizer: CppTokenizer,
-    pk: PackingConfig,
-    pool: Executor,
-    structure: _StructureJobs,
-    progress: Progress,
-    stats: tuple[StageStats, StageStats, StageStats],
-) -> dict[str, dict[str, Any]]:
-    with WriteBehind() as io:  # parquet compression overlaps the packing on another core
-        return _pack_all(staging, planned, tokenizer, pk, pool, structure, progress, stats, io)
 
 
 def _pack_all(
