@@ -189,6 +189,14 @@ def _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin):
 
 
 @triton.jit
+def _load_rotated(X, row, live, N, s_n, bias_e, bias_o, cos, sin, N2B: tl.constexpr,
+                  PAIRED: tl.constexpr):
+    """rot(x + bias, ell) of q or k rows ``row`` [T], as even/odd halves [T, N2B]."""
+    raw_e, raw_o = _pairs(X, row, live, N, s_n, N2B, PAIRED)
+    return _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
+
+
+@triton.jit
 def _decay_matrix(a, seg, T: tl.constexpr):
     """[T, T] exp(a_t - a_s) for s < t in the same document, else 0 (masked before exp)."""
     t = tl.arange(0, T)
@@ -258,9 +266,9 @@ def _fwd_state(K, V, ADT, DT, TRAP, ANG, KBIAS, RESET, SIN, SFIN, PHI,
                                                   sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
         seg = _segments(RESET, b, t0, L, T, HAS_RESET)
         ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
-        raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n, N2B, PAIRED)
         cos, sin = _cos_sin(ell, FAST)
-        k_e, k_o = _biased_rotated(raw_e, raw_o, kb_e, kb_o, live, cos, sin)
+        k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
+                                 kb_e, kb_o, cos, sin, N2B, PAIRED)
         x = tl.load(V + b * sv_b + tok[:, None] * sv_l + h * sv_h + p[None, :] * sv_p,
                     mask=live[:, None] & (p < P)[None, :], other=0.0).to(tl.float32)
         s_e, s_o, phi = _advance_state(s_e, s_o, x, a, seg, scale, k_e, k_o, ell, t, T, DOT,
@@ -296,10 +304,10 @@ def _fwd_out(Q, K, V, Z, Y, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET, SIN,
     cos, sin = _cos_sin(ell, FAST)
     qb_e, qb_o = _bias_pairs(QBIAS, h, N, sqb_h, sqb_n, N2B)
     kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-    raw_e, raw_o = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n, N2B, PAIRED)
-    q_e, q_o = _biased_rotated(raw_e, raw_o, qb_e, qb_o, live, cos, sin)
-    raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n, N2B, PAIRED)
-    k_e, k_o = _biased_rotated(raw_e, raw_o, kb_e, kb_o, live, cos, sin)
+    q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
+                             qb_e, qb_o, cos, sin, N2B, PAIRED)
+    k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
+                             kb_e, kb_o, cos, sin, N2B, PAIRED)
 
     t = tl.arange(0, T)
     w = _decay_matrix(a, seg, T) * scale[None, :] + tl.where(
@@ -365,9 +373,9 @@ def _bwd_dstate(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, RESET, GST, BN
         tl.store(ptr, g_e.to(GST.dtype.element_ty), mask=mp[:, None])
         tl.store(ptr + N2B, g_o.to(GST.dtype.element_ty), mask=mp[:, None])
 
-        raw_e, raw_o = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n, N2B, PAIRED)
         cos, sin = _cos_sin(ell, FAST)
-        q_e, q_o = _biased_rotated(raw_e, raw_o, qb_e, qb_o, live, cos, sin)
+        q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
+                                 qb_e, qb_o, cos, sin, N2B, PAIRED)
         dy = tl.load(DY + b * sy_b + tok[:, None] * sy_l + h * sy_h + p[None, :] * sy_p,
                      mask=mask, other=0.0).to(tl.float32)
         if HAS_Z:
@@ -422,12 +430,12 @@ def _bwd_intra(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET, S
     ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
     cos, sin = _cos_sin(ell, FAST)
     qb_e, qb_o = _bias_pairs(QBIAS, h, N, sqb_h, sqb_n, N2B)
-    raw_e, raw_o = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n, N2B, PAIRED)
-    q_e, q_o = _biased_rotated(raw_e, raw_o, qb_e, qb_o, live, cos, sin)
+    q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
+                             qb_e, qb_o, cos, sin, N2B, PAIRED)
     q_e, q_o = q_e.to(DOT), q_o.to(DOT)
     kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-    raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n, N2B, PAIRED)
-    k_e, k_o = _biased_rotated(raw_e, raw_o, kb_e, kb_o, live, cos, sin)
+    k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
+                             kb_e, kb_o, cos, sin, N2B, PAIRED)
     k_e, k_o = k_e.to(DOT), k_o.to(DOT)
 
     seg_last = tl.max(seg, axis=0)
@@ -534,12 +542,12 @@ def _bwd_qk(Q, K, V, ADT, DT, TRAP, ANG, QBIAS, KBIAS, RESET, SIN, GST, BND, DO,
         ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
         cos, sin = _cos_sin(ell, FAST)
         qb_e, qb_o = _bias_pairs(QBIAS, h, N, sqb_h, sqb_n, N2B)
-        raw_e, raw_o = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n, N2B, PAIRED)
-        q_e, q_o = _biased_rotated(raw_e, raw_o, qb_e, qb_o, live, cos, sin)
+        q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
+                                 qb_e, qb_o, cos, sin, N2B, PAIRED)
         q_e, q_o = q_e.to(DOT), q_o.to(DOT)
         kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-        raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n, N2B, PAIRED)
-        k_e, k_o = _biased_rotated(raw_e, raw_o, kb_e, kb_o, live, cos, sin)
+        k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
+                                 kb_e, kb_o, cos, sin, N2B, PAIRED)
         k_e, k_o = k_e.to(DOT), k_o.to(DOT)
         a_last = _last(a, T)
         carry = tl.where(seg == 0, tl.exp(a), 0.0)

@@ -21,13 +21,12 @@ import triton.language as tl
 from megacpp.kernels.ops.mamba3_scan.triton import (
     _advance_state,
     _bias_pairs,
-    _biased_rotated,
     _chunk_scalars,
     _cos_sin,
     _decay_matrix,
+    _load_rotated,
     _local_angle,
     _mm,
-    _pairs,
     _segments,
     _state_ptrs,
 )
@@ -72,10 +71,10 @@ def _fwd_seq(Q, K, V, Z, Y, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET, SIN,
         seg = _segments(RESET, b, t0, L, T, HAS_RESET)
         ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
         cos, sin = _cos_sin(ell, FAST)
-        raw_e, raw_o = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n, N2B, PAIRED)
-        q_e, q_o = _biased_rotated(raw_e, raw_o, qb_e, qb_o, live, cos, sin)
-        raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n, N2B, PAIRED)
-        k_e, k_o = _biased_rotated(raw_e, raw_o, kb_e, kb_o, live, cos, sin)
+        q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
+                                 qb_e, qb_o, cos, sin, N2B, PAIRED)
+        k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
+                                 kb_e, kb_o, cos, sin, N2B, PAIRED)
         q_e, q_o, k_e, k_o = q_e.to(DOT), q_o.to(DOT), k_e.to(DOT), k_o.to(DOT)
         x = tl.load(V + b * sv_b + tok[:, None] * sv_l + h * sv_h + p[None, :] * sv_p,
                     mask=mask, other=0.0).to(tl.float32)
