@@ -252,10 +252,10 @@ def _surfaces() -> list[Surface]:
             "[B, L, H], angles [B, L, H, R], biases [H, N], D [H], reset [B, L] bool -> y "
             "[B, L, H, P] in v.dtype + final state (float32); fp32 accumulation. triton_chunked: "
             "initial_state=None only (a cached prefill runs the reference: the mixer picks it), "
-            "chunk_size 16/32/64 (runs chunks of <= 32 tokens: same function), headdim <= 64, "
-            "d_state <= 128, no gradient through the final state; bf16 matmul operands unless "
-            "v is fp32; saves the inputs and the state entering every chunk [B, H, L/32, P, N] "
-            "(bf16; fp32 for fp32 v)",
+            "chunk_size 16/32/64 (fp32 v runs chunks of <= 32 tokens: same function), headdim "
+            "<= 64, d_state <= 128, no gradient through the final state; bf16 matmul operands "
+            "unless v is fp32; saves the inputs, the state entering every chunk [B, H, L/T, P, "
+            "N] and the per-head rotated q, k [B, H, L, N] (bf16; fp32 for fp32 v)",
             mamba3_scan_chunked, _mamba3_inputs,
             {"check": {"batch": 2, "seq": 300, "groups": 2, "heads": 4, "d_state": 64,
                        "headdim": 64, "angles": 16, "chunk": 64, "resets": 1},

@@ -6,10 +6,9 @@ the training path, with these limits (the caller uses the reference outside them
 ``chunk_size`` 16, 32 or 64, headdim <= 64, d_state <= 128, no float64, and no gradient
 through the returned final state. ``reset`` [B, L] bool packs documents into one row.
 Operands may be bf16/fp16/fp32; everything accumulates in float32. Matmul operands are bf16
-unless ``v`` is float32 (then float32 with IEEE products). The kernels run chunks of
-``min(chunk_size, TUNING["max_chunk"])`` = 32 tokens: any chunking computes the same function
-(only rounding differs), and 32 measured faster than 64 on an H100 (fp32 operands also need
-it to fit shared memory).
+unless ``v`` is float32 (then float32 with IEEE products, and chunks of at most 32 tokens to
+fit shared memory). The kernels run chunks of ``min(chunk_size, TUNING["max_chunk"])``
+tokens: any chunking computes the same function (only rounding differs).
 
 Chunk-local rotation frames. Only angle differences between tokens matter, so each chunk
 rotates its q/k by the angle accumulated *inside the chunk* (``ell``, starting at 0), and the
@@ -17,26 +16,29 @@ state passed between chunks is re-expressed in the next chunk's frame by rotatin
 ``-phi_c`` (phi_c = the chunk's total angle). No long cumulative angle is ever formed, and
 the angle backward is chunk-local too (``d phi_c`` comes from the state's rotation).
 
-Pairs. ``rot`` turns pairs ``(n = 2j, n = 2j+1)``; the kernels hold every [*, N] operand as its
-even and odd halves [*, N/2] (pairs j >= R get angle 0), so a rotation is elementwise.
+Halves layout. ``rot`` turns pairs ``(n = 2j, n = 2j+1)``. Every rotated [*, N] operand is
+stored as its even components then its odd ones, ``[*, 2, N2B]`` (pairs j >= R get angle 0,
+padding is 0), so a rotation is elementwise on the two halves and a dot product over N is one
+dot over the whole ``2 * N2B`` row.
 
-Kernels (grid):
-  forward   _fwd_state  (P tiles, H, B)  walks the chunks: S_in[c] (stored), S_final, phi
-            _fwd_out    (H, C, B)        y = (intra + exp(a) q S_in^T + D x) * silu(z)
-  backward  _bwd_dstate (P tiles, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored),
-                                         and the boundary term of each chunk's first token
-            _bwd_intra  (H, C, B)        dx, dz, dD, do, d(q.k) [T, T], the intra-chunk
-                                         parts of the scalar grads, <G, S_in> terms
-            _bwd_qk     (head blocks*G, C, B)  dq, dk (a program loops over a block of heads
-                                         that share q/k, summing dq, dk in registers), the
-                                         bias grads, and the adt / dt / trap / angles grads
-Saved for backward: the inputs and S_in [B, H, C, P, N] (bf16; float32 for float32 ``v``).
-Backward scratch: G (as S_in), do [B, L, H, P], d(q.k) [B, H, C, T, T], fp32 partials.
-
-A fused sequential forward lives in ``triton_seq.py`` (_fwd_seq: one program per (head, row)
-walking the chunks with the state in registers; it saves the same S_in), chosen by
-``TUNING["fwd"] = "seq"``. The default is still the two-kernel forward above; the H100 sweep
-that compared them is in benchmarks/results/kernels/mamba3_h100_s2.log.
+Kernels (grid; C = chunks, J = tiles of ``TUNING["pairs"]`` pairs):
+  _prep      (H, C, B)   per head: q, k biased and rotated into the chunk frame (QR, KR, halves
+                         layout, rows padded to whole chunks), the per-token scalars
+                         a (in-chunk cumsum of adt), scale, gamma, and phi_c
+  forward    _state_fwd  (J, H, B)  walks the chunks: S_in[c] (stored), the final state
+             _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
+  backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored) and
+                                    each chunk's first-token boundary term
+             _bwd_dx     (H, C, B)  dx, dz, dD
+             _bwd_dqk    (H, C, B)  d(q, k) in the rotated frame (stored per head), d phi_c,
+                                    and the final adt / trap grads and dt's non-angle part
+             _bwd_post   (C, J, B*G)  per group: un-rotates d(q, k), sums it over the group's
+                                    heads, the bias grads, the angle grads and dt's angle part
+The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
+all T x T and T x N work is in the chunk-parallel kernels.
+Saved for backward: the inputs and S_in [B, H, C, P, N] (bf16; float32 for float32 ``v``);
+_prep runs again in the backward instead of saving QR/KR.
+Backward scratch: QR, KR, G (as S_in), d(q, k) per head (as QR), float32 per-token partials.
 """
 
 from __future__ import annotations
@@ -54,25 +56,33 @@ from megacpp.errors import MegaCppError
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs, _rotate
 
 CHUNK_SIZES = (16, 32, 64)
-# launch settings per kernel (Triton launch options), the P tile of the two sequential
-# kernels, the most heads per program of _bwd_qk, the longest chunk the kernels run; the
-# best of a sweep on an H100 (benchmarks/results/kernels/mamba3_h100.log)
+# launch settings per kernel (Triton launch options), the pairs tile of the sequential and
+# post kernels, the longest chunk the kernels run; chosen by an H100 sweep
+# (benchmarks/results/kernels/mamba3_h100_s3.log)
 TUNING = {
     "launch": {
-        "fwd_state": {"num_warps": 4, "num_stages": 1},
-        "fwd_out": {"num_warps": 8, "num_stages": 1},
-        "bwd_dstate": {"num_warps": 4, "num_stages": 1},
-        "bwd_intra": {"num_warps": 8, "num_stages": 1},
-        "bwd_qk": {"num_warps": 8, "num_stages": 1},
-        "fwd_seq": {"num_warps": 4, "num_stages": 1},
+        "prep": {"num_warps": 4, "num_stages": 1},
+        "state_fwd": {"num_warps": 4, "num_stages": 2},
+        "out_fwd": {"num_warps": 4, "num_stages": 1},
+        "state_bwd": {"num_warps": 4, "num_stages": 2},
+        "bwd_dx": {"num_warps": 4, "num_stages": 1},
+        "bwd_dqk": {"num_warps": 8, "num_stages": 1},
+        "bwd_post": {"num_warps": 4, "num_stages": 1},
     },
-    "fwd": "chunked",  # "chunked": _fwd_state + _fwd_out; "seq": triton_seq._fwd_seq
-    "state_bp": 64,
-    "main_heads": 8,
-    "max_chunk": 32,
+    "pairs": 16,  # state tile of the sequential kernels
+    "prep_pairs": 64,  # pairs per program of _prep
+    "tile_pairs": 16,  # pairs per program of _bwd_post
+    "post_heads": 64,  # heads per program of _bwd_post (a divisor of the heads per group)
+    "max_chunk": 64,
+    # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
+    "min_bp": 64,
+    # keep _prep's per-head QR/KR from the forward for the backward (2 x [B, H, L, N] in the
+    # operand dtype) instead of running _prep again
+    "save_rotated": True,
 }
 MAX_HEADDIM = 64
 MAX_D_STATE = 128
+_PI = 3.141592653589793
 
 
 # -- shared per-chunk pieces -----------------------------------------------------------------
@@ -136,45 +146,31 @@ def _segments(RESET, b, t0, L, T: tl.constexpr, HAS_RESET: tl.constexpr):
 
 
 @triton.jit
-def _angle_tanh(ANG, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T: tl.constexpr,
-                N2B: tl.constexpr):
-    """[T, N2B] tanh of the angle logits (0 for pairs >= R and past the end)."""
-    tok = t0 + tl.arange(0, T)
-    j = tl.arange(0, N2B)
-    m = (tok < L)[:, None] & (j < R)[None, :]
+def _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r):
+    """[T, pairs j] tanh of the angle logits (0 for pairs >= R and past the end)."""
+    m = live[:, None] & (j < R)[None, :]
     ptr = ANG + b * sg_b + tok[:, None] * sg_l + h * sg_h + j[None, :] * sg_r
     return _tanh(tl.load(ptr, mask=m, other=0.0).to(tl.float32))
 
 
 @triton.jit
-def _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r,
-                 T: tl.constexpr, N2B: tl.constexpr):
-    """[T, N2B] in-chunk cumulative angle ell of each pair (0 for pairs >= R), and tanh(angles)."""
-    th = _angle_tanh(ANG, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
-    ell = tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0)
-    return ell, th
-
-
-@triton.jit
-def _pairs(X, row, live, N, s_n, N2B: tl.constexpr, PAIRED: tl.constexpr):
-    """Even and odd columns [T, N2B] (float32, 0 outside) of the rows at offsets ``row``.
-    PAIRED (N == 2 * N2B, unit stride): one contiguous [T, N] load split in two."""
+def _pairs(X, row, live, j, N, s_n, PAIRED: tl.constexpr = False):
+    """Even and odd columns [T, pairs j] (float32, 0 outside) of the rows at offsets ``row``.
+    PAIRED (j = all pairs, N = 2 * len(j), unit stride): one [T, N] load split in two."""
     if PAIRED:
-        n = tl.arange(0, 2 * N2B)
+        n = tl.arange(0, 2 * j.shape[0])
         x = tl.load(X + row[:, None] + n[None, :], mask=live[:, None], other=0.0)
-        e, o = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], N2B, 2]))
-    else:
-        j = tl.arange(0, N2B)
-        ptr = X + row[:, None] + (2 * j)[None, :] * s_n
-        e = tl.load(ptr, mask=live[:, None] & (2 * j < N)[None, :], other=0.0).to(tl.float32)
-        o = tl.load(ptr + s_n, mask=live[:, None] & (2 * j + 1 < N)[None, :], other=0.0)
-        o = o.to(tl.float32)
-    return e, o
+        e, o = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], j.shape[0], 2]))
+        return e, o
+    ptr = X + row[:, None] + (2 * j)[None, :] * s_n
+    e = tl.load(ptr, mask=live[:, None] & (2 * j < N)[None, :], other=0.0).to(tl.float32)
+    o = tl.load(ptr + s_n, mask=live[:, None] & (2 * j + 1 < N)[None, :], other=0.0)
+    return e, o.to(tl.float32)
 
 
 @triton.jit
-def _bias_pairs(BIAS, h, N, sb_h, sb_n, N2B: tl.constexpr):
-    j = tl.arange(0, N2B)
+def _bias_pairs(BIAS, h, j, N, sb_h, sb_n):
+    """Even and odd entries [pairs j] of head h's bias (0 outside N)."""
     e = tl.load(BIAS + h * sb_h + 2 * j * sb_n, mask=2 * j < N, other=0.0).to(tl.float32)
     o = tl.load(BIAS + h * sb_h + (2 * j + 1) * sb_n, mask=2 * j + 1 < N, other=0.0)
     return e, o.to(tl.float32)
@@ -186,14 +182,6 @@ def _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin):
     e = tl.where(live[:, None], raw_e + bias_e[None, :], 0.0)
     o = tl.where(live[:, None], raw_o + bias_o[None, :], 0.0)
     return e * cos - o * sin, e * sin + o * cos
-
-
-@triton.jit
-def _load_rotated(X, row, live, N, s_n, bias_e, bias_o, cos, sin, N2B: tl.constexpr,
-                  PAIRED: tl.constexpr):
-    """rot(x + bias, ell) of q or k rows ``row`` [T], as even/odd halves [T, N2B]."""
-    raw_e, raw_o = _pairs(X, row, live, N, s_n, N2B, PAIRED)
-    return _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
 
 
 @triton.jit
@@ -211,423 +199,428 @@ def _last(v, T: tl.constexpr):
 
 
 @triton.jit
-def _advance_state(s_e, s_o, x, a, seg, scale, k_e, k_o, ell, t, T: tl.constexpr,
-                   DOT: tl.constexpr, FAST: tl.constexpr):
-    """The state [BP, N2B] (even/odd halves) at a chunk's end from the state at its start,
-    the chunk's x [T, BP] and biased, rotated k halves [T, N2B], rotated by -phi (the chunk's
-    total angle) into the next chunk's frame. Returns (s_e, s_o, phi [N2B])."""
+def _weights(a, scale, seg, T: tl.constexpr):
+    """Per-token weights of one chunk from a (in-chunk cumsum) and scale:
+    carry_t = exp(a_t) (0 after a reset), to_end_s = exp(a_last - a_s) (0 before the last
+    reset), w_state = to_end * scale, and the chunk's decay exp(a_last) (0 with a reset)."""
     a_last = _last(a, T)
     seg_last = tl.max(seg, axis=0)
-    to_end = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0)  # [T]
-    xw = tl.trans(x * (to_end * scale)[:, None])  # [BP, T]
+    carry = tl.where(seg == 0, tl.exp(a), 0.0)
+    to_end = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0)
     decay = tl.where(seg_last == 0, tl.exp(a_last), 0.0)
-    u_e = decay * s_e + _mm(xw, k_e, DOT)  # [BP, N2B]
-    u_o = decay * s_o + _mm(xw, k_o, DOT)
-    phi = tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0)  # [N2B]
-    cp, sp = _cos_sin(phi, FAST)
-    cp, sp = cp[None, :], sp[None, :]
-    return u_e * cp + u_o * sp, u_o * cp - u_e * sp, phi
+    return carry, to_end, to_end * scale, decay
 
 
 @triton.jit
-def _state_ptrs(S, bhc, p, N2B: tl.constexpr):
-    """Pointers of the even half of a [P, 2, N2B] state tile (the odd half is + N2B)."""
-    j = tl.arange(0, N2B)
-    return S + bhc.to(tl.int64) * (2 * N2B) + p[:, None] * (2 * N2B) + j[None, :]
+def _intra_weights(a, scale, gamma, seg, T: tl.constexpr):
+    """[T, T] W = exp(a_t - a_s) scale_s (s < t, same document) + gamma_t (s = t), and the
+    decay part exp(a_t - a_s) alone."""
+    t = tl.arange(0, T)
+    decay_tt = _decay_matrix(a, seg, T)
+    w = decay_tt * scale[None, :] + tl.where(t[:, None] == t[None, :], gamma[:, None], 0.0)
+    return w, decay_tt
+
+
+@triton.jit
+def _load_scalars(SC, row, n_sc):
+    """a, scale, gamma [T] of the chunk rows ``row`` (padded to whole chunks by _prep)."""
+    return tl.load(SC + row), tl.load(SC + n_sc + row), tl.load(SC + 2 * n_sc + row)
+
+
+@triton.jit
+def _load_rows(X, row, cols, NW: tl.constexpr):
+    """[T, cols] of a row-major [*, NW] buffer (QR, KR and the d(q, k) scratch)."""
+    return tl.load(X + row.to(tl.int64)[:, None] * NW + cols[None, :])
+
+
+@triton.jit
+def _state_offsets(bhc, p, cols, P, NW: tl.constexpr):
+    """Offsets [BP, cols] into a [*, P, NW] state buffer (halves layout) of chunk ``bhc``."""
+    return (bhc.to(tl.int64) * P + p[:, None]) * NW + cols[None, :]
+
+
+@triton.jit
+def _state_t(S, bhc, p, mp, cols, P, NW: tl.constexpr):
+    """The state tile of chunk ``bhc`` loaded transposed, [cols, BP] (0 past P)."""
+    return tl.load(S + (bhc.to(tl.int64) * P + p[None, :]) * NW + cols[:, None],
+                   mask=mp[None, :], other=0.0)
+
+
+@triton.jit
+def _tp(b, tok, h, p, s_b, s_l, s_h, s_p):
+    """Offsets [T, BP] of a [B, L, H, P] tensor."""
+    return b * s_b + tok[:, None] * s_l + h * s_h + p[None, :] * s_p
+
+
+@triton.jit
+def _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, sz_h, sz_p,
+                HAS_Z: tl.constexpr):
+    """(do, dy, z, sigmoid(z)) [T, BP] in float32: do = dy * silu(z), or dy without z."""
+    dy = tl.load(DY + _tp(b, tok, h, p, sy_b, sy_l, sy_h, sy_p), mask=mask, other=0.0)
+    dy = dy.to(tl.float32)
+    if HAS_Z:
+        z = tl.load(Z + _tp(b, tok, h, p, sz_b, sz_l, sz_h, sz_p), mask=mask, other=0.0)
+        z = z.to(tl.float32)
+        sig = tl.sigmoid(z)
+        return dy * z * sig, dy, z, sig
+    return dy, dy, dy, dy
+
+
+# -- per-head operands -----------------------------------------------------------------------
+@triton.jit
+def _prep(Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, QR, KR, SC, PHI,
+          sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n,
+          sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
+          sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
+          B, L, H, G, NC, NJ, N, R,
+          T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr,
+          PAIRED: tl.constexpr):
+    """One chunk of one head, JB pairs: QR, KR rows (halves layout), phi_c; the first pair
+    tile also writes a / scale / gamma."""
+    h, c, bj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = bj // NJ
+    pid_j = bj % NJ
+    g = h // (H // G)
+    t = tl.arange(0, T)
+    j = pid_j * JB + tl.arange(0, JB)
+    t0 = c * T
+    tok = t0 + t
+    live = tok < L
+    a, dt, _lam, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
+                                               sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
+    row = (b * H + h) * (NC * T) + tok  # rows padded to whole chunks
+    if pid_j == 0:
+        n_sc = B * H * NC * T
+        tl.store(SC + row, a)
+        tl.store(SC + n_sc + row, scale)
+        tl.store(SC + 2 * n_sc + row, gamma)
+    th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
+    ell = tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0)  # [T, JB]
+    tl.store(PHI + ((b * H + h) * NC + c) * N2B + j,
+             tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0))
+    cos, sin = _cos_sin(ell, FAST)
+    off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
+    bias_e, bias_o = _bias_pairs(QBIAS, h, j, N, sqb_h, sqb_n)
+    raw_e, raw_o = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, j, N, sq_n, PAIRED)
+    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
+    tl.store(QR + off, x_e.to(QR.dtype.element_ty))
+    tl.store(QR + off + N2B, x_o.to(QR.dtype.element_ty))
+    bias_e, bias_o = _bias_pairs(KBIAS, h, j, N, skb_h, skb_n)
+    raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, j, N, sk_n, PAIRED)
+    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
+    tl.store(KR + off, x_e.to(KR.dtype.element_ty))
+    tl.store(KR + off + N2B, x_o.to(KR.dtype.element_ty))
 
 
 # -- forward ---------------------------------------------------------------------------------
 @triton.jit
-def _fwd_state(K, V, ADT, DT, TRAP, ANG, KBIAS, RESET, SIN, SFIN, PHI,
-               sk_b, sk_l, sk_g, sk_n, sv_b, sv_l, sv_h, sv_p,
-               sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-               sg_b, sg_l, sg_h, sg_r, skb_h, skb_n,
-               L, H, G, NC, P, N, R,
-               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr,
-               HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
-               PAIRED: tl.constexpr):
-    pid_p, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = h // (H // G)
+def _state_fwd(V, KR, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p, B, L, H, NC, P,
+               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr,
+               HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
+    """Walks one head's chunks for a tile of JB pairs: stores S_in[c], then the final state.
+    S_in[c + 1] = rot(-phi_c)(decay_c S_in[c] + sum_s w_state_s x_s k_s^T)."""
+    pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tl.arange(0, T)
-    j = tl.arange(0, N2B)
-    p = pid_p * BP + tl.arange(0, BP)
-    mp = (p < P)[:, None]  # [BP, 1]
-    kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-    s_e = tl.zeros([BP, N2B], dtype=tl.float32)  # state entering the chunk, in its frame
-    s_o = tl.zeros([BP, N2B], dtype=tl.float32)
+    p = tl.arange(0, BP)
+    mp = p < P
+    j = pid_j * JB + tl.arange(0, JB)
+    n_sc = B * H * NC * T
+    s_e = tl.zeros([BP, JB], dtype=tl.float32)  # the state entering chunk c, in its frame
+    s_o = tl.zeros([BP, JB], dtype=tl.float32)
     for c in range(NC):
-        ptr = _state_ptrs(SIN, ((b * H + h) * NC + c) * P, p, N2B)
-        tl.store(ptr, s_e.to(SIN.dtype.element_ty), mask=mp)
-        tl.store(ptr + N2B, s_o.to(SIN.dtype.element_ty), mask=mp)
-        t0 = c * T
-        tok = t0 + t
-        live = tok < L
-        a, dt, _lam, _gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
-                                                  sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
-        seg = _segments(RESET, b, t0, L, T, HAS_RESET)
-        ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
-        cos, sin = _cos_sin(ell, FAST)
-        k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
-                                 kb_e, kb_o, cos, sin, N2B, PAIRED)
-        x = tl.load(V + b * sv_b + tok[:, None] * sv_l + h * sv_h + p[None, :] * sv_p,
-                    mask=live[:, None] & (p < P)[None, :], other=0.0).to(tl.float32)
-        s_e, s_o, phi = _advance_state(s_e, s_o, x, a, seg, scale, k_e, k_o, ell, t, T, DOT,
-                                       FAST)
-        if pid_p == 0:
-            tl.store(PHI + ((b * H + h) * NC + c) * N2B + j, phi)
-    ptr = _state_ptrs(SFIN, (b * H + h) * P, p, N2B)
-    tl.store(ptr, s_e, mask=mp)
-    tl.store(ptr + N2B, s_o, mask=mp)
+        bhc = (b * H + h) * NC + c
+        off = _state_offsets(bhc, p, j, P, 2 * N2B)
+        tl.store(SIN + off, s_e.to(SIN.dtype.element_ty), mask=mp[:, None])
+        tl.store(SIN + off + N2B, s_o.to(SIN.dtype.element_ty), mask=mp[:, None])
+        tok = c * T + t
+        row = (b * H + h) * (NC * T) + tok
+        a = tl.load(SC + row)
+        scale = tl.load(SC + n_sc + row)
+        seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
+        _carry, _to_end, w_state, decay = _weights(a, scale, seg, T)
+        x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p),
+                    mask=(tok < L)[:, None] & mp[None, :], other=0.0)
+        xw = tl.trans(x.to(tl.float32) * w_state[:, None])  # [BP, T]
+        u_e = decay * s_e + _mm(xw, _load_rows(KR, row, j, 2 * N2B), DOT)
+        u_o = decay * s_o + _mm(xw, _load_rows(KR, row, N2B + j, 2 * N2B), DOT)
+        cp, sp = _cos_sin(tl.load(PHI + bhc * N2B + j), FAST)
+        cp, sp = cp[None, :], sp[None, :]
+        s_e, s_o = u_e * cp + u_o * sp, u_o * cp - u_e * sp
+    off = _state_offsets(b * H + h, p, j, P, 2 * N2B)
+    tl.store(SFIN + off, s_e, mask=mp[:, None])
+    tl.store(SFIN + off + N2B, s_o, mask=mp[:, None])
 
 
 @triton.jit
-def _fwd_out(Q, K, V, Z, Y, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET, SIN,
-             sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n,
-             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p,
-             sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-             sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
-             L, H, G, NC, P, N, R,
+def _out_fwd(QR, KR, V, Z, Y, SC, DSKIP, RESET, SIN,
+             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, B, L, H, NC, P,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
-             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
-               PAIRED: tl.constexpr):
+             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
+    """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z)."""
     h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = h // (H // G)
     t0 = c * T
     tok = t0 + tl.arange(0, T)
     live = tok < L
     p = tl.arange(0, BP)
-    mask = live[:, None] & (p < P)[None, :]
-    a, dt, _lam, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
-                                              sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
+    mp = p < P
+    mask = live[:, None] & mp[None, :]
+    cols = tl.arange(0, 2 * N2B)
+    bhc = (b * H + h) * NC + c
+    row = (b * H + h) * (NC * T) + tok
+    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
     seg = _segments(RESET, b, t0, L, T, HAS_RESET)
-    ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
-    cos, sin = _cos_sin(ell, FAST)
-    qb_e, qb_o = _bias_pairs(QBIAS, h, N, sqb_h, sqb_n, N2B)
-    kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-    q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
-                             qb_e, qb_o, cos, sin, N2B, PAIRED)
-    k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
-                             kb_e, kb_o, cos, sin, N2B, PAIRED)
-
-    t = tl.arange(0, T)
-    w = _decay_matrix(a, seg, T) * scale[None, :] + tl.where(
-        t[:, None] == t[None, :], gamma[:, None], 0.0)
-    scores = (_mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)) * w  # [T, T]
-    x = tl.load(V + b * sv_b + tok[:, None] * sv_l + h * sv_h + p[None, :] * sv_p,
-                mask=mask, other=0.0).to(tl.float32)
-    ptr = _state_ptrs(SIN, ((b * H + h) * NC + c) * P, p, N2B)
-    s_e = tl.load(ptr, mask=(p < P)[:, None], other=0.0)
-    s_o = tl.load(ptr + N2B, mask=(p < P)[:, None], other=0.0)
-    carry = tl.where(seg == 0, tl.exp(a), 0.0)
-    inter = _mm(q_e, tl.trans(s_e), DOT) + _mm(q_o, tl.trans(s_o), DOT)  # [T, BP]
-    y = _mm(scores, x, DOT) + carry[:, None] * inter
+    carry, _to_end, _w_state, _decay = _weights(a, scale, seg, T)
+    w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
+    q = _load_rows(QR, row, cols, 2 * N2B)
+    scores = _mm(q, tl.trans(_load_rows(KR, row, cols, 2 * N2B)), DOT) * w  # [T, T]
+    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
+    s_t = _state_t(SIN, bhc, p, mp, cols, P, 2 * N2B)  # [NW, BP]
+    y = _mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
     if HAS_D:
-        y += tl.load(DSKIP + h).to(tl.float32) * x
+        y += tl.load(DSKIP + h).to(tl.float32) * x.to(tl.float32)
     if HAS_Z:
-        z = tl.load(Z + b * sz_b + tok[:, None] * sz_l + h * sz_h + p[None, :] * sz_p,
-                    mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + _tp(b, tok, h, p, sz_b, sz_l, sz_h, sz_p), mask=mask, other=0.0)
+        z = z.to(tl.float32)
         y = y * z * tl.sigmoid(z)
-    out = Y + ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
-    tl.store(out, y.to(Y.dtype.element_ty), mask=mask)
+    out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
+    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
 # -- backward --------------------------------------------------------------------------------
 @triton.jit
-def _bwd_dstate(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, RESET, GST, BND,
-                sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n,
-                sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-                sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-                sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
-                L, H, G, NC, NPT, P, N, R,
-                T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr,
-                HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
-               PAIRED: tl.constexpr):
-    """dS[c] = dL/dS_in[c] walking backwards; stores G_c = dL/dU_c = rot(dS[c+1], +phi_c)
-    and, per P tile, the first token's boundary term x_prev^T dS[c] kb_prev."""
-    pid_p, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = h // (H // G)
+def _state_bwd(QR, Z, DY, SC, PHI, RESET, GST,
+               sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, B, L, H, NC, P,
+               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr,
+               HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
+               FAST: tl.constexpr):
+    """dS[c] = dL/dS_in[c] walking backwards for a tile of JB pairs; stores
+    G_c = dL/dU_c = rot(-phi_c)^T dS[c + 1]."""
+    pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tl.arange(0, T)
-    j = tl.arange(0, N2B)
-    p = pid_p * BP + tl.arange(0, BP)
+    p = tl.arange(0, BP)
     mp = p < P
-    qb_e, qb_o = _bias_pairs(QBIAS, h, N, sqb_h, sqb_n, N2B)
-    kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-    ds_e = tl.zeros([BP, N2B], dtype=tl.float32)  # dL/dS_in[c + 1]
-    ds_o = tl.zeros([BP, N2B], dtype=tl.float32)
+    j = pid_j * JB + tl.arange(0, JB)
+    ds_e = tl.zeros([BP, JB], dtype=tl.float32)  # dL/dS_in[c + 1]
+    ds_o = tl.zeros([BP, JB], dtype=tl.float32)
     for i in range(NC):
         c = NC - 1 - i
-        t0 = c * T
-        tok = t0 + t
-        live = tok < L
-        mask = live[:, None] & mp[None, :]
-        a, dt, _lam, _gamma, _scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
-                                                  sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
-        seg = _segments(RESET, b, t0, L, T, HAS_RESET)
-        ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
-        phi = tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0)
-        cp, sp = _cos_sin(phi, FAST)
+        bhc = (b * H + h) * NC + c
+        cp, sp = _cos_sin(tl.load(PHI + bhc * N2B + j), FAST)
         cp, sp = cp[None, :], sp[None, :]
-        g_e = ds_e * cp - ds_o * sp  # the transpose of the forward's rotation by -phi
+        g_e = ds_e * cp - ds_o * sp
         g_o = ds_e * sp + ds_o * cp
-        ptr = _state_ptrs(GST, ((b * H + h) * NC + c) * P, p, N2B)
-        tl.store(ptr, g_e.to(GST.dtype.element_ty), mask=mp[:, None])
-        tl.store(ptr + N2B, g_o.to(GST.dtype.element_ty), mask=mp[:, None])
-
-        cos, sin = _cos_sin(ell, FAST)
-        q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
-                                 qb_e, qb_o, cos, sin, N2B, PAIRED)
-        dy = tl.load(DY + b * sy_b + tok[:, None] * sy_l + h * sy_h + p[None, :] * sy_p,
-                     mask=mask, other=0.0).to(tl.float32)
-        if HAS_Z:
-            z = tl.load(Z + b * sz_b + tok[:, None] * sz_l + h * sz_h + p[None, :] * sz_p,
-                        mask=mask, other=0.0).to(tl.float32)
-            dy = dy * z * tl.sigmoid(z)
-        carry = tl.where(seg == 0, tl.exp(a), 0.0)
-        do_t = tl.trans(dy * carry[:, None])  # [BP, T]
-        decay = tl.where(tl.max(seg, axis=0) == 0, tl.exp(_last(a, T)), 0.0)
-        ds_e = decay * g_e + _mm(do_t, q_e, DOT)
-        ds_o = decay * g_o + _mm(do_t, q_o, DOT)
-        # boundary: the previous chunk's last token enters S_in[c] with scale_prev, whose
-        # (1 - lambda) dt part belongs to this chunk's first token (0 for the first chunk)
-        prev = t0 - 1
-        has_prev = prev >= 0
-        x_prev = tl.load(V + b * sv_b + prev * sv_l + h * sv_h + p * sv_p,
-                         mask=mp & has_prev, other=0.0).to(tl.float32)
-        kp_e = tl.load(K + b * sk_b + prev * sk_l + g * sk_g + 2 * j * sk_n,
-                       mask=(2 * j < N) & has_prev, other=0.0).to(tl.float32) + kb_e
-        kp_o = tl.load(K + b * sk_b + prev * sk_l + g * sk_g + (2 * j + 1) * sk_n,
-                       mask=(2 * j + 1 < N) & has_prev, other=0.0).to(tl.float32) + kb_o
-        part = tl.sum(x_prev[:, None] * (ds_e * kp_e[None, :] + ds_o * kp_o[None, :]))
-        tl.store(BND + ((b * H + h) * NC + c) * NPT + pid_p, part)
+        off = _state_offsets(bhc, p, j, P, 2 * N2B)
+        tl.store(GST + off, g_e.to(GST.dtype.element_ty), mask=mp[:, None])
+        tl.store(GST + off + N2B, g_o.to(GST.dtype.element_ty), mask=mp[:, None])
+        tok = c * T + t
+        row = (b * H + h) * (NC * T) + tok
+        a = tl.load(SC + row)
+        seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
+        carry, _to_end, _w_state, decay = _weights(a, a, seg, T)
+        do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, (tok < L)[:, None] & mp[None, :],
+                                        sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, sz_h, sz_p, HAS_Z)
+        do_t = tl.trans(do * carry[:, None])  # [BP, T]
+        ds_e = decay * g_e + _mm(do_t, _load_rows(QR, row, j, 2 * N2B), DOT)
+        ds_o = decay * g_o + _mm(do_t, _load_rows(QR, row, N2B + j, 2 * N2B), DOT)
 
 
 @triton.jit
-def _bwd_intra(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET, SIN, GST,
-               DV, DZ, DO, DQK, SCAL, DDEC, DPHI, DDP,
-               sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n,
-               sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-               sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-               sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
-               B, L, H, G, NC, P, N, R,
-               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
-               HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-               FAST: tl.constexpr, PAIRED: tl.constexpr):
-    """One chunk of one head: dx, dz, dD, do (kept for _bwd_qk), d(q.k) [T, T] (kept), the
-    intra-chunk parts of the scalar grads, and the chunk's <G, S_in> terms."""
+def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
+            sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
+            B, L, H, NC, P,
+            T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
+            HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
+    """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD."""
     h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = h // (H // G)
     t0 = c * T
-    t = tl.arange(0, T)
-    tok = t0 + t
+    tok = t0 + tl.arange(0, T)
     live = tok < L
-    j = tl.arange(0, N2B)
     p = tl.arange(0, BP)
-    mask = live[:, None] & (p < P)[None, :]
+    mp = p < P
+    mask = live[:, None] & mp[None, :]
+    cols = tl.arange(0, 2 * N2B)
     bhc = (b * H + h) * NC + c
-    a, dt, _lam, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
-                                               sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
+    row = (b * H + h) * (NC * T) + tok
+    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
     seg = _segments(RESET, b, t0, L, T, HAS_RESET)
-    ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
-    cos, sin = _cos_sin(ell, FAST)
-    qb_e, qb_o = _bias_pairs(QBIAS, h, N, sqb_h, sqb_n, N2B)
-    q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
-                             qb_e, qb_o, cos, sin, N2B, PAIRED)
-    q_e, q_o = q_e.to(DOT), q_o.to(DOT)
-    kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-    k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
-                             kb_e, kb_o, cos, sin, N2B, PAIRED)
-    k_e, k_o = k_e.to(DOT), k_o.to(DOT)
-
-    seg_last = tl.max(seg, axis=0)
-    a_last = _last(a, T)
-    carry = tl.where(seg == 0, tl.exp(a), 0.0)
-    w_state = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0) * scale
-    decay_tt = _decay_matrix(a, seg, T)
-    w = decay_tt * scale[None, :] + tl.where(t[:, None] == t[None, :], gamma[:, None], 0.0)
-    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
-    scores = (qk * w).to(DOT)
-
-    x = tl.load(V + b * sv_b + tok[:, None] * sv_l + h * sv_h + p[None, :] * sv_p,
-                mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + b * sy_b + tok[:, None] * sy_l + h * sy_h + p[None, :] * sy_p,
-                 mask=mask, other=0.0).to(tl.float32)
-    ptr = _state_ptrs(SIN, bhc * P, p, N2B)
-    s_e = tl.load(ptr, mask=(p < P)[:, None], other=0.0)
-    s_o = tl.load(ptr + N2B, mask=(p < P)[:, None], other=0.0)
-    q_s = _mm(q_e, tl.trans(s_e), DOT) + _mm(q_o, tl.trans(s_o), DOT)  # [T, BP]
+    carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
+    w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
+    q = _load_rows(QR, row, cols, 2 * N2B)
+    k = _load_rows(KR, row, cols, 2 * N2B)
+    scores = _mm(q, tl.trans(k), DOT) * w  # [T, T]
+    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
+    do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
+                                 sz_b, sz_l, sz_h, sz_p, HAS_Z)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(DSKIP + h).to(tl.float32)
+        tl.store(DDP + bhc, tl.sum(do * x.to(tl.float32)))
+    out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     if HAS_Z:
-        z = tl.load(Z + b * sz_b + tok[:, None] * sz_l + h * sz_h + p[None, :] * sz_p,
-                    mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(z)
-        y_pre = _mm(scores, x, DOT) + carry[:, None] * q_s + d_skip * x
-        row = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
-        tl.store(DZ + row, (dy * y_pre * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty),
+        s_t = _state_t(SIN, bhc, p, mp, cols, P, 2 * N2B)  # [NW, BP]
+        y_pre = (_mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
+                 + d_skip * x.to(tl.float32))
+        tl.store(DZ + out, (dy * y_pre * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty),
                  mask=mask)
-        do = dy * z * sig
-    else:
-        do = dy
-    if HAS_D:
-        tl.store(DDP + bhc, tl.sum(do * x))
-    row = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
-    tl.store(DO + row, do.to(DO.dtype.element_ty), mask=mask)
-
-    # intra-chunk scalar parts: W = decay * scale (s < t) + gamma (s = t)
-    d_scores = _mm(do, tl.trans(x), DOT)  # [T, T]
-    tt = bhc.to(tl.int64) * T * T + t[:, None] * T + t[None, :]
-    tl.store(DQK + tt, (d_scores * w).to(DQK.dtype.element_ty))
-    d_w = d_scores * qk
-    z_dec = d_w * decay_tt
-    z_w = z_dec * scale[None, :]
-    sc = (b * L + tok) * H + h
-    n_sc = B * L * H
-    tl.store(SCAL + sc, tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1), mask=live)
-    tl.store(SCAL + n_sc + sc, tl.sum(z_dec, axis=0), mask=live)
-    d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * tl.sum(do * q_s, axis=1)
-    tl.store(SCAL + 2 * n_sc + sc, d_a, mask=live)
-
-    # dx: intra, skip, and x's use in the chunk state (G = dL/dU of this chunk)
-    ptr = _state_ptrs(GST, bhc * P, p, N2B)
-    g_e = tl.load(ptr, mask=(p < P)[:, None], other=0.0)
-    g_o = tl.load(ptr + N2B, mask=(p < P)[:, None], other=0.0)
-    k_g = _mm(k_e, tl.trans(g_e), DOT) + _mm(k_o, tl.trans(g_o), DOT)  # [T, BP]
-    dx = _mm(tl.trans(scores), do, DOT) + d_skip * do + w_state[:, None] * k_g
-    tl.store(DV + row, dx.to(DV.dtype.element_ty), mask=mask)
-    # <G, S_in> (the chunk decay's grad) and its pairwise cross terms (phi's grad)
-    g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
-    s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
-    tl.store(DDEC + bhc, tl.sum(g_e * s_e + g_o * s_o))
-    tl.store(DPHI + bhc * N2B + j, tl.sum(g_e * s_o - g_o * s_e, axis=0))
+    dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
+          + w_state[:, None] * _mm(k, _state_t(GST, bhc, p, mp, cols, P, 2 * N2B), DOT))
+    tl.store(DV + out, dx.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bwd_qk(Q, K, V, ADT, DT, TRAP, ANG, QBIAS, KBIAS, RESET, SIN, GST, BND, DO, DQK, SCAL,
-            DDEC, DPHI, DQP, DKP, DQBP, DKBP, DADT, DDT, DTRAP, DANG,
-            sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sv_b, sv_l, sv_h, sv_p,
-            sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-            sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
-            B, L, H, G, NC, NPT, P, N, R, HB,
-            T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, NPTB: tl.constexpr,
-            HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
-               PAIRED: tl.constexpr):
-    """One chunk of a block of heads sharing q/k: dq, dk summed over the block in registers,
-    the per-head bias grads, and the final adt / dt / trap / angles grads."""
-    pid_hg, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    heads_per_group = H // G
-    nhb = heads_per_group // HB
-    g = pid_hg // nhb
-    hb = pid_hg % nhb
+def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DPHI, DADT, DSG,
+             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
+             B, L, H, NC, P,
+             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_Z: tl.constexpr,
+             HAS_RESET: tl.constexpr, DOT: tl.constexpr):
+    """One chunk of one head: d(q, k) in the rotated frame (stored), d phi_c, the adt grad,
+    and d scale / d gamma (DSG) for the host's dt and trap grads."""
+    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = c * T
     t = tl.arange(0, T)
     tok = t0 + t
     live = tok < L
-    j = tl.arange(0, N2B)
     p = tl.arange(0, BP)
-    mask = live[:, None] & (p < P)[None, :]
-    is_last = t == T - 1
+    mp = p < P
+    mask = live[:, None] & mp[None, :]
+    j = tl.arange(0, N2B)
+    bhc = (b * H + h) * NC + c
+    row = (b * H + h) * (NC * T) + tok
+    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
     seg = _segments(RESET, b, t0, L, T, HAS_RESET)
-    seg_last = tl.max(seg, axis=0)
-    n_sc = B * L * H
-    dq_acc_e = tl.zeros([T, N2B], dtype=tl.float32)
-    dq_acc_o = tl.zeros([T, N2B], dtype=tl.float32)
-    dk_acc_e = tl.zeros([T, N2B], dtype=tl.float32)
-    dk_acc_o = tl.zeros([T, N2B], dtype=tl.float32)
+    carry, to_end, w_state, decay = _weights(a, scale, seg, T)
+    w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
+    q_e = _load_rows(QR, row, j, 2 * N2B)
+    q_o = _load_rows(QR, row, N2B + j, 2 * N2B)
+    k_e = _load_rows(KR, row, j, 2 * N2B)
+    k_o = _load_rows(KR, row, N2B + j, 2 * N2B)
+    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
+    do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
+                                    sz_b, sz_l, sz_h, sz_p, HAS_Z)
+    s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
+    s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
+    s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
+    g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
+    g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
+
+    # dq: intra + the carried state's read-out
+    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
+    d_scores = _mm(do, tl.trans(x), DOT)
+    d_qk = d_scores * w
+    d_w = d_scores * qk
+    dos_e = _mm(do, s_e, DOT)  # [T, N2B]
+    dos_o = _mm(do, s_o, DOT)
+    off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
+    tl.store(DQR + off, (_mm(d_qk, k_e, DOT) + carry[:, None] * dos_e).to(DQR.dtype.element_ty))
+    tl.store(DQR + off + N2B,
+             (_mm(d_qk, k_o, DOT) + carry[:, None] * dos_o).to(DQR.dtype.element_ty))
+    # q_t . (do_t S_in) = do_t . (q_t S_in^T): the carried read-out's share of d a_t
+    q_s = tl.sum(q_e.to(tl.float32) * dos_e + q_o.to(tl.float32) * dos_o, axis=1)
+
+    # dk: intra + k's use in the chunk state (m = x^T G per token)
+    m_e = _mm(x, g_e, DOT)  # [T, N2B]
+    m_o = _mm(x, g_o, DOT)
+    d_qk_t = tl.trans(d_qk)
+    tl.store(DKR + off, (_mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e).to(DKR.dtype.element_ty))
+    tl.store(DKR + off + N2B,
+             (_mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o).to(DKR.dtype.element_ty))
+    kf_e, kf_o = k_e.to(tl.float32), k_o.to(tl.float32)
+    mk = tl.sum(m_e * kf_e + m_o * kf_o, axis=1)  # x_s^T G k_s
+
+    # the state's rotation by -phi: d phi_c (pairwise cross terms), and <G, S_in>
+    g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
+    s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
+    d_phi = (tl.sum(w_state[:, None] * (m_e * kf_o - m_o * kf_e), axis=0)
+             + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
+    tl.store(DPHI + bhc * N2B + j, d_phi)
+    d_dec = tl.sum(g_e * s_e + g_o * s_o)
+
+    # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
+    z_dec = d_w * decay_tt
+    z_w = z_dec * scale[None, :]
+    w_mk = w_state * mk
+    d_scale = tl.sum(z_dec, axis=0) + to_end * mk
+    d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * q_s - w_mk
+    d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
+    sc = (b * L + tok) * H + h
+    tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
+    tl.store(DSG + sc, d_scale, mask=live)
+    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1) + d_scale
+    tl.store(DSG + B * L * H + sc, d_gamma, mask=live)
+
+
+@triton.jit
+def _bwd_post(Q, K, DT, ANG, QBIAS, KBIAS, DQR, DKR, DPHI, DQ, DK, DQB, DKB, DANG, DDTA,
+              sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sd_b, sd_l, sd_h,
+              sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
+              B, L, H, G, NC, N, R, HB,
+              T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr):
+    """One chunk, JB pairs, HB heads of one q/k group: un-rotates each head's d(q, k) and sums
+    it (a partial dq, dk per head block), with each head's bias grads, angle grads and dt's
+    angle part."""
+    c, pid_j, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nhb = H // G // HB  # head blocks per group
+    b = pid // (G * nhb)
+    g = (pid // nhb) % G
+    hb = pid % nhb
+    t = tl.arange(0, T)
+    tok = c * T + t
+    live = tok < L
+    j = pid_j * JB + tl.arange(0, JB)
+    raw_qe, raw_qo = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, j, N, sq_n)
+    raw_ke, raw_ko = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, j, N, sk_n)
+    dq_acc_e = tl.zeros([T, JB], dtype=tl.float32)
+    dq_acc_o = tl.zeros([T, JB], dtype=tl.float32)
+    dk_acc_e = tl.zeros([T, JB], dtype=tl.float32)
+    dk_acc_o = tl.zeros([T, JB], dtype=tl.float32)
     for i in range(HB):
-        h = g * heads_per_group + hb * HB + i
+        h = (g * nhb + hb) * HB + i
         bhc = (b * H + h) * NC + c
-        a, dt, lam, _gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l,
-                                                   sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
-        ell, _th = _local_angle(ANG, dt, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)
-        cos, sin = _cos_sin(ell, FAST)
-        qb_e, qb_o = _bias_pairs(QBIAS, h, N, sqb_h, sqb_n, N2B)
-        q_e, q_o = _load_rotated(Q, b * sq_b + tok * sq_l + g * sq_g, live, N, sq_n,
-                                 qb_e, qb_o, cos, sin, N2B, PAIRED)
-        q_e, q_o = q_e.to(DOT), q_o.to(DOT)
-        kb_e, kb_o = _bias_pairs(KBIAS, h, N, skb_h, skb_n, N2B)
-        k_e, k_o = _load_rotated(K, b * sk_b + tok * sk_l + g * sk_g, live, N, sk_n,
-                                 kb_e, kb_o, cos, sin, N2B, PAIRED)
-        k_e, k_o = k_e.to(DOT), k_o.to(DOT)
-        a_last = _last(a, T)
-        carry = tl.where(seg == 0, tl.exp(a), 0.0)
-        to_end = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0)
-        w_state = to_end * scale
-        decay = tl.where(seg_last == 0, tl.exp(a_last), 0.0)
-        tt = bhc.to(tl.int64) * T * T + t[:, None] * T + t[None, :]
-        d_qk = tl.load(DQK + tt)  # [T, T]
-        row = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
-
-        # dq (rotated frame): intra + the carried state's read-out
-        do = tl.load(DO + row, mask=mask, other=0.0)
-        ptr = _state_ptrs(SIN, bhc * P, p, N2B)
-        s_e = tl.load(ptr, mask=(p < P)[:, None], other=0.0)
-        s_o = tl.load(ptr + N2B, mask=(p < P)[:, None], other=0.0)
-        dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * _mm(do, s_e, DOT)
-        dq_o = _mm(d_qk, k_o, DOT) + carry[:, None] * _mm(do, s_o, DOT)
-        qf_e, qf_o = q_e.to(tl.float32), q_o.to(tl.float32)
-        d_ell = qf_e * dq_o - qf_o * dq_e
-        dqb_e = tl.where(live[:, None], dq_e * cos + dq_o * sin, 0.0)
-        dqb_o = tl.where(live[:, None], dq_o * cos - dq_e * sin, 0.0)
-        bias_ptr = ((b * NC + c) * H + h) * N + 2 * j
-        tl.store(DQBP + bias_ptr, tl.sum(dqb_e, axis=0), mask=2 * j < N)
-        tl.store(DQBP + bias_ptr + 1, tl.sum(dqb_o, axis=0), mask=2 * j + 1 < N)
-        dq_acc_e += dqb_e
-        dq_acc_o += dqb_o
-
-        # dk (rotated frame): intra + k's use in the chunk state (m = x^T G per token)
-        x = tl.load(V + b * sv_b + tok[:, None] * sv_l + h * sv_h + p[None, :] * sv_p,
-                    mask=mask, other=0.0)
-        ptr = _state_ptrs(GST, bhc * P, p, N2B)
-        m_e = _mm(x, tl.load(ptr, mask=(p < P)[:, None], other=0.0), DOT)  # [T, N2B]
-        m_o = _mm(x, tl.load(ptr + N2B, mask=(p < P)[:, None], other=0.0), DOT)
-        kf_e, kf_o = k_e.to(tl.float32), k_o.to(tl.float32)
-        mk = tl.sum(m_e * kf_e + m_o * kf_o, axis=1)  # x_s^T G k_s
-        d_phi = tl.sum(w_state[:, None] * (m_e * kf_o - m_o * kf_e), axis=0)
-        d_phi += decay * tl.load(DPHI + bhc * N2B + j)
-        d_qk_t = tl.trans(d_qk)
-        dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
-        dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
-        d_ell += kf_e * dk_o - kf_o * dk_e
-        dkb_e = tl.where(live[:, None], dk_e * cos + dk_o * sin, 0.0)
-        dkb_o = tl.where(live[:, None], dk_o * cos - dk_e * sin, 0.0)
-        tl.store(DKBP + bias_ptr, tl.sum(dkb_e, axis=0), mask=2 * j < N)
-        tl.store(DKBP + bias_ptr + 1, tl.sum(dkb_o, axis=0), mask=2 * j + 1 < N)
-        dk_acc_e += dkb_e
-        dk_acc_o += dkb_o
-
-        # scalars: a (-> adt), gamma and scale (-> dt, trap); intra parts from _bwd_intra
-        sc = (b * L + tok) * H + h
-        wmk = w_state * mk
-        d_scale = tl.load(SCAL + n_sc + sc, mask=live, other=0.0) + to_end * mk
-        d_gamma = tl.load(SCAL + sc, mask=live, other=0.0) + d_scale
-        d_a = tl.load(SCAL + 2 * n_sc + sc, mask=live, other=0.0) - wmk
-        d_a += tl.where(is_last, tl.sum(wmk, axis=0) + tl.load(DDEC + bhc) * decay, 0.0)
-        tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
-        # d(1 - lambda_t) dt_t = d scale_{t-1}; the first token's comes from the state pass
-        bnd_i = tl.arange(0, NPTB)
-        bnd = tl.sum(tl.load(BND + bhc * NPT + bnd_i, mask=bnd_i < NPT, other=0.0), axis=0)
-        d_prev = tl.sum(tl.where(t[None, :] == t[:, None] - 1, d_scale[None, :], 0.0), axis=1)
-        d_prev = tl.where(t == 0, bnd, d_prev)
+        dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0)
+        dt = dt.to(tl.float32)
+        th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
+        cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
+        row = (b * H + h) * (NC * T) + tok
+        dq_e = _load_rows(DQR, row, j, 2 * N2B).to(tl.float32)
+        dq_o = _load_rows(DQR, row, N2B + j, 2 * N2B).to(tl.float32)
+        dk_e = _load_rows(DKR, row, j, 2 * N2B).to(tl.float32)
+        dk_o = _load_rows(DKR, row, N2B + j, 2 * N2B).to(tl.float32)
         # angles: d ell from the rotations, d phi (the state's rotation) at the chunk's end
-        d_ell += tl.where(is_last[:, None], d_phi[None, :], 0.0)
-        d_rate_dt = tl.cumsum(d_ell, axis=0, reverse=True)  # d(pi tanh(angle) dt)
-        th = _angle_tanh(ANG, b, h, t0, L, R, sg_b, sg_l, sg_h, sg_r, T, N2B)  # (reloaded)
-        d_dt = d_gamma * lam + d_prev * (1.0 - lam)
-        d_dt += tl.sum(d_rate_dt * 3.141592653589793 * th, axis=1)
-        tl.store(DDT + sc, d_dt, mask=live)
-        tl.store(DTRAP + sc, (d_gamma - d_prev) * dt * lam * (1.0 - lam), mask=live)
-        d_ang = d_rate_dt * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
-        tl.store(DANG + sc[:, None].to(tl.int64) * R + j[None, :],
+        bias_e, bias_o = _bias_pairs(QBIAS, h, j, N, sqb_h, sqb_n)
+        x_e, x_o = _biased_rotated(raw_qe, raw_qo, bias_e, bias_o, live, cos, sin)
+        d_ell = x_e * dq_o - x_o * dq_e
+        bias_e, bias_o = _bias_pairs(KBIAS, h, j, N, skb_h, skb_n)
+        x_e, x_o = _biased_rotated(raw_ke, raw_ko, bias_e, bias_o, live, cos, sin)
+        d_ell += x_e * dk_o - x_o * dk_e
+        d_ell += tl.where((t == T - 1)[:, None], tl.load(DPHI + bhc * N2B + j)[None, :], 0.0)
+        d_rate = tl.cumsum(d_ell, axis=0, reverse=True)  # d(pi tanh(angle) dt)
+        sc = (b * L + tok) * H + h
+        d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
+        tl.store(DANG + sc.to(tl.int64)[:, None] * R + j[None, :],
                  d_ang.to(DANG.dtype.element_ty), mask=live[:, None] & (j < R)[None, :])
-    rows = ((hb * B + b) * L + tok).to(tl.int64) * G + g
-    ptr = rows[:, None] * N + 2 * j[None, :]
-    me = live[:, None] & (2 * j < N)[None, :]
-    mo = live[:, None] & (2 * j + 1 < N)[None, :]
-    tl.store(DQP + ptr, dq_acc_e, mask=me)
-    tl.store(DQP + ptr + 1, dq_acc_o, mask=mo)
-    tl.store(DKP + ptr, dk_acc_e, mask=me)
-    tl.store(DKP + ptr + 1, dk_acc_o, mask=mo)
+        tl.store(DDTA + pid_j * (B * L * H) + sc,
+                 tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
+        # back to the unrotated frame: the bias grads, and dq, dk summed over the heads
+        x_e = tl.where(live[:, None], dq_e * cos + dq_o * sin, 0.0)
+        x_o = tl.where(live[:, None], dq_o * cos - dq_e * sin, 0.0)
+        bias = ((b * NC + c) * H + h) * N + 2 * j
+        tl.store(DQB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
+        tl.store(DQB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
+        dq_acc_e += x_e
+        dq_acc_o += x_o
+        x_e = tl.where(live[:, None], dk_e * cos + dk_o * sin, 0.0)
+        x_o = tl.where(live[:, None], dk_o * cos - dk_e * sin, 0.0)
+        tl.store(DKB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
+        tl.store(DKB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
+        dk_acc_e += x_e
+        dk_acc_o += x_o
+    out = (((hb * B + b) * L + tok) * G + g).to(tl.int64)[:, None] * N + 2 * j[None, :]
+    m_e = live[:, None] & (2 * j < N)[None, :]
+    m_o = live[:, None] & (2 * j + 1 < N)[None, :]
+    tl.store(DQ + out, dq_acc_e, mask=m_e)
+    tl.store(DQ + out + 1, dq_acc_o, mask=m_o)
+    tl.store(DK + out, dk_acc_e, mask=m_e)
+    tl.store(DK + out + 1, dk_acc_o, mask=m_o)
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -643,9 +636,9 @@ class _Geometry(NamedTuple):
     NC: int  # chunks
     BP: int  # P padded to a power of two (>= 16)
     N2B: int  # N / 2 pairs padded to a power of two (>= 16)
-    BPS: int  # P tile of the two sequential kernels
-    NPT: int  # P tiles of the sequential kernels
-    HB: int  # heads per program of _bwd_qk
+    JB: int  # pairs per program of the sequential kernels (NJ = N2B // JB tiles)
+    JP: int  # pairs per program of _bwd_post
+    HB: int  # heads per program of _bwd_post
 
 
 def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometry:
@@ -657,24 +650,19 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
     if P > MAX_HEADDIM or N > MAX_D_STATE:
         raise MegaCppError(f"mamba3_scan triton: needs headdim <= {MAX_HEADDIM} and d_state <= "
                            f"{MAX_D_STATE}, got {P} and {N} (use the reference)")
-    if max(v.numel(), angles.numel(), q.numel()) >= 2**31:
-        raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
-                           "supported (32-bit offsets); split the batch")
-    BP = max(16, triton.next_power_of_2(P))
     N2B = max(16, triton.next_power_of_2((N + 1) // 2))
-    BPS = min(BP, TUNING["state_bp"])
-    per_group = H // G
-    HB = max(d for d in range(1, min(per_group, TUNING["main_heads"]) + 1) if per_group % d == 0)
     T = min(chunk_size, TUNING["max_chunk"])  # any chunking computes the same function
     if v.dtype == torch.float32:
         T = min(T, 32)  # float32 operands of 64-token chunks overflow shared memory
-    return _Geometry(B, L, H, G, P, N, R, T, triton.cdiv(L, T), BP, N2B, BPS,
-                     triton.cdiv(P, BPS), HB)
-
-
-def _paired(geo: _Geometry, q: Tensor, k: Tensor) -> bool:
-    """Whether q/k rows load as one contiguous [T, N] block (N fills the pair tile)."""
-    return geo.N == 2 * geo.N2B and q.stride(-1) == 1 and k.stride(-1) == 1
+    NC = triton.cdiv(L, T)
+    if max(v.numel(), angles.numel(), q.numel(), B * H * NC * T * 2 * N2B) >= 2**31:
+        raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
+                           "supported (32-bit offsets); split the batch")
+    per_group = H // G
+    HB = max(d for d in range(1, min(per_group, TUNING["post_heads"]) + 1) if per_group % d == 0)
+    BP = max(16, triton.next_power_of_2(P), TUNING["min_bp"] if T == 64 else 16)
+    return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B,
+                     min(N2B, TUNING["pairs"]), min(N2B, TUNING["tile_pairs"]), HB)
 
 
 def _launch(kernel: str) -> dict[str, int]:
@@ -682,8 +670,8 @@ def _launch(kernel: str) -> dict[str, int]:
 
 
 def _precision(v: Tensor) -> tuple[torch.dtype, tl.dtype, bool]:
-    """(state storage dtype, matmul operand dtype, fast trig): float32 with accurate trig for
-    float32 v; else bf16 with the hardware sin/cos (not in the CPU interpreter)."""
+    """(operand storage dtype, matmul operand dtype, fast trig): float32 with accurate trig
+    for float32 v; else bf16 with the hardware sin/cos (not in the CPU interpreter)."""
     if v.dtype == torch.float32:
         return torch.float32, tl.float32, False
     return torch.bfloat16, tl.bfloat16, v.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
@@ -693,10 +681,39 @@ def _strides(t: Tensor | None, ndim: int) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * ndim
 
 
+class _Operands(NamedTuple):
+    """What _prep writes: per-head rotated q/k (halves layout), a / scale / gamma, phi."""
+
+    qr: Tensor  # [B, H, NC * T, 2 * N2B]
+    kr: Tensor
+    sc: Tensor  # [3, B, H, NC * T] float32
+    phi: Tensor  # [B, H, NC, N2B] float32
+
+
+def _prep_operands(geo: _Geometry, args: tuple, st: dict, dtype: torch.dtype,
+                   fast: bool) -> _Operands:
+    q, k, v, adt, dt, trap, angles, q_bias, k_bias, _D, _z, _rst = args
+    B, L, H, G, _P, N, R, T, NC = geo[:9]
+    dev = v.device
+    qr = torch.empty(B, H, NC * T, 2 * geo.N2B, device=dev, dtype=dtype)
+    kr = torch.empty_like(qr)
+    sc = torch.empty(3, B, H, NC * T, device=dev, dtype=torch.float32)
+    phi = torch.empty(B, H, NC, geo.N2B, device=dev, dtype=torch.float32)
+    jb = min(geo.N2B, TUNING["prep_pairs"])
+    nj = geo.N2B // jb
+    _prep[(H, NC, B * nj)](
+        q, k, adt, dt, trap, angles, q_bias, k_bias, qr, kr, sc, phi,
+        *st["q"], *st["k"], *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["qb"],
+        *st["kb"], B, L, H, G, NC, nj, N, R, T=T, N2B=geo.N2B, JB=jb, FAST=fast,
+        PAIRED=nj == 1 and N == 2 * geo.N2B and q.stride(-1) == 1 and k.stride(-1) == 1,
+        **_launch("prep"))
+    return _Operands(qr, kr, sc, phi)
+
+
 def _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias) -> dict[str, tuple]:
     return {"q": _strides(q, 4), "k": _strides(k, 4), "v": _strides(v, 4), "z": _strides(z, 4),
-                "adt": _strides(adt, 3), "dt": _strides(dt, 3), "trap": _strides(trap, 3),
-                "ang": _strides(angles, 4), "qb": _strides(q_bias, 2), "kb": _strides(k_bias, 2)}
+            "adt": _strides(adt, 3), "dt": _strides(dt, 3), "trap": _strides(trap, 3),
+            "ang": _strides(angles, 4), "qb": _strides(q_bias, 2), "kb": _strides(k_bias, 2)}
 
 
 def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Tensor,
@@ -713,135 +730,111 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
     return Mamba3ScanState(angle, ssm, _rotate(k_last, angle), v[:, L - 1].float())
 
 
-def _forward_chunked(geo: _Geometry, args: tuple, st: dict, y: Tensor, s_in: Tensor,
-                     s_fin: Tensor, phi: Tensor, dot, fast: bool) -> None:
-    """_fwd_state then _fwd_out (the chunk-parallel forward)."""
-    q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
-    B, L, H, G, P, N, R, T, NC = geo[:9]
-    _fwd_state[(geo.NPT, H, B)](
-        k, v, adt, dt, trap, angles, k_bias, rst, s_in, s_fin, phi,
-        *st["k"], *st["v"], *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["kb"],
-        L, H, G, NC, P, N, R, T=T, BP=geo.BPS, N2B=geo.N2B,
-        HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k), **_launch("fwd_state"))
-    _fwd_out[(H, NC, B)](
-        q, k, v, z, y, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in,
-        *st["q"], *st["k"], *st["v"], *st["z"], *st["adt"], *st["dt"], *st["trap"],
-        *st["ang"], *st["qb"], *st["kb"],
-        L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
-        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
-        **_launch("fwd_out"))
+def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
+             fast: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """_state_fwd then _out_fwd: y, S_in, the final state [B, H, P, 2, N2B]."""
+    v, D, z, rst = args[2], args[9], args[10], args[11]
+    B, L, H, P, T, NC = geo.B, geo.L, geo.H, geo.P, geo.T, geo.NC
+    dev = v.device
+    s_in = torch.empty(B, H, NC, P, 2, geo.N2B, device=dev, dtype=ops.qr.dtype)
+    s_fin = torch.empty(B, H, P, 2, geo.N2B, device=dev, dtype=torch.float32)
+    _state_fwd[(geo.N2B // geo.JB, H, B)](
+        v, ops.kr, ops.sc, ops.phi, rst, s_in, s_fin, *st["v"], B, L, H, NC, P,
+        T=T, BP=geo.BP, N2B=geo.N2B, JB=geo.JB, HAS_RESET=rst is not None, DOT=dot,
+        FAST=fast, **_launch("state_fwd"))
+    y = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
+    _out_fwd[(H, NC, B)](
+        ops.qr, ops.kr, v, z, y, ops.sc, D, rst, s_in, *st["v"], *st["z"], B, L, H, NC, P,
+        T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_RESET=rst is not None, DOT=dot, **_launch("out_fwd"))
+    return y, s_in, s_fin
 
 
-def _forward_seq(geo: _Geometry, args: tuple, st: dict, y: Tensor, s_in: Tensor,
-                 s_fin: Tensor, phi: Tensor, dot, fast: bool) -> None:
-    """One fused sequential kernel per (head, row): triton_seq._fwd_seq."""
-    from megacpp.kernels.ops.mamba3_scan.triton_seq import _fwd_seq
-
-    q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
-    B, L, H, G, P, N, R, T, NC = geo[:9]
-    _fwd_seq[(H, B)](
-        q, k, v, z, y, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in, s_fin, phi,
-        *st["q"], *st["k"], *st["v"], *st["z"], *st["adt"], *st["dt"], *st["trap"],
-        *st["ang"], *st["qb"], *st["kb"],
-        L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
-        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast,
-        PAIRED=_paired(geo, q, k), **_launch("fwd_seq"))
-
-
-def _backward_chunked(geo: _Geometry, args: tuple, st: dict, dy: Tensor, s_in: Tensor, dot,
-                      fast: bool) -> tuple:
-    """_bwd_dstate, _bwd_intra, _bwd_qk (the chunk-parallel backward); the input grads."""
+def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
+              s_in: Tensor, dot, fast: bool) -> tuple:
+    """_state_bwd, _bwd_dx, _bwd_dqk, _bwd_post; the input grads."""
     q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
     B, L, H, G, P, N, R, T, NC = geo[:9]
     dev = v.device
-    g_st = torch.empty_like(s_in)
-    bnd = torch.zeros(B, H, NC, geo.NPT, device=dev, dtype=torch.float32)
-    _bwd_dstate[(geo.NPT, H, B)](
-        q, k, v, z, dy, adt, dt, trap, angles, q_bias, k_bias, rst, g_st, bnd,
-        *st["q"], *st["k"], *st["v"], *st["z"], *dy.stride(), *st["adt"], *st["dt"],
-        *st["trap"], *st["ang"], *st["qb"], *st["kb"],
-        L, H, G, NC, geo.NPT, P, N, R, T=T, BP=geo.BPS, N2B=geo.N2B,
-        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
-        **_launch("bwd_dstate"))
-
-    state_dtype = s_in.dtype
     f32 = {"device": dev, "dtype": torch.float32}
+    shape = {"T": T, "BP": geo.BP, "N2B": geo.N2B, "HAS_Z": z is not None,
+             "HAS_RESET": rst is not None, "DOT": dot}
+    strides = (*st["v"], *st["z"], *dy.stride())
+    g_st = torch.empty_like(s_in)
+    _state_bwd[(geo.N2B // geo.JB, H, B)](
+        ops.qr, z, dy, ops.sc, ops.phi, rst, g_st, *st["z"], *dy.stride(), B, L, H, NC, P,
+        JB=geo.JB, FAST=fast, **shape, **_launch("state_bwd"))
+
     dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
-    do = torch.empty(B, L, H, P, device=dev, dtype=state_dtype)
-    d_qk = torch.empty(B, H, NC, T, T, device=dev, dtype=state_dtype)
-    scal = torch.empty(3, B, L, H, **f32)  # intra parts: d gamma, d scale, d a
-    d_dec = torch.empty(B, H, NC, **f32)
-    d_phi = torch.empty(B, H, NC, geo.N2B, **f32)
     dd_part = torch.empty(B, H, NC, **f32)
-    _bwd_intra[(H, NC, B)](
-        q, k, v, z, dy, adt, dt, trap, angles, q_bias, k_bias, D, rst, s_in, g_st,
-        dv, dz, do, d_qk, scal, d_dec, d_phi, dd_part,
-        *st["q"], *st["k"], *st["v"], *st["z"], *dy.stride(), *st["adt"], *st["dt"],
-        *st["trap"], *st["ang"], *st["qb"], *st["kb"],
-        B, L, H, G, NC, P, N, R, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None,
-        HAS_Z=z is not None, HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k),
-        **_launch("bwd_intra"))
+    _bwd_dx[(H, NC, B)](
+        ops.qr, ops.kr, v, z, dy, ops.sc, D, rst, s_in, g_st, dv, dz, dd_part, *strides,
+        B, L, H, NC, P, HAS_D=D is not None, **shape, **_launch("bwd_dx"))
+
+    dqr = torch.empty_like(ops.qr)  # d(q, k) per head in the rotated frame
+    dkr = torch.empty_like(ops.kr)
+    d_phi = torch.empty(B, H, NC, geo.N2B, **f32)
+    dadt = torch.empty(B, L, H, **f32)
+    d_sg = torch.empty(2, B, L, H, **f32)  # d scale, d gamma
+    _bwd_dqk[(H, NC, B)](
+        ops.qr, ops.kr, v, z, dy, ops.sc, rst, s_in, g_st, dqr, dkr, d_phi, dadt, d_sg,
+        *strides, B, L, H, NC, P, **shape, **_launch("bwd_dqk"))
 
     nhb = H // G // geo.HB
+    nj = geo.N2B // geo.JP
     dq_part = torch.empty(nhb, B, L, G, N, **f32)
     dk_part = torch.empty(nhb, B, L, G, N, **f32)
     dqb_part = torch.empty(B, NC, H, N, **f32)
     dkb_part = torch.empty(B, NC, H, N, **f32)
-    dadt = torch.empty(B, L, H, **f32)
-    ddt = torch.empty(B, L, H, **f32)
-    dtrap = torch.empty(B, L, H, **f32)
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
-    _bwd_qk[(G * nhb, NC, B)](
-        q, k, v, adt, dt, trap, angles, q_bias, k_bias, rst, s_in, g_st, bnd, do, d_qk,
-        scal, d_dec, d_phi, dq_part, dk_part, dqb_part, dkb_part, dadt, ddt, dtrap, dang,
-        *st["q"], *st["k"], *st["v"],
-        *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["qb"], *st["kb"],
-        B, L, H, G, NC, geo.NPT, P, N, R, geo.HB,
-        T=T, BP=geo.BP, N2B=geo.N2B, NPTB=max(2, triton.next_power_of_2(geo.NPT)),
-        HAS_RESET=rst is not None, DOT=dot, FAST=fast, PAIRED=_paired(geo, q, k), **_launch("bwd_qk"))
-    dq = dq_part.sum(0).to(q.dtype)
-    dk = dk_part.sum(0).to(k.dtype)
+    ddt_angle = torch.empty(nj, B, L, H, **f32)
+    _bwd_post[(NC, nj, B * G * nhb)](
+        q, k, dt, angles, q_bias, k_bias, dqr, dkr, d_phi, dq_part, dk_part, dqb_part, dkb_part,
+        dang, ddt_angle, *st["q"], *st["k"], *st["dt"], *st["ang"], *st["qb"], *st["kb"],
+        B, L, H, G, NC, N, R, geo.HB, T=T, N2B=geo.N2B, JB=geo.JP, FAST=fast,
+        **_launch("bwd_post"))
+
+    # dt and trap: gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t
+    d_scale, d_gamma = d_sg.unbind(0)
+    d_prev = torch.nn.functional.pad(d_scale[:, :-1], (0, 0, 1, 0))  # d scale_{t-1}
+    lam = torch.sigmoid(trap.float())
+    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle.sum(0)
+    dtrap = (d_gamma - d_prev) * dt.float() * lam * (1 - lam)
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
-    return (dq, dk, dv, dadt.to(adt.dtype), ddt.to(dt.dtype), dtrap.to(trap.dtype),
-            dqb_part.sum((0, 1)).to(q_bias.dtype), dkb_part.sum((0, 1)).to(k_bias.dtype),
-            dang, dD, dz, None, None)
-
-
+    return (dq_part.sum(0).to(q.dtype), dk_part.sum(0).to(k.dtype), dv, dadt.to(adt.dtype),
+            ddt.to(dt.dtype), dtrap.to(trap.dtype), dqb_part.sum((0, 1)).to(q_bias.dtype),
+            dkb_part.sum((0, 1)).to(k_bias.dtype), dang, dD, dz, None, None)
 
 
 class _Mamba3ScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, reset, chunk_size):
         geo = _geometry(q, v, angles, chunk_size)
-        B, L, H, P, NC = geo.B, geo.L, geo.H, geo.P, geo.NC
-        state_dtype, dot, fast = _precision(v)
-        dev = v.device
-        s_in = torch.empty(B, H, NC, P, 2, geo.N2B, device=dev, dtype=state_dtype)
-        s_fin = torch.empty(B, H, P, 2, geo.N2B, device=dev, dtype=torch.float32)
-        phi = torch.empty(B, H, NC, geo.N2B, device=dev, dtype=torch.float32)
+        dtype, dot, fast = _precision(v)
         rst = reset.to(torch.int8).contiguous() if reset is not None else None
         st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
-        y = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
-        if TUNING["fwd"] == "seq":
-            _forward_seq(geo, args, st, y, s_in, s_fin, phi, dot, fast)
-        else:
-            _forward_chunked(geo, args, st, y, s_in, s_fin, phi, dot, fast)
-        final = _final_state(geo, k, v, k_bias, s_fin, phi)
-        ctx.save_for_backward(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in)
+        ops = _prep_operands(geo, args, st, dtype, fast)
+        y, s_in, s_fin = _forward(geo, args, st, ops, dot, fast)
+        final = _final_state(geo, k, v, k_bias, s_fin, ops.phi)
+        saved = ops if TUNING["save_rotated"] else ()
+        ctx.save_for_backward(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in,
+                              *saved)
         ctx.geo = geo
         ctx.mark_non_differentiable(*final)
         return (y, *final)
 
     @staticmethod
     def backward(ctx, dy, *_state_grads):
-        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in = ctx.saved_tensors
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, *saved = (
+            ctx.saved_tensors)
         geo = ctx.geo
-        _, dot, fast = _precision(v)
+        dtype, dot, fast = _precision(v)
         st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
-        return _backward_chunked(geo, args, st, dy, s_in, dot, fast)
+        ops = _Operands(*saved) if saved else _prep_operands(geo, args, st, dtype, fast)
+        return _backward(geo, args, st, ops, dy, s_in, dot, fast)
 
 
 def mamba3_scan_triton(
