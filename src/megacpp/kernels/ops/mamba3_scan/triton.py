@@ -21,24 +21,27 @@ stored as its even components then its odd ones, ``[*, 2, N2B]`` (pairs j >= R g
 padding is 0), so a rotation is elementwise on the two halves and a dot product over N is one
 dot over the whole ``2 * N2B`` row.
 
-Kernels (grid; C = chunks, J = tiles of ``TUNING["pairs"]`` pairs):
+Kernels (grid; C = chunks, J = tiles of pairs):
   _prep      (H, C, B)   per head: q, k biased and rotated into the chunk frame (QR, KR, halves
                          layout, rows padded to whole chunks), the per-token scalars
                          a (in-chunk cumsum of adt), scale, gamma, and phi_c
   forward    _state_fwd  (J, H, B)  walks the chunks: S_in[c] (stored), the final state
              _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
-  backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored) and
-                                    each chunk's first-token boundary term
+  backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
              _bwd_dx     (H, C, B)  dx, dz, dD
-             _bwd_dqk    (H, C, B)  d(q, k) in the rotated frame (stored per head), d phi_c,
-                                    and the final adt / trap grads and dt's non-angle part
-             _bwd_post   (C, J, B*G)  per group: un-rotates d(q, k), sums it over the group's
-                                    heads, the bias grads, the angle grads and dt's angle part
+             _bwd_dqk    (H, C, B)  d(q, k) in the rotated frame (stored per head, operand
+                                    dtype), d ell (float32, from the float32 d(q, k) and the
+                                    state's rotation), the adt grad, d scale and d gamma
+             _bwd_post   (C, J, B*G*head blocks)  angle grads and dt's angle part from d ell;
+                                    d(q, k) rotated back, summed over a block of the group's
+                                    heads, and the bias grads
+  host       dt and trap grads from d scale / d gamma (the first token of a chunk takes the
+             previous chunk's last d scale), sums of the per-block partials
 The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
 all T x T and T x N work is in the chunk-parallel kernels.
-Saved for backward: the inputs and S_in [B, H, C, P, N] (bf16; float32 for float32 ``v``);
-_prep runs again in the backward instead of saving QR/KR.
-Backward scratch: QR, KR, G (as S_in), d(q, k) per head (as QR), float32 per-token partials.
+Saved for backward: the inputs, S_in [B, H, C, P, N] and (``TUNING["save_rotated"]``) QR, KR
+(bf16; float32 for float32 ``v``); without it _prep runs again in the backward.
+Backward scratch: G (as S_in), d(q, k) per head (as QR), d ell, float32 per-token partials.
 """
 
 from __future__ import annotations
@@ -468,13 +471,14 @@ def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
 
 
 @triton.jit
-def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DPHI, DADT, DSG,
+def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
              B, L, H, NC, P,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_Z: tl.constexpr,
              HAS_RESET: tl.constexpr, DOT: tl.constexpr):
-    """One chunk of one head: d(q, k) in the rotated frame (stored), d phi_c, the adt grad,
-    and d scale / d gamma (DSG) for the host's dt and trap grads."""
+    """One chunk of one head: d(q, k) in the rotated frame (stored in the operand dtype), the
+    grad of each token's in-chunk angle ell (float32), the adt grad, and d scale / d gamma (DSG)
+    for the host's dt and trap grads."""
     h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = c * T
     t = tl.arange(0, T)
@@ -511,28 +515,36 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DPHI, DADT, DSG,
     dos_e = _mm(do, s_e, DOT)  # [T, N2B]
     dos_o = _mm(do, s_o, DOT)
     off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
-    tl.store(DQR + off, (_mm(d_qk, k_e, DOT) + carry[:, None] * dos_e).to(DQR.dtype.element_ty))
-    tl.store(DQR + off + N2B,
-             (_mm(d_qk, k_o, DOT) + carry[:, None] * dos_o).to(DQR.dtype.element_ty))
+    dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
+    tl.store(DQR + off, dq_e.to(DQR.dtype.element_ty))
+    dq_o = _mm(d_qk, k_o, DOT) + carry[:, None] * dos_o
+    tl.store(DQR + off + N2B, dq_o.to(DQR.dtype.element_ty))
+    qf_e, qf_o = q_e.to(tl.float32), q_o.to(tl.float32)
     # q_t . (do_t S_in) = do_t . (q_t S_in^T): the carried read-out's share of d a_t
-    q_s = tl.sum(q_e.to(tl.float32) * dos_e + q_o.to(tl.float32) * dos_o, axis=1)
+    q_s = tl.sum(qf_e * dos_e + qf_o * dos_o, axis=1)
+    # d ell (the in-chunk angle) from q's rotation, from the float32 dq
+    d_ell = qf_e * dq_o - qf_o * dq_e
 
     # dk: intra + k's use in the chunk state (m = x^T G per token)
     m_e = _mm(x, g_e, DOT)  # [T, N2B]
     m_o = _mm(x, g_o, DOT)
     d_qk_t = tl.trans(d_qk)
-    tl.store(DKR + off, (_mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e).to(DKR.dtype.element_ty))
-    tl.store(DKR + off + N2B,
-             (_mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o).to(DKR.dtype.element_ty))
     kf_e, kf_o = k_e.to(tl.float32), k_o.to(tl.float32)
+    dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
+    tl.store(DKR + off, dk_e.to(DKR.dtype.element_ty))
+    dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
+    tl.store(DKR + off + N2B, dk_o.to(DKR.dtype.element_ty))
+    d_ell += kf_e * dk_o - kf_o * dk_e
     mk = tl.sum(m_e * kf_e + m_o * kf_o, axis=1)  # x_s^T G k_s
 
-    # the state's rotation by -phi: d phi_c (pairwise cross terms), and <G, S_in>
+    # the state's rotation by -phi_c (phi_c = the last token's ell): the pairwise cross terms
+    # of G with U and with S_in; and <G, S_in> (the chunk decay's grad)
     g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
     s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
     d_phi = (tl.sum(w_state[:, None] * (m_e * kf_o - m_o * kf_e), axis=0)
              + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
-    tl.store(DPHI + bhc * N2B + j, d_phi)
+    d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
+    tl.store(DELL + row.to(tl.int64)[:, None] * N2B + j[None, :], d_ell)
     d_dec = tl.sum(g_e * s_e + g_o * s_o)
 
     # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
@@ -550,14 +562,13 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DPHI, DADT, DSG,
 
 
 @triton.jit
-def _bwd_post(Q, K, DT, ANG, QBIAS, KBIAS, DQR, DKR, DPHI, DQ, DK, DQB, DKB, DANG, DDTA,
-              sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sd_b, sd_l, sd_h,
-              sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
+def _bwd_post(DT, ANG, DQR, DKR, DELL, DQ, DK, DQB, DKB, DANG, DDTA,
+              sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
               B, L, H, G, NC, N, R, HB,
               T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr):
-    """One chunk, JB pairs, HB heads of one q/k group: un-rotates each head's d(q, k) and sums
-    it (a partial dq, dk per head block), with each head's bias grads, angle grads and dt's
-    angle part."""
+    """One chunk, JB pairs, HB heads of one q/k group: each head's angle grads and dt's angle
+    part from d ell, and its d(q, k) rotated back and summed over the heads (a partial dq, dk
+    per head block), with the bias grads."""
     c, pid_j, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     nhb = H // G // HB  # head blocks per group
     b = pid // (G * nhb)
@@ -567,33 +578,18 @@ def _bwd_post(Q, K, DT, ANG, QBIAS, KBIAS, DQR, DKR, DPHI, DQ, DK, DQB, DKB, DAN
     tok = c * T + t
     live = tok < L
     j = pid_j * JB + tl.arange(0, JB)
-    raw_qe, raw_qo = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, j, N, sq_n)
-    raw_ke, raw_ko = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, j, N, sk_n)
     dq_acc_e = tl.zeros([T, JB], dtype=tl.float32)
     dq_acc_o = tl.zeros([T, JB], dtype=tl.float32)
     dk_acc_e = tl.zeros([T, JB], dtype=tl.float32)
     dk_acc_o = tl.zeros([T, JB], dtype=tl.float32)
     for i in range(HB):
         h = (g * nhb + hb) * HB + i
-        bhc = (b * H + h) * NC + c
         dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0)
         dt = dt.to(tl.float32)
         th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
-        cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
         row = (b * H + h) * (NC * T) + tok
-        dq_e = _load_rows(DQR, row, j, 2 * N2B).to(tl.float32)
-        dq_o = _load_rows(DQR, row, N2B + j, 2 * N2B).to(tl.float32)
-        dk_e = _load_rows(DKR, row, j, 2 * N2B).to(tl.float32)
-        dk_o = _load_rows(DKR, row, N2B + j, 2 * N2B).to(tl.float32)
-        # angles: d ell from the rotations, d phi (the state's rotation) at the chunk's end
-        bias_e, bias_o = _bias_pairs(QBIAS, h, j, N, sqb_h, sqb_n)
-        x_e, x_o = _biased_rotated(raw_qe, raw_qo, bias_e, bias_o, live, cos, sin)
-        d_ell = x_e * dq_o - x_o * dq_e
-        bias_e, bias_o = _bias_pairs(KBIAS, h, j, N, skb_h, skb_n)
-        x_e, x_o = _biased_rotated(raw_ke, raw_ko, bias_e, bias_o, live, cos, sin)
-        d_ell += x_e * dk_o - x_o * dk_e
-        d_ell += tl.where((t == T - 1)[:, None], tl.load(DPHI + bhc * N2B + j)[None, :], 0.0)
-        d_rate = tl.cumsum(d_ell, axis=0, reverse=True)  # d(pi tanh(angle) dt)
+        # ell = cumsum(pi tanh(angle) dt): d(pi tanh(angle) dt) is the reverse cumsum of d ell
+        d_rate = tl.cumsum(_load_rows(DELL, row, j, N2B), axis=0, reverse=True)
         sc = (b * L + tok) * H + h
         d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
         tl.store(DANG + sc.to(tl.int64)[:, None] * R + j[None, :],
@@ -601,15 +597,20 @@ def _bwd_post(Q, K, DT, ANG, QBIAS, KBIAS, DQR, DKR, DPHI, DQ, DK, DQB, DKB, DAN
         tl.store(DDTA + pid_j * (B * L * H) + sc,
                  tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
         # back to the unrotated frame: the bias grads, and dq, dk summed over the heads
-        x_e = tl.where(live[:, None], dq_e * cos + dq_o * sin, 0.0)
-        x_o = tl.where(live[:, None], dq_o * cos - dq_e * sin, 0.0)
+        cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
         bias = ((b * NC + c) * H + h) * N + 2 * j
+        d_e = _load_rows(DQR, row, j, 2 * N2B).to(tl.float32)
+        d_o = _load_rows(DQR, row, N2B + j, 2 * N2B).to(tl.float32)
+        x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
+        x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
         tl.store(DQB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
         tl.store(DQB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
         dq_acc_e += x_e
         dq_acc_o += x_o
-        x_e = tl.where(live[:, None], dk_e * cos + dk_o * sin, 0.0)
-        x_o = tl.where(live[:, None], dk_o * cos - dk_e * sin, 0.0)
+        d_e = _load_rows(DKR, row, j, 2 * N2B).to(tl.float32)
+        d_o = _load_rows(DKR, row, N2B + j, 2 * N2B).to(tl.float32)
+        x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
+        x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
         tl.store(DKB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
         tl.store(DKB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
         dk_acc_e += x_e
@@ -774,11 +775,11 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
 
     dqr = torch.empty_like(ops.qr)  # d(q, k) per head in the rotated frame
     dkr = torch.empty_like(ops.kr)
-    d_phi = torch.empty(B, H, NC, geo.N2B, **f32)
+    d_ell = torch.empty(B, H, NC * T, geo.N2B, **f32)
     dadt = torch.empty(B, L, H, **f32)
     d_sg = torch.empty(2, B, L, H, **f32)  # d scale, d gamma
     _bwd_dqk[(H, NC, B)](
-        ops.qr, ops.kr, v, z, dy, ops.sc, rst, s_in, g_st, dqr, dkr, d_phi, dadt, d_sg,
+        ops.qr, ops.kr, v, z, dy, ops.sc, rst, s_in, g_st, dqr, dkr, d_ell, dadt, d_sg,
         *strides, B, L, H, NC, P, **shape, **_launch("bwd_dqk"))
 
     nhb = H // G // geo.HB
@@ -790,10 +791,9 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
     ddt_angle = torch.empty(nj, B, L, H, **f32)
     _bwd_post[(NC, nj, B * G * nhb)](
-        q, k, dt, angles, q_bias, k_bias, dqr, dkr, d_phi, dq_part, dk_part, dqb_part, dkb_part,
-        dang, ddt_angle, *st["q"], *st["k"], *st["dt"], *st["ang"], *st["qb"], *st["kb"],
-        B, L, H, G, NC, N, R, geo.HB, T=T, N2B=geo.N2B, JB=geo.JP, FAST=fast,
-        **_launch("bwd_post"))
+        dt, angles, dqr, dkr, d_ell, dq_part, dk_part, dqb_part, dkb_part, dang, ddt_angle,
+        *st["dt"], *st["ang"], B, L, H, G, NC, N, R, geo.HB, T=T, N2B=geo.N2B, JB=geo.JP,
+        FAST=fast, **_launch("bwd_post"))
 
     # dt and trap: gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t
     d_scale, d_gamma = d_sg.unbind(0)
