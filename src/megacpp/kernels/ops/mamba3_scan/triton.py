@@ -243,6 +243,14 @@ def _state_offsets(bhc, p, cols, P, NW: tl.constexpr):
 
 
 @triton.jit
+def _store_state(S, bhc, p, mp, j, P, s_e, s_o, N2B: tl.constexpr):
+    """Store a state tile's even and odd halves [BP, pairs j] (in S's dtype) at chunk ``bhc``."""
+    off = _state_offsets(bhc, p, j, P, 2 * N2B)
+    tl.store(S + off, s_e.to(S.dtype.element_ty), mask=mp[:, None])
+    tl.store(S + off + N2B, s_o.to(S.dtype.element_ty), mask=mp[:, None])
+
+
+@triton.jit
 def _state_t(S, bhc, p, mp, cols, P, NW: tl.constexpr):
     """The state tile of chunk ``bhc`` loaded transposed, [cols, BP] (0 past P)."""
     return tl.load(S + (bhc.to(tl.int64) * P + p[None, :]) * NW + cols[:, None],
@@ -332,9 +340,7 @@ def _state_fwd(V, KR, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p, B, L, H
     s_o = tl.zeros([BP, JB], dtype=tl.float32)
     for c in range(NC):
         bhc = (b * H + h) * NC + c
-        off = _state_offsets(bhc, p, j, P, 2 * N2B)
-        tl.store(SIN + off, s_e.to(SIN.dtype.element_ty), mask=mp[:, None])
-        tl.store(SIN + off + N2B, s_o.to(SIN.dtype.element_ty), mask=mp[:, None])
+        _store_state(SIN, bhc, p, mp, j, P, s_e, s_o, N2B)
         tok = c * T + t
         row = (b * H + h) * (NC * T) + tok
         a = tl.load(SC + row)
@@ -349,9 +355,35 @@ def _state_fwd(V, KR, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p, B, L, H
         cp, sp = _cos_sin(tl.load(PHI + bhc * N2B + j), FAST)
         cp, sp = cp[None, :], sp[None, :]
         s_e, s_o = u_e * cp + u_o * sp, u_o * cp - u_e * sp
-    off = _state_offsets(b * H + h, p, j, P, 2 * N2B)
-    tl.store(SFIN + off, s_e, mask=mp[:, None])
-    tl.store(SFIN + off + N2B, s_o, mask=mp[:, None])
+    _store_state(SFIN, b * H + h, p, mp, j, P, s_e, s_o, N2B)
+
+
+@triton.jit
+def _chunk_program(SC, RESET, B, L, H, NC, P, T: tl.constexpr, BP: tl.constexpr,
+                   HAS_RESET: tl.constexpr):
+    """The chunk kernels' common start, grid (H, C, B): the head, chunk and row, the chunk's
+    tokens and [T, BP] mask, its rows of the padded per-head buffers, a / scale / gamma, and
+    the document segments."""
+    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tok = c * T + tl.arange(0, T)
+    p = tl.arange(0, BP)
+    mask = (tok < L)[:, None] & (p < P)[None, :]
+    row = (b * H + h) * (NC * T) + tok
+    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
+    seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
+    return h, c, b, tok, p, mask, (b * H + h) * NC + c, row, a, scale, gamma, seg
+
+
+@triton.jit
+def _chunk_scores(QR, KR, row, a, scale, gamma, seg, T: tl.constexpr, N2B: tl.constexpr,
+                  DOT: tl.constexpr):
+    """q, k [T, 2 N2B] of a chunk's rows, scores = (q k^T) * W [T, T], carry and w_state."""
+    cols = tl.arange(0, 2 * N2B)
+    carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
+    w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
+    q = _load_rows(QR, row, cols, 2 * N2B)
+    k = _load_rows(KR, row, cols, 2 * N2B)
+    return q, k, _mm(q, tl.trans(k), DOT) * w, carry, w_state
 
 
 @triton.jit
@@ -360,22 +392,12 @@ def _out_fwd(QR, KR, V, Z, Y, SC, DSKIP, RESET, SIN,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
     """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z)."""
-    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0 = c * T
-    tok = t0 + tl.arange(0, T)
-    live = tok < L
-    p = tl.arange(0, BP)
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
     mp = p < P
-    mask = live[:, None] & mp[None, :]
     cols = tl.arange(0, 2 * N2B)
-    bhc = (b * H + h) * NC + c
-    row = (b * H + h) * (NC * T) + tok
-    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
-    seg = _segments(RESET, b, t0, L, T, HAS_RESET)
-    carry, _to_end, _w_state, _decay = _weights(a, scale, seg, T)
-    w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    q = _load_rows(QR, row, cols, 2 * N2B)
-    scores = _mm(q, tl.trans(_load_rows(KR, row, cols, 2 * N2B)), DOT) * w  # [T, T]
+    q, _k, scores, carry, _w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B,
+                                                   DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     s_t = _state_t(SIN, bhc, p, mp, cols, P, 2 * N2B)  # [NW, BP]
     y = _mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
@@ -412,9 +434,7 @@ def _state_bwd(QR, Z, DY, SC, PHI, RESET, GST,
         cp, sp = cp[None, :], sp[None, :]
         g_e = ds_e * cp - ds_o * sp
         g_o = ds_e * sp + ds_o * cp
-        off = _state_offsets(bhc, p, j, P, 2 * N2B)
-        tl.store(GST + off, g_e.to(GST.dtype.element_ty), mask=mp[:, None])
-        tl.store(GST + off + N2B, g_o.to(GST.dtype.element_ty), mask=mp[:, None])
+        _store_state(GST, bhc, p, mp, j, P, g_e, g_o, N2B)
         tok = c * T + t
         row = (b * H + h) * (NC * T) + tok
         a = tl.load(SC + row)
@@ -434,23 +454,11 @@ def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
     """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD."""
-    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0 = c * T
-    tok = t0 + tl.arange(0, T)
-    live = tok < L
-    p = tl.arange(0, BP)
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
     mp = p < P
-    mask = live[:, None] & mp[None, :]
     cols = tl.arange(0, 2 * N2B)
-    bhc = (b * H + h) * NC + c
-    row = (b * H + h) * (NC * T) + tok
-    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
-    seg = _segments(RESET, b, t0, L, T, HAS_RESET)
-    carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
-    w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    q = _load_rows(QR, row, cols, 2 * N2B)
-    k = _load_rows(KR, row, cols, 2 * N2B)
-    scores = _mm(q, tl.trans(k), DOT) * w  # [T, T]
+    q, k, scores, carry, w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                  sz_b, sz_l, sz_h, sz_p, HAS_Z)
@@ -479,19 +487,12 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
     """One chunk of one head: d(q, k) in the rotated frame (stored in the operand dtype), the
     grad of each token's in-chunk angle ell (float32), the adt grad, and d scale / d gamma (DSG)
     for the host's dt and trap grads."""
-    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0 = c * T
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
     t = tl.arange(0, T)
-    tok = t0 + t
     live = tok < L
-    p = tl.arange(0, BP)
     mp = p < P
-    mask = live[:, None] & mp[None, :]
     j = tl.arange(0, N2B)
-    bhc = (b * H + h) * NC + c
-    row = (b * H + h) * (NC * T) + tok
-    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
-    seg = _segments(RESET, b, t0, L, T, HAS_RESET)
     carry, to_end, w_state, decay = _weights(a, scale, seg, T)
     w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
     q_e = _load_rows(QR, row, j, 2 * N2B)
@@ -562,6 +563,19 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
 
 
 @triton.jit
+def _unrotate(DR, DB, row, bias, j, live, cos, sin, N, N2B: tl.constexpr):
+    """A head's d(q or k) rows [T, pairs j] from the rotated frame (DR) back to the biased,
+    unrotated one; stores their sum over the chunk's tokens (the bias grad's part, DB)."""
+    d_e = _load_rows(DR, row, j, 2 * N2B).to(tl.float32)
+    d_o = _load_rows(DR, row, N2B + j, 2 * N2B).to(tl.float32)
+    x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
+    x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
+    tl.store(DB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
+    tl.store(DB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
+    return x_e, x_o
+
+
+@triton.jit
 def _bwd_post(DT, ANG, DQR, DKR, DELL, DQ, DK, DQB, DKB, DANG, DDTA,
               sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
               B, L, H, G, NC, N, R, HB,
@@ -599,20 +613,10 @@ def _bwd_post(DT, ANG, DQR, DKR, DELL, DQ, DK, DQB, DKB, DANG, DDTA,
         # back to the unrotated frame: the bias grads, and dq, dk summed over the heads
         cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
         bias = ((b * NC + c) * H + h) * N + 2 * j
-        d_e = _load_rows(DQR, row, j, 2 * N2B).to(tl.float32)
-        d_o = _load_rows(DQR, row, N2B + j, 2 * N2B).to(tl.float32)
-        x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
-        x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
-        tl.store(DQB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
-        tl.store(DQB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
+        x_e, x_o = _unrotate(DQR, DQB, row, bias, j, live, cos, sin, N, N2B)
         dq_acc_e += x_e
         dq_acc_o += x_o
-        d_e = _load_rows(DKR, row, j, 2 * N2B).to(tl.float32)
-        d_o = _load_rows(DKR, row, N2B + j, 2 * N2B).to(tl.float32)
-        x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
-        x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
-        tl.store(DKB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
-        tl.store(DKB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
+        x_e, x_o = _unrotate(DKR, DKB, row, bias, j, live, cos, sin, N, N2B)
         dk_acc_e += x_e
         dk_acc_o += x_o
     out = (((hb * B + b) * L + tok) * G + g).to(tl.int64)[:, None] * N + 2 * j[None, :]
