@@ -8,19 +8,15 @@ through the Triton interpreter (skipped when triton is not importable, as in CI)
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, mamba3_scan_chunked
+from tests.kernels.interpreter import run_interpreter_check
 
 GRAD_ARGS = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_inputs(batch, seqlen, groups, nheads, d_state, headdim, n_angles, dtype, device, seed,
@@ -130,15 +126,7 @@ def _interpreter_check() -> list[dict[str, float]]:
 
 
 def test_interpreter_matches_reference() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    code = "import test_mamba3_triton as t; print(t._interpreter_check())"
-    run = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
-                         timeout=300)
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    run_interpreter_check(__file__, "_interpreter_check")
 
 
 # -- GPU -------------------------------------------------------------------------------------

@@ -59,8 +59,7 @@ from megacpp.errors import MegaCppError
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs, _rotate
 
 CHUNK_SIZES = (16, 32, 64)
-# launch settings per kernel (Triton launch options), the pairs tile of the sequential and
-# post kernels, the longest chunk the kernels run; chosen by an H100 sweep
+# launch settings per kernel (Triton launch options) and tile sizes, chosen by an H100 sweep
 # (benchmarks/results/kernels/mamba3_h100_s3.log)
 TUNING = {
     "launch": {
@@ -85,7 +84,6 @@ TUNING = {
 }
 MAX_HEADDIM = 64
 MAX_D_STATE = 128
-_PI = 3.141592653589793
 
 
 # -- shared per-chunk pieces -----------------------------------------------------------------
@@ -120,7 +118,7 @@ def _cos_sin(x, FAST: tl.constexpr):
 @triton.jit
 def _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h,
                    st_b, st_l, st_h, T: tl.constexpr):
-    """[T] per-token scalars of one chunk and head: a (in-chunk cumsum of adt), dt, lambda,
+    """[T] per-token scalars of one chunk and head: a (in-chunk cumsum of adt), dt,
     gamma = lambda dt, scale = gamma + (1 - lambda_next) dt_next (0 past the end)."""
     tok = t0 + tl.arange(0, T)
     live = tok < L
@@ -134,7 +132,7 @@ def _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_
     lam_n = tl.sigmoid(trap_n.to(tl.float32))
     gamma = lam * dt
     scale = gamma + (1.0 - lam_n) * dt_n.to(tl.float32)
-    return tl.cumsum(adt, axis=0), dt, lam, gamma, scale
+    return tl.cumsum(adt, axis=0), dt, gamma, scale
 
 
 @triton.jit
@@ -157,7 +155,7 @@ def _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r):
 
 
 @triton.jit
-def _pairs(X, row, live, j, N, s_n, PAIRED: tl.constexpr = False):
+def _pairs(X, row, live, j, N, s_n, PAIRED: tl.constexpr):
     """Even and odd columns [T, pairs j] (float32, 0 outside) of the rows at offsets ``row``.
     PAIRED (j = all pairs, N = 2 * len(j), unit stride): one [T, N] load split in two."""
     if PAIRED:
@@ -185,6 +183,18 @@ def _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin):
     e = tl.where(live[:, None], raw_e + bias_e[None, :], 0.0)
     o = tl.where(live[:, None], raw_o + bias_o[None, :], 0.0)
     return e * cos - o * sin, e * sin + o * cos
+
+
+@triton.jit
+def _store_rotated(X, BIAS, OUT, h, row, off, live, j, N, s_n, sb_h, sb_n, cos, sin,
+                   N2B: tl.constexpr, PAIRED: tl.constexpr):
+    """rot(x + bias_h, ell) of the q or k rows at offsets ``row``, stored at ``off`` of a
+    halves-layout buffer (even components, then odd ones N2B further)."""
+    bias_e, bias_o = _bias_pairs(BIAS, h, j, N, sb_h, sb_n)
+    raw_e, raw_o = _pairs(X, row, live, j, N, s_n, PAIRED)
+    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
+    tl.store(OUT + off, x_e.to(OUT.dtype.element_ty))
+    tl.store(OUT + off + N2B, x_o.to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -297,8 +307,8 @@ def _prep(Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, QR, KR, SC, PHI,
     t0 = c * T
     tok = t0 + t
     live = tok < L
-    a, dt, _lam, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
-                                               sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
+    a, dt, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
+                                         sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
     row = (b * H + h) * (NC * T) + tok  # rows padded to whole chunks
     if pid_j == 0:
         n_sc = B * H * NC * T
@@ -311,16 +321,10 @@ def _prep(Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, QR, KR, SC, PHI,
              tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0))
     cos, sin = _cos_sin(ell, FAST)
     off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
-    bias_e, bias_o = _bias_pairs(QBIAS, h, j, N, sqb_h, sqb_n)
-    raw_e, raw_o = _pairs(Q, b * sq_b + tok * sq_l + g * sq_g, live, j, N, sq_n, PAIRED)
-    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
-    tl.store(QR + off, x_e.to(QR.dtype.element_ty))
-    tl.store(QR + off + N2B, x_o.to(QR.dtype.element_ty))
-    bias_e, bias_o = _bias_pairs(KBIAS, h, j, N, skb_h, skb_n)
-    raw_e, raw_o = _pairs(K, b * sk_b + tok * sk_l + g * sk_g, live, j, N, sk_n, PAIRED)
-    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
-    tl.store(KR + off, x_e.to(KR.dtype.element_ty))
-    tl.store(KR + off + N2B, x_o.to(KR.dtype.element_ty))
+    _store_rotated(Q, QBIAS, QR, h, b * sq_b + tok * sq_l + g * sq_g, off, live, j, N, sq_n,
+                   sqb_h, sqb_n, cos, sin, N2B, PAIRED)
+    _store_rotated(K, KBIAS, KR, h, b * sk_b + tok * sk_l + g * sk_g, off, live, j, N, sk_n,
+                   skb_h, skb_n, cos, sin, N2B, PAIRED)
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -387,6 +391,15 @@ def _chunk_scores(QR, KR, row, a, scale, gamma, seg, T: tl.constexpr, N2B: tl.co
 
 
 @triton.jit
+def _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B: tl.constexpr,
+              DOT: tl.constexpr):
+    """y before the gate [T, BP]: intra (scores x) + carry q S_in^T + D x."""
+    s_t = _state_t(SIN, bhc, p, mp, tl.arange(0, 2 * N2B), P, 2 * N2B)  # [NW, BP]
+    return (_mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
+            + d_skip * x.to(tl.float32))
+
+
+@triton.jit
 def _out_fwd(QR, KR, V, Z, Y, SC, DSKIP, RESET, SIN,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, B, L, H, NC, P,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
@@ -394,15 +407,13 @@ def _out_fwd(QR, KR, V, Z, Y, SC, DSKIP, RESET, SIN,
     """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z)."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
-    mp = p < P
-    cols = tl.arange(0, 2 * N2B)
     q, _k, scores, carry, _w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B,
                                                    DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
-    s_t = _state_t(SIN, bhc, p, mp, cols, P, 2 * N2B)  # [NW, BP]
-    y = _mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
+    d_skip = 0.0
     if HAS_D:
-        y += tl.load(DSKIP + h).to(tl.float32) * x.to(tl.float32)
+        d_skip = tl.load(DSKIP + h).to(tl.float32)
+    y = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, p < P, P, N2B, DOT)
     if HAS_Z:
         z = tl.load(Z + _tp(b, tok, h, p, sz_b, sz_l, sz_h, sz_p), mask=mask, other=0.0)
         z = z.to(tl.float32)
@@ -439,7 +450,7 @@ def _state_bwd(QR, Z, DY, SC, PHI, RESET, GST,
         row = (b * H + h) * (NC * T) + tok
         a = tl.load(SC + row)
         seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
-        carry, _to_end, _w_state, decay = _weights(a, a, seg, T)
+        carry, _to_end, _w_state, decay = _weights(a, a, seg, T)  # (no scale needed)
         do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, (tok < L)[:, None] & mp[None, :],
                                         sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, sz_h, sz_p, HAS_Z)
         do_t = tl.trans(do * carry[:, None])  # [BP, T]
@@ -468,9 +479,7 @@ def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
         tl.store(DDP + bhc, tl.sum(do * x.to(tl.float32)))
     out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     if HAS_Z:
-        s_t = _state_t(SIN, bhc, p, mp, cols, P, 2 * N2B)  # [NW, BP]
-        y_pre = (_mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
-                 + d_skip * x.to(tl.float32))
+        y_pre = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B, DOT)
         tl.store(DZ + out, (dy * y_pre * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty),
                  mask=mask)
     dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
