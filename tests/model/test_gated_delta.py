@@ -123,6 +123,31 @@ def test_short_conv_matches_conv1d_on_one_document():
     torch.testing.assert_close(tail, x[:, -3:].transpose(1, 2))
 
 
+def test_short_conv_never_reads_across_documents_or_from_before_the_state():
+    """Against a per-token loop: taps that reach into an earlier document (or, for the first
+    document, past the conv state) read zeros; the tail keeps only the last document."""
+    gen = torch.Generator().manual_seed(9)
+    B, L, C, W = 2, 9, 3, 4
+    x = torch.randn(B, L, C, generator=gen, dtype=torch.float64)
+    weight = torch.randn(C, W, generator=gen, dtype=torch.float64)
+    state = torch.randn(B, C, W - 1, generator=gen, dtype=torch.float64)
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 2, 2], [0] * 9])
+    y, tail = short_causal_conv(x, weight, state, doc_ids)
+    seq = torch.cat([state.transpose(1, 2), x], dim=1)  # [B, W-1+L, C]
+    docs = torch.cat([doc_ids[:, :1].expand(B, W - 1), doc_ids], dim=1)
+    expected = torch.zeros_like(x)
+    for b in range(B):
+        for t in range(L):
+            for tap in range(W):
+                src = t + tap  # index into seq; tap W-1 is the current token
+                if docs[b, src] == doc_ids[b, t]:
+                    expected[b, t] += weight[:, tap] * seq[b, src]
+    torch.testing.assert_close(y, F.silu(expected))
+    expected_tail = seq[:, -(W - 1):].transpose(1, 2).clone()
+    expected_tail[0, :, :1] = 0.0  # row 0's last document (2) starts two tokens from the end
+    torch.testing.assert_close(tail, expected_tail)
+
+
 def test_every_parameter_gets_a_gradient():
     mixer = make_mixer(dtype=torch.float32)
     x = random_x(2, 12, seed=7, dtype=torch.float32)
@@ -138,7 +163,9 @@ def test_flops_match_flop_counter():
     x = random_x(batch, seq_len, seed=8, dtype=torch.float32)
     with FlopCounterMode(display=False) as counter:
         mixer(x, doc_ids=torch.zeros(batch, seq_len, dtype=torch.long))
-    measured = counter.get_total_flops() / (batch * seq_len)
+    # the short conv is W multiply-adds per channel done elementwise (no matmul to count)
+    conv = 2 * mixer.conv_dim * mixer.conv_size
+    measured = counter.get_total_flops() / (batch * seq_len) + conv
     analytic = mixer.flops_per_token(seq_len)
     assert abs(analytic - measured) / measured < 0.05
 

@@ -268,13 +268,26 @@ def short_causal_conv(
         history = x.new_zeros(B, W - 1, C)
     else:
         history = conv_state.transpose(1, 2).to(x.dtype)
-    windows = torch.cat([history, x], dim=1).unfold(1, W, 1)  # [B, L, C, W]
+    padded = torch.cat([history, x], dim=1)  # [B, W-1+L, C]
+    same_doc = None
     if doc_ids is not None:
         docs = torch.cat([doc_ids[:, :1].expand(B, W - 1), doc_ids], dim=1)  # [B, W-1+L]
         same_doc = docs.unfold(1, W, 1) == doc_ids[:, :, None]  # [B, L, W]
-        windows = windows * same_doc[:, :, None, :].to(x.dtype)
-    y = F.silu(torch.einsum("blcw,cw->blc", windows, weight.to(x.dtype)))
-    return y, windows[:, -1, :, 1:]
+    # one multiply-add per tap, float32 sums (an einsum over unfolded windows ran as a batched
+    # GEMV with K = W on the GPU: magma/gemv kernels, ~2 ms per layer fwd+bwd at 16k tokens)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(compute)
+    acc = None
+    for tap in range(W):
+        term = padded[:, tap : tap + L].to(compute) * w[:, tap]
+        if same_doc is not None:
+            term = term * same_doc[:, :, tap, None]
+        acc = term if acc is None else acc + term
+    y = F.silu(acc).to(x.dtype)
+    tail = padded[:, L:].transpose(1, 2)  # [B, C, W-1]: the last W-1 inputs
+    if same_doc is not None:
+        tail = tail * same_doc[:, -1, 1:][:, None, :].to(x.dtype)
+    return y, tail
 
 
 def l2norm(x: Tensor) -> Tensor:
