@@ -9,6 +9,9 @@ Run on a GPU (the numbers in the README came from an H100)::
     # a profile of each hybrid row's top CUDA kernels
     ... --kernels reference auto --profile benchmarks/results/train_step_profiles
 
+    # the whole step as one CUDA graph (no host launches: the GPU-bound step rate)
+    ... --kernels fast --modes eager compiled graphed compiled-graphed
+
 Everything is measured in one process on one device: first the bf16 matmul peak
 (8192^3, random data), then, for each model x mode x sequence length, the median time of a
 full training step (forward, backward, fused AdamW step) in bf16 autocast with fp32
@@ -134,20 +137,24 @@ def bench_one(
     name, model, loss_fn, params, active, flops, mode, seq_len, batch, peak, iters, profile=None
 ):
     model = model.cuda()
-    if mode == "compiled":
+    if mode.startswith("compiled"):
         compile_regions(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    graphed = mode.endswith("graphed")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     vocab = model.config.vocab_size if hasattr(model, "config") else model.cfg.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), device="cuda")
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        # a captured graph replays autocast's casts: its weight-cast cache must stay off
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphed):
             loss = loss_fn(model, ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
+    if graphed:
+        step = capture_step(step)
     warmup = 3 if mode == "eager" else 4
     times = cuda_times_ms(step, warmup=warmup, iters=iters)
     ms = statistics.median(times)
@@ -172,6 +179,23 @@ def bench_one(
     )
 
 
+def capture_step(step):
+    """The whole training step (forward, backward, optimizer) as one CUDA graph: warm-up steps
+    on a side stream (compilation, autotuning, the allocator's pools), then one capture; the
+    returned callable replays it. Removes every host launch from the step, so the step runs at
+    the GPU's speed -- it needs a step with no host syncs and static shapes (fails otherwise)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def profile_steps(step, path: Path, steps: int = 3) -> None:
     """Write the top CUDA kernels of ``steps`` training steps, by total device time, to ``path``."""
     from torch.profiler import ProfilerActivity, profile
@@ -193,7 +217,10 @@ def main() -> None:
     ap.add_argument("--preset", default="nam56r-350m")
     ap.add_argument("--seq-len", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument(
-        "--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"]
+        "--modes", nargs="+", default=["eager", "compiled"],
+        choices=["eager", "compiled", "graphed", "compiled-graphed"],
+        help="eager; compiled (regional torch.compile); graphed / compiled-graphed: the whole "
+        "step (forward, backward, AdamW) captured once as a CUDA graph and replayed",
     )
     ap.add_argument("--models", nargs="+", default=["hybrid", "llama"], choices=["hybrid", "llama"])
     ap.add_argument(
