@@ -37,6 +37,11 @@ SWEEP = {
                   for bv in (32, 64) for w in (4, 8) for s in (1, 2, 3)],
     "bwd_intra": [{"BV": bv, "num_warps": w, "num_stages": s}
                   for bv in (32, 64) for w in (4, 8, 16) for s in (1, 2)],
+    "bwd_val": [{"BV": bv, "num_warps": w, "num_stages": s}
+                for bv in (32, 64) for w in (4, 8) for s in (1, 2)],
+    "bwd_key": [{"BKS": bk, "BV": bv, "num_warps": w, "num_stages": s}
+                for bk in (32, 64) for bv in (32, 64) for w in (4, 8) for s in (1, 2)],
+    "bwd_fin": [{"BKS": bk, "num_warps": w, "num_stages": 1} for bk in (32, 64) for w in (4, 8)],
 }
 _STATE_QUICK = [{"BV": 32, "num_warps": 4, "num_stages": 1}, {"BV": 32, "num_warps": 4, "num_stages": 2},
                 {"BV": 64, "num_warps": 4, "num_stages": 2}, {"BV": 32, "num_warps": 8, "num_stages": 2},
@@ -49,8 +54,14 @@ QUICK = {
     "bwd_dv_local": [{"BV": 64, "num_warps": 4, "num_stages": 2},
                      {"BV": 128, "num_warps": 8, "num_stages": 2}],
     "bwd_state": _STATE_QUICK,
-    "bwd_intra": [{"BV": 32, "num_warps": 16, "num_stages": 1}, {"BV": 32, "num_warps": 8, "num_stages": 1},
-                  {"BV": 64, "num_warps": 8, "num_stages": 1}, {"BV": 32, "num_warps": 4, "num_stages": 1}],
+    "bwd_val": [{"BV": 64, "num_warps": 8, "num_stages": 2}, {"BV": 32, "num_warps": 4, "num_stages": 2},
+                {"BV": 64, "num_warps": 4, "num_stages": 1}],
+    "bwd_key": [{"BKS": 64, "BV": 32, "num_warps": 8, "num_stages": 2},
+                {"BKS": 64, "BV": 32, "num_warps": 4, "num_stages": 2},
+                {"BKS": 32, "BV": 64, "num_warps": 4, "num_stages": 2},
+                {"BKS": 64, "BV": 64, "num_warps": 8, "num_stages": 1}],
+    "bwd_fin": [{"BKS": 64, "num_warps": 8, "num_stages": 1}, {"BKS": 64, "num_warps": 4, "num_stages": 1},
+                {"BKS": 32, "num_warps": 4, "num_stages": 1}],
 }
 
 
@@ -79,7 +90,7 @@ def _resources(inputs: dict, do: torch.Tensor) -> dict:
     original = gdt._Launcher.__call__
 
     def spy(self, kernel, name, per_chunk, *args, **const):
-        compiled = original(self, kernel, name, per_chunk, *args, **const)
+        compiled = original(self, kernel, name, per_chunk, *args, **const)  # slices= included
         seen[name] = {"regs": compiled.n_regs, "spills": compiled.n_spills,
                       "smem": compiled.metadata.shared}
         return compiled
@@ -132,6 +143,20 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True) -> dict:
     result["base_ms_again"] = do_bench(lambda: _fwd_bwd(inputs, do), warmup=50, rep=300,
                                        return_mode="median")
     result["breakdown_us"] = _breakdown(lambda: _fwd_bwd(inputs, do))
+    if gdt.BWD_SPLIT:  # the single-kernel backward it replaced, same inputs, same process
+        gdt.BWD_SPLIT = False
+        try:
+            old = _fwd_bwd(inputs, do)
+            result["single_bwd"] = {
+                "max_rel_vs_split": max(_rel(a, b) for a, b in zip(old, base)),
+                "ms": do_bench(lambda: _fwd_bwd(inputs, do), warmup=50, rep=300,
+                               return_mode="median"),
+                "resources": _resources(inputs, do),
+                "breakdown_us": _breakdown(lambda: _fwd_bwd(inputs, do))}
+        finally:
+            gdt.BWD_SPLIT = True
+        print(json.dumps({"single_bwd_ms": result["single_bwd"]["ms"],
+                          "err": result["single_bwd"]["max_rel_vs_split"]}), flush=True)
     try:
         fla_run = _fla_fn(inputs, do)
         result["fla_ms"] = do_bench(fla_run, warmup=50, rep=300, return_mode="median")
@@ -142,7 +167,10 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True) -> dict:
     print(json.dumps(result["resources"]), flush=True)
     print(json.dumps(result.get("fla_ms")), flush=True)
     best, trials = {}, []
-    for name, configs in (QUICK if quick else SWEEP).items() if sweep else ():
+    table = QUICK if quick else SWEEP
+    live = {"bwd_intra"} if not gdt.BWD_SPLIT else {"bwd_val", "bwd_key", "bwd_fin"}
+    dead = {"bwd_intra", "bwd_val", "bwd_key", "bwd_fin"} - live
+    for name, configs in ((n, c) for n, c in table.items() if n not in dead) if sweep else ():
         default = dict(gdt.CONFIG[name])
         scores = []
         for cfg in configs:
@@ -169,17 +197,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cases", default=",".join(SHAPES))
+    parser.add_argument("--cases", default=",".join(SHAPES),
+                        help="comma-separated gated_delta cases of the catalog (e.g. nam56r_8k)")
     parser.add_argument("--no-sweep", action="store_true", help="breakdown and fla only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         return 2
-    results = [sweep_shape(case, args.quick, not args.no_sweep)
-               for case in args.cases.split(",")]
-    with open(args.out, "w") as f:
-        json.dump({"triton": triton.__version__, "torch": torch.__version__,
-                   "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    results = []
+    for case in args.cases.split(","):
+        results.append(sweep_shape(case, args.quick, not args.no_sweep))
+        with open(args.out, "w") as f:  # after every case: a run cut short keeps what it has
+            json.dump({"triton": triton.__version__, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
     for r in results:
         print(r["case"], f"ours {r['base_ms']:.3f} ms", f"fla {r.get('fla_ms')}",
               json.dumps(r["breakdown_us"])[:600])

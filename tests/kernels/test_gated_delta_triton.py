@@ -80,21 +80,64 @@ def compare(fn, inputs: dict, dtype: torch.dtype, tol: float, seed: int = 0) -> 
     return errors
 
 
+def backward_twice(fn, inputs: dict, dtype: torch.dtype, seed: int = 0) -> list[tuple]:
+    """Every input gradient of ``fn``, from two backward passes over one forward graph."""
+    x = {n: (t.to(dtype if n in "qkv" else torch.float32, copy=True) if t is not None and
+             t.is_floating_point() else t) for n, t in inputs.items()}
+    leaves = [n for n in GRADS if x[n] is not None]
+    for n in leaves:
+        x[n].requires_grad_()
+    o, state = fn(**x)
+    gen = torch.Generator(o.device).manual_seed(seed + 1)
+    loss = ((o.float() * torch.randn(o.shape, generator=gen, device=o.device)).sum()
+            + (state * torch.randn(state.shape, generator=gen, device=o.device)).sum())
+    return [torch.autograd.grad(loss, [x[n] for n in leaves], retain_graph=True)
+            for _ in range(2)]
+
+
 # -- CPU: the Triton interpreter ----------------------------------------------------------------
 def _interpreter_check() -> dict:
-    """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported)."""
-    from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
+    """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
+    Every case on both backward paths (triton.BWD_SPLIT: the split kernels, then the single
+    _bwd_intra), and a bit-for-bit repeat of the split backward."""
+    from megacpp.kernels.ops.gated_delta import triton as gd
 
-    # 2 chunks (the last partial), packed documents with a reset mid-chunk and at t = 0,
-    # an initial state, head dims that are not powers of two
-    fp32 = make_inputs(2, 80, 2, 24, 40, device="cpu", seed=0, doc_len=30, with_state=True)
-    errors = {"fp32": compare(gated_delta_rule_triton, fp32, torch.float32, 1e-5)}
-    # shorter than a chunk, K = V = 16 (run as masked 32-wide tiles)
-    tiny = make_inputs(1, 10, 2, 16, 16, device="cpu", seed=2)
-    errors["tiny"] = compare(gated_delta_rule_triton, tiny, torch.float32, 1e-5)
-    # the bfloat16 path's rounding (products emulated in float32 by the interpreter)
-    bf16 = make_inputs(1, 45, 2, 32, 32, device="cpu", seed=1, doc_len=20)
-    errors["bf16"] = compare(gated_delta_rule_triton, bf16, torch.bfloat16, 1e-2)
+    fn = gd.gated_delta_rule_triton
+    cases = {  # name: (inputs, dtype, tolerance)
+        # 2 chunks (the last partial), packed documents with a reset mid-chunk and at t = 0,
+        # an initial state, head dims that are not powers of two
+        "fp32": (make_inputs(2, 80, 2, 24, 40, device="cpu", seed=0, doc_len=30,
+                             with_state=True), torch.float32, 1e-5),
+        # shorter than a chunk, K = V = 16 (run as masked 32-wide tiles)
+        "tiny": (make_inputs(1, 10, 2, 16, 16, device="cpu", seed=2), torch.float32, 1e-5),
+        # the bfloat16 path's rounding (products emulated in float32 by the interpreter)
+        "bf16": (make_inputs(1, 45, 2, 32, 32, device="cpu", seed=1, doc_len=20),
+                 torch.bfloat16, 1e-2),
+        # K = V = 128: two key slices of the split backward (BKS = 64); no resets, so the
+        # initial state reaches every token (make_inputs resets row 0 at t = 0)
+        "k128": (make_inputs(1, 70, 1, 128, 128, device="cpu", seed=3, with_state=True),
+                 torch.float32, 1e-5),
+        # K = 80: a second key slice of 16 real columns in a masked 64-wide tile; resets, and
+        # an initial state that row 1 uses until its reset at t = 5
+        "k80": (make_inputs(2, 70, 1, 80, 48, device="cpu", seed=4, doc_len=30,
+                            with_state=True), torch.float32, 1e-5),
+        "k96_bf16": (make_inputs(2, 70, 1, 96, 64, device="cpu", seed=5, doc_len=40,
+                                 with_state=True), torch.bfloat16, 1e-2),
+    }
+    assert gd.BWD_SPLIT, "the split backward is the default"
+    errors = {}
+    for split in (True, False):
+        gd.BWD_SPLIT = split
+        try:
+            for name, (inputs, dtype, tol) in cases.items():
+                path = "split" if split else "single"
+                errors[f"{path}/{name}"] = compare(fn, inputs, dtype, tol)
+        finally:
+            gd.BWD_SPLIT = True
+    for name in ("k128", "k96_bf16"):
+        inputs, dtype, _ = cases[name]
+        first, second = backward_twice(fn, inputs, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(first, second)), f"{name}: not bitwise"
     return errors
 
 
@@ -138,6 +181,25 @@ def test_gpu_matches_reference(case, dtype) -> None:
     errors = compare(gated_delta_rule_triton, inputs, dtype,
                      1e-5 if dtype == torch.float32 else 1e-2)
     print(case, dtype, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_backward_paths(dtype) -> None:
+    """The single-kernel backward (BWD_SPLIT = False) still matches the reference, and the
+    default split backward gives bit-identical gradients when run twice (no atomics)."""
+    from megacpp.kernels.ops.gated_delta import triton as gd
+
+    inputs = make_inputs(2, 300, 4, 128, 128, device="cuda", seed=7, doc_len=70,
+                         with_state=True)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    gd.BWD_SPLIT = False
+    try:
+        print("single", compare(gd.gated_delta_rule_triton, inputs, dtype, tol))
+    finally:
+        gd.BWD_SPLIT = True
+    first, second = backward_twice(gd.gated_delta_rule_triton, inputs, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.gpu

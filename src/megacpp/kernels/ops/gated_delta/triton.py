@@ -24,7 +24,15 @@ Kernels (grid in brackets; N chunks, BH = B * H):
 * ``_fwd_out``    [N, BH]   o
 * ``_bwd_dv_local`` [N, BH] the intra-chunk part of dL/dv_new: P^T do
 * ``_bwd_state``  [V/BV, BH] reverse pass: dL/dS per chunk, dL/dv_new, dL/d initial_state
-* ``_bwd_intra``  [N, BH]   dq, dk, dv, dbeta, dg (through T, the decays and the cumsum)
+* ``_bwd_val``    [N, BH]   the value side (a V loop): dv, dL/dP, the u part of dL/dA, the
+  value part of dbeta
+* ``_bwd_key``    [N * K/BKS, BH] one K slice: its V loop (dL/d(decay_in q), dL/dw,
+  dL/d(decay_out k), [C, BKS] each), dq, dk but its dL/dA term, the slice's w part of dL/dA
+  and its row sums for dbeta and dg
+* ``_bwd_fin``    [N, BH]   dL/dA summed from the parts, the dL/dA terms of dk, dbeta, dg, and
+  dg through the decays' cumsum
+* ``_bwd_intra``  [N, BH]   the three above in one kernel (``BWD_SPLIT = False``; 255
+  registers with spills on the H100, kept for one A/B measurement)
 
 T is built without tiny matmuls: the 16 x 16 diagonal blocks D of (I + A) are inverted
 together by 15 steps of forward substitution on the [64, 64] tile, and with F = D^-1 E (E the
@@ -33,10 +41,14 @@ textbook block recurrence.
 
 Saved for backward: q, k, v, g, beta, reset, T [B, H, N*C, C] float32, w (k's dtype), the
 chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V] float32 (bfloat16 doubled
-o's error), the decays; u^T is recomputed. Backward needs a [B, H, N, 2, C, C] float32 scratch
-for two transposes (see ``_bwd_intra``). bfloat16 inputs use
+o's error), the decays; u^T is recomputed. The split backward's float32 scratch, with NKB =
+K / BKS key slices (see above ``_bwd_val``): [B, H, N, 2 + NKB, C, C] (dL/dP masked, the u
+part of dL/dA, the w part per K slice; transposes are reads of these through transposed
+pointers), [B, H, N, NKB, 2, C] (row sums per K slice) and [B, L, H, K] (dk before its dL/dA
+term); partials are summed in a fixed order (no atomics: bit-reproducible gradients). The
+single ``_bwd_intra`` needs [B, H, N, 2, C, C] for its two transposes. bfloat16 inputs use
 bfloat16 tensor-core products where both operands are bfloat16, tf32 where one is a float32
-intermediate (T, the state, decayed keys); float32 inputs use 3xTF32 products.
+intermediate (T, the state, decayed keys, dL/dA); float32 inputs use 3xTF32 products.
 
 Supported here: CUDA (or the Triton CPU interpreter, ``TRITON_INTERPRET=1``), q/k/v float32 or
 bfloat16, K <= 128, initial_state and output_final_state. Anything else (float64, float16,
@@ -142,6 +154,20 @@ def _pair(gc, seg, BT: tl.constexpr, STRICT: tl.constexpr):
 
 
 @triton.jit
+def _pair_t(gc, seg, BT: tl.constexpr, STRICT: tl.constexpr):
+    """The transpose of ``_pair``, built directly (not a tl.trans): [BT, BT] exp(gc_j - gc_i)
+    for i < j (STRICT) or i <= j in the same segment, else 0."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    if STRICT:
+        mask = rows < cols
+    else:
+        mask = rows <= cols
+    mask = mask & (seg[:, None] == seg[None, :])
+    return tl.where(mask, tl.exp(tl.where(mask, gc[None, :] - gc[:, None], 0.0)), 0.0)
+
+
+@triton.jit
 def _tile(PTR, row, valid, col0, D: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, h):
     """Pointers and mask of the [BT, BD] tile (tokens row, features col0..) of a [B, L, H, D]
     tensor, row = b * L + t (int64)."""
@@ -151,10 +177,11 @@ def _tile(PTR, row, valid, col0, D: tl.constexpr, BD: tl.constexpr, H: tl.conste
 
 
 @triton.jit
-def _state_tile(PTR, base, col0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+def _state_tile(PTR, base, row0, col0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                 BV: tl.constexpr):
-    """Pointers and mask of the [BK, BV] tile (values col0..) of a [K, V] state at ``base``."""
-    rk = tl.arange(0, BK)
+    """Pointers and mask of the [BK, BV] tile (keys row0.., values col0..) of a [K, V] state at
+    ``base``."""
+    rk = row0 + tl.arange(0, BK)
     cv = col0 + tl.arange(0, BV)
     return PTR + base + rk[:, None] * V + cv[None, :], (rk[:, None] < K) & (cv[None, :] < V)
 
@@ -231,13 +258,13 @@ def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
     b, h = bh // H, bh % H
     v0 = vb * BV
     rows = tl.arange(0, BT)
-    s_ptrs, s_mask = _state_tile(H0, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+    s_ptrs, s_mask = _state_tile(H0, bh.to(tl.int64) * DK * DV, 0, v0, DK, DV, BK, BV)
     if HAS_H0:
         state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BK, BV]
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for n in range(_loop_count(N, N_CONST)):
-        hs_ptrs, _ = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, v0, DK, DV, BK, BV)
+        hs_ptrs, _ = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV, BK, BV)
         tl.store(hs_ptrs, state.to(HS.dtype.element_ty), mask=s_mask)
         t = n * BT + rows
         valid = t < L
@@ -256,7 +283,7 @@ def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
         k_out = k.to(tl.float32) * decay_out[:, None]
         state = state * gamma + _dot(tl.trans(k_out), v_new, MODE)
     if STORE_HT:
-        ht_ptrs, _ = _state_tile(HT, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+        ht_ptrs, _ = _state_tile(HT, bh.to(tl.int64) * DK * DV, 0, v0, DK, DV, BK, BV)
         tl.store(ht_ptrs, state, mask=s_mask)
 
 
@@ -276,7 +303,7 @@ def _fwd_out(Q, K_, G, BETA, RST, HS, VN, O, L, N, scale, H: tl.constexpr, DK: t
     p = _dot(q, tl.trans(k), MODE) * scale * _pair(gc, seg, BT, False)  # [BT, BT]
     q_in = q.to(tl.float32) * (scale * decay_in)[:, None]
     for v0 in range(0, DV, BV):
-        hs_ptrs, s_mask = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, v0, DK, DV,
+        hs_ptrs, s_mask = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
                                       BK, BV)
         state = tl.load(hs_ptrs, mask=s_mask, other=0.0)
         vn_ptrs, v_mask = _tile(VN, row, valid, v0, DV, BV, H, h)
@@ -317,14 +344,14 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
     b, h = bh // H, bh % H
     v0 = vb * BV
     rows = tl.arange(0, BT)
-    s_ptrs, s_mask = _state_tile(DHT, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+    s_ptrs, s_mask = _state_tile(DHT, bh.to(tl.int64) * DK * DV, 0, v0, DK, DV, BK, BV)
     if HAS_DHT:
         dstate = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(_loop_count(N, N_CONST)):
         n = N - 1 - i
-        dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, v0, DK, DV,
+        dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
                                   BK, BV)
         tl.store(dhs_ptrs, dstate.to(DHS.dtype.element_ty), mask=s_mask)  # dL/d(S leaving n)
         t = n * BT + rows
@@ -350,7 +377,7 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         dstate = (dstate * gamma + _dot(tl.trans(q_in), do, MODE)
                   - _dot(tl.trans(w), dv_new, MODE))
     if STORE_DH0:
-        dh0_ptrs, _ = _state_tile(DH0, bh.to(tl.int64) * DK * DV, v0, DK, DV, BK, BV)
+        dh0_ptrs, _ = _state_tile(DH0, bh.to(tl.int64) * DK * DV, 0, v0, DK, DV, BK, BV)
         tl.store(dh0_ptrs, dstate, mask=s_mask)
 
 
@@ -380,8 +407,8 @@ def _bwd_intra(Q, K_, V_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, DQ, DK
     d_beta = tl.zeros([BT], dtype=tl.float32)
     d_gamma = tl.zeros([BK], dtype=tl.float32)  # summed at the end
     for v0 in range(0, DV, BV):
-        hs_ptrs, s_mask = _state_tile(HS, chunk * DK * DV, v0, DK, DV, BK, BV)
-        dhs_ptrs, _ = _state_tile(DHS, chunk * DK * DV, v0, DK, DV, BK, BV)
+        hs_ptrs, s_mask = _state_tile(HS, chunk * DK * DV, 0, v0, DK, DV, BK, BV)
+        dhs_ptrs, _ = _state_tile(DHS, chunk * DK * DV, 0, v0, DK, DV, BK, BV)
         state = tl.load(hs_ptrs, mask=s_mask, other=0.0)  # S entering the chunk [BK, BV]
         dstate = tl.load(dhs_ptrs, mask=s_mask, other=0.0)  # dL/dS leaving it
         v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
@@ -460,12 +487,193 @@ def _bwd_intra(Q, K_, V_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, DQ, DK
     tl.store(DB + row * H + h, d_beta, mask=valid)
 
 
+# The split backward (the default, ``BWD_SPLIT``): _bwd_intra's work in three kernels with less
+# live state each. Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0),
+# the u part of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT]
+# the per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] float32 dk before its dL/dA
+# term. The partials are summed in a fixed order (no atomics). Transposes of computed [BT, BT]
+# matrices are loads of those scratch tiles with transposed pointers (see _bwd_intra).
+@triton.jit
+def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             BT: tl.constexpr, HAS_RESET: tl.constexpr, MODE: tl.constexpr, NS: tl.constexpr):
+    """The value side of one chunk (a V loop, no [BT, K] accumulators): dv, d_qk = dL/dP
+    masked (scratch slot 0), the u part of dL/dA, -(T^T du) u^T (slot 1), and d_beta's value
+    part, rowsum(T^T du * v), stored in DB for _bwd_fin to add to."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    row = b.to(tl.int64) * L + t
+    rows = tl.arange(0, BT)
+    chunk = bh.to(tl.int64) * N + n
+    tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
+
+    d_p = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dP
+    d_a = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dA, u part (before masking)
+    d_beta = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, DV, BV):
+        v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
+        vn_ptrs, _ = _tile(VN, row, valid, v0, DV, BV, H, h)
+        do_ptrs, _ = _tile(DO, row, valid, v0, DV, BV, H, h)
+        dvn_ptrs, _ = _tile(DVN, row, valid, v0, DV, BV, H, h)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
+        v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=v_mask, other=0.0)
+        du = tl.load(dvn_ptrs, mask=v_mask, other=0.0)  # dL/dv_new = dL/du  [BT, BV]
+        d_p += _dot(do, tl.trans(v_new), MODE)
+        dx_u = _dot(tm_t, du, MODE)  # dL/d(beta * v)  [BT, BV]
+        dv_ptrs, _ = _tile(DV_, row, valid, v0, DV, BV, H, h)
+        tl.store(dv_ptrs, (dx_u * beta[:, None]).to(DV_.dtype.element_ty), mask=v_mask)
+        d_beta += tl.sum(dx_u * v, 1)
+        u_t = _dot(tl.trans(v * beta[:, None]), tm_t, MODE)  # u^T = (beta v)^T T^T  [BV, BT]
+        d_a -= _dot(dx_u, u_t, MODE)
+
+    scr = SCR + chunk * NS * BT * BT
+    tile = rows[:, None] * BT + rows[None, :]
+    tl.store(scr + tile, d_p * _pair(gc, seg, BT, False))  # d_qk = dL/d(scale * q_i . k_j)
+    tl.store(scr + BT * BT + tile, d_a)
+    tl.store(DB + row * H + h, d_beta, mask=valid)
+
+
+@triton.jit
+def _bwd_key(Q, K_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, VEC, DQ, DKP, L, N, scale,
+             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+             BV: tl.constexpr, BT: tl.constexpr, HAS_RESET: tl.constexpr, MODE: tl.constexpr,
+             BKS: tl.constexpr, NKB: tl.constexpr, NS: tl.constexpr):
+    """One chunk's K slice of BKS columns (after _bwd_val; program_id(0) = chunk * NKB + slice,
+    so a chunk's slices run side by side and share its reads in L2): a V loop for the slice's
+    dL/d(q_in), dL/dw, dL/d(k_out) [BT, BKS], then dq (final), dk without its dL/dA term
+    (DKP), the slice's w part of dL/dA, -(T^T dL/dw) w^T (scratch slot 2 + slice), and its
+    row sums for d_beta and d_gc (VEC). The P terms of d_gc use rowsum(m) = rowsum(q * dq_P),
+    colsum(m) = rowsum(k * dk_P) for m = d_qk * (scale q k^T), so no q k^T is formed."""
+    n, kb, bh = tl.program_id(0) // NKB, tl.program_id(0) % NKB, tl.program_id(1)
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    decay_in, decay_out, gamma = _decays(gc, seg, BT)
+    row = b.to(tl.int64) * L + t
+    rows = tl.arange(0, BT)
+    chunk = bh.to(tl.int64) * N + n
+    k0 = kb * BKS
+
+    d_q_in = tl.zeros([BT, BKS], dtype=tl.float32)  # dL/d(scale * decay_in * q)
+    d_w = tl.zeros([BT, BKS], dtype=tl.float32)
+    d_k_out = tl.zeros([BT, BKS], dtype=tl.float32)  # dL/d(decay_out * k)
+    d_gamma = tl.zeros([BKS], dtype=tl.float32)  # summed at the end
+    for v0 in range(0, DV, BV):
+        hs_ptrs, s_mask = _state_tile(HS, chunk * DK * DV, k0, v0, DK, DV, BKS, BV)
+        dhs_ptrs, _ = _state_tile(DHS, chunk * DK * DV, k0, v0, DK, DV, BKS, BV)
+        state = tl.load(hs_ptrs, mask=s_mask, other=0.0)  # S entering the chunk [BKS, BV]
+        dstate = tl.load(dhs_ptrs, mask=s_mask, other=0.0)  # dL/dS leaving it
+        vn_ptrs, v_mask = _tile(VN, row, valid, v0, DV, BV, H, h)
+        do_ptrs, _ = _tile(DO, row, valid, v0, DV, BV, H, h)
+        dvn_ptrs, _ = _tile(DVN, row, valid, v0, DV, BV, H, h)
+        v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=v_mask, other=0.0)
+        du = tl.load(dvn_ptrs, mask=v_mask, other=0.0)
+        d_q_in += _dot(do, tl.trans(state), MODE)
+        d_w -= _dot(du, tl.trans(state), MODE)
+        d_k_out += _dot(v_new, tl.trans(dstate), MODE)
+        d_gamma += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), 1)
+
+    tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
+    dx_w = _dot(tm_t, d_w, MODE)  # dL/d(beta * decay_in * k)  [BT, BKS]
+    kcols = k0 + tl.arange(0, BKS)
+    w_t = tl.load(W + (row[None, :] * H + h) * DK + kcols[:, None],
+                  mask=valid[None, :] & (kcols[:, None] < DK), other=0.0)  # w^T [BKS, BT]
+    scr = SCR + chunk * NS * BT * BT
+    tile = rows[:, None] * BT + rows[None, :]
+    tl.store(scr + (2 + kb) * BT * BT + tile, -_dot(dx_w, w_t, MODE))
+    d_qk = tl.load(scr + tile)
+    d_qk_t = tl.load(scr + rows[None, :] * BT + rows[:, None])
+
+    q_ptrs, k_mask = _tile(Q, row, valid, k0, DK, BKS, H, h)
+    k_ptrs, _ = _tile(K_, row, valid, k0, DK, BKS, H, h)
+    q = tl.load(q_ptrs, mask=k_mask, other=0.0)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    q32 = q.to(tl.float32)
+    k32 = k.to(tl.float32)
+    dq_p = _dot(d_qk, k, MODE) * scale
+    dk_p = _dot(d_qk_t, q, MODE) * scale
+    dq = d_q_in * (scale * decay_in)[:, None] + dq_p
+    dk = dk_p + dx_w * (beta * decay_in)[:, None] + d_k_out * decay_out[:, None]
+    dq_ptrs, _ = _tile(DQ, row, valid, k0, DK, BKS, H, h)
+    dkp_ptrs, _ = _tile(DKP, row, valid, k0, DK, BKS, H, h)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=k_mask)
+    tl.store(dkp_ptrs, dk, mask=k_mask)
+
+    xk = tl.sum(dx_w * k32, 1)
+    end = tl.sum(d_k_out * k32, 1) * decay_out  # dL/d(decay_out) * decay_out
+    d_gc = ((beta * xk + scale * tl.sum(d_q_in * q32, 1)) * decay_in
+            + tl.sum(q32 * dq_p, 1) - tl.sum(k32 * dk_p, 1) - end
+            + tl.where(rows == BT - 1, tl.sum(end, 0) + tl.sum(d_gamma, 0) * gamma, 0.0))
+    vec = VEC + (chunk * NKB + kb) * 2 * BT
+    tl.store(vec + rows, xk * decay_in)  # d_beta part
+    tl.store(vec + BT + rows, d_gc)
+
+
+@triton.jit
+def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             BT: tl.constexpr, HAS_RESET: tl.constexpr, MODE: tl.constexpr,
+             BKS: tl.constexpr, NKB: tl.constexpr, NS: tl.constexpr):
+    """One chunk's finish (after _bwd_key): dL/dA summed from the scratch slots, masked, as
+    d_ak = dL/dA * pair and d_kk^T (both loaded, one through transposed pointers); then per K
+    slice of BKS: dk = DKP + beta * (d_ak k) + d_kk^T k, and the dL/dA terms of d_beta and d_gc
+    as row sums (rowsum(d_ak * k k^T) = rowsum(k * d_ak k)); then d_g (cumsum, resets)."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    row = b.to(tl.int64) * L + t
+    rows = tl.arange(0, BT)
+    chunk = bh.to(tl.int64) * N + n
+    scr = SCR + chunk * NS * BT * BT
+    tile = rows[:, None] * BT + rows[None, :]
+    tile_t = rows[None, :] * BT + rows[:, None]
+    d_a = tl.load(scr + BT * BT + tile)  # dL/dA
+    d_a_t = tl.load(scr + BT * BT + tile_t)  # its transpose
+    for kb in tl.static_range(NKB):
+        d_a += tl.load(scr + (2 + kb) * BT * BT + tile)
+        d_a_t += tl.load(scr + (2 + kb) * BT * BT + tile_t)
+    pair = _pair(gc, seg, BT, True)
+    pair_t = _pair_t(gc, seg, BT, True)
+    d_ak = tl.where(pair != 0.0, d_a, 0.0) * pair  # dL/d(beta_i * (k_i . k_j)), i > j
+    d_kk_t = tl.where(pair_t != 0.0, d_a_t, 0.0) * pair_t * beta[None, :]  # dL/d(k_j . k_i)
+
+    d_beta = tl.load(DB + row * H + h, mask=valid, other=0.0)  # _bwd_val's part
+    d_gc = tl.zeros([BT], dtype=tl.float32)
+    vec = VEC + chunk * NKB * 2 * BT
+    for kb in tl.static_range(NKB):
+        d_beta += tl.load(vec + kb * 2 * BT + rows)
+        d_gc += tl.load(vec + kb * 2 * BT + BT + rows)
+    for k0 in range(0, DK, BKS):
+        k_ptrs, k_mask = _tile(K_, row, valid, k0, DK, BKS, H, h)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        x = _dot(d_ak, k, MODE)  # [BT, BKS]
+        y = _dot(d_kk_t, k, MODE)
+        dkp_ptrs, _ = _tile(DKP, row, valid, k0, DK, BKS, H, h)
+        dk = tl.load(dkp_ptrs, mask=k_mask, other=0.0) + x * beta[:, None] + y
+        dk_ptrs, _ = _tile(DK_, row, valid, k0, DK, BKS, H, h)
+        tl.store(dk_ptrs, dk.to(DK_.dtype.element_ty), mask=k_mask)
+        k32 = k.to(tl.float32)
+        xk = tl.sum(k32 * x, 1)
+        d_beta += xk
+        d_gc += beta * xk - tl.sum(k32 * y, 1)  # rowsum(m) - colsum(m), m = d_kk * k k^T
+
+    d_g = tl.cumsum(d_gc, 0, reverse=True)
+    if HAS_RESET:
+        rst = tl.load(RST + row, mask=valid, other=0)
+        d_g = tl.where(rst != 0, 0.0, d_g)
+    tl.store(DG + row * H + h, d_g, mask=valid)
+    tl.store(DB + row * H + h, d_beta, mask=valid)
+
+
 # -- autograd -----------------------------------------------------------------------------------
-# Launch settings per kernel: BV (value columns per tile), num_warps, num_stages, from a quick
+# Launch settings per kernel: BV (value columns per tile), BKS (key columns per slice, the split
+# backward), num_warps, num_stages. The old kernels' settings come from a quick
 # benchmarks/gated_delta_tune.py sweep on an H100 (nam56r shape; the spread between settings
 # was within ~5% of fwd+bwd). Known gap (H100, nam56r_4k): _bwd_intra runs at 255 registers with
-# ~176 spilled and takes ~0.8 of ~1.5 ms device time; splitting its V loop in two kernels (the
-# do-side and du-side accumulators) is the next step. See gated_delta_h100.json.
+# ~176 spilled and takes ~0.8 of ~1.5 ms device time, hence the split backward (_bwd_val,
+# _bwd_key, _bwd_fin), whose settings are first guesses, not yet measured on a GPU.
 CONFIG: dict[str, dict[str, int]] = {
     "fwd_intra": {"num_warps": 4, "num_stages": 1},
     "fwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
@@ -473,7 +681,13 @@ CONFIG: dict[str, dict[str, int]] = {
     "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "bwd_intra": {"BV": 32, "num_warps": 8, "num_stages": 1},
+    "bwd_val": {"BV": 64, "num_warps": 8, "num_stages": 2},
+    "bwd_key": {"BKS": 64, "BV": 32, "num_warps": 8, "num_stages": 2},
+    "bwd_fin": {"BKS": 64, "num_warps": 8, "num_stages": 1},
 }
+# The backward after the state pass: True runs _bwd_val, _bwd_key, _bwd_fin; False the single
+# _bwd_intra (kept for one A/B measurement on a GPU, then to be deleted).
+BWD_SPLIT = True
 
 
 def _dot_mode(q: Tensor) -> int:
@@ -485,7 +699,7 @@ def _dot_mode(q: Tensor) -> int:
 
 
 class _Launcher:
-    """Grid and constexpr arguments shared by the six kernels for one call's shapes."""
+    """Grid and constexpr arguments shared by the kernels for one call's shapes."""
 
     def __init__(self, q: Tensor, v: Tensor, reset: Tensor | None, g: Tensor) -> None:
         B, L, H, K = q.shape
@@ -497,13 +711,21 @@ class _Launcher:
         self.const = {"H": H, "DK": K, "DV": V, "BK": max(MIN_TILE, triton.next_power_of_2(K)),
                       "BT": CHUNK, "MODE": _dot_mode(q), "HAS_RESET": reset is not None}
 
-    def __call__(self, kernel, name: str, per_chunk: bool, *args, **const):
-        """Launch ``kernel`` over [N, B*H] (per_chunk) or [V / BV, B*H] with CONFIG[name]."""
+    def k_slice(self, name: str) -> int:
+        """CONFIG[name]'s BKS clamped to [MIN_TILE, BK]: the key columns of one slice."""
+        return max(MIN_TILE, min(CONFIG[name]["BKS"], self.const["BK"]))
+
+    def __call__(self, kernel, name: str, per_chunk: bool, *args, slices: int = 1, **const):
+        """Launch ``kernel`` over [N * slices, B*H] (per_chunk) or [V / BV, B*H] with
+        CONFIG[name] (its BKS, if any, clamped by ``k_slice``)."""
         cfg = dict(CONFIG[name])
         bv = max(MIN_TILE, min(cfg.pop("BV", 64), triton.next_power_of_2(self.V)))
         if not per_chunk:
             const["N_CONST"] = self.N if self.on_cpu else 0  # see _loop_count
-        grid = (self.N if per_chunk else triton.cdiv(self.V, bv), self.B * self.H)
+        grid = (self.N * slices if per_chunk else triton.cdiv(self.V, bv), self.B * self.H)
+        if "BKS" in cfg:
+            const["BKS"] = self.k_slice(name)
+            cfg.pop("BKS")
         launch_cfg = {} if self.on_cpu else cfg
         return kernel[grid](*args, BV=bv, **self.const, **const, **launch_cfg)
 
@@ -551,9 +773,24 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             HAS_DHT=dht is not None, STORE_DH0=ctx.has_h0)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dg, db = torch.empty_like(g), torch.empty_like(beta)
-        scratch = torch.empty(B, H, N, 2, CHUNK, CHUNK, **f32)  # see _bwd_intra
-        run(_bwd_intra, "bwd_intra", True, q, k, v, g, beta, rst, tm, w, hs, v_new, dhs, do, dvn,
-            scratch, dq, dk, dv, dg, db, L, N, ctx.scale)
+        if not BWD_SPLIT:
+            scratch = torch.empty(B, H, N, 2, CHUNK, CHUNK, **f32)  # see _bwd_intra
+            run(_bwd_intra, "bwd_intra", True, q, k, v, g, beta, rst, tm, w, hs, v_new, dhs, do,
+                dvn, scratch, dq, dk, dv, dg, db, L, N, ctx.scale)
+            return dq, dk, dv, dg, db, dh0, None, None
+        # the split backward; its scratch is described above _bwd_val
+        nkb = triton.cdiv(K, run.k_slice("bwd_key"))
+        ns = 2 + nkb
+        scratch = torch.empty(B, H, N, ns, CHUNK, CHUNK, **f32)
+        vec = torch.empty(B, H, N, nkb, 2, CHUNK, **f32)
+        dk_part = torch.empty(B, L, H, K, **f32)
+        assert db.dtype == torch.float32  # it carries _bwd_val's d_beta part to _bwd_fin
+        run(_bwd_val, "bwd_val", True, v, g, beta, rst, tm, v_new, do, dvn, scratch, dv, db, L,
+            N, NS=ns)
+        run(_bwd_key, "bwd_key", True, q, k, g, beta, rst, tm, w, hs, v_new, dhs, do, dvn,
+            scratch, vec, dq, dk_part, L, N, ctx.scale, slices=nkb, NKB=nkb, NS=ns)
+        run(_bwd_fin, "bwd_fin", True, k, g, beta, rst, scratch, vec, dk_part, dk, dg, db, L, N,
+            NKB=nkb, NS=ns)
         return dq, dk, dv, dg, db, dh0, None, None
 
 
