@@ -35,8 +35,6 @@ SWEEP = {
                      for w in (4, 8)],
     "bwd_state": [{"BV": bv, "num_warps": w, "num_stages": s}
                   for bv in (32, 64) for w in (4, 8) for s in (1, 2, 3)],
-    "bwd_intra": [{"BV": bv, "num_warps": w, "num_stages": s}
-                  for bv in (32, 64) for w in (4, 8, 16) for s in (1, 2)],
     "bwd_val": [{"BV": bv, "num_warps": w, "num_stages": s}
                 for bv in (32, 64) for w in (4, 8) for s in (1, 2)],
     "bwd_key": [{"BKS": bk, "BV": bv, "num_warps": w, "num_stages": s}
@@ -143,20 +141,6 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True) -> dict:
     result["base_ms_again"] = do_bench(lambda: _fwd_bwd(inputs, do), warmup=50, rep=300,
                                        return_mode="median")
     result["breakdown_us"] = _breakdown(lambda: _fwd_bwd(inputs, do))
-    if gdt.BWD_SPLIT:  # the single-kernel backward it replaced, same inputs, same process
-        gdt.BWD_SPLIT = False
-        try:
-            old = _fwd_bwd(inputs, do)
-            result["single_bwd"] = {
-                "max_rel_vs_split": max(_rel(a, b) for a, b in zip(old, base)),
-                "ms": do_bench(lambda: _fwd_bwd(inputs, do), warmup=50, rep=300,
-                               return_mode="median"),
-                "resources": _resources(inputs, do),
-                "breakdown_us": _breakdown(lambda: _fwd_bwd(inputs, do))}
-        finally:
-            gdt.BWD_SPLIT = True
-        print(json.dumps({"single_bwd_ms": result["single_bwd"]["ms"],
-                          "err": result["single_bwd"]["max_rel_vs_split"]}), flush=True)
     try:
         fla_run = _fla_fn(inputs, do)
         result["fla_ms"] = do_bench(fla_run, warmup=50, rep=300, return_mode="median")
@@ -167,10 +151,7 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True) -> dict:
     print(json.dumps(result["resources"]), flush=True)
     print(json.dumps(result.get("fla_ms")), flush=True)
     best, trials = {}, []
-    table = QUICK if quick else SWEEP
-    live = {"bwd_intra"} if not gdt.BWD_SPLIT else {"bwd_val", "bwd_key", "bwd_fin"}
-    dead = {"bwd_intra", "bwd_val", "bwd_key", "bwd_fin"} - live
-    for name, configs in ((n, c) for n, c in table.items() if n not in dead) if sweep else ():
+    for name, configs in (QUICK if quick else SWEEP).items() if sweep else ():
         default = dict(gdt.CONFIG[name])
         scores = []
         for cfg in configs:

@@ -98,8 +98,7 @@ def backward_twice(fn, inputs: dict, dtype: torch.dtype, seed: int = 0) -> list[
 # -- CPU: the Triton interpreter ----------------------------------------------------------------
 def _interpreter_check() -> dict:
     """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
-    Every case on both backward paths (triton.BWD_SPLIT: the split kernels, then the single
-    _bwd_intra), and a bit-for-bit repeat of the split backward."""
+    Every case, and a bit-for-bit repeat of the backward (fixed-order partial sums)."""
     from megacpp.kernels.ops.gated_delta import triton as gd
 
     fn = gd.gated_delta_rule_triton
@@ -124,16 +123,7 @@ def _interpreter_check() -> dict:
         "k96_bf16": (make_inputs(2, 70, 1, 96, 64, device="cpu", seed=5, doc_len=40,
                                  with_state=True), torch.bfloat16, 1e-2),
     }
-    assert gd.BWD_SPLIT, "the split backward is the default"
-    errors = {}
-    for split in (True, False):
-        gd.BWD_SPLIT = split
-        try:
-            for name, (inputs, dtype, tol) in cases.items():
-                path = "split" if split else "single"
-                errors[f"{path}/{name}"] = compare(fn, inputs, dtype, tol)
-        finally:
-            gd.BWD_SPLIT = True
+    errors = {name: compare(fn, inputs, dtype, tol) for name, (inputs, dtype, tol) in cases.items()}
     for name in ("k128", "k96_bf16"):
         inputs, dtype, _ = cases[name]
         first, second = backward_twice(fn, inputs, dtype)
@@ -185,20 +175,16 @@ def test_gpu_matches_reference(case, dtype) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_backward_paths(dtype) -> None:
-    """The single-kernel backward (BWD_SPLIT = False) still matches the reference, and the
-    default split backward gives bit-identical gradients when run twice (no atomics)."""
-    from megacpp.kernels.ops.gated_delta import triton as gd
+def test_gpu_two_key_slices_and_bitwise_repeat(dtype) -> None:
+    """K = V = 128 (two key slices of the backward) against the reference, and bit-identical
+    gradients when the backward runs twice (no atomics)."""
+    from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
 
     inputs = make_inputs(2, 300, 4, 128, 128, device="cuda", seed=7, doc_len=70,
                          with_state=True)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    gd.BWD_SPLIT = False
-    try:
-        print("single", compare(gd.gated_delta_rule_triton, inputs, dtype, tol))
-    finally:
-        gd.BWD_SPLIT = True
-    first, second = backward_twice(gd.gated_delta_rule_triton, inputs, dtype)
+    print(compare(gated_delta_rule_triton, inputs, dtype, tol))
+    first, second = backward_twice(gated_delta_rule_triton, inputs, dtype)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 

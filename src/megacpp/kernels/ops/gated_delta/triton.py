@@ -31,8 +31,6 @@ Kernels (grid in brackets; N chunks, BH = B * H):
   and its row sums for dbeta and dg
 * ``_bwd_fin``    [N, BH]   dL/dA summed from the parts, the dL/dA terms of dk, dbeta, dg, and
   dg through the decays' cumsum
-* ``_bwd_intra``  [N, BH]   the three above in one kernel (``BWD_SPLIT = False``; 255
-  registers with spills on the H100, kept for one A/B measurement)
 
 T is built without tiny matmuls: the 16 x 16 diagonal blocks D of (I + A) are inverted
 together by 15 steps of forward substitution on the [64, 64] tile, and with F = D^-1 E (E the
@@ -45,8 +43,7 @@ o's error), the decays; u^T is recomputed. The split backward's float32 scratch,
 K / BKS key slices (see above ``_bwd_val``): [B, H, N, 2 + NKB, C, C] (dL/dP masked, the u
 part of dL/dA, the w part per K slice; transposes are reads of these through transposed
 pointers), [B, H, N, NKB, 2, C] (row sums per K slice) and [B, L, H, K] (dk before its dL/dA
-term); partials are summed in a fixed order (no atomics: bit-reproducible gradients). The
-single ``_bwd_intra`` needs [B, H, N, 2, C, C] for its two transposes. bfloat16 inputs use
+term); partials are summed in a fixed order (no atomics: bit-reproducible gradients). bfloat16 inputs use
 bfloat16 tensor-core products where both operands are bfloat16, tf32 where one is a float32
 intermediate (T, the state, decayed keys, dL/dA); float32 inputs use 3xTF32 products.
 
@@ -71,7 +68,7 @@ CHUNK = 64  # tokens per chunk (the tile side of A and T)
 SUB = 16  # diagonal block side of the forward substitution
 MAX_K = 128  # head_k_dim the kernels hold in registers
 # Smallest K / V tile. On the H100 (Triton 3.6) 16-wide tiles hit illegal memory accesses
-# (fp32 K = V = 16; bwd_intra with BV = 16), so narrower heads run masked 32-wide tiles.
+# (fp32 K = V = 16; the backward with BV = 16), so narrower heads run masked 32-wide tiles.
 MIN_TILE = 32
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -381,118 +378,13 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         tl.store(dh0_ptrs, dstate, mask=s_mask)
 
 
-@triton.jit
-def _bwd_intra(Q, K_, V_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, DQ, DK_, DV_, DG,
-               DB, L, N, scale, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HAS_RESET: tl.constexpr,
-               MODE: tl.constexpr):
-    """Everything of one chunk's backward after the state pass. No tl.trans of a matmul
-    result feeds a matmul (Triton 3.4-3.7.0 miscompiles that on Hopper, fla issue 640):
-    T^T and w^T are loaded transposed, u^T is computed as (beta v)^T T^T, and the two [BT, BT]
-    matrices whose transposes are needed go through a per-program scratch tile."""
-    n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
-    decay_in, decay_out, gamma = _decays(gc, seg, BT)
-    row = b.to(tl.int64) * L + t
-    rows = tl.arange(0, BT)
-    chunk = bh.to(tl.int64) * N + n
-    tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
-
-    d_q_in = tl.zeros([BT, BK], dtype=tl.float32)  # dL/d(scale * decay_in * q)
-    d_w = tl.zeros([BT, BK], dtype=tl.float32)
-    d_k_out = tl.zeros([BT, BK], dtype=tl.float32)  # dL/d(decay_out * k)
-    d_p = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dP
-    d_a = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dA (before masking)
-    d_beta = tl.zeros([BT], dtype=tl.float32)
-    d_gamma = tl.zeros([BK], dtype=tl.float32)  # summed at the end
-    for v0 in range(0, DV, BV):
-        hs_ptrs, s_mask = _state_tile(HS, chunk * DK * DV, 0, v0, DK, DV, BK, BV)
-        dhs_ptrs, _ = _state_tile(DHS, chunk * DK * DV, 0, v0, DK, DV, BK, BV)
-        state = tl.load(hs_ptrs, mask=s_mask, other=0.0)  # S entering the chunk [BK, BV]
-        dstate = tl.load(dhs_ptrs, mask=s_mask, other=0.0)  # dL/dS leaving it
-        v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
-        vn_ptrs, _ = _tile(VN, row, valid, v0, DV, BV, H, h)
-        do_ptrs, _ = _tile(DO, row, valid, v0, DV, BV, H, h)
-        dvn_ptrs, _ = _tile(DVN, row, valid, v0, DV, BV, H, h)
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
-        v_beta = v * beta[:, None]
-        v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=v_mask, other=0.0)
-        du = tl.load(dvn_ptrs, mask=v_mask, other=0.0)  # dL/dv_new = dL/du  [BT, BV]
-
-        d_q_in += _dot(do, tl.trans(state), MODE)
-        d_w -= _dot(du, tl.trans(state), MODE)
-        d_k_out += _dot(v_new, tl.trans(dstate), MODE)
-        d_p += _dot(do, tl.trans(v_new), MODE)
-        d_gamma += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), 1)
-
-        dx_u = _dot(tm_t, du, MODE)  # dL/d(beta * v)  [BT, BV]
-        dv_ptrs, _ = _tile(DV_, row, valid, v0, DV, BV, H, h)
-        tl.store(dv_ptrs, (dx_u * beta[:, None]).to(DV_.dtype.element_ty), mask=v_mask)
-        d_beta += tl.sum(dx_u * v, 1)
-        u_t = _dot(tl.trans(v_beta), tm_t, MODE)  # u^T = (beta v)^T T^T  [BV, BT]
-        d_a -= _dot(dx_u, u_t, MODE)
-
-    q_ptrs, k_mask = _tile(Q, row, valid, 0, DK, BK, H, h)
-    k_ptrs, _ = _tile(K_, row, valid, 0, DK, BK, H, h)
-    q = tl.load(q_ptrs, mask=k_mask, other=0.0)
-    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    kcols = tl.arange(0, BK)
-    w_t = tl.load(W + (row[None, :] * H + h) * DK + kcols[:, None],
-                  mask=valid[None, :] & (kcols[:, None] < DK), other=0.0)  # w^T [BK, BT]
-    dx_w = _dot(tm_t, d_w, MODE)  # dL/d(beta * decay_in * k)  [BT, BK]
-    d_a -= _dot(dx_w, w_t, MODE)
-
-    pair_strict = _pair(gc, seg, BT, True)
-    pair_causal = _pair(gc, seg, BT, False)
-    kk = _dot(k, tl.trans(k), MODE)
-    qk = _dot(q, tl.trans(k), MODE) * scale
-    d_a = tl.where(pair_strict != 0.0, d_a, 0.0)
-    d_kk = d_a * beta[:, None] * pair_strict  # dL/d(k_i . k_j), i > j
-    d_qk = d_p * pair_causal  # dL/d(scale * q_i . k_j)
-
-    # transposes through this program's scratch tile (see the docstring)
-    scr = SCR + (bh.to(tl.int64) * N + n) * 2 * BT * BT
-    tl.store(scr + rows[:, None] * BT + rows[None, :], d_kk)
-    tl.store(scr + BT * BT + rows[:, None] * BT + rows[None, :], d_qk)
-    tl.debug_barrier()
-    d_kk_t = tl.load(scr + rows[None, :] * BT + rows[:, None])
-    d_qk_t = tl.load(scr + BT * BT + rows[None, :] * BT + rows[:, None])
-
-    k32 = k.to(tl.float32)
-    q32 = q.to(tl.float32)
-    dq = d_q_in * (scale * decay_in)[:, None] + _dot(d_qk, k, MODE) * scale
-    dk = (_dot(d_kk + d_kk_t, k, MODE) + _dot(d_qk_t, q, MODE) * scale
-          + dx_w * (beta * decay_in)[:, None] + d_k_out * decay_out[:, None])
-    d_beta += tl.sum(d_a * pair_strict * kk, 1) + tl.sum(dx_w * k32, 1) * decay_in
-
-    # log-decay gradient: every decay is exp of a difference of gc entries
-    d_decay_in = beta * tl.sum(dx_w * k32, 1) + scale * tl.sum(d_q_in * q32, 1)
-    d_decay_out = tl.sum(d_k_out * k32, 1)
-    m = d_a * (beta[:, None] * pair_strict * kk) + d_p * (qk * pair_causal)  # d/d(gc_i - gc_j)
-    end = d_decay_out * decay_out
-    d_gc = (d_decay_in * decay_in + tl.sum(m, 1) - tl.sum(m, 0) - end
-            + tl.where(rows == BT - 1, tl.sum(end, 0) + tl.sum(d_gamma, 0) * gamma, 0.0))
-    d_g = tl.cumsum(d_gc, 0, reverse=True)
-    if HAS_RESET:
-        rst = tl.load(RST + row, mask=valid, other=0)
-        d_g = tl.where(rst != 0, 0.0, d_g)
-
-    dq_ptrs, _ = _tile(DQ, row, valid, 0, DK, BK, H, h)
-    dk_ptrs, _ = _tile(DK_, row, valid, 0, DK, BK, H, h)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=k_mask)
-    tl.store(dk_ptrs, dk.to(DK_.dtype.element_ty), mask=k_mask)
-    tl.store(DG + row * H + h, d_g, mask=valid)
-    tl.store(DB + row * H + h, d_beta, mask=valid)
-
-
-# The split backward (the default, ``BWD_SPLIT``): _bwd_intra's work in three kernels with less
-# live state each. Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0),
+# The backward after the state pass, in three kernels with little live state each (one kernel
+# doing all of it ran at 255 registers with 176 spilled on the H100, 1.1-1.2x slower end to end). Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0),
 # the u part of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT]
 # the per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] float32 dk before its dL/dA
 # term. The partials are summed in a fixed order (no atomics). Transposes of computed [BT, BT]
-# matrices are loads of those scratch tiles with transposed pointers (see _bwd_intra).
+# matrices are loads of those scratch tiles with transposed pointers: no tl.trans of a matmul result feeds a matmul (Triton 3.4-3.7.0
+# miscompiles that on Hopper, fla issue 640).
 @triton.jit
 def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -668,26 +560,20 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
 
 
 # -- autograd -----------------------------------------------------------------------------------
-# Launch settings per kernel: BV (value columns per tile), BKS (key columns per slice, the split
-# backward), num_warps, num_stages. The old kernels' settings come from a quick
-# benchmarks/gated_delta_tune.py sweep on an H100 (nam56r shape; the spread between settings
-# was within ~5% of fwd+bwd). Known gap (H100, nam56r_4k): _bwd_intra runs at 255 registers with
-# ~176 spilled and takes ~0.8 of ~1.5 ms device time, hence the split backward (_bwd_val,
-# _bwd_key, _bwd_fin), whose settings are first guesses, not yet measured on a GPU.
+# Launch settings per kernel: BV (value columns per tile), BKS (key columns per slice of
+# _bwd_key / _bwd_fin), num_warps, num_stages, from benchmarks/gated_delta_tune.py --quick
+# sweeps on an H100 (nam56r 4k / 8k and H16 K = V = 128 4k; the backward's three kernels: 4
+# warps, BV 32, BKS 32 in _bwd_fin, 0.4 ms of 6.8 at H16, see gated_delta_split_h100.json).
 CONFIG: dict[str, dict[str, int]] = {
     "fwd_intra": {"num_warps": 4, "num_stages": 1},
     "fwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "fwd_out": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
-    "bwd_intra": {"BV": 32, "num_warps": 8, "num_stages": 1},
-    "bwd_val": {"BV": 64, "num_warps": 8, "num_stages": 2},
-    "bwd_key": {"BKS": 64, "BV": 32, "num_warps": 8, "num_stages": 2},
-    "bwd_fin": {"BKS": 64, "num_warps": 8, "num_stages": 1},
+    "bwd_val": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "bwd_key": {"BKS": 64, "BV": 32, "num_warps": 4, "num_stages": 2},
+    "bwd_fin": {"BKS": 32, "num_warps": 4, "num_stages": 1},
 }
-# The backward after the state pass: True runs _bwd_val, _bwd_key, _bwd_fin; False the single
-# _bwd_intra (kept for one A/B measurement on a GPU, then to be deleted).
-BWD_SPLIT = True
 
 
 def _dot_mode(q: Tensor) -> int:
@@ -773,12 +659,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             HAS_DHT=dht is not None, STORE_DH0=ctx.has_h0)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dg, db = torch.empty_like(g), torch.empty_like(beta)
-        if not BWD_SPLIT:
-            scratch = torch.empty(B, H, N, 2, CHUNK, CHUNK, **f32)  # see _bwd_intra
-            run(_bwd_intra, "bwd_intra", True, q, k, v, g, beta, rst, tm, w, hs, v_new, dhs, do,
-                dvn, scratch, dq, dk, dv, dg, db, L, N, ctx.scale)
-            return dq, dk, dv, dg, db, dh0, None, None
-        # the split backward; its scratch is described above _bwd_val
+        # the scratch is described above _bwd_val
         nkb = triton.cdiv(K, run.k_slice("bwd_key"))
         ns = 2 + nkb
         scratch = torch.empty(B, H, N, ns, CHUNK, CHUNK, **f32)
