@@ -76,7 +76,8 @@ def dense_equivalent_tflops(flops: float) -> float:
     return 2 * m * 4096 * 1024 / _median_ms(lambda: a @ b) / 1e9
 
 
-def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels") -> list[dict]:
+def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels",
+        cases: list[str] | None = None) -> list[dict]:
     catalog, device = default_catalog(), torch.device("cuda")
     facts = device_facts(device)
     ceil = ceilings()
@@ -85,11 +86,17 @@ def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels") -> 
     unknown = sorted(set(surfaces or ()) - set(BENCH))
     if unknown:
         raise SystemExit(f"error: unknown --surfaces {unknown}; known: {sorted(BENCH)}")
-    for name, (cases, backends) in BENCH.items():
+    known_cases = {c for cs, _ in BENCH.values() for c in cs}
+    unknown = sorted(set(cases or ()) - known_cases)
+    if unknown:
+        raise SystemExit(f"error: unknown --cases {unknown}; known: {sorted(known_cases)}")
+    for name, (bench_cases, backends) in BENCH.items():
         if surfaces and name not in surfaces:
             continue
         surface = catalog.surface(name)
-        for case in cases:
+        for case in bench_cases:
+            if cases and case not in cases:
+                continue
             gen = torch.Generator(device=device).manual_seed(0)
             inputs = surface.make_inputs(surface.cases[case], torch.bfloat16, device, gen)
             flops = surface.flops(inputs) if surface.flops else None
@@ -192,6 +199,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels"))
     parser.add_argument("--plot", type=Path, help="only draw the PNG from a kernels.json")
     parser.add_argument("--surfaces", help="comma-separated surfaces to run (default: all)")
+    parser.add_argument("--cases", help="comma-separated cases to run (default: all of each surface)")
     parser.add_argument("--name", default="kernels", help="stem of the JSON/PNG written")
     args = parser.parse_args()
     if args.plot:
@@ -200,7 +208,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: benchmarks/kernels.py needs a CUDA device", file=sys.stderr)
         return 2
-    rows = run(args.out, args.surfaces.split(",") if args.surfaces else None, args.name)
+    rows = run(args.out, args.surfaces.split(",") if args.surfaces else None, args.name,
+               args.cases.split(",") if args.cases else None)
     print_table(rows)
     try:
         print(plot(args.out / f"{args.name}.json"))
