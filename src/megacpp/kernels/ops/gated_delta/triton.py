@@ -378,13 +378,24 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         tl.store(dh0_ptrs, dstate, mask=s_mask)
 
 
+@triton.jit
+def _chunk_start(G, BETA, RST, n, bh, L, N, H: tl.constexpr, BT: tl.constexpr,
+                 HAS_RESET: tl.constexpr):
+    """What a per-chunk backward program starts from: head h, the chunk's gates (``_gates``'s
+    valid, gc, seg, beta), its rows into [B, L] (int64), arange(BT) and its index into [BH, N]."""
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    row = b.to(tl.int64) * L + t
+    return h, valid, gc, seg, beta, row, tl.arange(0, BT), bh.to(tl.int64) * N + n
+
+
 # The backward after the state pass, in three kernels with little live state each (one kernel
 # doing all of it ran at 255 registers with 176 spilled on the H100, 1.1-1.2x slower end to end). Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0),
 # the u part of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT]
 # the per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] float32 dk before its dL/dA
 # term. The partials are summed in a fixed order (no atomics). Transposes of computed [BT, BT]
-# matrices are loads of those scratch tiles with transposed pointers: no tl.trans of a matmul result feeds a matmul (Triton 3.4-3.7.0
-# miscompiles that on Hopper, fla issue 640).
+# matrices are loads of those scratch tiles with transposed pointers: no tl.trans of a matmul
+# result feeds a matmul (Triton 3.4-3.7.0 miscompiles that on Hopper, fla issue 640).
 @triton.jit
 def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -393,11 +404,8 @@ def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.conste
     masked (scratch slot 0), the u part of dL/dA, -(T^T du) u^T (slot 1), and d_beta's value
     part, rowsum(T^T du * v), stored in DB for _bwd_fin to add to."""
     n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
-    row = b.to(tl.int64) * L + t
-    rows = tl.arange(0, BT)
-    chunk = bh.to(tl.int64) * N + n
+    h, valid, gc, seg, beta, row, rows, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
+                                                             HAS_RESET)
     tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
 
     d_p = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dP
@@ -513,11 +521,8 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
     slice of BKS: dk = DKP + beta * (d_ak k) + d_kk^T k, and the dL/dA terms of d_beta and d_gc
     as row sums (rowsum(d_ak * k k^T) = rowsum(k * d_ak k)); then d_g (cumsum, resets)."""
     n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
-    row = b.to(tl.int64) * L + t
-    rows = tl.arange(0, BT)
-    chunk = bh.to(tl.int64) * N + n
+    h, valid, gc, seg, beta, row, rows, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
+                                                             HAS_RESET)
     scr = SCR + chunk * NS * BT * BT
     tile = rows[:, None] * BT + rows[None, :]
     tile_t = rows[None, :] * BT + rows[:, None]
