@@ -116,8 +116,7 @@ class HybridLM(nn.Module):
     ) -> ModelOutput:
         x = self.residual_stream(input_ids, doc_ids)
         h = self.norm(x)
-        fused_loss = labels is not None and resolve("linear_cross_entropy", h).role != "fallback"
-        logits = None if fused_loss else self.logits(h)
+        logits = None if labels is not None and self.fused_loss(h) else self.logits(h)
         mtp_logits = (
             None if self.mtp is None else self.mtp(x, input_ids, doc_ids, self.embed, self.logits)
         )
@@ -138,6 +137,11 @@ class HybridLM(nn.Module):
             mtp_loss=mtp_loss,
             mtp_logits=mtp_logits,
         )
+
+    def fused_loss(self, h: torch.Tensor) -> bool:
+        """Whether the loss on final hidden states ``h`` skips the logits: the catalog chose a
+        fused linear cross-entropy backend for ``h``'s device and dtype."""
+        return resolve("linear_cross_entropy", h).role != "fallback"
 
     def _lm_loss(
         self, h: torch.Tensor, logits: torch.Tensor | None, labels: torch.Tensor

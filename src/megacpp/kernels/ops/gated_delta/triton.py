@@ -121,6 +121,17 @@ def _gates(G, BETA, RST, b, h, n, L, H: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
+def _chunk_start(G, BETA, RST, n, bh, L, N, H: tl.constexpr, BT: tl.constexpr,
+                 HAS_RESET: tl.constexpr):
+    """What a per-chunk program starts from: head h, the chunk's gates (``_gates``'s valid, gc,
+    seg, beta), its rows into [B, L] (int64), arange(BT) and its index into [BH, N]."""
+    b, h = bh // H, bh % H
+    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    row = b.to(tl.int64) * L + t
+    return h, valid, gc, seg, beta, row, tl.arange(0, BT), bh.to(tl.int64) * N + n
+
+
+@triton.jit
 def _last(x, BT: tl.constexpr):
     """x[BT - 1] of a [BT] vector, as a scalar."""
     return tl.sum(tl.where(tl.arange(0, BT) == BT - 1, x, 0), 0)
@@ -217,15 +228,13 @@ def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.const
                BT: tl.constexpr, SUB: tl.constexpr, HAS_RESET: tl.constexpr,
                MODE: tl.constexpr):
     n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    h, valid, gc, seg, beta, row, rows, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
+                                                             HAS_RESET)
     decay_in, decay_out, gamma = _decays(gc, seg, BT)
-    row = b.to(tl.int64) * L + t
-    rows = tl.arange(0, BT)
-    gate_off = (bh.to(tl.int64) * N + n) * BT + rows  # [BH, N * BT] per-token gates
+    gate_off = chunk * BT + rows  # [BH, N * BT] per-token gates
     tl.store(DIN + gate_off, decay_in)
     tl.store(DOUT + gate_off, decay_out)
-    tl.store(GAM + bh.to(tl.int64) * N + n, gamma)
+    tl.store(GAM + chunk, gamma)
 
     k_ptrs, k_mask = _tile(K_, row, valid, 0, DK, BK, H, h)
     k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [BT, BK]
@@ -242,7 +251,7 @@ def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.const
         u_ptrs, _u_mask = _tile(U, row, valid, v0, DV, BV, H, h)
         tl.store(u_ptrs, _dot(tm, v * beta[:, None], MODE), mask=v_mask)  # float32 u
 
-    t_base = (bh.to(tl.int64) * N + n) * BT * BT
+    t_base = chunk * BT * BT
     tl.store(TM + t_base + rows[:, None] * BT + rows[None, :], tm)
 
 
@@ -289,10 +298,9 @@ def _fwd_out(Q, K_, G, BETA, RST, HS, VN, O, L, N, scale, H: tl.constexpr, DK: t
              DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
              HAS_RESET: tl.constexpr, MODE: tl.constexpr):
     n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    t, valid, gc, seg, _ = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    h, valid, gc, seg, _, row, _, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
+                                                       HAS_RESET)
     decay_in, _, _ = _decays(gc, seg, BT)
-    row = b.to(tl.int64) * L + t
     q_ptrs, k_mask = _tile(Q, row, valid, 0, DK, BK, H, h)
     k_ptrs, _ = _tile(K_, row, valid, 0, DK, BK, H, h)
     q = tl.load(q_ptrs, mask=k_mask, other=0.0)
@@ -300,8 +308,7 @@ def _fwd_out(Q, K_, G, BETA, RST, HS, VN, O, L, N, scale, H: tl.constexpr, DK: t
     p = _dot(q, tl.trans(k), MODE) * scale * _pair(gc, seg, BT, False)  # [BT, BT]
     q_in = q.to(tl.float32) * (scale * decay_in)[:, None]
     for v0 in range(0, DV, BV):
-        hs_ptrs, s_mask = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
-                                      BK, BV)
+        hs_ptrs, s_mask = _state_tile(HS, chunk * DK * DV, 0, v0, DK, DV, BK, BV)
         state = tl.load(hs_ptrs, mask=s_mask, other=0.0)
         vn_ptrs, v_mask = _tile(VN, row, valid, v0, DV, BV, H, h)
         v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
@@ -378,20 +385,9 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         tl.store(dh0_ptrs, dstate, mask=s_mask)
 
 
-@triton.jit
-def _chunk_start(G, BETA, RST, n, bh, L, N, H: tl.constexpr, BT: tl.constexpr,
-                 HAS_RESET: tl.constexpr):
-    """What a per-chunk backward program starts from: head h, the chunk's gates (``_gates``'s
-    valid, gc, seg, beta), its rows into [B, L] (int64), arange(BT) and its index into [BH, N]."""
-    b, h = bh // H, bh % H
-    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
-    row = b.to(tl.int64) * L + t
-    return h, valid, gc, seg, beta, row, tl.arange(0, BT), bh.to(tl.int64) * N + n
-
-
 # The backward after the state pass, in three kernels with little live state each (one kernel
-# doing all of it ran at 255 registers with 176 spilled on the H100, 1.1-1.2x slower end to end). Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0),
-# the u part of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT]
+# doing all of it ran at 255 registers with 176 spilled on the H100, 1.1-1.2x slower end to
+# end). Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0), the u part of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT]
 # the per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] float32 dk before its dL/dA
 # term. The partials are summed in a fixed order (no atomics). Transposes of computed [BT, BT]
 # matrices are loads of those scratch tiles with transposed pointers: no tl.trans of a matmul
@@ -447,12 +443,9 @@ def _bwd_key(Q, K_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, VEC, DQ, DKP
     row sums for d_beta and d_gc (VEC). The P terms of d_gc use rowsum(m) = rowsum(q * dq_P),
     colsum(m) = rowsum(k * dk_P) for m = d_qk * (scale q k^T), so no q k^T is formed."""
     n, kb, bh = tl.program_id(0) // NKB, tl.program_id(0) % NKB, tl.program_id(1)
-    b, h = bh // H, bh % H
-    t, valid, gc, seg, beta = _gates(G, BETA, RST, b, h, n, L, H, BT, HAS_RESET)
+    h, valid, gc, seg, beta, row, rows, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
+                                                             HAS_RESET)
     decay_in, decay_out, gamma = _decays(gc, seg, BT)
-    row = b.to(tl.int64) * L + t
-    rows = tl.arange(0, BT)
-    chunk = bh.to(tl.int64) * N + n
     k0 = kb * BKS
 
     d_q_in = tl.zeros([BT, BKS], dtype=tl.float32)  # dL/d(scale * decay_in * q)
