@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megacpp.errors import ConfigError
@@ -29,6 +30,25 @@ def test_forward_shape_and_dtype():
     y = mixer(make_x(dtype=torch.float32))
     assert y.shape == (2, 21, 32) and y.dtype == torch.float32
     assert torch.isfinite(y).all()
+
+
+def test_bf16_autocast_norms_b_and_c_with_matching_dtypes(monkeypatch):
+    """Under bf16 autocast the B/C projections are bf16 and the norm weights float32: every
+    rms_norm the mixer calls must get one dtype for input and weight (torch's nn.RMSNorm with
+    a float32 weight on bf16 input falls back to its unfused composite on CUDA)."""
+    calls = []
+    real = F.rms_norm
+
+    def spy(x, shape, weight=None, eps=None):
+        calls.append((x.dtype, None if weight is None else weight.dtype))
+        return real(x, shape, weight, eps)
+
+    monkeypatch.setattr(F, "rms_norm", spy)
+    mixer = make_mixer(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mixer(make_x(dtype=torch.float32))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+    assert len(calls) == 2 and all(x == w == torch.float32 for x, w in calls), calls
 
 
 def test_doc_ids_equal_running_each_document_alone():

@@ -28,6 +28,7 @@ from megacpp.kernels.ops.mamba3_scan.reference import (
     flops_per_token as scan_flops_per_token,
 )
 from megacpp.kernels.runtime import resolve
+from megacpp.model.norm import RMSNorm
 
 _CACHE_DTYPES = (torch.float32, torch.float64)
 
@@ -114,8 +115,10 @@ class Mamba3Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(H))
         self.B_bias = nn.Parameter(torch.empty(H, N))
         self.C_bias = nn.Parameter(torch.empty(H, N))
-        self.B_norm = nn.RMSNorm(N, eps=norm_eps)
-        self.C_norm = nn.RMSNorm(N, eps=norm_eps)
+        # float32 math on the bf16 projections (torch's nn.RMSNorm with a float32 weight and
+        # bf16 input falls back to its unfused composite); the catalog's kernel when chosen
+        self.B_norm = RMSNorm(N, norm_eps)
+        self.C_norm = RMSNorm(N, norm_eps)
         self.D = nn.Parameter(torch.empty(H))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
         self.dt_bias._no_weight_decay = True  # type: ignore[attr-defined]

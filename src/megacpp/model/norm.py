@@ -17,6 +17,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = resolve("rmsnorm", x)  # the reference unless MEGACPP_KERNELS picks a kernel
         if backend.role != "fallback":
