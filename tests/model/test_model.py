@@ -26,6 +26,22 @@ def test_shapes_and_loss(cfg):
     assert out.aux_loss is not None  # the E layer's sequence-level balance loss is on
 
 
+def test_lm_loss_without_targets_is_zero_not_nan(cfg):
+    """As the fused cross-entropy kernel: no real target gives a 0 loss and zero grads (a
+    packed micro-batch of one-token documents must not poison a run)."""
+    model = _model(cfg, dtype=torch.float32).train()
+    ids = _tokens(2, 12, cfg.vocab_size)
+    out = model(ids, labels=torch.full_like(ids, IGNORE_INDEX))
+    assert out.lm_loss.item() == 0.0
+    out.lm_loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+    labels = next_token_labels(ids)
+    expected = torch.nn.functional.cross_entropy(model(ids).logits.flatten(0, 1),
+                                                 labels.flatten(), ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(model(ids, labels=labels).lm_loss, expected)
+
+
 def test_causality(cfg):
     """Changing token t never changes the outputs before t."""
     model = _model(cfg)

@@ -19,7 +19,7 @@ from megacpp.model.blocks import Block
 from megacpp.model.cache import ModelCache, PagedBatch, PagedView, gather_state, scatter_state
 from megacpp.model.config import ModelConfig
 from megacpp.model.moe import MoE
-from megacpp.model.mtp import MultiTokenPrediction
+from megacpp.model.mtp import MultiTokenPrediction, mean_cross_entropy
 from megacpp.model.norm import RMSNorm
 from megacpp.pattern import LayerPlan, load, require_buildable
 
@@ -146,12 +146,11 @@ class HybridLM(nn.Module):
     def _lm_loss(
         self, h: torch.Tensor, logits: torch.Tensor | None, labels: torch.Tensor
     ) -> torch.Tensor:
-        """Mean next-token cross-entropy: from the logits, or (when the catalog chose a fused
-        backend) straight from the final hidden states h [B, L, D] without the logits."""
+        """Mean next-token cross-entropy over the real targets (0 when there are none): from
+        the logits, or (when the catalog chose a fused backend) straight from the final hidden
+        states h [B, L, D] without the logits."""
         if logits is not None:
-            return F.cross_entropy(
-                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
-            )
+            return mean_cross_entropy(logits, labels, IGNORE_INDEX)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         fused = resolve("linear_cross_entropy", h).fn
         return fused(h.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX)

@@ -96,7 +96,8 @@ class MultiTokenPrediction(nn.Module):
     def loss(self, logits: list[Tensor], labels: Tensor, ignore_index: int) -> Tensor:
         """Mean over depths of the cross-entropy against :func:`mtp_labels`."""
         losses = [
-            _cross_entropy(depth_logits, mtp_labels(labels, depth, ignore_index), ignore_index)
+            mean_cross_entropy(depth_logits, mtp_labels(labels, depth, ignore_index),
+                               ignore_index)
             for depth, depth_logits in enumerate(logits, start=1)
         ]
         return torch.stack(losses).mean()
@@ -131,9 +132,10 @@ def mtp_labels(labels: Tensor, depth: int, ignore_index: int) -> Tensor:
     return out
 
 
-def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
-    """Mean cross-entropy over real targets; 0 (not NaN) when a row has none -- without a
-    host sync, so short rows never break a compiled step."""
+def mean_cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
+    """Mean cross-entropy (float32) over real targets; 0 (not NaN) when there are none -- as
+    the fused linear cross-entropy kernel does -- without a host sync, so short rows never
+    break a compiled step."""
     total = F.cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum"
     )
