@@ -9,10 +9,12 @@ import math
 import tomllib
 
 import pytest
+import torch
 from rich.console import Console
 
 from megacpp.errors import MegaCppError
 from megacpp.receipts import read_receipt
+from megacpp.train.checkpoint import load_trained_model
 from megacpp.train.config import RunConfig, load_run_config
 from megacpp.train.trainer import TrainingFailed, train
 from tests.train.helpers import run_config, train_losses, write_config
@@ -79,6 +81,40 @@ def test_resolved_config_reproduces_the_run(tmp_path, cpp_dataset):
                             [f"run.out_dir={tmp_path / 'again'}"])
     result = train(again, console=Console(file=io.StringIO()))
     assert train_losses(result.run_dir) == train_losses(first.run_dir)
+
+
+# MLA-based DSA attention and one MTP module, small enough for the CPU
+DSA_MTP_MODEL = {
+    "pattern": "A:dsa E",
+    "mla": {"n_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+            "v_head_dim": 8},
+    "dsa": {"index_n_heads": 2, "index_head_dim": 8, "top_k": 16, "query_chunk": 16},
+    "mtp": {"depth": 1, "pattern": "AE"},
+}
+
+
+def test_the_mtp_loss_and_the_dsa_indexer_loss_train_their_parameters(tmp_path, cpp_dataset):
+    """The trainer optimizes the model's whole loss: the MTP module's cross-entropy and the
+    DSA indexer's KL are the only paths to the MTP output norm and the indexer's weights."""
+    result, records = _train(tmp_path, cpp_dataset, model=DSA_MTP_MODEL,
+                             train={"steps": 4, "eval_every": 0})
+    train_records = [r for r in records if r["type"] == "train"]
+    assert all(math.isfinite(r["mtp_loss"]) and r["mtp_loss"] > 0 for r in train_records)
+    assert all(r["aux_loss"] > 0 for r in train_records)  # MoE balance + indexer KL
+    checkpoints = result.run_dir / "checkpoints"
+    early = load_trained_model(checkpoints / "step_000002").state_dict()
+    late = load_trained_model(checkpoints / "step_000004").state_dict()
+    trained_only_by_them = [n for n in late if n.startswith("mtp.depths.0.norm.")
+                            or ".indexer." in n]
+    assert any(n.startswith("mtp.") for n in trained_only_by_them)
+    assert any(".indexer." in n for n in trained_only_by_them)
+    unchanged = [n for n in trained_only_by_them if torch.equal(early[n], late[n])]
+    assert not unchanged, f"not trained between steps 2 and 4: {unchanged}"
+
+
+def test_a_model_without_mtp_records_no_mtp_loss(tmp_path, cpp_dataset):
+    _, records = _train(tmp_path, cpp_dataset, train={"steps": 2, "eval_every": 0})
+    assert [r["mtp_loss"] for r in records if r["type"] == "train"] == [None, None]
 
 
 def test_gradient_accumulation_matches_the_same_global_batch(tmp_path, cpp_dataset):

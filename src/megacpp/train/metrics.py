@@ -2,10 +2,12 @@
 
 ``metrics.jsonl`` holds one JSON object per line:
 
-* ``{"type": "train", "step", "loss", "aux_loss", "grad_norm", "lr", "tokens",
+* ``{"type": "train", "step", "loss", "aux_loss", "mtp_loss", "grad_norm", "lr", "tokens",
   "tokens_per_s", "mfu", "peak_mem_bytes", "moe_balance", "spike", "time_s"}`` per step
-  (``mfu`` is null where the device's peak is unknown; ``moe_balance`` is the worst MoE
-  layer's max/mean expert load over the step, null without MoE layers);
+  (``loss`` is the next-token cross-entropy; ``aux_loss`` the auxiliary losses (MoE balance,
+  DSA indexer KL) and ``mtp_loss`` the multi-token-prediction loss before its weight, null
+  without MTP; ``mfu`` is null where the device's peak is unknown; ``moe_balance`` is the
+  worst MoE layer's max/mean expert load over the step, null without MoE layers);
 * ``{"type": "val", "step", "val_loss", "val_tokens"}`` per evaluation.
 
 On resume the log is cut back to the checkpoint's step, so every step appears once.

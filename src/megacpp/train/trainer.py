@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from torch.distributed.tensor import DTensor
 
@@ -354,42 +353,55 @@ class _Session:
         micro = [next(self.batches) for _ in range(train_cfg.grad_accum_steps)]
         n_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
         n_targets = int(all_reduce_(torch.tensor([n_targets], device=env.device)).item())
-        sums = torch.zeros(2, device=env.device)  # [summed cross-entropy, summed aux loss]
+        # [summed cross-entropy, summed aux losses, summed MTP losses]
+        sums = torch.zeros(3, device=env.device)
+        mtp_weight = self.base.mtp.loss_weight if self.base.mtp is not None else 0.0
         for i, batch in enumerate(micro):
             with gradient_sync(self.model, i == len(micro) - 1):
-                ce_sum, aux = self._forward(batch)
+                ce_sum, aux, mtp = self._forward(batch)
                 if self._inject_nan(step, "loss"):
                     ce_sum = ce_sum * math.nan
-                objective = ce_sum * env.world_size / max(n_targets, 1) + aux / len(micro)
+                # the cross-entropy is a mean over the global batch's targets; the aux and MTP
+                # losses (each a mean within its micro-batch) are averaged over micro-batches
+                objective = (ce_sum * env.world_size / max(n_targets, 1)
+                             + (aux + mtp_weight * mtp) / len(micro))
                 objective.backward()
-            sums += torch.stack([ce_sum.detach(), aux.detach()])
+            sums += torch.stack([ce_sum.detach(), aux.detach(), mtp.detach()])
         self._inject_grad_nan(step)
         all_reduce_(sums)
         loss = (sums[0] / max(n_targets, 1)).item()
-        aux_loss = (sums[1] / (len(micro) * env.world_size)).item()
+        aux_loss, mtp_loss = (sums[1:] / (len(micro) * env.world_size)).tolist()
         grad_norm = self._grad_norm()
         grad_norm_value = _as_float(grad_norm)
-        check_finite(step, loss + aux_loss, grad_norm_value, self.named_params)
+        check_finite(step, loss + aux_loss + mtp_loss, grad_norm_value, self.named_params)
         self._clip_gradients(grad_norm)
         self.optimizers.step()
         self.optimizers.zero_grad()
         balance = self._update_moe_biases()
         elapsed = time.perf_counter() - started
-        return self._step_record(step, loss, aux_loss, grad_norm_value, lr, balance, elapsed)
+        return self._step_record(step, loss, aux_loss,
+                                 mtp_loss if self.base.mtp is not None else None,
+                                 grad_norm_value, lr, balance, elapsed)
 
-    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed cross-entropy over the batch's targets, MoE auxiliary loss)."""
+    def _forward(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's losses on one micro-batch, through its own loss path (the catalog's
+        fused linear cross-entropy when chosen: no logits): (the next-token cross-entropy
+        summed over the batch's targets, the auxiliary losses -- MoE balance, DSA indexer KL --
+        and the MTP loss; 0 where the model has none)."""
         device = self.env.device
+        n_targets = int((batch["labels"] != IGNORE_INDEX).sum())  # host tensor: no sync
         input_ids = batch["input_ids"].to(device, non_blocking=True)  # [B, L]
         labels = batch["labels"].to(device, non_blocking=True)  # [B, L]
         doc_ids = batch["doc_ids"].to(device, non_blocking=True)  # [B, L]
         with self._autocast():
-            logits = self.model(input_ids, doc_ids=doc_ids).logits  # [B, L, V]
-        ce_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="sum")
-        aux = [b.mixer.aux_loss for b in self.base.moe_blocks() if b.mixer.aux_loss is not None]
-        aux_loss = torch.stack(aux).sum().float() if aux else ce_sum.new_zeros(())
-        return ce_sum, aux_loss
+            out = self.model(input_ids, doc_ids=doc_ids, labels=labels)
+        ce_sum = out.lm_loss.float() * n_targets  # the mean over targets (0 without any)
+        zero = ce_sum.new_zeros(())
+        aux = out.aux_loss.float() if out.aux_loss is not None else zero
+        mtp = out.mtp_loss.float() if out.mtp_loss is not None else zero
+        return ce_sum, aux, mtp
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_bf16:
@@ -434,8 +446,8 @@ class _Session:
         grad = params[debug.nan_target].grad
         (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(math.nan)
 
-    def _step_record(self, step: int, loss: float, aux_loss: float, grad_norm: float, lr: float,
-                     balance: float | None, elapsed: float) -> Record:
+    def _step_record(self, step: int, loss: float, aux_loss: float, mtp_loss: float | None,
+                     grad_norm: float, lr: float, balance: float | None, elapsed: float) -> Record:
         train_cfg = self.cfg.train
         step_tokens = (train_cfg.grad_accum_steps * train_cfg.micro_batch_size * self.seq_len
                        * self.env.world_size)
@@ -452,6 +464,7 @@ class _Session:
             self._warn(f"loss spike at step {step}: {loss:.4f} (recent mean "
                        f"{self.spikes.mean:.4f})")
         return {"type": "train", "step": step, "loss": loss, "aux_loss": aux_loss,
+                "mtp_loss": mtp_loss,
                 "grad_norm": grad_norm, "lr": lr, "tokens": self.tokens,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_bytes": self.peak_mem,
                 "moe_balance": balance, "spike": spike, "time_s": elapsed}
@@ -476,7 +489,7 @@ class _Session:
         for i, batch in enumerate(self.val_loader):
             if i >= self.val_batches:
                 break
-            ce_sum, _ = self._forward(batch)
+            ce_sum, _aux, _mtp = self._forward(batch)
             targets = (batch["labels"] != IGNORE_INDEX).sum()
             sums += torch.stack([ce_sum.double(), targets.to(sums)])
         self.model.train()
