@@ -29,20 +29,19 @@ Kernels (grid; C = chunks, J = tiles of pairs):
              _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
   backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
              _bwd_dx     (H, C, B)  dx, dz, dD
-             _bwd_dqk    (H, C, B)  d(q, k) in the rotated frame and d ell (float32, from the
-                                    float32 d(q, k) and the state's rotation; never stored) ->
-                                    the angle grads and dt's angle part, d(q, k) rotated back
-                                    (stored per head in the operand dtype), the per-chunk bias
-                                    grads; the adt grad, d scale and d gamma
+             _bwd_dqk    (H, C, B)  d(q, k) in the rotated frame (stored per head, operand
+                                    dtype), d ell (float32, from the float32 d(q, k) and the
+                                    state's rotation), the adt grad, d scale and d gamma
+             _bwd_post   (C, J, B*G*head blocks)  angle grads and dt's angle part from d ell;
+                                    d(q, k) rotated back, summed over a block of the group's
+                                    heads, and the bias grads
   host       dt and trap grads from d scale / d gamma (the first token of a chunk takes the
-             previous chunk's last d scale), dq and dk summed over each group's heads, sums of
-             the per-chunk partials
+             previous chunk's last d scale), sums of the per-block partials
 The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
 all T x T and T x N work is in the chunk-parallel kernels.
 Saved for backward: the inputs, S_in [B, H, C, P, N] and (``TUNING["save_rotated"]``) QR, KR
 (bf16; float32 for float32 ``v``); without it _prep runs again in the backward.
-Backward scratch: G (as S_in), d(q, k) per head ([B, H, L, N], operand dtype), float32
-per-token and per-chunk partials.
+Backward scratch: G (as S_in), d(q, k) per head (as QR), d ell, float32 per-token partials.
 """
 
 from __future__ import annotations
@@ -70,14 +69,15 @@ TUNING = {
         "state_bwd": {"num_warps": 4, "num_stages": 2},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
         "bwd_dqk": {"num_warps": 8, "num_stages": 1},
+        "bwd_post": {"num_warps": 4, "num_stages": 1},
     },
     "pairs": 16,  # state tile of the sequential kernels
     "prep_pairs": 64,  # pairs per program of _prep
+    "tile_pairs": 16,  # pairs per program of _bwd_post
+    "post_heads": 64,  # heads per program of _bwd_post (a divisor of the heads per group)
     "max_chunk": 64,
-    # the smallest headdim tile and pairs tile with 64-token chunks (32-wide ones faulted or
-    # gave wrong grads on an H100: a 32-wide P tile in the forward, 32 pairs in _bwd_dqk)
+    # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
-    "min_pairs": 64,
     # keep _prep's per-head QR/KR from the forward for the backward (2 x [B, H, L, N] in the
     # operand dtype) instead of running _prep again
     "save_rotated": True,
@@ -488,128 +488,153 @@ def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
 
 
 @triton.jit
-def _unrotated(d_e, d_o, cos, sin, live):
-    """A head's d(q or k) tile [T, pairs] from the rotated frame back to the biased,
-    unrotated one, interleaved as [T, 2 pairs] (0 past the end)."""
-    x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
-    x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
-    x = tl.join(x_e, x_o)
-    return tl.reshape(x, [x.shape[0], 2 * x.shape[1]])
-
-
-@triton.jit
-def _store_head_grad(DH, DB, x, head_row, bias_row, n, live, N):
-    """Store a head's unrotated d(q or k) tile x [T, 2 pairs] (rows ``head_row``, columns n)
-    in DH's dtype, and its sum over the chunk's tokens (the bias grad's part) in DB."""
-    m = n < N
-    tl.store(DH + head_row.to(tl.int64)[:, None] * N + n[None, :], x.to(DH.dtype.element_ty),
-             mask=live[:, None] & m[None, :])
-    tl.store(DB + bias_row + n, tl.sum(x, axis=0), mask=m)
-
-
-@triton.jit
-def _bwd_dqk(QR, KR, V, Z, DY, DT, ANG, SC, RESET, SIN, GST, DQH, DKH, DQB, DKB, DANG, DDTA,
-             DADT, DSG,
+def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-             sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
-             B, L, H, NC, P, N, R,
+             B, L, H, NC, P,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_Z: tl.constexpr,
-             HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
-    """One chunk of one head: d(q, k) (computed in the rotated frame, stored rotated back per
-    head in the operand dtype, with the per-chunk bias grads), the angle grads and dt's angle
-    part from the float32 d ell (the grad of each token's in-chunk angle, never stored), the
-    adt grad, and d scale / d gamma (DSG) for the host's dt and trap grads."""
-    h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+             HAS_RESET: tl.constexpr, DOT: tl.constexpr):
+    """One chunk of one head: d(q, k) in the rotated frame (stored in the operand dtype), the
+    grad of each token's in-chunk angle ell (float32), the adt grad, and d scale / d gamma (DSG)
+    for the host's dt and trap grads."""
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
     t = tl.arange(0, T)
     live = tok < L
     mp = p < P
+    j = tl.arange(0, N2B)
     carry, to_end, w_state, decay = _weights(a, scale, seg, T)
     w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    cols = tl.arange(0, 2 * N2B)
-    qk = _mm(_load_rows(QR, row, cols, 2 * N2B), tl.trans(_load_rows(KR, row, cols, 2 * N2B)),
-             DOT)  # [T, T]
+    q_e = _load_rows(QR, row, j, 2 * N2B)
+    q_o = _load_rows(QR, row, N2B + j, 2 * N2B)
+    k_e = _load_rows(KR, row, j, 2 * N2B)
+    k_o = _load_rows(KR, row, N2B + j, 2 * N2B)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                     sz_b, sz_l, sz_h, sz_p, HAS_Z)
+    s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
+    s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
+    s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
+    g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
+    g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
+
+    # dq: intra + the carried state's read-out
+    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
     d_scores = _mm(do, tl.trans(x), DOT)
     d_qk = d_scores * w
     d_w = d_scores * qk
-    # the scalars' parts from the intra-chunk weights
-    z_dec = d_w * decay_tt
-    z_w = z_dec * scale[None, :]
-    d_scale = tl.sum(z_dec, axis=0)
-    d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0)
-    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1)
-    # the [T, T] and [T, P] matmul operands, cast once; d_qk^T is formed from x do^T and W^T
-    # rather than by transposing d_qk (in a loop over pair tiles, a transposed matmul result
-    # gave wrong dk at 4 warps on an H100)
-    d_qk_t = (_mm(x, tl.trans(do), DOT) * tl.trans(w)).to(DOT)
-    d_qk = d_qk.to(DOT)
-    do = do.to(DOT)
-    x = x.to(DOT)
-    dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0).to(tl.float32)
-    head_row = (b * H + h) * L + tok
-    bias_row = ((b * NC + c) * H + h) * N
-    sc = (b * L + tok) * H + h
-    # ordered so that the dq and dk sides are not live at once (pairs j, columns n)
-    j = tl.arange(0, N2B)
-    n = tl.arange(0, 2 * N2B)
-    s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
-    # the rotation _prep applied (ell = cumsum(pi tanh(angle) dt)), to rotate back with
-    th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
-    cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
-    # dq: intra + the carried state's read-out
-    k_e = _load_rows(KR, row, j, 2 * N2B)
-    k_o = _load_rows(KR, row, N2B + j, 2 * N2B)
-    dos_e = _mm(do, tl.load(SIN + s_off, mask=mp[:, None], other=0.0), DOT)  # [T, N2B]
-    dos_o = _mm(do, tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0), DOT)
+    dos_e = _mm(do, s_e, DOT)  # [T, N2B]
+    dos_o = _mm(do, s_o, DOT)
+    off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
     dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
+    tl.store(DQR + off, dq_e.to(DQR.dtype.element_ty))
     dq_o = _mm(d_qk, k_o, DOT) + carry[:, None] * dos_o
-    q_e = _load_rows(QR, row, j, 2 * N2B)
-    q_o = _load_rows(QR, row, N2B + j, 2 * N2B)
+    tl.store(DQR + off + N2B, dq_o.to(DQR.dtype.element_ty))
     qf_e, qf_o = q_e.to(tl.float32), q_o.to(tl.float32)
     # q_t . (do_t S_in) = do_t . (q_t S_in^T): the carried read-out's share of d a_t
     q_s = tl.sum(qf_e * dos_e + qf_o * dos_o, axis=1)
-    d_ell = qf_e * dq_o - qf_o * dq_e  # from q's rotation
-    _store_head_grad(DQH, DQB, _unrotated(dq_e, dq_o, cos, sin, live), head_row, bias_row,
-                     n, live, N)
+    # d ell (the in-chunk angle) from q's rotation, from the float32 dq
+    d_ell = qf_e * dq_o - qf_o * dq_e
+
     # dk: intra + k's use in the chunk state (m = x^T G per token)
-    g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
-    g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
-    m_e = _mm(x, g_e, DOT)
+    m_e = _mm(x, g_e, DOT)  # [T, N2B]
     m_o = _mm(x, g_o, DOT)
-    dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
-    dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
+    d_qk_t = tl.trans(d_qk)
     kf_e, kf_o = k_e.to(tl.float32), k_o.to(tl.float32)
+    dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
+    tl.store(DKR + off, dk_e.to(DKR.dtype.element_ty))
+    dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
+    tl.store(DKR + off + N2B, dk_o.to(DKR.dtype.element_ty))
     d_ell += kf_e * dk_o - kf_o * dk_e
     mk = tl.sum(m_e * kf_e + m_o * kf_o, axis=1)  # x_s^T G k_s
-    _store_head_grad(DKH, DKB, _unrotated(dk_e, dk_o, cos, sin, live), head_row, bias_row,
-                     n, live, N)
-    # the state's rotation by -phi_c (phi_c = the last token's ell): the pairwise cross
-    # terms of G with U and with S_in (S_in read again), and <G, S_in> (the chunk decay's grad)
-    s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0).to(tl.float32)
-    s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0).to(tl.float32)
+
+    # the state's rotation by -phi_c (phi_c = the last token's ell): the pairwise cross terms
+    # of G with U and with S_in; and <G, S_in> (the chunk decay's grad)
     g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
+    s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
     d_phi = (tl.sum(w_state[:, None] * (m_e * kf_o - m_o * kf_e), axis=0)
              + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
-    d_dec = tl.sum(g_e * s_e + g_o * s_o)
     d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
-    # d(pi tanh(angle) dt) is the reverse cumsum of d ell
-    d_rate = tl.cumsum(d_ell, axis=0, reverse=True)
-    d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
-    tl.store(DANG + sc.to(tl.int64)[:, None] * R + j[None, :],
-             d_ang.to(DANG.dtype.element_ty), mask=live[:, None] & (j < R)[None, :])
+    tl.store(DELL + row.to(tl.int64)[:, None] * N2B + j[None, :], d_ell)
+    d_dec = tl.sum(g_e * s_e + g_o * s_o)
 
     # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
+    z_dec = d_w * decay_tt
+    z_w = z_dec * scale[None, :]
     w_mk = w_state * mk
-    d_scale += to_end * mk
-    d_a += carry * q_s - w_mk
+    d_scale = tl.sum(z_dec, axis=0) + to_end * mk
+    d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * q_s - w_mk
     d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
+    sc = (b * L + tok) * H + h
     tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
     tl.store(DSG + sc, d_scale, mask=live)
-    tl.store(DSG + B * L * H + sc, d_gamma + d_scale, mask=live)
-    tl.store(DDTA + sc, tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
+    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1) + d_scale
+    tl.store(DSG + B * L * H + sc, d_gamma, mask=live)
+
+
+@triton.jit
+def _unrotate(DR, DB, row, bias, j, live, cos, sin, N, N2B: tl.constexpr):
+    """A head's d(q or k) rows [T, pairs j] from the rotated frame (DR) back to the biased,
+    unrotated one; stores their sum over the chunk's tokens (the bias grad's part, DB)."""
+    d_e = _load_rows(DR, row, j, 2 * N2B).to(tl.float32)
+    d_o = _load_rows(DR, row, N2B + j, 2 * N2B).to(tl.float32)
+    x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
+    x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
+    tl.store(DB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
+    tl.store(DB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
+    return x_e, x_o
+
+
+@triton.jit
+def _bwd_post(DT, ANG, DQR, DKR, DELL, DQ, DK, DQB, DKB, DANG, DDTA,
+              sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
+              B, L, H, G, NC, N, R, HB,
+              T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr):
+    """One chunk, JB pairs, HB heads of one q/k group: each head's angle grads and dt's angle
+    part from d ell, and its d(q, k) rotated back and summed over the heads (a partial dq, dk
+    per head block), with the bias grads."""
+    c, pid_j, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nhb = H // G // HB  # head blocks per group
+    b = pid // (G * nhb)
+    g = (pid // nhb) % G
+    hb = pid % nhb
+    t = tl.arange(0, T)
+    tok = c * T + t
+    live = tok < L
+    j = pid_j * JB + tl.arange(0, JB)
+    dq_acc_e = tl.zeros([T, JB], dtype=tl.float32)
+    dq_acc_o = tl.zeros([T, JB], dtype=tl.float32)
+    dk_acc_e = tl.zeros([T, JB], dtype=tl.float32)
+    dk_acc_o = tl.zeros([T, JB], dtype=tl.float32)
+    for i in range(HB):
+        h = (g * nhb + hb) * HB + i
+        dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0)
+        dt = dt.to(tl.float32)
+        th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
+        row = (b * H + h) * (NC * T) + tok
+        # ell = cumsum(pi tanh(angle) dt): d(pi tanh(angle) dt) is the reverse cumsum of d ell
+        d_rate = tl.cumsum(_load_rows(DELL, row, j, N2B), axis=0, reverse=True)
+        sc = (b * L + tok) * H + h
+        d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
+        tl.store(DANG + sc.to(tl.int64)[:, None] * R + j[None, :],
+                 d_ang.to(DANG.dtype.element_ty), mask=live[:, None] & (j < R)[None, :])
+        tl.store(DDTA + pid_j * (B * L * H) + sc,
+                 tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
+        # back to the unrotated frame: the bias grads, and dq, dk summed over the heads
+        cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
+        bias = ((b * NC + c) * H + h) * N + 2 * j
+        x_e, x_o = _unrotate(DQR, DQB, row, bias, j, live, cos, sin, N, N2B)
+        dq_acc_e += x_e
+        dq_acc_o += x_o
+        x_e, x_o = _unrotate(DKR, DKB, row, bias, j, live, cos, sin, N, N2B)
+        dk_acc_e += x_e
+        dk_acc_o += x_o
+    out = (((hb * B + b) * L + tok) * G + g).to(tl.int64)[:, None] * N + 2 * j[None, :]
+    m_e = live[:, None] & (2 * j < N)[None, :]
+    m_o = live[:, None] & (2 * j + 1 < N)[None, :]
+    tl.store(DQ + out, dq_acc_e, mask=m_e)
+    tl.store(DQ + out + 1, dq_acc_o, mask=m_o)
+    tl.store(DK + out, dk_acc_e, mask=m_e)
+    tl.store(DK + out + 1, dk_acc_o, mask=m_o)
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -623,9 +648,11 @@ class _Geometry(NamedTuple):
     R: int
     T: int  # chunk length
     NC: int  # chunks
-    BP: int  # P padded to a power of two (>= 16; >= min_bp with 64-token chunks)
-    N2B: int  # N / 2 pairs padded to a power of two (>= 16; >= min_pairs with 64-token chunks)
+    BP: int  # P padded to a power of two (>= 16)
+    N2B: int  # N / 2 pairs padded to a power of two (>= 16)
     JB: int  # pairs per program of the sequential kernels (NJ = N2B // JB tiles)
+    JP: int  # pairs per program of _bwd_post
+    HB: int  # heads per program of _bwd_post
 
 
 def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometry:
@@ -637,18 +664,19 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
     if P > MAX_HEADDIM or N > MAX_D_STATE:
         raise MegaCppError(f"mamba3_scan triton: needs headdim <= {MAX_HEADDIM} and d_state <= "
                            f"{MAX_D_STATE}, got {P} and {N} (use the reference)")
+    N2B = max(16, triton.next_power_of_2((N + 1) // 2))
     T = min(chunk_size, TUNING["max_chunk"])  # any chunking computes the same function
     if v.dtype == torch.float32:
         T = min(T, 32)  # float32 operands of 64-token chunks overflow shared memory
     NC = triton.cdiv(L, T)
-    smallest = (TUNING["min_bp"], TUNING["min_pairs"]) if T == 64 else (16, 16)
-    BP = max(16, triton.next_power_of_2(P), smallest[0])
-    N2B = max(16, triton.next_power_of_2((N + 1) // 2), smallest[1])
     if max(v.numel(), angles.numel(), q.numel(), B * H * NC * T * 2 * N2B) >= 2**31:
         raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
                            "supported (32-bit offsets); split the batch")
+    per_group = H // G
+    HB = max(d for d in range(1, min(per_group, TUNING["post_heads"]) + 1) if per_group % d == 0)
+    BP = max(16, triton.next_power_of_2(P), TUNING["min_bp"] if T == 64 else 16)
     return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B,
-                     min(N2B, TUNING["pairs"]))
+                     min(N2B, TUNING["pairs"]), min(N2B, TUNING["tile_pairs"]), HB)
 
 
 def _launch(kernel: str) -> dict[str, int]:
@@ -736,16 +764,9 @@ def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
     return y, s_in, s_fin
 
 
-def _group_sum(grad_h: Tensor, G: int, dtype: torch.dtype) -> Tensor:
-    """[B, H, L, N] per-head grads -> [B, L, G, N]: the sum over each group's heads (float32)."""
-    B, H, L, N = grad_h.shape
-    total = grad_h.view(B, G, H // G, L, N).sum(2, dtype=torch.float32)
-    return total.to(dtype).transpose(1, 2).contiguous()
-
-
 def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
               s_in: Tensor, dot, fast: bool) -> tuple:
-    """_state_bwd, _bwd_dx, _bwd_dqk; the input grads."""
+    """_state_bwd, _bwd_dx, _bwd_dqk, _bwd_post; the input grads."""
     q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
     B, L, H, G, P, N, R, T, NC = geo[:9]
     dev = v.device
@@ -765,28 +786,36 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
         ops.qr, ops.kr, v, z, dy, ops.sc, D, rst, s_in, g_st, dv, dz, dd_part, *strides,
         B, L, H, NC, P, HAS_D=D is not None, **shape, **_launch("bwd_dx"))
 
-    # d(q, k) per head, unrotated; summed over each q/k group's heads below
-    dqh = torch.empty(B, H, L, N, device=dev, dtype=ops.qr.dtype)
-    dkh = torch.empty_like(dqh)
-    dqb_part = torch.empty(B, NC, H, N, **f32)
-    dkb_part = torch.empty(B, NC, H, N, **f32)
-    dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
-    ddt_angle = torch.empty(B, L, H, **f32)
+    dqr = torch.empty_like(ops.qr)  # d(q, k) per head in the rotated frame
+    dkr = torch.empty_like(ops.kr)
+    d_ell = torch.empty(B, H, NC * T, geo.N2B, **f32)
     dadt = torch.empty(B, L, H, **f32)
     d_sg = torch.empty(2, B, L, H, **f32)  # d scale, d gamma
     _bwd_dqk[(H, NC, B)](
-        ops.qr, ops.kr, v, z, dy, dt, angles, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part,
-        dkb_part, dang, ddt_angle, dadt, d_sg, *strides, *st["dt"], *st["ang"],
-        B, L, H, NC, P, N, R, FAST=fast, **shape, **_launch("bwd_dqk"))
+        ops.qr, ops.kr, v, z, dy, ops.sc, rst, s_in, g_st, dqr, dkr, d_ell, dadt, d_sg,
+        *strides, B, L, H, NC, P, **shape, **_launch("bwd_dqk"))
+
+    nhb = H // G // geo.HB
+    nj = geo.N2B // geo.JP
+    dq_part = torch.empty(nhb, B, L, G, N, **f32)
+    dk_part = torch.empty(nhb, B, L, G, N, **f32)
+    dqb_part = torch.empty(B, NC, H, N, **f32)
+    dkb_part = torch.empty(B, NC, H, N, **f32)
+    dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
+    ddt_angle = torch.empty(nj, B, L, H, **f32)
+    _bwd_post[(NC, nj, B * G * nhb)](
+        dt, angles, dqr, dkr, d_ell, dq_part, dk_part, dqb_part, dkb_part, dang, ddt_angle,
+        *st["dt"], *st["ang"], B, L, H, G, NC, N, R, geo.HB, T=T, N2B=geo.N2B, JB=geo.JP,
+        FAST=fast, **_launch("bwd_post"))
 
     # dt and trap: gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t
     d_scale, d_gamma = d_sg.unbind(0)
     d_prev = torch.nn.functional.pad(d_scale[:, :-1], (0, 0, 1, 0))  # d scale_{t-1}
     lam = torch.sigmoid(trap.float())
-    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle
+    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle.sum(0)
     dtrap = (d_gamma - d_prev) * dt.float() * lam * (1 - lam)
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
-    return (_group_sum(dqh, G, q.dtype), _group_sum(dkh, G, k.dtype), dv, dadt.to(adt.dtype),
+    return (dq_part.sum(0).to(q.dtype), dk_part.sum(0).to(k.dtype), dv, dadt.to(adt.dtype),
             ddt.to(dt.dtype), dtrap.to(trap.dtype), dqb_part.sum((0, 1)).to(q_bias.dtype),
             dkb_part.sum((0, 1)).to(k_bias.dtype), dang, dD, dz, None, None)
 
