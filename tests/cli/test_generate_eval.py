@@ -54,3 +54,5 @@ def test_humaneval_x_scores_a_checkpoint_and_writes_a_receipt(run_dir, tmp_path)
     assert summary["problems"]["sha256"] and summary["problems"]["evaluated"] == 2
     receipt = json.loads((out / "receipt.json").read_text())
     assert receipt["kind"] == "eval" and "checkpoint" in json.dumps(receipt["config"])
+    # the kernel backends the sampler ran (CPU: the references; MEGACPP_KERNELS unset)
+    assert receipt["kernels"]["rmsnorm"] == "reference"

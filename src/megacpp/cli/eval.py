@@ -271,6 +271,7 @@ def humaneval_x(
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.eval import SamplingSettings, evaluate_generator
     from megacpp.infer.generate import FunctionBodyGenerator, TextGenerator
+    from megacpp.kernels.runtime import chosen_kernels
 
     problem_file = locate_problems(problems)
     chosen = select_problems(load_problems(problem_file), task or (), limit)
@@ -284,7 +285,8 @@ def humaneval_x(
         generate, chosen, sampling, verifier=verifier, out_dir=out, workers=workers,
         model={"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
                "params": sum(p.numel() for p in model.parameters())},
-        ks=tuple(k or DEFAULT_KS), on_result=tick, problem_file=problem_file))
+        ks=tuple(k or DEFAULT_KS), on_result=tick, problem_file=problem_file,
+        kernels=chosen_kernels))
     table = Table("metric", "value")
     for kk, value in report.pass_at_k.items():
         table.add_row(f"pass@{kk}", f"{value:.4f}")

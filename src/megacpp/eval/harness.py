@@ -140,8 +140,11 @@ def evaluate_generator(
     workers: int = os.cpu_count() or 1,
     on_result: Callable[[SampleResult], None] | None = None,
     problem_file: Path | None = None,
+    kernels: Callable[[], Mapping[str, str]] | None = None,
 ) -> EvalReport:
-    """Sample ``sampling.n`` completions per problem from ``generate`` and score them."""
+    """Sample ``sampling.n`` completions per problem from ``generate`` and score them.
+    ``kernels``, called after sampling, names the kernel backends the sampler ran (e.g.
+    ``megacpp.kernels.runtime.chosen_kernels``) for the receipt."""
     completions = generate([problem.prompt for problem in problems], sampling.n,
                            sampling.temperature, **sampling.options())
     _check_completions(completions, len(problems), sampling.n)
@@ -150,7 +153,8 @@ def evaluate_generator(
                for index, completion in enumerate(per_problem)]
     return evaluate_samples(problems, samples, verifier=verifier, out_dir=out_dir, model=model,
                             sampling=asdict(sampling), ks=ks, workers=workers,
-                            on_result=on_result, problem_file=problem_file)
+                            on_result=on_result, problem_file=problem_file,
+                            kernels=kernels() if kernels is not None else None)
 
 
 def evaluate_samples(
@@ -165,8 +169,10 @@ def evaluate_samples(
     workers: int = os.cpu_count() or 1,
     on_result: Callable[[SampleResult], None] | None = None,
     problem_file: Path | None = None,
+    kernels: Mapping[str, str] | None = None,
 ) -> EvalReport:
-    """Verify ``samples``, write per-sample results, the pass@k summary and a receipt."""
+    """Verify ``samples``, write per-sample results, the pass@k summary and a receipt (with
+    ``kernels``, the backends that produced the samples, when given)."""
     if not samples:
         raise MegaCppError("no samples to evaluate")
     started = time.monotonic()
@@ -187,7 +193,7 @@ def evaluate_samples(
         "ks": sorted(set(ks)),
         "problems": _problem_set(problems, counts, problem_file),
     }
-    _write_outputs(report, results, config)
+    _write_outputs(report, results, config, kernels)
     return report
 
 
@@ -210,7 +216,7 @@ def _problem_set(problems: Sequence[Problem], counts: Mapping[str, tuple[int, in
 
 
 def _write_outputs(report: EvalReport, results: Sequence[SampleResult],
-                   config: dict[str, Any]) -> None:
+                   config: dict[str, Any], kernels: Mapping[str, str] | None) -> None:
     out = report.out_dir
     samples_path = atomic_write_text(
         out / SAMPLES_FILE, "".join(json.dumps(r.to_json()) + "\n" for r in results))
@@ -227,7 +233,7 @@ def _write_outputs(report: EvalReport, results: Sequence[SampleResult],
     metrics.update(samples=float(len(results)), problems=float(len(report.counts)),
                    programs_per_s=summary["programs_per_s"])
     write_receipt(out / RECEIPT_FILE, "eval", config=config, metrics=metrics,
-                  artifacts=[samples_path, summary_path])
+                  artifacts=[samples_path, summary_path], kernels=kernels)
     report.files = {"samples": samples_path, "summary": summary_path,
                     "receipt": out / RECEIPT_FILE}
 
