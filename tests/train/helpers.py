@@ -50,6 +50,15 @@ TINY_MODEL: dict[str, Any] = {
     "moe": {"n_experts": 4, "expert_ffn": 32, "seq_aux_loss_coef": 1e-3},
 }
 
+# Overrides of TINY_MODEL: MLA-based DSA attention, an E layer and one MTP module
+DSA_MTP_MODEL: dict[str, Any] = {
+    "pattern": "A:dsa E",
+    "mla": {"n_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+            "v_head_dim": 8},
+    "dsa": {"index_n_heads": 2, "index_head_dim": 8, "top_k": 16, "query_chunk": 16},
+    "mtp": {"depth": 1, "pattern": "AE"},
+}
+
 
 def single_thread_env() -> dict[str, str]:
     """The environment for subprocess runs: one intra-op thread (the CPU is shared), and

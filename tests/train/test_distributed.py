@@ -14,7 +14,7 @@ from rich.console import Console
 
 from megacpp.train.config import RunConfig
 from megacpp.train.trainer import train
-from tests.train.helpers import megacpp, run_config, train_losses, write_config
+from tests.train.helpers import DSA_MTP_MODEL, megacpp, run_config, train_losses, write_config
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 TRAIN = {"steps": 4, "eval_every": 2}
@@ -72,3 +72,17 @@ def test_ddp_checkpoint_resumes_under_fsdp2(tmp_path, ddp_run, single_losses):
     assert receipt["config"]["invocation"]["resumed_from"] == str(step2)
     assert receipt["config"]["invocation"]["strategy"] == "fsdp"
     assert (run_dir / "history").is_dir()  # the DDP segment's receipt is kept
+
+
+def test_ddp_trains_a_model_with_dsa_and_mtp(tmp_path, cpp_dataset):
+    """DDP needs a gradient on every parameter: the MTP output norm and the DSA indexer get
+    theirs only from the MTP loss and the indexer KL (the trainer once left both out, and
+    this run failed with DDP's unused-parameter error)."""
+    config = write_config(tmp_path / "c.toml", run_config(
+        cpp_dataset, tmp_path / "run", model=DSA_MTP_MODEL,
+        train={"steps": 2, "eval_every": 0, "micro_batch_size": 2},
+        parallel={"strategy": "ddp"}))
+    megacpp("train", "--config", str(config), "--no-progress", launcher=TORCHRUN)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train" and r["mtp_loss"] > 0] == [1, 2]

@@ -17,7 +17,7 @@ from megacpp.receipts import read_receipt
 from megacpp.train.checkpoint import load_trained_model
 from megacpp.train.config import RunConfig, load_run_config
 from megacpp.train.trainer import TrainingFailed, train
-from tests.train.helpers import run_config, train_losses, write_config
+from tests.train.helpers import DSA_MTP_MODEL, run_config, train_losses, write_config
 
 
 def _train(tmp_path, dataset, name="run", *, overrides=(), skip_preflight=(), **sections):
@@ -81,16 +81,6 @@ def test_resolved_config_reproduces_the_run(tmp_path, cpp_dataset):
                             [f"run.out_dir={tmp_path / 'again'}"])
     result = train(again, console=Console(file=io.StringIO()))
     assert train_losses(result.run_dir) == train_losses(first.run_dir)
-
-
-# MLA-based DSA attention and one MTP module, small enough for the CPU
-DSA_MTP_MODEL = {
-    "pattern": "A:dsa E",
-    "mla": {"n_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-            "v_head_dim": 8},
-    "dsa": {"index_n_heads": 2, "index_head_dim": 8, "top_k": 16, "query_chunk": 16},
-    "mtp": {"depth": 1, "pattern": "AE"},
-}
 
 
 def test_the_mtp_loss_and_the_dsa_indexer_loss_train_their_parameters(tmp_path, cpp_dataset):
