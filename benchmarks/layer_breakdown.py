@@ -80,6 +80,20 @@ def _top_kernels(step, n: int = 8) -> list[dict]:
             for e in rows[:n]]
 
 
+def _row(kind: str, blocks: int, step, warmup: int, train_flops_one: float, mode: str,
+         profile: bool) -> dict:
+    """Time one block (or the head) fwd+bwd; its row, printed as it is measured."""
+    ms = _median_ms(step, warmup=warmup)
+    row = {"kind": kind, "blocks": blocks, "ms_one": ms, "ms_total": ms * blocks,
+           "train_tflop": train_flops_one * blocks / 1e12,
+           "tflops": train_flops_one / (ms * 1e-3) / 1e12}
+    if profile and torch.cuda.is_available():
+        row["top_kernels"] = _top_kernels(step)
+    print(f"  {mode:>8} {kind:>6} x{blocks:<3} {ms:7.2f} ms/block {ms * blocks:8.1f} ms"
+          f"  {row['tflops']:6.1f} TFLOP/s", flush=True)
+    return row
+
+
 def breakdown(preset: str, seq_len: int, batch: int, mode: str, profile: bool) -> dict:
     cfg = load_config(preset)
     torch.manual_seed(0)
@@ -95,34 +109,17 @@ def breakdown(preset: str, seq_len: int, batch: int, mode: str, profile: bool) -
     for letter, idx in kinds.items():
         block = model.blocks[idx[0]]
         fn = torch.compile(block) if mode == "compiled" else block
-        step = _fwd_bwd(fn, x, cot)
-        ms = _median_ms(step, warmup=3 if mode == "eager" else 5)
         fwd_flops = cost.layers[idx[0]].fwd_flops_per_token * batch * seq_len
-        row = {"kind": letter, "blocks": len(idx), "ms_one": ms, "ms_total": ms * len(idx),
-               "train_tflop": 3 * fwd_flops * len(idx) / 1e12,
-               "tflops": 3 * fwd_flops / (ms * 1e-3) / 1e12}
-        if profile and device == "cuda":
-            row["top_kernels"] = _top_kernels(step)
-        rows.append(row)
-        print(f"  {mode:>8} {letter:>6} x{len(idx):<3} {ms:7.2f} ms/block {ms * len(idx):8.1f} ms"
-              f"  {row['tflops']:6.1f} TFLOP/s", flush=True)
+        rows.append(_row(letter, len(idx), _fwd_bwd(fn, x, cot), 3 if mode == "eager" else 5,
+                         3 * fwd_flops, mode, profile))
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
     labels = next_token_labels(ids)
 
     def head(h):  # as HybridLM.forward computes the loss from the residual stream
-        h = model.norm(h)
-        return model._lm_loss(h, None if model.fused_loss(h) else model.logits(h), labels)
+        return model.lm_loss(model.norm(h), labels)[0]
 
-    step = _fwd_bwd(head, x, None)
-    ms = _median_ms(step, warmup=3)
-    head_flops = 3 * cost.head_flops_per_token * batch * seq_len
-    row = {"kind": "head", "blocks": 1, "ms_one": ms, "ms_total": ms,
-           "train_tflop": head_flops / 1e12, "tflops": head_flops / (ms * 1e-3) / 1e12}
-    if profile and device == "cuda":
-        row["top_kernels"] = _top_kernels(step)
-    rows.append(row)
-    print(f"  {mode:>8} {'head':>6} x1   {ms:7.2f} ms       {ms:8.1f} ms"
-          f"  {row['tflops']:6.1f} TFLOP/s", flush=True)
+    rows.append(_row("head", 1, _fwd_bwd(head, x, None), 3,
+                     3 * cost.head_flops_per_token * batch * seq_len, mode, profile))
     total = sum(r["ms_total"] for r in rows)
     for r in rows:
         r["share"] = r["ms_total"] / total

@@ -104,9 +104,11 @@ class HybridLM(nn.Module):
         """[B, L] token ids -> [B, L, D] final-normed hidden states."""
         return self.norm(self.residual_stream(input_ids, doc_ids, cache))
 
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        return F.linear(h, self._head_weight())
 
     def forward(
         self,
@@ -116,13 +118,12 @@ class HybridLM(nn.Module):
     ) -> ModelOutput:
         x = self.residual_stream(input_ids, doc_ids)
         h = self.norm(x)
-        logits = None if labels is not None and self.fused_loss(h) else self.logits(h)
         mtp_logits = (
             None if self.mtp is None else self.mtp(x, input_ids, doc_ids, self.embed, self.logits)
         )
         if labels is None:
-            return ModelOutput(logits=logits, mtp_logits=mtp_logits)
-        lm_loss = self._lm_loss(h, logits, labels)
+            return ModelOutput(logits=self.logits(h), mtp_logits=mtp_logits)
+        lm_loss, logits = self.lm_loss(h, labels)
         aux_loss = self._aux_loss()
         loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         mtp_loss = None
@@ -138,22 +139,19 @@ class HybridLM(nn.Module):
             mtp_logits=mtp_logits,
         )
 
-    def fused_loss(self, h: torch.Tensor) -> bool:
-        """Whether the loss on final hidden states ``h`` skips the logits: the catalog chose a
-        fused linear cross-entropy backend for ``h``'s device and dtype."""
-        return resolve("linear_cross_entropy", h).role != "fallback"
-
-    def _lm_loss(
-        self, h: torch.Tensor, logits: torch.Tensor | None, labels: torch.Tensor
-    ) -> torch.Tensor:
-        """Mean next-token cross-entropy over the real targets (0 when there are none): from
-        the logits, or (when the catalog chose a fused backend) straight from the final hidden
-        states h [B, L, D] without the logits."""
-        if logits is not None:
-            return mean_cross_entropy(logits, labels, IGNORE_INDEX)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        fused = resolve("linear_cross_entropy", h).fn
-        return fused(h.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX)
+    def lm_loss(
+        self, h: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean next-token cross-entropy over the real targets -- 0 when there are none --,
+        the logits or None) from the final hidden states h [B, L, D]: when the catalog chose a
+        fused linear cross-entropy backend for h's device and dtype, straight from h without
+        the logits; else from the logits."""
+        backend = resolve("linear_cross_entropy", h)
+        if backend.role != "fallback":
+            loss = backend.fn(h.flatten(0, 1), self._head_weight(), labels.flatten(), IGNORE_INDEX)
+            return loss, None
+        logits = self.logits(h)
+        return mean_cross_entropy(logits, labels, IGNORE_INDEX), logits
 
     def _aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses the last forward left on its mixers (MoE sequence

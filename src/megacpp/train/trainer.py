@@ -351,14 +351,14 @@ class _Session:
         lr = self.cfg.optim.lr * lr_factor(step, train_cfg.steps, self.cfg.schedule)
         self.optimizers.set_lr(lr)
         micro = [next(self.batches) for _ in range(train_cfg.grad_accum_steps)]
-        n_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
-        n_targets = int(all_reduce_(torch.tensor([n_targets], device=env.device)).item())
+        counts = [_count_targets(b) for b in micro]
+        n_targets = int(all_reduce_(torch.tensor([sum(counts)], device=env.device)).item())
         # [summed cross-entropy, summed aux losses, summed MTP losses]
         sums = torch.zeros(3, device=env.device)
         mtp_weight = self.base.mtp.loss_weight if self.base.mtp is not None else 0.0
-        for i, batch in enumerate(micro):
+        for i, (batch, count) in enumerate(zip(micro, counts, strict=True)):
             with gradient_sync(self.model, i == len(micro) - 1):
-                ce_sum, aux, mtp = self._forward(batch)
+                ce_sum, aux, mtp = self._forward(batch, count)
                 if self._inject_nan(step, "loss"):
                     ce_sum = ce_sum * math.nan
                 # the cross-entropy is a mean over the global batch's targets; the aux and MTP
@@ -384,14 +384,13 @@ class _Session:
                                  grad_norm_value, lr, balance, elapsed)
 
     def _forward(
-        self, batch: dict[str, torch.Tensor]
+        self, batch: dict[str, torch.Tensor], n_targets: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The model's losses on one micro-batch, through its own loss path (the catalog's
-        fused linear cross-entropy when chosen: no logits): (the next-token cross-entropy
-        summed over the batch's targets, the auxiliary losses -- MoE balance, DSA indexer KL --
-        and the MTP loss; 0 where the model has none)."""
+        """The model's losses on one micro-batch of ``n_targets`` targets, through its own loss
+        path (the catalog's fused linear cross-entropy when chosen: no logits): (the
+        next-token cross-entropy summed over the targets, the auxiliary losses -- MoE balance,
+        DSA indexer KL -- and the MTP loss; 0 where the model has none)."""
         device = self.env.device
-        n_targets = int((batch["labels"] != IGNORE_INDEX).sum())  # host tensor: no sync
         input_ids = batch["input_ids"].to(device, non_blocking=True)  # [B, L]
         labels = batch["labels"].to(device, non_blocking=True)  # [B, L]
         doc_ids = batch["doc_ids"].to(device, non_blocking=True)  # [B, L]
@@ -489,9 +488,9 @@ class _Session:
         for i, batch in enumerate(self.val_loader):
             if i >= self.val_batches:
                 break
-            ce_sum, _aux, _mtp = self._forward(batch)
-            targets = (batch["labels"] != IGNORE_INDEX).sum()
-            sums += torch.stack([ce_sum.double(), targets.to(sums)])
+            targets = _count_targets(batch)
+            ce_sum, _aux, _mtp = self._forward(batch, targets)
+            sums += torch.stack([ce_sum.double(), sums.new_tensor(targets)])
         self.model.train()
         all_reduce_(sums)
         ce, targets = sums.tolist()
@@ -601,6 +600,11 @@ class _Session:
 
     def _warn(self, message: str) -> None:
         self._print(f"[yellow]warning:[/] {message}")
+
+
+def _count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Real next-token targets of a batch (its labels are on the host: no device sync)."""
+    return int((batch["labels"] != IGNORE_INDEX).sum())
 
 
 def _as_float(value: torch.Tensor) -> float:
