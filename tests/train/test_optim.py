@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megacpp.model.config import load_config
@@ -84,3 +85,65 @@ def test_optimizers_step_every_parameter_and_set_lr():
     assert len(changed) == len(before)
     summary = opts.summary()
     assert sum(summary.values()) == sum(p.numel() for p in model.parameters())
+
+
+def _stepped_copies(device: torch.device, lrs: list[float], graphed: bool):
+    """A tiny HybridLM after one optimizer step per lr (fixed random grads), stepped eagerly
+    with float lrs or (``graphed``) by replaying one step captured under ``device_lr``."""
+    torch.manual_seed(4)
+    model = HybridLM(load_config("tiny")).to(device)
+    opts = Optimizers(model, OptimSection(lr=1.0), device, capturable=device.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    if not graphed:
+        for lr in lrs:
+            opts.set_lr(lr)
+            opts.step()
+        return model, opts
+    opts.set_lr(lrs[0])
+    opts.step()  # warm-up: optimizer state exists before capture
+    graph = torch.cuda.CUDAGraph()
+    with opts.device_lr(device), torch.cuda.graph(graph):
+        opts.step()
+    for lr in lrs[1:]:
+        opts.set_lr(lr)
+        graph.replay()
+    return model, opts
+
+
+def test_device_lr_steps_as_float_lr_and_restores_the_floats():
+    """Inside device_lr the groups read one device tensor that set_lr keeps current; the
+    step (AdamW and Muon) equals the float-lr step, and the groups get their floats back."""
+    cpu = torch.device("cpu")
+    eager, _ = _stepped_copies(cpu, [1e-2, 3e-3], graphed=False)
+    torch.manual_seed(4)
+    model = HybridLM(load_config("tiny"))
+    opts = Optimizers(model, OptimSection(lr=1.0), cpu)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    for lr in (1e-2, 3e-3):
+        opts.set_lr(lr)
+        with opts.device_lr(cpu):
+            assert all(g["lr"] is opts.lr_tensor for opt in opts for g in opt.param_groups)
+            assert opts.lr_tensor.item() == pytest.approx(lr, rel=1e-7)  # float32
+            opts.step()
+        assert all(g["lr"] == lr for opt in opts for g in opt.param_groups)
+    for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
+def test_captured_optimizer_step_reads_the_current_lr():
+    """A CUDA graph of the AdamW + Muon step, replayed after set_lr, applies that lr (the
+    value at capture is not baked in): same parameters as eager steps with those lrs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cuda = torch.device("cuda")
+    lrs = [1e-2, 3e-3, 7e-3]
+    eager, _ = _stepped_copies(cuda, lrs, graphed=False)
+    graphed, opts = _stepped_copies(cuda, lrs, graphed=True)
+    assert all(g["lr"] == lrs[-1] for opt in opts for g in opt.param_groups)
+    for (name, a), b in zip(eager.named_parameters(), graphed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

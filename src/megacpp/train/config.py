@@ -11,7 +11,7 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
     [optim]       lr, weight_decay, beta1, beta2, eps, muon, muon_momentum, muon_nesterov,
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
-    [parallel]    strategy, backend, activation_checkpointing, compile
+    [parallel]    strategy, backend, activation_checkpointing, compile, cuda_graph
     [checkpoint]  every, keep_last
     [guards]      spike_zscore, spike_warmup_steps, spike_ema
     [debug]       nan_step, nan_target, checkpoint_stall_step
@@ -134,6 +134,7 @@ class ParallelSection:
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU | nccl | gloo
     activation_checkpointing: str = ""  # block letters to recompute in backward, e.g. "ME"
     compile: bool = False  # torch.compile each block (regional compilation)
+    cuda_graph: bool = False  # capture the step as CUDA graphs (one CUDA process, fast kernels)
 
     def validate(self) -> None:
         choice("parallel.strategy", self.strategy, ("auto", "single", "ddp", "fsdp"))

@@ -27,6 +27,7 @@ the expert dimension hold whole experts, so they are orthogonalized locally.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -107,9 +108,9 @@ class Muon(torch.optim.Optimizer):
         buf.mul_(group["momentum"]).add_(p.grad)
         update = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
         ortho = _orthogonalize(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
-        lr = group["lr"]
+        lr = group["lr"]  # a float, or a device tensor while a CUDA graph is captured
         p.mul_(1 - lr * group["weight_decay"])
-        p.add_(ortho, alpha=-lr * muon_scale(p.shape))
+        p.add_(ortho * lr, alpha=-muon_scale(p.shape))
 
 
 def _orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -170,10 +171,15 @@ def _no_weight_decay(name: str, p: nn.Parameter) -> bool:
 
 # -- the pair of optimizers -----------------------------------------------------------------------
 class Optimizers:
-    """AdamW (+ Muon): one ``step``/``zero_grad``/``set_lr`` for both."""
+    """AdamW (+ Muon): one ``step``/``zero_grad``/``set_lr`` for both.
 
-    def __init__(self, model: nn.Module, cfg: OptimSection, device: torch.device) -> None:
+    ``capturable``: AdamW keeps its step count on the device, so its step can be captured in
+    a CUDA graph (:mod:`megacpp.train.graphs`)."""
+
+    def __init__(self, model: nn.Module, cfg: OptimSection, device: torch.device,
+                 capturable: bool = False) -> None:
         self.groups = group_parameters(model, cfg.muon)
+        self.lr_tensor: torch.Tensor | None = None  # what a captured step reads (device_lr)
         g = self.groups
         adamw_groups = [
             {"params": [p for _, p in g.adamw_decay], "weight_decay": cfg.weight_decay},
@@ -182,6 +188,7 @@ class Optimizers:
         self.adamw = torch.optim.AdamW(
             [group for group in adamw_groups if group["params"]], lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type == "cuda",
+            capturable=capturable,
         )
         self.muon = Muon(
             [p for _, p in g.muon], lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -198,6 +205,27 @@ class Optimizers:
         for opt in self:
             for group in opt.param_groups:
                 group["lr"] = lr
+        if self.lr_tensor is not None:
+            self.lr_tensor.fill_(lr)
+
+    @contextlib.contextmanager
+    def device_lr(self, device: torch.device) -> Iterator[None]:
+        """Within: every group's lr is one device tensor (``lr_tensor``, created on first use
+        and kept current by :meth:`set_lr` from then on), so a step captured in a CUDA graph
+        reads the learning rate from device memory instead of baking in the current value.
+        After: the groups hold Python floats again, as checkpoints store them."""
+        floats = [[group["lr"] for group in opt.param_groups] for opt in self]
+        if self.lr_tensor is None:
+            self.lr_tensor = torch.tensor(float(floats[0][0]), device=device)
+        try:
+            for opt in self:
+                for group in opt.param_groups:
+                    group["lr"] = self.lr_tensor
+            yield
+        finally:
+            for opt, values in zip(self, floats, strict=True):
+                for group, value in zip(opt.param_groups, values, strict=True):
+                    group["lr"] = value
 
     def step(self) -> None:
         for opt in self:

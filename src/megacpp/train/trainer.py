@@ -45,6 +45,7 @@ from megacpp.train.checkpoint import (
     restore_rng_state,
 )
 from megacpp.train.config import RunConfig, to_toml
+from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
 from megacpp.train.guards import SpikeDetector, check_finite
 from megacpp.train.metrics import (
     METRICS_FILE,
@@ -169,6 +170,10 @@ class _Session:
         self.model_cfg: ModelConfig | None = None
         self.cost = None  # the model's analytic ModelCost, once built
         self.seq_len = 0
+        self.graphed = cfg.parallel.cuda_graph
+        self.graphs: StepGraphs | None = None  # captured after WARMUP_STEPS eager steps
+        self.eager_steps = 0  # in this process
+        self.loss_poison: torch.Tensor | None = None  # debug.nan_target = "loss"
         self.started = time.perf_counter()
 
     # -- the whole run -------------------------------------------------------------------------
@@ -209,12 +214,15 @@ class _Session:
         self.preflight = on_main(env, self._run_preflight)
         dataset = self._open_dataset()
         self.model_cfg = self._model_config(dataset)
+        self._check_graphable()
         torch.manual_seed(cfg.run.seed)
         model = HybridLM(self.model_cfg).to(env.device)
         self.model = parallelize(model, cfg.parallel, env)
         self.base = base_model(self.model)
         self.named_params = [(clean_name(n), p) for n, p in self.model.named_parameters()]
-        self.optimizers = Optimizers(self.base, cfg.optim, env.device)
+        self.optimizers = Optimizers(self.base, cfg.optim, env.device, capturable=self.graphed)
+        if cfg.debug.nan_target == "loss":
+            self.loss_poison = torch.ones((), device=env.device)
         self._setup_data(dataset)
         self._setup_metrics(dataset.seq_len)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, env,
@@ -228,6 +236,17 @@ class _Session:
             on_main(env, self.metrics.reset)
         on_main(env, self._write_config)
         self._print(self._describe_setup())
+
+    def _check_graphable(self) -> None:
+        if not self.graphed:
+            return
+        env = self.env
+        if env.world_size > 1:
+            raise ConfigError(f"parallel.cuda_graph = true runs one CUDA process; this run has "
+                              f"{env.world_size} ({env.strategy}): set it false")
+        if env.device.type != "cuda":
+            raise ConfigError("parallel.cuda_graph = true needs a CUDA device (this run is on "
+                              f"{env.device.type}); set it false")
 
     def _describe_setup(self) -> str:
         groups = self.optimizers.summary()
@@ -351,40 +370,78 @@ class _Session:
         lr = self.cfg.optim.lr * lr_factor(step, train_cfg.steps, self.cfg.schedule)
         self.optimizers.set_lr(lr)
         micro = [next(self.batches) for _ in range(train_cfg.grad_accum_steps)]
-        counts = [_count_targets(b) for b in micro]
-        n_targets = int(all_reduce_(torch.tensor([sum(counts)], device=env.device)).item())
-        # [summed cross-entropy, summed aux losses, summed MTP losses]
+        if self._inject_nan(step, "loss"):
+            self.loss_poison.fill_(math.nan)
+        if self.graphed and self.graphs is None and self.eager_steps >= WARMUP_STEPS:
+            self.graphs = StepGraphs(self._accumulate, self._update, self.optimizers, micro,
+                                     env.device)
+        with self._warmup_stream():
+            if self.graphs is not None:
+                sums, targets = self.graphs.accumulate(micro)
+            else:
+                sums, targets = self._accumulate(
+                    [{k: v.to(env.device, non_blocking=True) for k, v in b.items()} for b in micro])
+            self._inject_grad_nan(step)
+            all_reduce_(sums)
+            ce, aux, mtp, n_targets = torch.cat([sums.double(), targets.double()[None]]).tolist()
+            loss = ce / max(n_targets, 1)
+            aux_loss, mtp_loss = aux / (len(micro) * env.world_size), mtp / (len(micro) * env.world_size)
+            grad_norm = self._grad_norm()
+            grad_norm_value = _as_float(grad_norm)
+            check_finite(step, loss + aux_loss + mtp_loss, grad_norm_value, self.named_params)
+            if self.graphs is not None:
+                balance = self.graphs.update(grad_norm)
+            else:
+                balance = self._update(grad_norm)
+                self.optimizers.zero_grad()
+                self.eager_steps += 1
+            balance_value = None if balance is None else balance.item()
+        elapsed = time.perf_counter() - started
+        return self._step_record(step, loss, aux_loss,
+                                 mtp_loss if self.base.mtp is not None else None,
+                                 grad_norm_value, lr, balance_value, elapsed)
+
+    def _accumulate(self, micro: list[dict[str, torch.Tensor]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one step's micro-batches (device tensors): this rank's
+        summed [cross-entropy, aux losses, MTP losses] and the global count of targets.
+
+        The cross-entropy is a mean over the global batch's targets; the aux and MTP losses
+        (each a mean within its micro-batch) are averaged over micro-batches. No host syncs:
+        a CUDA graph captures this function as it is (:mod:`megacpp.train.graphs`)."""
+        env = self.env
+        counts = [(batch["labels"] != IGNORE_INDEX).sum() for batch in micro]
+        n_targets = all_reduce_(torch.stack(counts).sum())
         sums = torch.zeros(3, device=env.device)
         mtp_weight = self.base.mtp.loss_weight if self.base.mtp is not None else 0.0
         for i, (batch, count) in enumerate(zip(micro, counts, strict=True)):
             with gradient_sync(self.model, i == len(micro) - 1):
                 ce_sum, aux, mtp = self._forward(batch, count)
-                if self._inject_nan(step, "loss"):
-                    ce_sum = ce_sum * math.nan
-                # the cross-entropy is a mean over the global batch's targets; the aux and MTP
-                # losses (each a mean within its micro-batch) are averaged over micro-batches
-                objective = (ce_sum * env.world_size / max(n_targets, 1)
+                if self.loss_poison is not None:
+                    ce_sum = ce_sum * self.loss_poison
+                objective = (ce_sum * env.world_size / n_targets.clamp_min(1)
                              + (aux + mtp_weight * mtp) / len(micro))
                 objective.backward()
             sums += torch.stack([ce_sum.detach(), aux.detach(), mtp.detach()])
-        self._inject_grad_nan(step)
-        all_reduce_(sums)
-        loss = (sums[0] / max(n_targets, 1)).item()
-        aux_loss, mtp_loss = (sums[1:] / (len(micro) * env.world_size)).tolist()
-        grad_norm = self._grad_norm()
-        grad_norm_value = _as_float(grad_norm)
-        check_finite(step, loss + aux_loss + mtp_loss, grad_norm_value, self.named_params)
+        return sums, n_targets
+
+    def _update(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
+        """Clip by ``grad_norm``, step the optimizers, update the MoE biases; the worst MoE
+        layer's max/mean expert load (a device tensor) or None. No host syncs (a CUDA graph
+        captures it)."""
         self._clip_gradients(grad_norm)
         self.optimizers.step()
-        self.optimizers.zero_grad()
-        balance = self._update_moe_biases()
-        elapsed = time.perf_counter() - started
-        return self._step_record(step, loss, aux_loss,
-                                 mtp_loss if self.base.mtp is not None else None,
-                                 grad_norm_value, lr, balance, elapsed)
+        return self._update_moe_biases()
+
+    def _warmup_stream(self) -> contextlib.AbstractContextManager:
+        """Eager steps of a graphed run (before capture) go to a side stream, as PyTorch's
+        CUDA-graph notes ask of warm-up iterations; everything else to the current stream."""
+        if not self.graphed or self.graphs is not None:
+            return contextlib.nullcontext()
+        return _side_stream(self.env.device)
 
     def _forward(
-        self, batch: dict[str, torch.Tensor], n_targets: int
+        self, batch: dict[str, torch.Tensor], n_targets: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The model's losses on one micro-batch of ``n_targets`` targets, through its own loss
         path (the catalog's fused linear cross-entropy when chosen: no logits): (the
@@ -403,8 +460,8 @@ class _Session:
         return ce_sum, aux, mtp
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.autocast_bf16:  # a graph cannot replay autocast's per-forward cast cache
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self.graphed)
         return contextlib.nullcontext()
 
     def _grad_norm(self) -> torch.Tensor:
@@ -418,15 +475,16 @@ class _Session:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in self.named_params],
                                                  self.cfg.train.max_grad_norm, grad_norm)
 
-    def _update_moe_biases(self) -> float | None:
-        """All-reduce each MoE layer's token counts, update the biases; the worst max/mean."""
+    def _update_moe_biases(self) -> torch.Tensor | None:
+        """All-reduce each MoE layer's token counts, update the biases; the worst max/mean
+        (a device tensor)."""
         mixers = [b.mixer for b in self.base.moe_blocks()]
         if not mixers:
             return None
         counts = all_reduce_(torch.stack([m.routed_tokens for m in mixers]))  # [layers, E]
         for mixer, layer_counts in zip(mixers, counts, strict=True):
             mixer.routed_tokens.copy_(layer_counts)
-        balance = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)).max().item()
+        balance = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)).max()
         self.base.update_moe_biases()
         return balance
 
@@ -600,6 +658,17 @@ class _Session:
 
     def _warn(self, message: str) -> None:
         self._print(f"[yellow]warning:[/] {message}")
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device) -> Iterator[None]:
+    """Run the block on a fresh CUDA stream, ordered after and before the current one."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
 
 
 def _count_targets(batch: dict[str, torch.Tensor]) -> int:

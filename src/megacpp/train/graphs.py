@@ -1,0 +1,104 @@
+"""The training step as two CUDA graphs (``parallel.cuda_graph = true``).
+
+An eager step of a hybrid model is host-bound: thousands of small launches per step (the
+recurrent scans' chunk kernels, the MoE plan, norms, Muon's Newton-Schulz iterations per
+matrix) that the CPU issues slower than the GPU runs them. Captured once and replayed, the
+step costs a handful of host calls. It is split at the one place the trainer must look at
+the numbers before changing the weights:
+
+* ``accumulate`` -- forward and backward of every micro-batch of the step: the gradients (in
+  the graph's memory pool, reused every replay), the summed losses and the target count;
+* (eager, between the replays) the debug fault injection, the global gradient norm and the
+  non-finite guard, which reads the loss and the norm on the host -- a bad step stops the run
+  before any weight changes, exactly as in eager mode;
+* ``update`` -- clipping by that norm, the AdamW and Muon steps, the MoE bias update and the
+  load-balance figure.
+
+What capture needs, and what it gets here: static shapes (every micro-batch is full); static
+inputs (each step's batches are copied into the graph's input buffers); no host syncs inside
+either part (the catalog's fast kernels; the reference MoE loop syncs and fails to capture,
+with an error saying so); a learning rate read from device memory (the optimizers' groups
+hold one device tensor while capturing, :meth:`Optimizers.device_lr`); and warm-up steps
+before capture (Triton compilation and autotuning, cuBLAS workspaces, optimizer state): the
+first :data:`WARMUP_STEPS` steps after every start or resume run eagerly, on a side stream,
+through the same two functions the graphs capture, so a graphed run computes what an eager
+run computes (a GPU test compares the two loss curves). Gradients are never freed after
+capture (the graph owns their memory): the trainer skips ``zero_grad`` in this mode, since
+the first micro-batch's backward overwrites them.
+
+One CUDA process only (no DDP/FSDP: their collectives and hooks are not captured here), and
+the graph is fixed at capture: anything that changes the step's work (a new shape, another
+kernel choice) needs a new run segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from megacpp.errors import MegaCppError
+from megacpp.train.optim import Optimizers
+
+WARMUP_STEPS = 3  # eager steps before capture (the PyTorch CUDA-graph notes use 3)
+INPUT_KEYS = ("input_ids", "labels", "doc_ids")
+
+Batch = dict[str, Tensor]
+
+
+class GraphCaptureError(MegaCppError):
+    """The training step could not be captured as a CUDA graph."""
+
+
+class StepGraphs:
+    """The captured ``accumulate`` (micro-batches -> summed losses and targets) and
+    ``update`` (gradient norm -> balance or None) of one training run."""
+
+    def __init__(self, accumulate: Callable[[list[Batch]], tuple[Tensor, Tensor]],
+                 update: Callable[[Tensor], Tensor | None], optimizers: Optimizers,
+                 example: list[Batch], device: torch.device) -> None:
+        self.inputs = [{key: torch.empty_like(batch[key], device=device) for key in INPUT_KEYS}
+                       for batch in example]
+        self.norm = torch.zeros((), device=device)
+        self._copy_inputs(example)
+        self.accumulate_graph = torch.cuda.CUDAGraph()
+        self.update_graph = torch.cuda.CUDAGraph()
+        optimizers.zero_grad()  # the capture's first backward allocates the gradients
+        try:
+            with optimizers.device_lr(device):
+                with torch.cuda.graph(self.accumulate_graph):
+                    self.sums, self.targets = accumulate(self.inputs)
+                with torch.cuda.graph(self.update_graph, pool=self.accumulate_graph.pool()):
+                    self.balance = update(self.norm)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise GraphCaptureError(
+                f"parallel.cuda_graph: capturing the training step failed ({first}). The step "
+                "must run without host syncs: use the catalog's fast kernels "
+                "(MEGACPP_KERNELS=fast; the reference MoE loop and others sync), or set "
+                "parallel.cuda_graph = false") from exc
+
+    def _copy_inputs(self, micro: list[Batch]) -> None:
+        if len(micro) != len(self.inputs):
+            raise ValueError(f"captured {len(self.inputs)} micro-batches, got {len(micro)}")
+        for static, batch in zip(self.inputs, micro, strict=True):
+            for key in INPUT_KEYS:
+                if batch[key].shape != static[key].shape:
+                    raise ValueError(f"{key}: captured shape {tuple(static[key].shape)}, got "
+                                     f"{tuple(batch[key].shape)}")
+                static[key].copy_(batch[key], non_blocking=True)
+
+    def accumulate(self, micro: list[Batch]) -> tuple[Tensor, Tensor]:
+        """Copy the step's micro-batches in, replay forward + backward; the summed losses
+        [cross-entropy, aux, MTP] and target count (the graph's output tensors)."""
+        self._copy_inputs(micro)
+        self.accumulate_graph.replay()
+        return self.sums, self.targets
+
+    def update(self, grad_norm: Tensor) -> Tensor | None:
+        """Replay clipping by ``grad_norm``, the optimizer steps and the MoE bias update;
+        the load balance (the graph's output) or None."""
+        self.norm.copy_(grad_norm)
+        self.update_graph.replay()
+        return self.balance
