@@ -5,8 +5,19 @@
 
 Measures the device ceilings first (a 1 GiB device-to-device copy, counting bytes read plus
 written; an 8192^3 bf16 matmul), then every surface with a fast backend at its bench case(s).
-Prints a table, writes ``kernels.json``, one ``bench`` receipt per surface/case and
-``kernels.png`` (when matplotlib is importable; else rerun with --plot where it is).
+Each backend's forward+backward is timed two ways (medians of CUDA events):
+
+  ms          per call, as Python issues it: what an eager training step sees, the GPU idle
+              while the host enqueues a backend of many small launches
+  graphed_ms  replays of one call captured as a CUDA graph: the GPU's own time, launch gaps
+              gone (--no-graphed skips it). A backend that cannot be captured (a host sync
+              such as .item()/.tolist(), a capture error) gets ``graphed_failed``, the reason
+
+Rates come in both flavours: tflops/gbs and their ratios to the ceilings (of_*) per call,
+graphed_tflops/graphed_gbs/graphed_of_* from the replays. Prints a table, writes
+``kernels.json``, one ``bench`` receipt per surface/case (metrics ``<backend>/ms`` and
+``<backend>/graphed_ms``) and ``kernels.png`` (when matplotlib is importable; else rerun
+with --plot where it is). Older JSONs without the graphed keys still plot.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import torch
 
 from megacpp.kernels.catalog import device_facts, rejection
 from megacpp.kernels.registry import default_catalog
-from megacpp.kernels.timing import cuda_times_ms, time_fwd_bwd
+from megacpp.kernels.timing import cuda_times_ms, time_fwd_bwd, time_fwd_bwd_graphed
 
 BENCH = {  # surface -> (cases, backends in table order)
     "rmsnorm": (["bench"], ["triton_fused", "torch_compile", "reference"]),
@@ -76,8 +87,25 @@ def dense_equivalent_tflops(flops: float) -> float:
     return 2 * m * 4096 * 1024 / _median_ms(lambda: a @ b) / 1e9
 
 
+def rates(ms: float, flops: float | None, moved: float | None, ceil: dict[str, float],
+          dense: float | None, same: float | None) -> dict[str, float]:
+    """Achieved rates of a backend taking ``ms`` per fwd+bwd, and their ratios to the ceilings."""
+    r: dict[str, float] = {}
+    if flops:
+        r["tflops"] = flops / ms / 1e9
+        r["of_matmul_peak"] = r["tflops"] / ceil["matmul_tflops"]
+    if moved:
+        r["gbs"] = moved / ms / 1e6
+        r["of_copy_peak"] = r["gbs"] / ceil["copy_gbs"]
+    if dense:
+        r["of_dense_equiv"] = r["tflops"] / dense
+    if same:
+        r["of_dense_same_gemms"] = r["tflops"] / same
+    return r
+
+
 def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels",
-        cases: list[str] | None = None) -> list[dict]:
+        cases: list[str] | None = None, graphed: bool = True) -> list[dict]:
     catalog, device = default_catalog(), torch.device("cuda")
     facts = device_facts(device)
     ceil = ceilings()
@@ -119,19 +147,21 @@ def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels",
                     continue
                 row = {"surface": name, "case": case, "backend": backend_name,
                        "role": backend.role, "ms": t.median_ms,
-                       "peak_extra_gib": t.peak_extra_bytes / 2**30}
-                if flops:
-                    row["tflops"] = flops / t.median_ms / 1e9
-                    row["of_matmul_peak"] = row["tflops"] / ceil["matmul_tflops"]
-                if moved:
-                    row["gbs"] = moved / t.median_ms / 1e6
-                    row["of_copy_peak"] = row["gbs"] / ceil["copy_gbs"]
+                       "peak_extra_gib": t.peak_extra_bytes / 2**30,
+                       **rates(t.median_ms, flops, moved, ceil, dense, same)}
                 if dense:
                     row["dense_equiv_tflops"] = dense
-                    row["of_dense_equiv"] = row["tflops"] / dense
                 if same:
                     row["dense_same_gemms_tflops"] = same
-                    row["of_dense_same_gemms"] = row["tflops"] / same
+                if graphed:
+                    g = time_fwd_bwd_graphed(backend.fn, inputs, surface.grad_args, device,
+                                             repeats=10)
+                    if g.median_ms is None:
+                        row["graphed_failed"] = g.failure
+                    else:
+                        row["graphed_ms"] = g.median_ms
+                        row.update({f"graphed_{k}": v for k, v in
+                                    rates(g.median_ms, flops, moved, ceil, dense, same).items()})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
@@ -152,6 +182,8 @@ def _receipts(out: Path, ceil: dict[str, float], rows: list[dict]) -> None:
             groups.setdefault((r["surface"], r["case"]), []).append(r)
     for (surface, case), group in groups.items():
         metrics = {f"{r['backend']}/ms": r["ms"] for r in group}
+        metrics.update({f"{r['backend']}/graphed_ms": r["graphed_ms"] for r in group
+                        if "graphed_ms" in r})
         metrics.update({f"{r['backend']}/peak_extra_gib": r["peak_extra_gib"] for r in group})
         metrics.update({f"ceiling/{k}": v for k, v in ceil.items()})
         write_receipt(out / f"{surface}_{case}.receipt.json", "bench",
@@ -161,15 +193,22 @@ def _receipts(out: Path, ceil: dict[str, float], rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'surface':22} {'case':8} {'backend':15} {'ms':>9} {'GiB':>6} {'TFLOP/s':>8} {'GB/s':>7}")
+    """Per-call and (graph) replay columns side by side; capture failures listed below."""
+    print(f"{'surface':22} {'case':8} {'backend':15} {'ms':>9} {'(graph)':>9} {'GiB':>6} "
+          f"{'TFLOP/s':>8} {'(graph)':>8} {'GB/s':>7} {'(graph)':>7}")
     for r in rows:
         if "ms" not in r:
             print(f"{r['surface']:22} {r['case']:8} {r['backend']:15} skipped: {r['skipped']}")
             continue
-        tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
-        gb = f"{r['gbs']:.0f}" if "gbs" in r else ""
-        print(f"{r['surface']:22} {r['case']:8} {r['backend']:15} {r['ms']:9.3f} "
-              f"{r['peak_extra_gib']:6.2f} {tf:>8} {gb:>7}")
+        gms = (f"{r['graphed_ms']:.3f}" if "graphed_ms" in r else
+               "failed" if "graphed_failed" in r else "")
+        tf, gtf, gb, ggb = (f"{r[k]:.0f}" if k in r else "" for k in
+                            ("tflops", "graphed_tflops", "gbs", "graphed_gbs"))
+        print(f"{r['surface']:22} {r['case']:8} {r['backend']:15} {r['ms']:9.3f} {gms:>9} "
+              f"{r['peak_extra_gib']:6.2f} {tf:>8} {gtf:>8} {gb:>7} {ggb:>7}")
+    for r in rows:
+        if "graphed_failed" in r:
+            print(f"no graph for {r['surface']}/{r['case']}/{r['backend']}: {r['graphed_failed']}")
 
 
 def plot(results: Path) -> Path:
@@ -180,11 +219,20 @@ def plot(results: Path) -> Path:
 
     rows = [r for r in json.loads(results.read_text())["rows"] if "ms" in r]
     groups = sorted({(r["surface"], r["case"]) for r in rows}, key=str)
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6))
-    for ax, (surface, case) in zip(axes, groups):
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), squeeze=False)
+    for ax, (surface, case) in zip(axes[0], groups):
         group = [r for r in rows if (r["surface"], r["case"]) == (surface, case)]
-        ax.bar([r["backend"] for r in group], [r["ms"] for r in group],
-               color=["tab:green" if r["role"] == "chosen" else "tab:gray" for r in group])
+        colors = ["tab:green" if r["role"] == "chosen" else "tab:gray" for r in group]
+        x = range(len(group))
+        if any("graphed_ms" in r for r in group):  # per call solid, graph replay hatched
+            ax.bar([i - 0.2 for i in x], [r["ms"] for r in group], 0.4, color=colors,
+                   label="per call")
+            ax.bar([i + 0.2 for i in x], [r.get("graphed_ms", 0.0) for r in group], 0.4,
+                   color=colors, alpha=0.5, hatch="//", label="graph replay")
+            ax.legend(fontsize=6)
+        else:
+            ax.bar(x, [r["ms"] for r in group], color=colors)
+        ax.set_xticks(list(x), [r["backend"] for r in group])
         ax.set_title(f"{surface}\n{case}", fontsize=9)
         ax.set_ylabel("fwd+bwd ms")
         ax.tick_params(axis="x", rotation=45, labelsize=7)
@@ -201,6 +249,8 @@ def main() -> int:
     parser.add_argument("--surfaces", help="comma-separated surfaces to run (default: all)")
     parser.add_argument("--cases", help="comma-separated cases to run (default: all of each surface)")
     parser.add_argument("--name", default="kernels", help="stem of the JSON/PNG written")
+    parser.add_argument("--no-graphed", action="store_true",
+                        help="skip the CUDA-graph replay timing (per-call times only)")
     args = parser.parse_args()
     if args.plot:
         print(plot(args.plot))
@@ -209,7 +259,7 @@ def main() -> int:
         print("error: benchmarks/kernels.py needs a CUDA device", file=sys.stderr)
         return 2
     rows = run(args.out, args.surfaces.split(",") if args.surfaces else None, args.name,
-               args.cases.split(",") if args.cases else None)
+               args.cases.split(",") if args.cases else None, graphed=not args.no_graphed)
     print_table(rows)
     try:
         print(plot(args.out / f"{args.name}.json"))

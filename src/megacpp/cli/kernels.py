@@ -14,12 +14,13 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.catalog import DTYPE_NAMES, device_facts, rejection
 from megacpp.kernels.check import check_catalog
 from megacpp.kernels.registry import default_catalog
-from megacpp.kernels.timing import time_fwd_bwd
+from megacpp.kernels.timing import time_fwd_bwd, time_fwd_bwd_graphed
 
 app = typer.Typer(no_args_is_help=True, help="The kernel catalog: list, check, bench.")
 console = Console()
@@ -115,12 +116,17 @@ def bench(
     case: str = typer.Option("check", help="input case: 'check' (small) or a bench case name"),
     repeats: int = typer.Option(10, min=1, help="timed repeats (median reported)"),
     out: Path = typer.Option(None, help="write a 'bench' receipt here"),
+    graphed: bool = typer.Option(True, help="on a GPU, also time CUDA-graph replays of each "
+                                 "fwd+bwd (no host launch gaps); a backend that cannot be "
+                                 "captured shows why"),
 ) -> None:
-    """Median fwd+bwd time of every qualifying backend (and peak extra memory on a GPU)."""
+    """Median fwd+bwd time of every qualifying backend (on a GPU also peak extra memory and
+    the median of CUDA-graph replays, launch gaps gone)."""
     dtype = _check_dtypes([dtype or _default_dtype()])[0]
     catalog = default_catalog()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     facts = device_facts(device)
+    graphed = graphed and device.type == "cuda"
     rows: list[dict[str, Any]] = []
     for name in _check_surfaces(surface):
         surf = catalog.surface(name)
@@ -136,17 +142,30 @@ def bench(
                 t = time_fwd_bwd(b.fn, inputs, surf.grad_args, device, repeats=repeats)
                 rows.append({"surface": name, "backend": b.name, "role": b.role,
                              "ms": t.median_ms, "peak_extra_bytes": t.peak_extra_bytes})
+                if graphed:
+                    g = time_fwd_bwd_graphed(b.fn, inputs, surf.grad_args, device,
+                                             repeats=repeats)
+                    rows[-1].update(graphed_ms=g.median_ms, graphed_failed=g.failure)
     table = Table(title=f"fwd+bwd on {facts.name} ({dtype}, case {case})")
-    for col in ("surface", "backend", "role", "median ms", "peak extra MiB"):
+    for col in ("surface", "backend", "role", "median ms", "peak extra MiB",
+                *(["graph replay ms"] if graphed else [])):
         table.add_column(col)
     for r in rows:
         mib = "" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}"
-        table.add_row(r["surface"], r["backend"], r["role"], f"{r['ms']:.3f}", mib)
+        replay = [] if not graphed else [
+            "[dim]no graph[/]" if r["graphed_ms"] is None else f"{r['graphed_ms']:.3f}"]
+        table.add_row(r["surface"], r["backend"], r["role"], f"{r['ms']:.3f}", mib, *replay)
     console.print(table)
+    for r in rows:
+        if r.get("graphed_failed"):
+            console.print(Text(f"no graph for {r['surface']}/{r['backend']}: "
+                               f"{r['graphed_failed']}", style="dim"))
     if out is not None:
         from megacpp.receipts import write_receipt
 
         metrics = {f"{r['surface']}/{r['backend']}/ms": r["ms"] for r in rows}
+        metrics.update({f"{r['surface']}/{r['backend']}/graphed_ms": r["graphed_ms"]
+                        for r in rows if r.get("graphed_ms") is not None})
         kernels = {f"{r['surface']}/{r['backend']}": r["role"] for r in rows}
         write_receipt(out, "bench", {"command": "kernels bench", "dtype": dtype, "case": case,
                                      "repeats": repeats}, metrics, kernels=kernels)

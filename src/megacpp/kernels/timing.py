@@ -1,9 +1,17 @@
-"""Timing one backend's forward+backward (``kernels bench`` and ``benchmarks/kernels.py``)."""
+"""Timing one backend's forward+backward (``kernels bench`` and ``benchmarks/kernels.py``).
+
+Two ways: ``time_fwd_bwd`` times each call as Python issues it (what a training step sees,
+host launch gaps included); ``time_fwd_bwd_graphed`` captures one call as a CUDA graph and
+times its replays (the GPU's own time: a backend of many small launches stops waiting for
+the host). A backend that cannot be captured gets a reason instead of a time.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +27,30 @@ class Timing:
     peak_extra_bytes: int | None  # CUDA only: peak allocated during fwd+bwd above the inputs
 
 
+@dataclass
+class GraphTiming:
+    """Median time of CUDA-graph replays of one forward+backward, or why there is none."""
+
+    median_ms: float | None
+    failure: str | None = None  # "<what>: <ExceptionType>: <its first line>" when not captured
+
+
+class GraphCaptureError(RuntimeError):
+    """The forward+backward could not be captured as a CUDA graph; the message says why.
+    Raised after the capture was ended and its memory released: CUDA stays usable."""
+
+
+@dataclass
+class CapturedFwdBwd:
+    """One forward+backward as a CUDA graph: each ``graph.replay()`` reruns it on what the
+    inputs and ``cotangents`` hold then, writing ``grads`` (the graph's own memory; None for
+    a grad arg the outputs do not depend on)."""
+
+    graph: torch.cuda.CUDAGraph
+    grads: tuple[torch.Tensor | None, ...]
+    cotangents: list[torch.Tensor]
+
+
 def time_fwd_bwd(
     fn: Callable[..., Any], inputs: dict[str, Any], grad_args: tuple[str, ...],
     device: torch.device, warmup: int = 3, repeats: int = 10,
@@ -29,9 +61,7 @@ def time_fwd_bwd(
     (``autograd.grad(outputs, inputs, cotangents)``), so the timed work is the backend's
     forward and backward and nothing else -- no loss reduction, no fp32 casts of the outputs
     (which would cost more than a memory-bound kernel such as RMSNorm)."""
-    outs = _differentiable(fn(**inputs))
-    cot = [torch.randn_like(o) for o in outs]
-    del outs
+    cot = _cotangents(fn, inputs)
     for _ in range(warmup):
         _fwd_bwd(fn, inputs, grad_args, cot)
     samples = [_one(fn, inputs, grad_args, cot, device) for _ in range(repeats)]
@@ -46,13 +76,144 @@ def time_fwd_bwd(
     return Timing(statistics.median(samples), peak)
 
 
+def time_fwd_bwd_graphed(
+    fn: Callable[..., Any], inputs: dict[str, Any], grad_args: tuple[str, ...],
+    device: torch.device, warmup: int = 3, repeats: int = 10,
+) -> GraphTiming:
+    """Median time (CUDA events, each replay timed alone) of CUDA-graph replays of the same
+    forward+backward as :func:`time_fwd_bwd`; see :func:`capture_fwd_bwd` for the capture.
+    A backend that cannot be captured gets ``GraphTiming(None, reason)``, not an exception.
+    CUDA only: raises ValueError for another device."""
+    try:
+        captured = capture_fwd_bwd(fn, inputs, grad_args, device, warmup)
+    except GraphCaptureError as exc:
+        return GraphTiming(None, str(exc))
+    with torch.cuda.device(device):
+        samples = cuda_times_ms(captured.graph.replay, warmup=warmup, iters=repeats)
+    return GraphTiming(statistics.median(samples))
+
+
+def capture_fwd_bwd(
+    fn: Callable[..., Any], inputs: dict[str, Any], grad_args: tuple[str, ...],
+    device: torch.device, warmup: int = 3,
+) -> CapturedFwdBwd:
+    """Capture one forward+backward of ``fn`` (fixed random cotangents) as a CUDA graph.
+
+    ``warmup`` calls run first on a side stream (compilation, Triton autotuning, the
+    allocator's pools), then one more with host syncs made errors
+    (``torch.cuda.set_sync_debug_mode("error")``), so a backend that syncs (``.item()``,
+    ``.tolist()``, ``nonzero``, a pageable copy) is refused before any capture begins; then
+    the capture, into a memory pool of its own. Raises :class:`GraphCaptureError` (what
+    failed, the exception's type and first line) for a sync or a failed capture; a failed
+    capture is first ended, its pool released and the default CUDA generator taken out of
+    capture mode, so CUDA stays usable (checked with a device synchronize)."""
+    if device.type != "cuda":
+        raise ValueError(f"CUDA-graph timing needs a CUDA device; got {device}")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1 (autotuning must not run under the sync "
+                         f"check or the capture); got {warmup}")
+    with torch.cuda.device(device):
+        cot = _cotangents(fn, inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                _fwd_bwd(fn, inputs, grad_args, cot)
+            failure = _host_sync(fn, inputs, grad_args, cot)
+        if failure is not None:
+            raise GraphCaptureError(f"host sync: {failure}")
+        torch.cuda.synchronize()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.stream(side):  # restores the current stream whatever happens
+                graph.capture_begin(pool=pool)
+                try:
+                    grads = _fwd_bwd(fn, inputs, grad_args, cot)
+                except BaseException:
+                    with contextlib.suppress(RuntimeError):
+                        _end_capture(graph, pool)
+                    raise
+                _end_capture(graph, pool)
+        except Exception as exc:  # noqa: BLE001 -- any capture failure is a reason, not a crash
+            # (keep the message only: a live traceback would keep the pool's tensors)
+            failure = _describe(exc)
+        if failure is not None:
+            del graph  # its reset() drops the capture's bookkeeping (and the pool, if ended)
+            torch.cuda.synchronize()  # CUDA must still work; if not, this raises (fatal)
+            _unmark_rng_capture(side)
+            raise GraphCaptureError(f"capture failed: {failure}")
+        torch.cuda.current_stream().wait_stream(side)
+    return CapturedFwdBwd(graph, grads, cot)
+
+
+def _host_sync(fn, inputs, grad_args, cot) -> str | None:
+    """One forward+backward with synchronizing CUDA calls made errors: None, or the error."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        _fwd_bwd(fn, inputs, grad_args, cot)
+    except RuntimeError as exc:
+        return _describe(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return None
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+    """End the capture under way on the current stream. When CUDA refuses (an invalidated
+    capture), the stream has still left capture mode, but torch's ``capture_end`` raised
+    before telling its caching allocator: the allocator would keep the capture's pool
+    registered (deferring every later event-guarded free while it is) and never free it.
+    End and release that pool here, then re-raise."""
+    try:
+        graph.capture_end()
+    except RuntimeError:
+        _release_pool(pool)
+        raise
+
+
+def _unmark_rng_capture(stream: torch.cuda.Stream) -> None:
+    """torch (2.11) marks the default CUDA generator as capturing in ``capture_begin`` and
+    unmarks it only in a ``capture_end`` that succeeds: after a failed one, every later
+    random op on the device raises "Offset increment outside graph capture encountered
+    unexpectedly". A trivial capture that ends cleanly unmarks it."""
+    scratch = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        scratch.add_(1)
+        graph.capture_end()
+
+
+def _release_pool(pool: Any) -> None:
+    index = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        return  # capture_end got past this step: the graph's reset() releases the pool
+    torch._C._cuda_releasePool(index, pool)
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception's type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def _cotangents(fn, inputs) -> list[torch.Tensor]:
+    return [torch.randn_like(o) for o in _differentiable(fn(**inputs))]
+
+
 def _differentiable(result: Any) -> list[torch.Tensor]:
     return [t for t in outputs_of(result) if t.requires_grad]
 
 
-def _fwd_bwd(fn, inputs, grad_args, cot) -> None:
+def _fwd_bwd(fn, inputs, grad_args, cot) -> tuple[torch.Tensor | None, ...]:
     outs = _differentiable(fn(**inputs))
-    torch.autograd.grad(
+    return torch.autograd.grad(
         outs, [inputs[name] for name in grad_args], grad_outputs=cot, allow_unused=True
     )
 
