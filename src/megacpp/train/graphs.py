@@ -20,8 +20,9 @@ either part (the catalog's fast kernels; the reference MoE loop syncs and fails 
 with an error saying so); a learning rate read from device memory (the optimizers' groups
 hold one device tensor while capturing, :meth:`Optimizers.device_lr`); and warm-up steps
 before capture (Triton compilation and autotuning, cuBLAS workspaces, optimizer state): the
-first :data:`WARMUP_STEPS` steps after every start or resume run eagerly, on a side stream,
-through the same two functions the graphs capture, so a graphed run computes what an eager
+first :data:`WARMUP_STEPS` steps after every start or resume run eagerly, on the side stream
+the capture then uses (autograd's gradient-accumulation nodes outlive a step and keep the
+stream they were made on), through the same two functions the graphs capture, so a graphed run computes what an eager
 run computes (a GPU test compares the two loss curves). Gradients are never freed after
 capture (the graph owns their memory): the trainer skips ``zero_grad`` in this mode, since
 the first micro-batch's backward overwrites them.
@@ -57,7 +58,7 @@ class StepGraphs:
 
     def __init__(self, accumulate: Callable[[list[Batch]], tuple[Tensor, Tensor]],
                  update: Callable[[Tensor], Tensor | None], optimizers: Optimizers,
-                 example: list[Batch], device: torch.device) -> None:
+                 example: list[Batch], device: torch.device, stream: torch.cuda.Stream) -> None:
         self.inputs = [{key: torch.empty_like(batch[key], device=device) for key in INPUT_KEYS}
                        for batch in example]
         self.norm = torch.zeros((), device=device)
@@ -67,9 +68,10 @@ class StepGraphs:
         optimizers.zero_grad()  # the capture's first backward allocates the gradients
         try:
             with optimizers.device_lr(device):
-                with torch.cuda.graph(self.accumulate_graph):
+                with torch.cuda.graph(self.accumulate_graph, stream=stream):
                     self.sums, self.targets = accumulate(self.inputs)
-                with torch.cuda.graph(self.update_graph, pool=self.accumulate_graph.pool()):
+                with torch.cuda.graph(self.update_graph, pool=self.accumulate_graph.pool(),
+                                      stream=stream):
                     self.balance = update(self.norm)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

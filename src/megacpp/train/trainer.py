@@ -172,6 +172,7 @@ class _Session:
         self.seq_len = 0
         self.graphed = cfg.parallel.cuda_graph
         self.graphs: StepGraphs | None = None  # captured after WARMUP_STEPS eager steps
+        self.side_stream: torch.cuda.Stream | None = None  # warm-up and capture run on it
         self.eager_steps = 0  # in this process
         self.loss_poison: torch.Tensor | None = None  # debug.nan_target = "loss"
         self.started = time.perf_counter()
@@ -374,7 +375,7 @@ class _Session:
             self.loss_poison.fill_(math.nan)
         if self.graphed and self.graphs is None and self.eager_steps >= WARMUP_STEPS:
             self.graphs = StepGraphs(self._accumulate, self._update, self.optimizers, micro,
-                                     env.device)
+                                     env.device, self.side_stream)
         with self._warmup_stream():
             if self.graphs is not None:
                 sums, targets = self.graphs.accumulate(micro)
@@ -434,11 +435,14 @@ class _Session:
         return self._update_moe_biases()
 
     def _warmup_stream(self) -> contextlib.AbstractContextManager:
-        """Eager steps of a graphed run (before capture) go to a side stream, as PyTorch's
-        CUDA-graph notes ask of warm-up iterations; everything else to the current stream."""
+        """Eager steps of a graphed run (before capture) go to the side stream the capture
+        will use, as PyTorch's CUDA-graph notes ask of warm-up iterations; everything else
+        to the current stream."""
         if not self.graphed or self.graphs is not None:
             return contextlib.nullcontext()
-        return _side_stream(self.env.device)
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.env.device)
+        return _on_stream(self.side_stream)
 
     def _forward(
         self, batch: dict[str, torch.Tensor], n_targets: int | torch.Tensor
@@ -661,10 +665,9 @@ class _Session:
 
 
 @contextlib.contextmanager
-def _side_stream(device: torch.device) -> Iterator[None]:
-    """Run the block on a fresh CUDA stream, ordered after and before the current one."""
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
+def _on_stream(side: torch.cuda.Stream) -> Iterator[None]:
+    """Run the block on the CUDA stream ``side``, ordered after and before the current one."""
+    current = torch.cuda.current_stream(side.device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         yield
