@@ -16,6 +16,7 @@ from megacpp.kernels.ops.moe.grouped import (
     dispatch_plan_torch,
     gather_sum_torch,
     moe_experts_grouped,
+    scatter_rows_torch,
     swiglu_weighted_backward_torch,
     swiglu_weighted_torch,
 )
@@ -55,9 +56,8 @@ def test_dispatch_plan_groups_by_expert_and_inverts():
     flat = idx.reshape(-1)
     assert plan.offs.tolist() == [2, 4, 7, 8, 8]  # expert 4 is empty
     assert plan.offs.dtype == torch.int32
-    assert torch.equal(flat[plan.order], flat.sort(stable=True).values)
+    assert torch.equal(plan.order, flat.sort(stable=True).indices)
     assert torch.equal(plan.order[plan.inv.reshape(-1)], torch.arange(8))
-    assert torch.equal(plan.token_of, plan.order // 2)
     assert torch.equal(plan.w_sorted, w.reshape(-1)[plan.order])
     assert dispatch_plan_torch(idx, 5).w_sorted is None
 
@@ -81,6 +81,22 @@ def test_elementwise_steps_match_autograd():
     torch.testing.assert_close(gather_sum_torch(src, inv), src[inv].sum(1))
 
 
+def _scatter_case(tokens, dim, experts, k, device, seed, skip=(), dtype=torch.float32):
+    """Rows of a random [tokens, dim] source and a real plan of random expert ids (ragged
+    groups; ``skip`` experts get none) -> src, inv and the expected permute src[order // k]
+    (each sorted row holds its token's row)."""
+    _, idx, _, _, _ = _inputs(tokens, 8, experts, k, 8, torch.float32, device, seed, skip)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    plan = dispatch_plan_torch(idx, experts)
+    src = torch.randn(tokens, dim, generator=g, device=device).to(dtype)
+    return src, plan.inv, src[plan.order // k]
+
+
+def test_scatter_rows_puts_each_token_at_its_sorted_rows():
+    src, inv, want = _scatter_case(53, 37, 8, 3, "cpu", 0, (1, 5))
+    assert torch.equal(scatter_rows_torch(src, inv), want)  # every row compared
+
+
 @pytest.mark.parametrize("skip", [(), (1, 5)])
 def test_grouped_matches_reference_forward_and_backward_cpu(skip):
     x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
@@ -100,10 +116,10 @@ def _plan_cases():  # (tokens, experts, k, experts that get no token)
 
 def _interpreter_check() -> dict:
     """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
-    Small blocks so that the plan spans several blocks and the gathers have ragged tails."""
+    Small blocks so that the plan spans several blocks and the scatter has ragged tails."""
     from megacpp.kernels.ops.moe import triton as kernels
 
-    kernels.PLAN_BLOCK, kernels.GATHER_ROWS, kernels.GATHER_COLS = 32, 4, 16
+    kernels.PLAN_BLOCK, kernels.SCATTER_TOKENS, kernels.SCATTER_COLS = 32, 4, 16
     result = {}
     for tokens, experts, k, skip in _plan_cases():  # the counting sort == the stable torch sort
         _, idx, w, _, _ = _inputs(tokens, 8, experts, k, 8, torch.float32, "cpu", tokens, skip)
@@ -112,9 +128,8 @@ def _interpreter_check() -> dict:
         for name, a, b in zip(got._fields, got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (tokens, experts, name)
         result[f"plan_t{tokens}_e{experts}"] = "exact"
-    src = torch.randn(30, 37)
-    idx = torch.randint(0, 30, (45,))
-    assert torch.equal(kernels.gather_rows_triton(src, idx), src[idx])  # 45 % 4, 37 % 16 tails
+    src, inv, want = _scatter_case(53, 37, 8, 3, "cpu", 0, (1, 5))  # 53 % 4, 37 % 16 tails
+    assert torch.equal(kernels.scatter_rows_triton(src, inv), want)
     for skip in ((), (1, 5)):  # forward and backward of the whole path vs the loop reference
         x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
         cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(3))
@@ -161,10 +176,13 @@ def test_moe_triton_kernels_match_torch_steps():
     src = torch.randn(600, 3000, generator=g, device="cuda").bfloat16()
     inv = torch.randperm(600, generator=g, device="cuda").view(200, 3)
     assert _rel(kernels.gather_sum_triton(src, inv), gather_sum_torch(src, inv)) < 1e-2
-    for cols in (1024, 1000, 3000):  # the row gather is a copy: exact, ragged tails included
-        src = torch.randn(700, cols, generator=g, device="cuda").bfloat16()
-        idx = torch.randint(0, 700, (2001,), generator=g, device="cuda")
-        assert torch.equal(kernels.gather_rows_triton(src, idx), src[idx])
+    for tokens, cols, k in ((1003, 1000, 8), (700, 3000, 2), (16, 1024, 3)):
+        # the row scatter is a copy: exact, ragged token and column tails included
+        src, inv, want = _scatter_case(tokens, cols, 64, k, "cuda", cols, (5,), torch.bfloat16)
+        assert torch.equal(scatter_rows_torch(src, inv), want)
+        poison = torch.full_like(want, float("nan"))
+        del poison  # the caching allocator hands this block to the scatter's output
+        assert torch.equal(kernels.scatter_rows_triton(src, inv), want)  # every row written
 
 
 @pytest.mark.gpu

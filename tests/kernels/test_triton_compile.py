@@ -60,16 +60,16 @@ def test_moe_kernels_compile_for_hopper():
     plan = {"E_PAD": 64, "BLOCK": 1024, "SUB": 128}
     _compile(moe._expert_counts_kernel, {"IDS": "*i64", "COUNTS": "*i32", "n": "i32",
                                          **dict.fromkeys(plan, "constexpr")}, plan, num_warps=4)
-    plan_scatter = {**plan, "K": 8, "RB": 64, "NB_CONST": 0}
+    plan_scatter = {**plan, "RB": 64, "NB_CONST": 0}
     _compile(moe._plan_scatter_kernel,
-             {"IDS": "*i64", "W": "*fp32", "COUNTS": "*i32", "ORDER": "*i64", "TOKEN_OF": "*i64",
-              "INV": "*i64", "W_SORTED": "*fp32", "OFFS": "*i32", "n": "i32", "n_blocks": "i32",
+             {"IDS": "*i64", "W": "*fp32", "COUNTS": "*i32", "ORDER": "*i64", "INV": "*i64",
+              "W_SORTED": "*fp32", "OFFS": "*i32", "n": "i32", "n_blocks": "i32",
               "n_experts": "i32", **dict.fromkeys(plan_scatter, "constexpr")},
              plan_scatter, num_warps=4)
-    _compile(moe._gather_rows_kernel,
-             {"SRC": "*bf16", "IDX": "*i64", "OUT": "*bf16", "n_rows": "i32", "n_cols": "i32",
-              "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "C_CONST": "constexpr"},
-             {"BLOCK_R": 8, "BLOCK_C": 1024, "C_CONST": 0}, num_warps=4)
+    scatter = {"K": 8, "BLOCK_T": moe.SCATTER_TOKENS, "BLOCK_C": moe.SCATTER_COLS, "C_CONST": 0}
+    _compile(moe._scatter_rows_kernel,
+             {"SRC": "*bf16", "INV": "*i64", "OUT": "*bf16", "n_tokens": "i32", "n_cols": "i32",
+              **dict.fromkeys(scatter, "constexpr")}, scatter, num_warps=moe.SCATTER_WARPS)
     _compile(moe._gather_sum_kernel,
              {"SRC": "*bf16", "INV": "*i64", "OUT": "*bf16", "n_cols": "i32", "K": "constexpr",
               "BLOCK": "constexpr"}, {"K": 8, "BLOCK": 1024}, num_warps=4)

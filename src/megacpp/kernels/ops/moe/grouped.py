@@ -5,17 +5,17 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
     plan       stable sort of the flat expert ids -> order [N], inverse inv [T, k], offs [E],
                routing weights in sorted order w_sorted [N] (on CUDA, E <= 256: a two-launch
                Triton counting sort; else torch.sort + searchsorted)
-    permute    x_sorted = x[token_of]                                   [N, D]
+    permute    x_sorted[inv[t, j]] = x[t]   (a row scatter: each row of x read once)  [N, D]
     gate|up    grouped GEMM x_sorted @ w_in[e]^T                        [N, 2F]
     SwiGLU     hidden = silu(gate) * up * w     (routing weight folded in here)   [N, F]
     down       grouped GEMM hidden @ w_out[e]^T                         [N, D]
     combine    out[t] = sum_j y_sorted[inv[t, j]]      (gather-sum, float32)      [T, D]
 
-Backward: the combine's gradient is a row gather of dout; two grouped GEMMs give d hidden and
-dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass gives d(gate|up)
-and the routing weights' gradient (written to each row's (token, choice) slot); two more
-grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved: x_sorted, gate|up,
-hidden and the plan.
+Backward: the combine's gradient is dout permuted as x was (dy_sorted); two grouped GEMMs
+give d hidden and dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass
+gives d(gate|up) and the routing weights' gradient (written to each row's (token, choice)
+slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
+x_sorted, gate|up, hidden and the plan.
 
 ``torch._grouped_mm(a [N, K], b [E, K, M], offs)`` multiplies each expert's rows by its
 matrix; ``torch._grouped_mm(a [M, N], b [N, K], offs)`` sums each expert's rows into [E, M, K].
@@ -27,6 +27,7 @@ PyTorch functions below (the truth those kernels are tested against). Same contr
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -38,7 +39,6 @@ from megacpp.kernels.amp import autocast_operands
 
 class DispatchPlan(NamedTuple):
     order: Tensor  # [N] int64: sorted row -> flat (token, choice) index
-    token_of: Tensor  # [N] int64: sorted row -> token
     inv: Tensor  # [T, k] int64: (token, choice) -> sorted row
     offs: Tensor  # [E] int32: cumulative row count per expert (grouped GEMM group ends)
     w_sorted: Tensor | None  # [N]: routing weight of each sorted row (detached); None if no weights
@@ -65,17 +65,15 @@ def dispatch_plan(expert_idx: Tensor, n_experts: int, weights: Tensor | None = N
 def dispatch_plan_torch(expert_idx: Tensor, n_experts: int, weights: Tensor | None = None
                         ) -> DispatchPlan:
     """The plan from torch.sort + searchsorted (any E, any device; the Triton plan's truth)."""
-    k = expert_idx.shape[1]
     key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
     keys = expert_idx.reshape(-1).to(key_dtype)  # [N]
     sorted_keys, order = torch.sort(keys, stable=True)
     experts = torch.arange(n_experts, device=keys.device, dtype=key_dtype)
     offs = torch.searchsorted(sorted_keys, experts, right=True, out_int32=True)
-    token_of = order // k
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
                                                                   device=order.device))
     w_sorted = None if weights is None else weights.detach().reshape(-1).index_select(0, order)
-    return DispatchPlan(order, token_of, inv.view_as(expert_idx), offs, w_sorted)
+    return DispatchPlan(order, inv.view_as(expert_idx), offs, w_sorted)
 
 
 # -- the plain-PyTorch elementwise steps (CPU path and the Triton kernels' truth) ---------------
@@ -111,9 +109,12 @@ def swiglu_weighted_backward_torch(gate_up: Tensor, w: Tensor, dh: Tensor, order
             dweights.index_copy_(0, order, dw.to(dw_dtype)))
 
 
-def gather_rows_torch(src: Tensor, idx: Tensor) -> Tensor:
-    """src [T, D], idx [N] -> [N, D] = src[idx]."""
-    return src.index_select(0, idx)
+def scatter_rows_torch(src: Tensor, inv: Tensor) -> Tensor:
+    """src [T, D], inv [T, k] (a permutation of the N = T*k rows) -> [N, D] with
+    out[inv[t, j]] = src[t] (the permute: x and dout in expert order)."""
+    n_tokens, k = inv.shape
+    out = src.new_empty(n_tokens * k, src.shape[1])
+    return out.index_copy_(0, inv.reshape(-1), src.repeat_interleave(k, dim=0))
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -121,51 +122,57 @@ def _use_triton(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _ops(device: torch.device):
-    """(gather_rows, gather_sum, swiglu, swiglu_backward) for this device."""
+class _Ops(NamedTuple):
+    scatter_rows: Callable[..., Tensor]
+    gather_sum: Callable[..., Tensor]
+    swiglu: Callable[..., Tensor]
+    swiglu_backward: Callable[..., tuple[Tensor, Tensor]]
+
+
+def _ops(device: torch.device) -> _Ops:
+    """The elementwise steps for this device."""
     if _use_triton(device):
         from megacpp.kernels.ops.moe import triton as kernels
 
-        return (kernels.gather_rows_triton, kernels.gather_sum_triton,
-                kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton)
-    return (gather_rows_torch, gather_sum_torch, swiglu_weighted_torch,
-            swiglu_weighted_backward_torch)
+        return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton,
+                    kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton)
+    return _Ops(scatter_rows_torch, gather_sum_torch, swiglu_weighted_torch,
+                swiglu_weighted_backward_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
-                order: Tensor, token_of: Tensor, inv: Tensor, offs: Tensor,
-                w_sorted: Tensor) -> Tensor:
-        gather_rows, gather_sum, swiglu, _ = _ops(x.device)
-        x_sorted = gather_rows(x, token_of)  # [N, D]
+                order: Tensor, inv: Tensor, offs: Tensor, w_sorted: Tensor) -> Tensor:
+        ops = _ops(x.device)
+        x_sorted = ops.scatter_rows(x, inv)  # [N, D]
         gate_up = torch._grouped_mm(x_sorted, w_in.transpose(-2, -1), offs=offs)  # [N, 2F]
-        hidden = swiglu(gate_up, w_sorted)  # [N, F], weight folded in
+        hidden = ops.swiglu(gate_up, w_sorted)  # [N, F], weight folded in
         y_sorted = torch._grouped_mm(hidden, w_out.transpose(-2, -1), offs=offs)  # [N, D]
-        ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, token_of,
-                              inv, offs)
+        ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
+                              offs)
         ctx.weights_dtype = weights.dtype
-        return gather_sum(y_sorted, inv)  # [T, D]
+        return ops.gather_sum(y_sorted, inv)  # [T, D]
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        (x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, token_of, inv,
+        (x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
          offs) = ctx.saved_tensors
-        gather_rows, gather_sum, _, swiglu_backward = _ops(dout.device)
+        ops = _ops(dout.device)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
-        dy_sorted = gather_rows(dout.contiguous(), token_of)  # [N, D]
+        dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
         dhidden = torch._grouped_mm(dy_sorted, w_out, offs=offs)  # [N, F]
         dw_out = torch._grouped_mm(dy_sorted.t(), hidden, offs=offs) if need_out else None
-        dgate_up, dweights = swiglu_backward(gate_up, w_sorted, dhidden, order,
-                                             ctx.weights_dtype)  # [N, 2F], [N] slot order
+        dgate_up, dweights = ops.swiglu_backward(gate_up, w_sorted, dhidden, order,
+                                                 ctx.weights_dtype)  # [N, 2F], [N] slot order
         dx = dw_in = None
         if need_x:
             dx_sorted = torch._grouped_mm(dgate_up, w_in, offs=offs)  # [N, D]
-            dx = gather_sum(dx_sorted, inv)
+            dx = ops.gather_sum(dx_sorted, inv)
         if need_in:
             dw_in = torch._grouped_mm(dgate_up.t(), x_sorted, offs=offs)  # [E, 2F, D]
         dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
-        return dx, dweights, dw_in, dw_out, None, None, None, None, None
+        return dx, dweights, dw_in, dw_out, None, None, None, None
 
 
 def moe_experts_grouped(
