@@ -8,7 +8,14 @@ import torch
 from megacpp.model.config import load_config
 from megacpp.model.model import HybridLM
 from megacpp.train.config import OptimSection
-from megacpp.train.optim import Muon, Optimizers, group_parameters, muon_scale, newton_schulz
+from megacpp.train.optim import (
+    Muon,
+    Optimizers,
+    _same_shape_batches,
+    group_parameters,
+    muon_scale,
+    newton_schulz,
+)
 
 
 def _singular_values(x: torch.Tensor) -> torch.Tensor:
@@ -147,3 +154,28 @@ def test_captured_optimizer_step_reads_the_current_lr():
     assert all(g["lr"] == lrs[-1] for opt in opts for g in opt.param_groups)
     for (name, a), b in zip(eager.named_parameters(), graphed.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_muon_batches_same_shape_matrices_as_one_per_matrix_step():
+    """Muon orthogonalizes all matrices of one shape in one batched Newton-Schulz (2-D
+    weights and 3-D expert stacks together); the result equals the per-matrix definition:
+    momentum, Nesterov, NS of each matrix alone, decoupled decay, RMS-matched step."""
+    torch.manual_seed(6)
+    shapes = [(24, 40), (3, 24, 40), (40, 24), (24, 40), (16, 16)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    expected = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    opt = Muon(params, lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    for _ in range(2):
+        grads = [torch.randn(s) for s in shapes]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        for i, (g, w) in enumerate(zip(grads, expected, strict=True)):
+            bufs[i] = bufs[i] * 0.9 + g
+            update = g + 0.9 * bufs[i]
+            ortho = torch.stack([newton_schulz(m, 5) for m in update.reshape(-1, *w.shape[-2:])])
+            w.mul_(1 - 0.05 * 0.1).add_(ortho.view(w.shape), alpha=-0.05 * muon_scale(w.shape))
+    for p, w in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
+    assert [len(b) for b in _same_shape_batches(params)] == [3, 1, 1]

@@ -95,22 +95,74 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
+            live = [p for p in group["params"] if p.grad is not None]
+            for p in live:
+                if isinstance(p, DTensor):  # sharded (FSDP2): orthogonalized one by one
                     self._update(p, group)
+            for batch in _same_shape_batches([p for p in live if not isinstance(p, DTensor)]):
+                self._update_batch(batch, group)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        buf = state["momentum_buffer"]
-        buf.mul_(group["momentum"]).add_(p.grad)
-        update = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-        ortho = _orthogonalize(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+    def _momentum(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """Update the momentum buffers of ``params``; their (Nesterov) updates."""
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            bufs.append(state["momentum_buffer"])
+        grads = [p.grad for p in params]
+        torch._foreach_mul_(bufs, group["momentum"])
+        torch._foreach_add_(bufs, grads)
+        if group["nesterov"]:
+            return torch._foreach_add(grads, bufs, alpha=group["momentum"])
+        return bufs
+
+    def _apply(self, params: list[torch.Tensor], orthos: list[torch.Tensor], group: dict) -> None:
+        """Decoupled weight decay, then the RMS-matched orthogonalized step."""
         lr = group["lr"]  # a float, or a device tensor while a CUDA graph is captured
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(ortho * lr, alpha=-muon_scale(p.shape))
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_add_(params, torch._foreach_mul(orthos, lr),
+                            alpha=-muon_scale(params[0].shape))  # one matrix shape
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        (update,) = self._momentum([p], group)
+        ortho = _orthogonalize(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+        self._apply([p], [ortho], group)
+
+    def _update_batch(self, params: list[torch.Tensor], group: dict) -> None:
+        """Parameters of one matrix shape: one batched Newton-Schulz over all their matrices
+        (each normalized and iterated on its own, as :func:`newton_schulz` does per matrix)
+        instead of one small launch sequence per parameter."""
+        updates = self._momentum(params, group)
+        rows, cols = params[0].shape[-2:]
+        stacked = torch.cat([u.reshape(-1, rows, cols) for u in updates])
+        ortho = newton_schulz(stacked, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+        counts = [u.numel() // (rows * cols) for u in updates]
+        orthos = [o.view(p.shape) for o, p in zip(ortho.split(counts), params, strict=True)]
+        self._apply(params, orthos, group)
+
+
+MUON_BATCH_ELEMENTS = 1 << 27  # at most this many elements per batched Newton-Schulz
+
+
+def _same_shape_batches(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` grouped by (matrix shape, dtype, device), in first-seen order, each group cut
+    into batches of at most :data:`MUON_BATCH_ELEMENTS` elements (a larger parameter alone)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault((tuple(p.shape[-2:]), p.dtype, p.device), []).append(p)
+    batches = []
+    for group in groups.values():
+        batch, size = [], 0
+        for p in group:
+            if batch and size + p.numel() > MUON_BATCH_ELEMENTS:
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(p)
+            size += p.numel()
+        batches.append(batch)
+    return batches
 
 
 def _orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
