@@ -8,6 +8,10 @@ The loss of a step is the token-mean cross-entropy over the *global* batch (ever
 micro-batch of every rank) plus the MoE auxiliary loss: each micro-batch's summed
 cross-entropy is divided by the global count of target tokens, so one process and N
 processes with the same global batch optimize the same objective.
+
+With ``parallel.cuda_graph`` the step's two device-only halves (forward + backward of the
+micro-batches; clipping + optimizer + MoE bias update) are captured once as CUDA graphs and
+replayed around the same eager guard (:mod:`megacpp.train.graphs`).
 """
 
 from __future__ import annotations
@@ -386,7 +390,8 @@ class _Session:
             all_reduce_(sums)
             ce, aux, mtp, n_targets = torch.cat([sums.double(), targets.double()[None]]).tolist()
             loss = ce / max(n_targets, 1)
-            aux_loss, mtp_loss = aux / (len(micro) * env.world_size), mtp / (len(micro) * env.world_size)
+            per_micro = len(micro) * env.world_size  # aux and MTP: micro-batch means
+            aux_loss, mtp_loss = aux / per_micro, mtp / per_micro
             grad_norm = self._grad_norm()
             grad_norm_value = _as_float(grad_norm)
             check_finite(step, loss + aux_loss + mtp_loss, grad_norm_value, self.named_params)
