@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
 from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, set_kernel_mode
-from megacpp.kernels.timing import cuda_times_ms, matmul_peak_tflops
+from megacpp.kernels.timing import capture_graph, cuda_times_ms, matmul_peak_tflops
 from megacpp.model.config import load_config
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM, next_token_labels
@@ -180,19 +180,11 @@ def bench_one(
 
 
 def capture_step(step):
-    """The whole training step (forward, backward, optimizer) as one CUDA graph: warm-up steps
-    on a side stream (compilation, autotuning, the allocator's pools), then one capture; the
+    """The whole training step (forward, backward, optimizer) as one CUDA graph (warm-up, a
+    host-sync check and the capture: :func:`megacpp.kernels.timing.capture_graph`); the
     returned callable replays it. Removes every host launch from the step, so the step runs at
     the GPU's speed -- it needs a step with no host syncs and static shapes (fails otherwise)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     return graph.replay
 
 

@@ -14,11 +14,13 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from megacpp.kernels.check import outputs_of
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -97,63 +99,72 @@ def capture_fwd_bwd(
     fn: Callable[..., Any], inputs: dict[str, Any], grad_args: tuple[str, ...],
     device: torch.device, warmup: int = 3,
 ) -> CapturedFwdBwd:
-    """Capture one forward+backward of ``fn`` (fixed random cotangents) as a CUDA graph.
+    """Capture one forward+backward of ``fn`` (fixed random cotangents) as a CUDA graph, by
+    :func:`capture_graph`. Raises :class:`GraphCaptureError` when it cannot be captured."""
+    if device.type != "cuda":
+        raise ValueError(f"CUDA-graph timing needs a CUDA device; got {device}")
+    with torch.cuda.device(device):
+        cot = _cotangents(fn, inputs)
+        graph, grads = capture_graph(lambda: _fwd_bwd(fn, inputs, grad_args, cot), warmup)
+    return CapturedFwdBwd(graph, grads, cot)
+
+
+def capture_graph(fn: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn`` (no host syncs, static shapes) captured as a CUDA graph on the current device:
+    (the graph, what the captured call returned -- the graph's memory, rewritten by each
+    ``replay()``).
 
     ``warmup`` calls run first on a side stream (compilation, Triton autotuning, the
     allocator's pools), then one more with host syncs made errors
-    (``torch.cuda.set_sync_debug_mode("error")``), so a backend that syncs (``.item()``,
+    (``torch.cuda.set_sync_debug_mode("error")``), so a function that syncs (``.item()``,
     ``.tolist()``, ``nonzero``, a pageable copy) is refused before any capture begins; then
     the capture, into a memory pool of its own. Raises :class:`GraphCaptureError` (what
     failed, the exception's type and first line) for a sync or a failed capture; a failed
     capture is first ended, its pool released and the default CUDA generator taken out of
     capture mode, so CUDA stays usable (checked with a device synchronize)."""
-    if device.type != "cuda":
-        raise ValueError(f"CUDA-graph timing needs a CUDA device; got {device}")
     if warmup < 1:
         raise ValueError(f"warmup must be >= 1 (autotuning must not run under the sync "
                          f"check or the capture); got {warmup}")
-    with torch.cuda.device(device):
-        cot = _cotangents(fn, inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                _fwd_bwd(fn, inputs, grad_args, cot)
-            failure = _host_sync(fn, inputs, grad_args, cot)
-        if failure is not None:
-            raise GraphCaptureError(f"host sync: {failure}")
-        torch.cuda.synchronize()
-        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-        try:
-            with torch.cuda.stream(side):  # restores the current stream whatever happens
-                graph.capture_begin(pool=pool)
-                try:
-                    grads = _fwd_bwd(fn, inputs, grad_args, cot)
-                except BaseException:
-                    with contextlib.suppress(RuntimeError):
-                        _end_capture(graph, pool)
-                    raise
-                _end_capture(graph, pool)
-        except Exception as exc:  # noqa: BLE001 -- any capture failure is a reason, not a crash
-            # (keep the message only: a live traceback would keep the pool's tensors)
-            failure = _describe(exc)
-        if failure is not None:
-            del graph  # its reset() drops the capture's bookkeeping (and the pool, if ended)
-            torch.cuda.synchronize()  # CUDA must still work; if not, this raises (fatal)
-            _unmark_rng_capture(side)
-            raise GraphCaptureError(f"capture failed: {failure}")
-        torch.cuda.current_stream().wait_stream(side)
-    return CapturedFwdBwd(graph, grads, cot)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+        failure = _host_sync(fn)
+    if failure is not None:
+        raise GraphCaptureError(f"host sync: {failure}")
+    torch.cuda.synchronize()
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    try:
+        with torch.cuda.stream(side):  # restores the current stream whatever happens
+            graph.capture_begin(pool=pool)
+            try:
+                result = fn()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):
+                    _end_capture(graph, pool)
+                raise
+            _end_capture(graph, pool)
+    except Exception as exc:  # noqa: BLE001 -- any capture failure is a reason, not a crash
+        # (keep the message only: a live traceback would keep the pool's tensors)
+        failure = _describe(exc)
+    if failure is not None:
+        del graph  # its reset() drops the capture's bookkeeping (and the pool, if ended)
+        torch.cuda.synchronize()  # CUDA must still work; if not, this raises (fatal)
+        _unmark_rng_capture(side)
+        raise GraphCaptureError(f"capture failed: {failure}")
+    torch.cuda.current_stream().wait_stream(side)
+    return graph, result
 
 
-def _host_sync(fn, inputs, grad_args, cot) -> str | None:
-    """One forward+backward with synchronizing CUDA calls made errors: None, or the error."""
+def _host_sync(fn: Callable[[], Any]) -> str | None:
+    """One call of ``fn`` with synchronizing CUDA calls made errors: None, or the error."""
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Synchronization debug mode is a prototype")
         torch.cuda.set_sync_debug_mode("error")
     try:
-        _fwd_bwd(fn, inputs, grad_args, cot)
+        fn()
     except RuntimeError as exc:
         return _describe(exc)
     finally:
