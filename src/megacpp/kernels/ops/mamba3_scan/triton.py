@@ -29,9 +29,10 @@ Kernels (grid; C = chunks, J = tiles of pairs):
              _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
   backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
              _bwd_dx     (H, C, B)  dx, dz, dD
-             _bwd_dqk    (H, C, B)  d(q, k) in the rotated frame (stored per head, operand
-                                    dtype), d ell (float32, from the float32 d(q, k) and the
-                                    state's rotation), the adt grad, d scale and d gamma
+             _bwd_dqk    (H, C, B*J')  for a tile of pairs (J' tiles): d(q, k) in the rotated
+                                    frame (stored per head, operand dtype), d ell (float32,
+                                    from the float32 d(q, k) and the state's rotation), the
+                                    tile's shares of the adt grad, d scale and d gamma
              _bwd_post   (C, J, B*G*head blocks)  angle grads and dt's angle part from d ell;
                                     d(q, k) rotated back, summed over a block of the group's
                                     heads, and the bias grads
@@ -59,20 +60,26 @@ from megacpp.errors import MegaCppError
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs, _rotate
 
 CHUNK_SIZES = (16, 32, 64)
-# launch settings per kernel (Triton launch options) and tile sizes, chosen by an H100 sweep
-# (benchmarks/results/kernels/mamba3_h100_s3.log)
+# launch settings per kernel (Triton launch options) and tile sizes, chosen by H100 sweeps
+# (benchmarks/results/kernels/mamba3_h100_s3.log, h100_s7/mamba3_sweep_h100_s7.log). The
+# kernels are latency-bound (ncu: long-scoreboard stalls after loads, one or two programs per
+# SM), so the register caps (maxnreg) buy more programs per SM: _out_fwd 2 -> 3,
+# _state_bwd 3 -> 5, _bwd_post 3 -> 4
 TUNING = {
     "launch": {
         "prep": {"num_warps": 4, "num_stages": 1},
         "state_fwd": {"num_warps": 4, "num_stages": 2},
-        "out_fwd": {"num_warps": 4, "num_stages": 1},
-        "state_bwd": {"num_warps": 4, "num_stages": 2},
+        "out_fwd": {"num_warps": 4, "num_stages": 1, "maxnreg": 168},
+        "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 96},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
-        "bwd_dqk": {"num_warps": 8, "num_stages": 1},
-        "bwd_post": {"num_warps": 4, "num_stages": 1},
+        "bwd_dqk": {"num_warps": 4, "num_stages": 1},
+        "bwd_post": {"num_warps": 4, "num_stages": 1, "maxnreg": 128},
     },
     "pairs": 16,  # state tile of the sequential kernels
     "prep_pairs": 64,  # pairs per program of _prep
+    # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
+    # programs fit an SM (benchmarks/results/kernels/h100_s7)
+    "dqk_pairs": 32,
     "tile_pairs": 16,  # pairs per program of _bwd_post
     "post_heads": 64,  # heads per program of _bwd_post (a divisor of the heads per group)
     "max_chunk": 64,
@@ -364,11 +371,11 @@ def _state_fwd(V, KR, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p, B, L, H
 
 @triton.jit
 def _chunk_program(SC, RESET, B, L, H, NC, P, T: tl.constexpr, BP: tl.constexpr,
-                   HAS_RESET: tl.constexpr):
-    """The chunk kernels' common start, grid (H, C, B): the head, chunk and row, the chunk's
-    tokens and [T, BP] mask, its rows of the padded per-head buffers, a / scale / gamma, and
-    the document segments."""
-    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   HAS_RESET: tl.constexpr, SPLIT: tl.constexpr):
+    """The chunk kernels' common start, grid (H, C, B * SPLIT): the head, chunk and row, the
+    chunk's tokens and [T, BP] mask, its rows of the padded per-head buffers, a / scale /
+    gamma, and the document segments."""
+    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLIT
     tok = c * T + tl.arange(0, T)
     p = tl.arange(0, BP)
     mask = (tok < L)[:, None] & (p < P)[None, :]
@@ -406,7 +413,7 @@ def _out_fwd(QR, KR, V, Z, Y, SC, DSKIP, RESET, SIN,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
     """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z)."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
-        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     q, _k, scores, carry, _w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B,
                                                    DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
@@ -466,7 +473,7 @@ def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
     """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
-        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     mp = p < P
     cols = tl.arange(0, 2 * N2B)
     q, k, scores, carry, w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B, DOT)
@@ -492,16 +499,20 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
              B, L, H, NC, P,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_Z: tl.constexpr,
-             HAS_RESET: tl.constexpr, DOT: tl.constexpr):
-    """One chunk of one head: d(q, k) in the rotated frame (stored in the operand dtype), the
-    grad of each token's in-chunk angle ell (float32), the adt grad, and d scale / d gamma (DSG)
-    for the host's dt and trap grads."""
+             HAS_RESET: tl.constexpr, DOT: tl.constexpr, JD: tl.constexpr):
+    """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
+    pairs in the rotated frame (stored in the operand dtype), the grad of each token's in-chunk
+    angle ell (float32), and the pair tile's share of the adt grad and of d scale / d gamma
+    (DADT, DSG: [N2B / JD, ...], summed on the host, which forms dt and trap grads from DSG).
+    Every scalar grad is linear in sums over pairs (q k^T, x^T G k, q S_in^T do, <G, S_in>),
+    so a tile's share needs its pairs only; d_qk = (do x^T) * W is whole in every tile."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
-        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET)
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
+    jt = tl.program_id(2) % (N2B // JD)
     t = tl.arange(0, T)
     live = tok < L
     mp = p < P
-    j = tl.arange(0, N2B)
+    j = jt * JD + tl.arange(0, JD)
     carry, to_end, w_state, decay = _weights(a, scale, seg, T)
     w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
     q_e = _load_rows(QR, row, j, 2 * N2B)
@@ -564,11 +575,11 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
     d_scale = tl.sum(z_dec, axis=0) + to_end * mk
     d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * q_s - w_mk
     d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
-    sc = (b * L + tok) * H + h
+    sc = jt * (B * L * H) + (b * L + tok) * H + h
     tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
     tl.store(DSG + sc, d_scale, mask=live)
     d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1) + d_scale
-    tl.store(DSG + B * L * H + sc, d_gamma, mask=live)
+    tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma, mask=live)
 
 
 @triton.jit
@@ -789,11 +800,14 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dqr = torch.empty_like(ops.qr)  # d(q, k) per head in the rotated frame
     dkr = torch.empty_like(ops.kr)
     d_ell = torch.empty(B, H, NC * T, geo.N2B, **f32)
-    dadt = torch.empty(B, L, H, **f32)
-    d_sg = torch.empty(2, B, L, H, **f32)  # d scale, d gamma
-    _bwd_dqk[(H, NC, B)](
+    jd = min(geo.N2B, TUNING["dqk_pairs"])
+    njd = geo.N2B // jd
+    dadt = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
+    d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
+    _bwd_dqk[(H, NC, B * njd)](
         ops.qr, ops.kr, v, z, dy, ops.sc, rst, s_in, g_st, dqr, dkr, d_ell, dadt, d_sg,
-        *strides, B, L, H, NC, P, **shape, **_launch("bwd_dqk"))
+        *strides, B, L, H, NC, P, JD=jd, **shape, **_launch("bwd_dqk"))
+    dadt, d_sg = (dadt[0], d_sg[:, 0]) if njd == 1 else (dadt.sum(0), d_sg.sum(1))
 
     nhb = H // G // geo.HB
     nj = geo.N2B // geo.JP
