@@ -147,7 +147,7 @@ def capture_graph(fn: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUDA
             _end_capture(graph, pool)
     except Exception as exc:  # noqa: BLE001 -- any capture failure is a reason, not a crash
         # (keep the message only: a live traceback would keep the pool's tensors)
-        failure = _describe(exc)
+        failure = describe_error(exc)
     if failure is not None:
         del graph  # its reset() drops the capture's bookkeeping (and the pool, if ended)
         torch.cuda.synchronize()  # CUDA must still work; if not, this raises (fatal)
@@ -166,7 +166,7 @@ def _host_sync(fn: Callable[[], Any]) -> str | None:
     try:
         fn()
     except RuntimeError as exc:
-        return _describe(exc)
+        return describe_error(exc)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     return None
@@ -208,8 +208,9 @@ def _release_pool(pool: Any) -> None:
     torch._C._cuda_releasePool(index, pool)
 
 
-def _describe(exc: BaseException) -> str:
-    """The exception's type and the first line of its message."""
+def describe_error(exc: BaseException) -> str:
+    """The exception's type and the first line of its message (a capture failure's
+    reason, here and in :mod:`megacpp.train.graphs`)."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
+from megacpp.kernels.timing import describe_error
 from megacpp.train.optim import Optimizers
 
 WARMUP_STEPS = 3  # eager steps before capture (the PyTorch CUDA-graph notes use 3)
@@ -74,9 +75,9 @@ class StepGraphs:
                                       stream=stream):
                     self.balance = update(self.norm)
         except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise GraphCaptureError(
-                f"parallel.cuda_graph: capturing the training step failed ({first}). The step "
+                f"parallel.cuda_graph: capturing the training step failed "
+                f"({describe_error(exc)}). The step "
                 "must run without host syncs: use the catalog's fast kernels "
                 "(MEGACPP_KERNELS=fast; the reference MoE loop and others sync), or set "
                 "parallel.cuda_graph = false") from exc
