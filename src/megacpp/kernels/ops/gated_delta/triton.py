@@ -71,6 +71,13 @@ MAX_K = 128  # head_k_dim the kernels hold in registers
 # (fp32 K = V = 16; the backward with BV = 16), so narrower heads run masked 32-wide tiles.
 MIN_TILE = 32
 DTYPES = (torch.float32, torch.bfloat16)
+# bfloat16 inputs: the kernels whose products round float32 operands (the state, decayed keys,
+# T, dL/dA, ...) to bfloat16 as fla does, instead of tf32 (see ``_dot``); and the
+# intermediates stored in bfloat16 instead of float32 (u, v_new, dvn = dL/dv_new). Each
+# choice is measured (time on the H100, error against the float64 reference):
+# benchmarks/results/kernels/h100_s8.
+BF16_PRODUCTS: frozenset[str] = frozenset({"fwd_state", "bwd_dv_local", "bwd_val", "bwd_fin"})
+BF16_STORAGE: frozenset[str] = frozenset({"dvn"})
 
 
 # -- shared pieces ------------------------------------------------------------------------------
@@ -84,11 +91,13 @@ def _tf32(x):
 @triton.jit
 def _dot(a, b, MODE: tl.constexpr):
     """a @ b with float32 accumulation. MODE 0 (float32 inputs): 3xTF32 (float32-accurate
-    products on the tensor cores; "ieee" would run these [64, 64] products on FMA units). MODE 1
-    (bfloat16 inputs): bfloat16 tensor cores when both operands are bfloat16 (inputs, stored
-    intermediates), else tf32, so float32 intermediates (T, the state, decayed keys) keep 10
-    mantissa bits instead of 7. MODE 2: MODE 1's rounding in IEEE float32 products (the CPU
-    interpreter, whose bfloat16 dot is wrong)."""
+    products on the tensor cores; "ieee" would run these [64, 64] products on FMA units).
+    MODE 1 (bfloat16 inputs): bfloat16 tensor cores when both operands are bfloat16 (inputs,
+    stored intermediates), else tf32, so float32 intermediates (the state, decayed keys, dL/dA)
+    keep 10 mantissa bits instead of 7. MODE 3 (bfloat16 inputs, kernels in
+    ``BF16_PRODUCTS``): every operand rounded to bfloat16, as fla does. MODE 2 and 4: MODE 1's
+    and MODE 3's rounding in IEEE float32 products (the CPU interpreter, whose bfloat16 dot is
+    wrong)."""
     if MODE == 0:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     elif MODE == 1:
@@ -96,8 +105,13 @@ def _dot(a, b, MODE: tl.constexpr):
             return tl.dot(a, b)
         else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
-    else:
+    elif MODE == 2:
         return tl.dot(_tf32(a), _tf32(b), input_precision="ieee")
+    elif MODE == 3:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+                      input_precision="ieee")
 
 
 @triton.jit
@@ -226,7 +240,7 @@ def _unit_lower_inverse(A, BT: tl.constexpr, SUB: tl.constexpr, MODE: tl.constex
 def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.constexpr,
                DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BT: tl.constexpr, SUB: tl.constexpr, HAS_RESET: tl.constexpr,
-               MODE: tl.constexpr):
+               MODE: tl.constexpr, SOLVE: tl.constexpr):
     n, bh = tl.program_id(0), tl.program_id(1)
     h, valid, gc, seg, beta, row, rows, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
                                                              HAS_RESET)
@@ -240,7 +254,7 @@ def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.const
     k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [BT, BK]
     kk = _dot(k, tl.trans(k), MODE)  # [BT, BT]
     a = beta[:, None] * _pair(gc, seg, BT, True) * kk
-    tm = _unit_lower_inverse(a, BT, SUB, MODE)  # T = (I + A)^-1
+    tm = _unit_lower_inverse(a, BT, SUB, SOLVE)  # T = (I + A)^-1 (never bfloat16 products)
 
     w = _dot(tm, k.to(tl.float32) * (beta * decay_in)[:, None], MODE)  # [BT, BK]
     w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
@@ -249,7 +263,7 @@ def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.const
         v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
         v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
         u_ptrs, _u_mask = _tile(U, row, valid, v0, DV, BV, H, h)
-        tl.store(u_ptrs, _dot(tm, v * beta[:, None], MODE), mask=v_mask)  # float32 u
+        tl.store(u_ptrs, _dot(tm, v * beta[:, None], MODE).to(U.dtype.element_ty), mask=v_mask)
 
     t_base = chunk * BT * BT
     tl.store(TM + t_base + rows[:, None] * BT + rows[None, :], tm)
@@ -335,7 +349,7 @@ def _bwd_dv_local(Q, K_, G, BETA, RST, DO, DVN, L, scale, H: tl.constexpr, DK: t
         do_ptrs, v_mask = _tile(DO, row, valid, v0, DV, BV, H, h)
         do = tl.load(do_ptrs, mask=v_mask, other=0.0)
         dvn_ptrs, _dvn_mask = _tile(DVN, row, valid, v0, DV, BV, H, h)
-        tl.store(dvn_ptrs, _dot(p_t, do, MODE), mask=v_mask)
+        tl.store(dvn_ptrs, _dot(p_t, do, MODE).to(DVN.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
@@ -375,8 +389,8 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         w = tl.load(w_ptrs, mask=k_mask, other=0.0)
         do = tl.load(do_ptrs, mask=v_mask, other=0.0)
         dv_new = tl.load(dvn_ptrs, mask=v_mask, other=0.0)
-        dv_new += _dot(k * decay_out[:, None], dstate, MODE)  # [BT, BV]
-        tl.store(dvn_ptrs, dv_new, mask=v_mask)
+        dv_new = dv_new.to(tl.float32) + _dot(k * decay_out[:, None], dstate, MODE)  # [BT, BV]
+        tl.store(dvn_ptrs, dv_new.to(DVN.dtype.element_ty), mask=v_mask)
         q_in = q * (scale * decay_in)[:, None]
         dstate = (dstate * gamma + _dot(tl.trans(q_in), do, MODE)
                   - _dot(tl.trans(w), dv_new, MODE))
@@ -575,11 +589,18 @@ CONFIG: dict[str, dict[str, int]] = {
 
 
 def _dot_mode(q: Tensor) -> int:
-    """The kernels' MODE: 0 float32 (3xTF32 products), 1 bfloat16 tensor cores, 2 bfloat16
-    emulated in float32 (the CPU interpreter)."""
+    """The kernels' MODE (see ``_dot``): 0 float32 (3xTF32 products), 1 bfloat16 tensor cores,
+    2 bfloat16 emulated in float32 (the CPU interpreter); a kernel in ``BF16_PRODUCTS`` runs
+    1 -> 3, 2 -> 4."""
     if q.dtype == torch.float32:
         return 0
     return 2 if q.device.type == "cpu" else 1
+
+
+def _store_dtype(q: Tensor, name: str) -> torch.dtype:
+    """Storage of the intermediate ``name`` (u, v_new, dvn): bfloat16 for bfloat16 inputs
+    when it is in ``BF16_STORAGE``, else float32."""
+    return q.dtype if q.dtype == torch.bfloat16 and name in BF16_STORAGE else torch.float32
 
 
 class _Launcher:
@@ -594,6 +615,7 @@ class _Launcher:
         self.on_cpu = q.device.type == "cpu"
         self.const = {"H": H, "DK": K, "DV": V, "BK": max(MIN_TILE, triton.next_power_of_2(K)),
                       "BT": CHUNK, "MODE": _dot_mode(q), "HAS_RESET": reset is not None}
+        self.q = q
 
     def k_slice(self, name: str) -> int:
         """CONFIG[name]'s BKS clamped to [MIN_TILE, BK]: the key columns of one slice."""
@@ -611,7 +633,14 @@ class _Launcher:
             const["BKS"] = self.k_slice(name)
             cfg.pop("BKS")
         launch_cfg = {} if self.on_cpu else cfg
-        return kernel[grid](*args, BV=bv, **self.const, **const, **launch_cfg)
+        mode = self.const["MODE"]
+        if name in BF16_PRODUCTS and mode in (1, 2):
+            const["MODE"] = mode + 2
+        return kernel[grid](*args, BV=bv, **{**self.const, **const}, **launch_cfg)
+
+    def store(self, name: str) -> dict:
+        """torch.empty keywords of the intermediate ``name`` (see ``_store_dtype``)."""
+        return {"device": self.q.device, "dtype": _store_dtype(self.q, name)}
 
 
 class _ChunkedGatedDelta(torch.autograd.Function):
@@ -621,13 +650,13 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         B, L, H, K, V, N, rst = run.B, run.L, run.H, run.K, run.V, run.N, run.rst
         f32 = {"device": q.device, "dtype": torch.float32}
         tm = torch.empty(B, H, N * CHUNK, CHUNK, **f32)
-        w, u = torch.empty_like(k), torch.empty(B, L, H, V, **f32)
+        w, u = torch.empty_like(k), torch.empty(B, L, H, V, **run.store("u"))
         decay_in, decay_out = (torch.empty(B, H, N * CHUNK, **f32) for _ in range(2))
         gamma = torch.empty(B, H, N, **f32)
         run(_fwd_intra, "fwd_intra", True, k, v, g, beta, rst, w, u, tm, decay_in, decay_out,
-            gamma, L, N, SUB=SUB)
+            gamma, L, N, SUB=SUB, SOLVE=run.const["MODE"])
         hs = torch.empty(B, H, N, K, V, device=q.device, dtype=q.dtype)
-        v_new = torch.empty(B, L, H, V, **f32)  # bfloat16 here would double o's error
+        v_new = torch.empty(B, L, H, V, **run.store("v_new"))
         ht = torch.empty(B, H, K, V, **f32)
         run(_fwd_state, "fwd_state", False, k, w, u, decay_out, gamma,
             ht if h0 is None else h0, hs, v_new, ht, L, N, HAS_H0=h0 is not None, STORE_HT=True)
@@ -647,7 +676,8 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         B, L, H, K, V, N, rst = run.B, run.L, run.H, run.K, run.V, run.N, run.rst
         f32 = {"device": q.device, "dtype": torch.float32}
         do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
-        dvn = torch.empty(B, L, H, V, **f32)  # dL/dv_new: the local part, then all of it
+        # dL/dv_new: the local part, then all of it
+        dvn = torch.empty(B, L, H, V, **run.store("dvn"))
         run(_bwd_dv_local, "bwd_dv_local", True, q, k, g, beta, rst, do, dvn, L, ctx.scale)
         dhs = torch.empty_like(hs)
         dh0 = torch.empty(B, H, K, V, **f32) if ctx.has_h0 else None
