@@ -40,7 +40,8 @@ Kernels (grid; C = chunks, J = tiles of pairs):
              previous chunk's last d scale), sums of the per-block partials
 The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
 all T x T and T x N work is in the chunk-parallel kernels.
-Saved for backward: the inputs, S_in [B, H, C, P, N] and (``TUNING["save_rotated"]``) QR, KR
+Saved for backward: the inputs, S_in [B, H, C, P, N], (``TUNING["save_y_pre"]``, with z) y
+before the gate, and (``TUNING["save_rotated"]``) QR, KR
 (bf16; float32 for float32 ``v``); without it _prep runs again in the backward.
 Backward scratch: G (as S_in), d(q, k) per head (as QR), d ell, float32 per-token partials.
 """
@@ -88,6 +89,10 @@ TUNING = {
     # keep _prep's per-head QR/KR from the forward for the backward (2 x [B, H, L, N] in the
     # operand dtype) instead of running _prep again
     "save_rotated": True,
+    # with a gate z: keep y before the gate (y_pre, [B, L, H, P] in v's dtype) from _out_fwd for
+    # dz, instead of _bwd_dx forming it again from S_in (a [T, N] x [N, P] and a [T, T] x [T, P]
+    # product and S_in's read per chunk)
+    "save_y_pre": True,
 }
 MAX_HEADDIM = 64
 MAX_D_STATE = 128
@@ -407,11 +412,13 @@ def _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B: tl.constexpr
 
 
 @triton.jit
-def _out_fwd(QR, KR, V, Z, Y, SC, DSKIP, RESET, SIN,
+def _out_fwd(QR, KR, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, B, L, H, NC, P,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
-             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
-    """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z)."""
+             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
+             STORE_YP: tl.constexpr):
+    """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z); STORE_YP: also
+    y before the gate (YP, for dz)."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     q, _k, scores, carry, _w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B,
@@ -421,11 +428,13 @@ def _out_fwd(QR, KR, V, Z, Y, SC, DSKIP, RESET, SIN,
     if HAS_D:
         d_skip = tl.load(DSKIP + h).to(tl.float32)
     y = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, p < P, P, N2B, DOT)
+    out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     if HAS_Z:
+        if STORE_YP:
+            tl.store(YP + out, y.to(YP.dtype.element_ty), mask=mask)
         z = tl.load(Z + _tp(b, tok, h, p, sz_b, sz_l, sz_h, sz_p), mask=mask, other=0.0)
         z = z.to(tl.float32)
         y = y * z * tl.sigmoid(z)
-    out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -466,12 +475,14 @@ def _state_bwd(QR, Z, DY, SC, PHI, RESET, GST,
 
 
 @triton.jit
-def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
+def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
             B, L, H, NC, P,
             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
-            HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr):
-    """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD."""
+            HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
+            LOAD_YP: tl.constexpr):
+    """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD;
+    LOAD_YP: dz from the forward's y before the gate (YP) instead of forming it again."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     mp = p < P
@@ -486,7 +497,10 @@ def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, DV, DZ, DDP,
         tl.store(DDP + bhc, tl.sum(do * x.to(tl.float32)))
     out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     if HAS_Z:
-        y_pre = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B, DOT)
+        if LOAD_YP:
+            y_pre = tl.load(YP + out, mask=mask, other=0.0).to(tl.float32)
+        else:
+            y_pre = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B, DOT)
         tl.store(DZ + out, (dy * y_pre * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty),
                  mask=mask)
     dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
@@ -756,8 +770,9 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
 
 
 def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
-             fast: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """_state_fwd then _out_fwd: y, S_in, the final state [B, H, P, 2, N2B]."""
+             fast: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """_state_fwd then _out_fwd: y, S_in, the final state [B, H, P, 2, N2B], and y before the
+    gate (``TUNING["save_y_pre"]`` with z, else None)."""
     v, D, z, rst = args[2], args[9], args[10], args[11]
     B, L, H, P, T, NC = geo.B, geo.L, geo.H, geo.P, geo.T, geo.NC
     dev = v.device
@@ -768,15 +783,16 @@ def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
         T=T, BP=geo.BP, N2B=geo.N2B, JB=geo.JB, HAS_RESET=rst is not None, DOT=dot,
         FAST=fast, **_launch("state_fwd"))
     y = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
+    y_pre = torch.empty_like(y) if z is not None and TUNING["save_y_pre"] else None
     _out_fwd[(H, NC, B)](
-        ops.qr, ops.kr, v, z, y, ops.sc, D, rst, s_in, *st["v"], *st["z"], B, L, H, NC, P,
-        T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_RESET=rst is not None, DOT=dot, **_launch("out_fwd"))
-    return y, s_in, s_fin
+        ops.qr, ops.kr, v, z, y, y_pre, ops.sc, D, rst, s_in, *st["v"], *st["z"],
+        B, L, H, NC, P, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_RESET=rst is not None, DOT=dot, STORE_YP=y_pre is not None, **_launch("out_fwd"))
+    return y, s_in, s_fin, y_pre
 
 
 def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
-              s_in: Tensor, dot, fast: bool) -> tuple:
+              s_in: Tensor, y_pre: Tensor | None, dot, fast: bool) -> tuple:
     """_state_bwd, _bwd_dx, _bwd_dqk, _bwd_post; the input grads."""
     q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
     B, L, H, G, P, N, R, T, NC = geo[:9]
@@ -794,8 +810,9 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
     dd_part = torch.empty(B, H, NC, **f32)
     _bwd_dx[(H, NC, B)](
-        ops.qr, ops.kr, v, z, dy, ops.sc, D, rst, s_in, g_st, dv, dz, dd_part, *strides,
-        B, L, H, NC, P, HAS_D=D is not None, **shape, **_launch("bwd_dx"))
+        ops.qr, ops.kr, v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part, *strides,
+        B, L, H, NC, P, HAS_D=D is not None, LOAD_YP=y_pre is not None, **shape,
+        **_launch("bwd_dx"))
 
     dqr = torch.empty_like(ops.qr)  # d(q, k) per head in the rotated frame
     dkr = torch.empty_like(ops.kr)
@@ -843,25 +860,25 @@ class _Mamba3ScanFn(torch.autograd.Function):
         st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
         ops = _prep_operands(geo, args, st, dtype, fast)
-        y, s_in, s_fin = _forward(geo, args, st, ops, dot, fast)
+        y, s_in, s_fin, y_pre = _forward(geo, args, st, ops, dot, fast)
         final = _final_state(geo, k, v, k_bias, s_fin, ops.phi)
         saved = ops if TUNING["save_rotated"] else ()
         ctx.save_for_backward(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in,
-                              *saved)
+                              y_pre, *saved)
         ctx.geo = geo
         ctx.mark_non_differentiable(*final)
         return (y, *final)
 
     @staticmethod
     def backward(ctx, dy, *_state_grads):
-        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, *saved = (
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, y_pre, *saved = (
             ctx.saved_tensors)
         geo = ctx.geo
         dtype, dot, fast = _precision(v)
         st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
         ops = _Operands(*saved) if saved else _prep_operands(geo, args, st, dtype, fast)
-        return _backward(geo, args, st, ops, dy, s_in, dot, fast)
+        return _backward(geo, args, st, ops, dy, s_in, y_pre, dot, fast)
 
 
 def mamba3_scan_triton(
