@@ -38,14 +38,15 @@ strictly block-lower part, F^4 = 0): ``T = (I - F)(I + F^2) D^-1``, the same pro
 textbook block recurrence.
 
 Saved for backward: q, k, v, g, beta, reset, T [B, H, N*C, C] float32, w (k's dtype), the
-chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V] float32 (bfloat16 doubled
-o's error), the decays; u^T is recomputed. The split backward's float32 scratch, with NKB =
+chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V] (bfloat16 for bfloat16
+inputs, see ``BF16_STORAGE``; else float32), the decays; u^T is recomputed. The split backward's float32 scratch, with NKB =
 K / BKS key slices (see above ``_bwd_val``): [B, H, N, 2 + NKB, C, C] (dL/dP masked, the u
 part of dL/dA, the w part per K slice; transposes are reads of these through transposed
 pointers), [B, H, N, NKB, 2, C] (row sums per K slice) and [B, L, H, K] (dk before its dL/dA
-term); partials are summed in a fixed order (no atomics: bit-reproducible gradients). bfloat16 inputs use
-bfloat16 tensor-core products where both operands are bfloat16, tf32 where one is a float32
-intermediate (T, the state, decayed keys, dL/dA); float32 inputs use 3xTF32 products.
+term); partials are summed in a fixed order (no atomics: bit-reproducible gradients).
+bfloat16 inputs use bfloat16 tensor-core products throughout (float32 operands rounded, as fla
+does; ``BF16_PRODUCTS`` names the kernels, the others use tf32 where an operand is a float32
+intermediate), except T's own products (tf32); float32 inputs use 3xTF32 products.
 
 Supported here: CUDA (or the Triton CPU interpreter, ``TRITON_INTERPRET=1``), q/k/v float32 or
 bfloat16, K <= 128, initial_state and output_final_state. Anything else (float64, float16,
@@ -72,12 +73,16 @@ MAX_K = 128  # head_k_dim the kernels hold in registers
 MIN_TILE = 32
 DTYPES = (torch.float32, torch.bfloat16)
 # bfloat16 inputs: the kernels whose products round float32 operands (the state, decayed keys,
-# T, dL/dA, ...) to bfloat16 as fla does, instead of tf32 (see ``_dot``); and the
-# intermediates stored in bfloat16 instead of float32 (u, v_new, dvn = dL/dv_new). Each
-# choice is measured (time on the H100, error against the float64 reference):
-# benchmarks/results/kernels/h100_s8.
-BF16_PRODUCTS: frozenset[str] = frozenset({"fwd_state", "bwd_dv_local", "bwd_val", "bwd_fin"})
-BF16_STORAGE: frozenset[str] = frozenset({"dvn"})
+# T, dL/dA, ...) to bfloat16 as fla does, instead of tf32 (see ``_dot``; T's own products stay
+# tf32), and the intermediates stored in bfloat16 instead of float32 (u, v_new, dvn =
+# dL/dv_new). All of them by default: on the H100 -15% (nam56r 4k) and -20% (H16) kernel
+# time against tf32 products and float32 storage, relative errors against the float64
+# reference 3.9e-3 vs 2.6e-3 (fla 5.4e-3), at most 7.2e-3 in the interpreter's emulation;
+# per-kernel ablation and timings: benchmarks/results/kernels/h100_s8.
+BF16_PRODUCTS: frozenset[str] = frozenset({
+    "fwd_intra", "fwd_state", "fwd_out", "bwd_dv_local", "bwd_state", "bwd_val", "bwd_key",
+    "bwd_fin"})
+BF16_STORAGE: frozenset[str] = frozenset({"u", "v_new", "dvn"})
 
 
 # -- shared pieces ------------------------------------------------------------------------------
@@ -92,9 +97,18 @@ def _tf32(x):
 def _bf16(x):
     """x rounded to bfloat16 (7 mantissa bits, ties to even), kept as float32: the GPU's
     conversion. The CPU interpreter's ``.to(tl.bfloat16)`` truncates (Triton 3.6), which
-    biases every rounding the same way and overstates bfloat16 errors about fourfold."""
+    biases every rounding the same way and overstated bfloat16 errors about fourfold."""
     bits = x.to(tl.float32).to(tl.int32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast(x, PTR, MODE: tl.constexpr):
+    """x in PTR's element type, for a store; under the CPU interpreter (MODE 2, 4) rounded to
+    nearest even first (``_bf16``), so the emulation stores what the GPU stores."""
+    if (MODE == 2 or MODE == 4) and PTR.dtype.element_ty == tl.bfloat16:
+        x = _bf16(x)
+    return x.to(PTR.dtype.element_ty)
 
 
 @triton.jit
@@ -266,12 +280,12 @@ def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.const
 
     w = _dot(tm, k.to(tl.float32) * (beta * decay_in)[:, None], MODE)  # [BT, BK]
     w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
-    tl.store(w_ptrs, w.to(W.dtype.element_ty), mask=k_mask)
+    tl.store(w_ptrs, _cast(w, W, MODE), mask=k_mask)
     for v0 in range(0, DV, BV):
         v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
         v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(tl.float32)
         u_ptrs, _u_mask = _tile(U, row, valid, v0, DV, BV, H, h)
-        tl.store(u_ptrs, _dot(tm, v * beta[:, None], MODE).to(U.dtype.element_ty), mask=v_mask)
+        tl.store(u_ptrs, _cast(_dot(tm, v * beta[:, None], MODE), U, MODE), mask=v_mask)
 
     t_base = chunk * BT * BT
     tl.store(TM + t_base + rows[:, None] * BT + rows[None, :], tm)
@@ -293,7 +307,7 @@ def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for n in range(_loop_count(N, N_CONST)):
         hs_ptrs, _ = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV, BK, BV)
-        tl.store(hs_ptrs, state.to(HS.dtype.element_ty), mask=s_mask)
+        tl.store(hs_ptrs, _cast(state, HS, MODE), mask=s_mask)
         t = n * BT + rows
         valid = t < L
         row = b.to(tl.int64) * L + t
@@ -307,7 +321,7 @@ def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
         gamma = tl.load(GAM + bh.to(tl.int64) * N + n)
         v_new = u - _dot(w, state.to(w.dtype), MODE)  # [BT, BV]; bf16 S costs ~nothing here
         vn_ptrs, _ = _tile(VN, row, valid, v0, DV, BV, H, h)
-        tl.store(vn_ptrs, v_new.to(VN.dtype.element_ty), mask=v_mask)
+        tl.store(vn_ptrs, _cast(v_new, VN, MODE), mask=v_mask)
         k_out = k.to(tl.float32) * decay_out[:, None]
         state = state * gamma + _dot(tl.trans(k_out), v_new, MODE)
     if STORE_HT:
@@ -336,7 +350,7 @@ def _fwd_out(Q, K_, G, BETA, RST, HS, VN, O, L, N, scale, H: tl.constexpr, DK: t
         v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
         o = _dot(q_in, state, MODE) + _dot(p, v_new, MODE)
         o_ptrs, _o_mask = _tile(O, row, valid, v0, DV, BV, H, h)
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=v_mask)
+        tl.store(o_ptrs, _cast(o, O, MODE), mask=v_mask)
 
 
 # -- backward -----------------------------------------------------------------------------------
@@ -357,7 +371,7 @@ def _bwd_dv_local(Q, K_, G, BETA, RST, DO, DVN, L, scale, H: tl.constexpr, DK: t
         do_ptrs, v_mask = _tile(DO, row, valid, v0, DV, BV, H, h)
         do = tl.load(do_ptrs, mask=v_mask, other=0.0)
         dvn_ptrs, _dvn_mask = _tile(DVN, row, valid, v0, DV, BV, H, h)
-        tl.store(dvn_ptrs, _dot(p_t, do, MODE).to(DVN.dtype.element_ty), mask=v_mask)
+        tl.store(dvn_ptrs, _cast(_dot(p_t, do, MODE), DVN, MODE), mask=v_mask)
 
 
 @triton.jit
@@ -379,7 +393,7 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         n = N - 1 - i
         dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
                                   BK, BV)
-        tl.store(dhs_ptrs, dstate.to(DHS.dtype.element_ty), mask=s_mask)  # dL/d(S leaving n)
+        tl.store(dhs_ptrs, _cast(dstate, DHS, MODE), mask=s_mask)  # dL/d(S leaving n)
         t = n * BT + rows
         valid = t < L
         row = b.to(tl.int64) * L + t
@@ -398,7 +412,7 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         do = tl.load(do_ptrs, mask=v_mask, other=0.0)
         dv_new = tl.load(dvn_ptrs, mask=v_mask, other=0.0)
         dv_new = dv_new.to(tl.float32) + _dot(k * decay_out[:, None], dstate, MODE)  # [BT, BV]
-        tl.store(dvn_ptrs, dv_new.to(DVN.dtype.element_ty), mask=v_mask)
+        tl.store(dvn_ptrs, _cast(dv_new, DVN, MODE), mask=v_mask)
         q_in = q * (scale * decay_in)[:, None]
         dstate = (dstate * gamma + _dot(tl.trans(q_in), do, MODE)
                   - _dot(tl.trans(w), dv_new, MODE))
@@ -441,7 +455,7 @@ def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.conste
         d_p += _dot(do, tl.trans(v_new), MODE)
         dx_u = _dot(tm_t, du, MODE)  # dL/d(beta * v)  [BT, BV]
         dv_ptrs, _ = _tile(DV_, row, valid, v0, DV, BV, H, h)
-        tl.store(dv_ptrs, (dx_u * beta[:, None]).to(DV_.dtype.element_ty), mask=v_mask)
+        tl.store(dv_ptrs, _cast(dx_u * beta[:, None], DV_, MODE), mask=v_mask)
         d_beta += tl.sum(dx_u * v, 1)
         u_t = _dot(tl.trans(v * beta[:, None]), tm_t, MODE)  # u^T = (beta v)^T T^T  [BV, BT]
         d_a -= _dot(dx_u, u_t, MODE)
@@ -513,7 +527,7 @@ def _bwd_key(Q, K_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, VEC, DQ, DKP
     dk = dk_p + dx_w * (beta * decay_in)[:, None] + d_k_out * decay_out[:, None]
     dq_ptrs, _ = _tile(DQ, row, valid, k0, DK, BKS, H, h)
     dkp_ptrs, _ = _tile(DKP, row, valid, k0, DK, BKS, H, h)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=k_mask)
+    tl.store(dq_ptrs, _cast(dq, DQ, MODE), mask=k_mask)
     tl.store(dkp_ptrs, dk, mask=k_mask)
 
     xk = tl.sum(dx_w * k32, 1)
@@ -565,7 +579,7 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
         dkp_ptrs, _ = _tile(DKP, row, valid, k0, DK, BKS, H, h)
         dk = tl.load(dkp_ptrs, mask=k_mask, other=0.0) + x * beta[:, None] + y
         dk_ptrs, _ = _tile(DK_, row, valid, k0, DK, BKS, H, h)
-        tl.store(dk_ptrs, dk.to(DK_.dtype.element_ty), mask=k_mask)
+        tl.store(dk_ptrs, _cast(dk, DK_, MODE), mask=k_mask)
         k32 = k.to(tl.float32)
         xk = tl.sum(k32 * x, 1)
         d_beta += xk
