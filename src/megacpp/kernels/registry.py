@@ -272,8 +272,9 @@ def _surfaces() -> list[Surface]:
             "[B, L, H] (float32), reset [B, L] bool doc starts or None, initial_state "
             "[B, H, K, V] or None -> o [B, L, H, V] in q.dtype + final state [B, H, K, V] "
             "float32 (see ops/gated_delta); triton saves q, k, v, g, beta, T [B, H, L, 64] fp32, "
-            "w, chunk-entry states [B, H, L/64, K, V], v_new fp32 and the decays (backward adds "
-            "a [B, H, L/64, 2, 64, 64] fp32 scratch); calls it cannot take (float16/float64, "
+            "w, chunk-entry states [B, H, L/64, K, V], v_new (bf16 for bf16 inputs, else fp32) "
+            "and the decays (backward adds a [B, H, L/64, 2 + K/BKS, 64, 64] fp32 scratch); "
+            "bf16 inputs take bf16 products (T's inverse tf32); calls it cannot take (float16/float64, "
             "K > 128, CPU) run the reference",
             gated_delta_rule_chunked, _gated_delta_inputs,
             {"check": {"batch": 2, "seq": 200, "heads": 2, "head_k": 32, "head_v": 64,
