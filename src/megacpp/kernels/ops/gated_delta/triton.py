@@ -619,6 +619,18 @@ def _dot_mode(q: Tensor) -> int:
     return 2 if q.device.type == "cpu" else 1
 
 
+STORABLE = ("u", "v_new", "dvn")  # the intermediates BF16_STORAGE may name
+
+
+def _check_precision_sets() -> None:
+    """BF16_PRODUCTS names kernels of CONFIG and BF16_STORAGE names STORABLE intermediates: a
+    misspelt name would otherwise change nothing, silently."""
+    bad = sorted(set(BF16_PRODUCTS) - set(CONFIG)) + sorted(set(BF16_STORAGE) - set(STORABLE))
+    if bad:
+        raise ValueError(f"gated_delta triton: unknown names {bad} in BF16_PRODUCTS (kernels: "
+                         f"{sorted(CONFIG)}) or BF16_STORAGE (intermediates: {list(STORABLE)})")
+
+
 def _store_dtype(q: Tensor, name: str) -> torch.dtype:
     """Storage of the intermediate ``name`` (u, v_new, dvn): bfloat16 for bfloat16 inputs
     when it is in ``BF16_STORAGE``, else float32."""
@@ -635,6 +647,7 @@ class _Launcher:
         self.N = triton.cdiv(L, CHUNK)
         self.rst = reset.view(torch.uint8) if reset is not None else g  # unused without reset
         self.on_cpu = q.device.type == "cpu"
+        _check_precision_sets()
         self.const = {"H": H, "DK": K, "DV": V, "BK": max(MIN_TILE, triton.next_power_of_2(K)),
                       "BT": CHUNK, "MODE": _dot_mode(q), "HAS_RESET": reset is not None}
         self.q = q
