@@ -39,11 +39,12 @@ textbook block recurrence.
 
 Saved for backward: q, k, v, g, beta, reset, T [B, H, N*C, C] float32, w (k's dtype), the
 chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V] (bfloat16 for bfloat16
-inputs, see ``BF16_STORAGE``; else float32), the decays; u^T is recomputed. The split backward's float32 scratch, with NKB =
-K / BKS key slices (see above ``_bwd_val``): [B, H, N, 2 + NKB, C, C] (dL/dP masked, the u
-part of dL/dA, the w part per K slice; transposes are reads of these through transposed
-pointers), [B, H, N, NKB, 2, C] (row sums per K slice) and [B, L, H, K] (dk before its dL/dA
-term); partials are summed in a fixed order (no atomics: bit-reproducible gradients).
+inputs, see ``BF16_STORAGE``; else float32), the decays; u^T is recomputed. The split
+backward's float32 scratch, with NKB = K / BKS key slices (see above ``_bwd_val``):
+[B, H, N, 2 + NKB, C, C] (dL/dP masked, the u part of dL/dA, the w part per K slice;
+transposes are reads of these through transposed pointers), [B, H, N, NKB, 2, C] (row sums
+per K slice) and [B, L, H, K] (dk before its dL/dA term); partials are summed in a fixed
+order (no atomics: bit-reproducible gradients).
 bfloat16 inputs use bfloat16 tensor-core products throughout (float32 operands rounded, as fla
 does; ``BF16_PRODUCTS`` names the kernels, the others use tf32 where an operand is a float32
 intermediate), except T's own products (tf32); float32 inputs use 3xTF32 products.
