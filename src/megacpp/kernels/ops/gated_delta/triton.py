@@ -424,8 +424,9 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
 
 # The backward after the state pass, in three kernels with little live state each (one kernel
 # doing all of it ran at 255 registers with 176 spilled on the H100, 1.1-1.2x slower end to
-# end). Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0), the u part of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT]
-# the per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] float32 dk before its dL/dA
+# end). Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0), the u part
+# of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT] the
+# per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] float32 dk before its dL/dA
 # term. The partials are summed in a fixed order (no atomics). Transposes of computed [BT, BT]
 # matrices are loads of those scratch tiles with transposed pointers: no tl.trans of a matmul
 # result feeds a matmul (Triton 3.4-3.7.0 miscompiles that on Hopper, fla issue 640).
