@@ -57,7 +57,10 @@ QUICK = {
     "bwd_key": [{"BKS": 64, "BV": 32, "num_warps": 8, "num_stages": 2},
                 {"BKS": 64, "BV": 32, "num_warps": 4, "num_stages": 2},
                 {"BKS": 32, "BV": 64, "num_warps": 4, "num_stages": 2},
-                {"BKS": 64, "BV": 64, "num_warps": 8, "num_stages": 1}],
+                {"BKS": 64, "BV": 64, "num_warps": 8, "num_stages": 1},
+                # one slice of K = 128 (BKS is clamped to the head's K)
+                {"BKS": 128, "BV": 32, "num_warps": 8, "num_stages": 2},
+                {"BKS": 128, "BV": 32, "num_warps": 4, "num_stages": 2}],
     "bwd_fin": [{"BKS": 64, "num_warps": 8, "num_stages": 1}, {"BKS": 64, "num_warps": 4, "num_stages": 1},
                 {"BKS": 32, "num_warps": 4, "num_stages": 1}],
 }
