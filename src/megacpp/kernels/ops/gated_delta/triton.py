@@ -602,6 +602,8 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
 # warps, BV 32, BKS 32 in _bwd_fin, 0.4 ms of 6.8 at H16, see gated_delta_split_h100.json).
 CONFIG: dict[str, dict[str, int]] = {
     "fwd_intra": {"num_warps": 4, "num_stages": 1},
+    # num_stages 1 here, with bf16 products at K = V = 128, hit an illegal memory access on the
+    # H100 (Triton 3.6; not root-caused, h100_s8/session8_h100.log run 7): keep 2
     "fwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "fwd_out": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
