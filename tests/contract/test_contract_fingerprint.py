@@ -90,6 +90,21 @@ def test_git_clean_dirty_and_untracked_change_the_diff_hash(repo: Path):
     assert with_ignored["untracked_files"] == 1
 
 
+def test_declared_source_commit_is_recorded_beside_gits_own_state(tmp_path: Path, repo: Path):
+    """A copy run elsewhere names its source commit; git's own (stale) answer stays."""
+    own = capture_git(repo, {**os.environ, "MEGACPP_SOURCE_COMMIT": ""})
+    assert "declared_commit" not in own
+    declared = capture_git(repo, {**os.environ, "MEGACPP_SOURCE_COMMIT": " 99f80a6 \n"})
+    assert declared == {**own, "declared_commit": "99f80a6"}
+    plain = tmp_path / "plain"  # a copy without .git: git knows nothing, the claim remains
+    plain.mkdir()
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path),
+           "MEGACPP_SOURCE_COMMIT": "99f80a6"}
+    assert capture_git(plain, env) == {"root": None, "sha": None, "dirty": None,
+                                       "diff_sha256": None, "untracked_files": None,
+                                       "declared_commit": "99f80a6"}
+
+
 def test_git_is_null_outside_a_repo_and_without_git(tmp_path: Path, repo: Path):
     assert capture_git(tmp_path / "nowhere") is None
     plain = tmp_path / "plain"

@@ -139,6 +139,20 @@ def test_compare_same_environment_gives_ratios(tmp_path: Path, fingerprint):
         compare_receipts(a, b, metric="mfu")
 
 
+def test_compare_notes_declared_source_commits(tmp_path: Path, fingerprint):
+    """Copies run elsewhere (stale .git) differ by the commit they declare, not by git's sha."""
+    declared = []
+    for name, commit in (("a", "99f80a6"), ("b", "ada1e31")):
+        fp = copy.deepcopy(fingerprint)
+        fp["git"] = {**(fp["git"] or {}), "declared_commit": commit}
+        declared.append(_write(tmp_path / f"{name}.json", fp))
+    notes = compare_receipts(*declared).notes
+    assert "declared source commits differ: 99f80a6 -> ada1e31" in notes
+    assert read_receipt(tmp_path / "a.json").git["declared_commit"] == "99f80a6"
+    same = compare_receipts(declared[0], declared[0]).notes
+    assert not any("declared" in note for note in same)
+
+
 def test_compare_refuses_drift_unless_allowed(tmp_path: Path, fingerprint):
     drifted = copy.deepcopy(fingerprint)
     drifted["packages"]["torch"] = "2.99.0"

@@ -122,9 +122,10 @@ def _print_fingerprint(fp: dict[str, Any]) -> None:
     ]
     rows += [(f"env {k}", v) for k, v in fp["env"].items()]
     git = fp.get("git")
-    rows.append(
-        ("git", f"{git['sha']} dirty={git['dirty']}" if git else "null (no git repository)")
-    )
+    git_row = f"{git['sha']} dirty={git['dirty']}" if git else "null (no git repository)"
+    if git and git.get("declared_commit"):
+        git_row += f" (declared source commit {git['declared_commit']})"
+    rows.append(("git", git_row))
     rows.append(("patches", ", ".join(p["name"] for p in fp["patches"]) or "none"))
     for field, value in rows:
         table.add_row(field, value)

@@ -8,6 +8,11 @@ Ignored files (``.venv/``, build outputs) are not part of it. A clean tree has
 
 Outside a git repository, without ``git`` on PATH, or in a checkout without history
 (a vendored copy), the fields that cannot be known are ``None``; nothing raises.
+
+A copy of a tree run elsewhere (a GPU machine handed the working tree with a stale ``.git``,
+or none) can say which commit it was copied from in ``MEGACPP_SOURCE_COMMIT``; that claim is
+recorded as ``declared_commit``, next to (never instead of) what git itself reports, and is
+not verified. Like the rest of the git block it is informational, not a contract field.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from megacpp._io import sha256_file
 from megacpp.contract.probes import which
 
 _GIT_TIMEOUT_S = 60
+SOURCE_COMMIT_ENV = "MEGACPP_SOURCE_COMMIT"
 
 
 def default_project_root() -> Path:
@@ -35,8 +41,20 @@ def default_project_root() -> Path:
 def capture_git(
     root: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
 ) -> dict[str, Any] | None:
-    """``{"root", "sha", "dirty", "diff_sha256", "untracked_files"}`` or ``None`` (no repo/git)."""
+    """``{"root", "sha", "dirty", "diff_sha256", "untracked_files"}`` or ``None`` (no repo/git);
+    plus ``declared_commit`` when ``MEGACPP_SOURCE_COMMIT`` is set (then never ``None``: the
+    fields git cannot give are ``None``)."""
     env = os.environ if env is None else env
+    state = _capture_git(root, env)
+    declared = (env.get(SOURCE_COMMIT_ENV) or "").strip()
+    if not declared:
+        return state
+    unknown = dict.fromkeys(("root", "sha", "dirty", "diff_sha256", "untracked_files"))
+    return {**(state or unknown), "declared_commit": declared}
+
+
+def _capture_git(root: str | os.PathLike[str] | None, env: Mapping[str, str]
+                 ) -> dict[str, Any] | None:
     git = which("git", env)
     start = Path(root) if root is not None else default_project_root()
     if git is None or not start.is_dir():

@@ -101,6 +101,9 @@ def _notes(a: Receipt, b: Receipt) -> list[str]:
         notes.append(
             f"git commits differ: {(a.git or {}).get('sha')} -> {(b.git or {}).get('sha')}"
         )
+    declared = [(r.git or {}).get("declared_commit") for r in (a, b)]
+    if any(declared) and declared[0] != declared[1]:
+        notes.append(f"declared source commits differ: {declared[0]} -> {declared[1]}")
     if a.preflight_skipped or b.preflight_skipped:
         notes.append(f"skipped preflight rules: A {a.preflight_skipped}, B {b.preflight_skipped}")
     return notes
