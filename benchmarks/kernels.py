@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -189,10 +188,7 @@ def _receipts(out: Path, ceil: dict[str, float], rows: list[dict]) -> None:
         metrics.update({f"ceiling/{k}": v for k, v in ceil.items()})
         write_receipt(out / f"{surface}_{case}.receipt.json", "bench",
                       {"script": "benchmarks/kernels.py", "surface": surface, "case": case,
-                       "dtype": "bfloat16",
-                       # set when the code runs from an export whose .git is absent or stale
-                       # (a lent GPU machine), as train_step.py and layer_breakdown.py do
-                       "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT")}, metrics,
+                       "dtype": "bfloat16"}, metrics,
                       kernels={r["backend"]: r["role"] for r in group})
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -157,8 +156,7 @@ def main() -> None:
            "results": results}
     (args.out / "layer_breakdown.json").write_text(json.dumps(doc, indent=2))
     config = {"preset": args.preset, "seq_len": args.seq_len, "batch": batch,
-              "kernel_mode": args.kernels, "modes": args.modes, "dtype": "bf16-autocast",
-              "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT")}
+              "kernel_mode": args.kernels, "modes": args.modes, "dtype": "bf16-autocast"}
     metrics = {f"{r['mode']}_{x['kind']}_ms": float(x["ms_total"])
                for r in results for x in r["rows"]}
     if peak is not None:  # None on the CPU smoke run

@@ -39,7 +39,6 @@ import argparse
 import gc
 import itertools
 import json
-import os
 import sys
 import time
 import traceback
@@ -353,8 +352,7 @@ def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: s
                   "dtype": args.dtype, "block_size": args.block_size,
                   "prefill_chunk": args.prefill_chunk, "weights": "random init",
                   "kernels": args.kernels, "chosen_kernels": chosen_kernels(),
-                  "tokenizer_sha256": tokenizer_sha256,
-                  "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT")}
+                  "tokenizer_sha256": tokenizer_sha256}
         metrics = {k: float(v) for k, v in asdict(r).items()
                    if isinstance(v, float | int) and k not in ("batch", "prompt_len",
                                                                "new_tokens")}

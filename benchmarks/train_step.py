@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -328,8 +327,6 @@ def save_row(out: Path, r: Result, peak: float, preflight, facts) -> None:
         "optimizer": "AdamW(fused)",
         "kernels": r.kernels,
         "flop_formula": FLOP_FORMULA,
-        # set when the code runs from an export without .git (e.g. on a lent GPU machine)
-        "source_commit": os.environ.get("MEGACPP_SOURCE_COMMIT"),
     }
     metrics = {
         k: float(getattr(r, k))
