@@ -132,6 +132,15 @@ def _interpreter_check() -> dict:
         errors["k96_bf16_tf32"] = compare(fn, inputs, dtype, tol)
     finally:
         gd.BF16_PRODUCTS, gd.BF16_STORAGE = products, storage
+    # the state passes' CONFIG settings (the cases above take SMALL_GRID's: their grids are
+    # smaller than an H100's 132 SMs, which the interpreter assumes)
+    small_grid, gd.SMALL_GRID = gd.SMALL_GRID, {}
+    try:
+        for name in ("k128", "k96_bf16"):
+            inputs, dtype, tol = cases[name]
+            errors[f"{name}_config"] = compare(fn, inputs, dtype, tol)
+    finally:
+        gd.SMALL_GRID = small_grid
     for name in ("k128", "k96_bf16"):
         inputs, dtype, _ = cases[name]
         first, second = backward_twice(fn, inputs, dtype)
@@ -191,8 +200,8 @@ def test_precision_sets_are_validated(monkeypatch) -> None:
     with pytest.raises(ValueError, match="bwd_keys"):
         gd._check_precision_sets()
     monkeypatch.setattr(gd, "BF16_PRODUCTS", frozenset())
-    monkeypatch.setattr(gd, "BF16_STORAGE", frozenset({"T"}))
-    with pytest.raises(ValueError, match=r"\['T'\]"):
+    monkeypatch.setattr(gd, "BF16_STORAGE", frozenset({"state"}))
+    with pytest.raises(ValueError, match=r"\['state'\]"):
         gd._check_precision_sets()
 
 

@@ -18,7 +18,7 @@ and ``seg`` the number of resets seen so far in the chunk (decays never cross a 
 
 Kernels (grid in brackets; N chunks, BH = B * H):
 
-* ``_fwd_intra``  [N, BH]   A, T (block forward substitution, below), w, u (float32), and
+* ``_fwd_intra``  [N, BH]   A, T (by doubling blocks, below), w, u, and
   the per-token decay_in / decay_out and per-chunk gamma the state passes read
 * ``_fwd_state``  [V/BV, BH] the only sequential pass: S per chunk, v_new, final state
 * ``_fwd_out``    [N, BH]   o
@@ -32,19 +32,19 @@ Kernels (grid in brackets; N chunks, BH = B * H):
 * ``_bwd_fin``    [N, BH]   dL/dA summed from the parts, the dL/dA terms of dk, dbeta, dg, and
   dg through the decays' cumsum
 
-T is built without tiny matmuls: the 16 x 16 diagonal blocks D of (I + A) are inverted
-together by 15 steps of forward substitution on the [64, 64] tile, and with F = D^-1 E (E the
-strictly block-lower part, F^4 = 0): ``T = (I - F)(I + F^2) D^-1``, the same products as the
-textbook block recurrence.
+T is built without tiny matmuls or per-row steps: the inverse of (I + A)'s diagonal blocks of
+side 2, 4, ..., 64 in turn, each from the last by ``T <- T - T E T`` (E: A's lower-left
+quadrants of the new blocks), two [64, 64] products per side, all blocks at once: 10 dependent
+products (the 15-step forward substitution it replaced took 19; _fwd_intra -17% at H16).
 
-Saved for backward: q, k, v, g, beta, reset, T [B, H, N*C, C] float32, w (k's dtype), the
-chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V] (bfloat16 for bfloat16
-inputs, see ``BF16_STORAGE``; else float32), the decays; u^T is recomputed. The split
-backward's float32 scratch, with NKB = K / BKS key slices (see above ``_bwd_val``):
-[B, H, N, 2 + NKB, C, C] (dL/dP masked, the u part of dL/dA, the w part per K slice;
-transposes are reads of these through transposed pointers), [B, H, N, NKB, 2, C] (row sums
-per K slice) and [B, L, H, K] (dk before its dL/dA term); partials are summed in a fixed
-order (no atomics: bit-reproducible gradients).
+Saved for backward: q, k, v, g, beta, reset, T [B, H, N*C, C], w (k's dtype), the
+chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V], the decays; u^T is
+recomputed. T and v_new are bfloat16 for bfloat16 inputs when ``BF16_STORAGE`` names them, else
+float32. The split backward's scratch, with NKB = K / BKS key slices (see above ``_bwd_val``):
+dL/dP masked [B, H, N, C, C], float32 [B, H, N, 1 + NKB, C, C] (the u part of dL/dA, the w
+part per K slice; transposes are reads of these through transposed pointers), [B, H, N, NKB,
+2, C] (row sums per K slice) and [B, L, H, K] (dk before its dL/dA term); partials are summed
+in a fixed order (no atomics: bit-reproducible gradients).
 bfloat16 inputs use bfloat16 tensor-core products throughout (float32 operands rounded, as fla
 does; ``BF16_PRODUCTS`` names the kernels, the others use tf32 where an operand is a float32
 intermediate), except T's own products (tf32); float32 inputs use 3xTF32 products.
@@ -56,6 +56,7 @@ K > 128) is computed by the reference for that call (one warning per process).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -67,7 +68,6 @@ from torch import Tensor
 from megacpp.kernels.ops.gated_delta.reference import _check_inputs, gated_delta_rule_chunked
 
 CHUNK = 64  # tokens per chunk (the tile side of A and T)
-SUB = 16  # diagonal block side of the forward substitution
 MAX_K = 128  # head_k_dim the kernels hold in registers
 # Smallest K / V tile. On the H100 (Triton 3.6) 16-wide tiles hit illegal memory accesses
 # (fp32 K = V = 16; the backward with BV = 16), so narrower heads run masked 32-wide tiles.
@@ -76,14 +76,16 @@ DTYPES = (torch.float32, torch.bfloat16)
 # bfloat16 inputs: the kernels whose products round float32 operands (the state, decayed keys,
 # T, dL/dA, ...) to bfloat16 as fla does, instead of tf32 (see ``_dot``; T's own products stay
 # tf32), and the intermediates stored in bfloat16 instead of float32 (u, v_new, dvn =
-# dL/dv_new). All of them by default: on the H100 -15% (nam56r 4k) and -20% (H16) kernel
-# time against tf32 products and float32 storage, relative errors against the float64
-# reference 3.9e-3 vs 2.6e-3 (fla 5.4e-3), at most 7.2e-3 in the interpreter's emulation;
-# per-kernel ablation and timings: benchmarks/results/kernels/h100_s8.
+# dL/dv_new; T and dqk = dL/dP masked, which only products read, so bf16 products round them
+# the same either way; dk_part = dk before its dL/dA term). All products by default: on the
+# H100 -15% (nam56r 4k) and -20% (H16) kernel time against tf32 products and float32 storage,
+# relative errors against the float64 reference 3.9e-3 vs 2.6e-3 (fla 5.4e-3), at most 7.2e-3
+# in the interpreter's emulation; per-kernel ablation and timings:
+# benchmarks/results/kernels/h100_s8.
 BF16_PRODUCTS: frozenset[str] = frozenset({
     "fwd_intra", "fwd_state", "fwd_out", "bwd_dv_local", "bwd_state", "bwd_val", "bwd_key",
     "bwd_fin"})
-BF16_STORAGE: frozenset[str] = frozenset({"u", "v_new", "dvn"})
+BF16_STORAGE: frozenset[str] = frozenset({"u", "v_new", "dvn", "T", "dqk", "dk_part"})
 
 
 # -- shared pieces ------------------------------------------------------------------------------
@@ -199,26 +201,21 @@ def _pair(gc, seg, BT: tl.constexpr, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _pair_t(gc, seg, BT: tl.constexpr, STRICT: tl.constexpr):
-    """The transpose of ``_pair``, built directly (not a tl.trans): [BT, BT] exp(gc_j - gc_i)
-    for i < j (STRICT) or i <= j in the same segment, else 0."""
-    rows = tl.arange(0, BT)[:, None]
-    cols = tl.arange(0, BT)[None, :]
-    if STRICT:
-        mask = rows < cols
-    else:
-        mask = rows <= cols
-    mask = mask & (seg[:, None] == seg[None, :])
-    return tl.where(mask, tl.exp(tl.where(mask, gc[None, :] - gc[:, None], 0.0)), 0.0)
-
-
-@triton.jit
 def _tile(PTR, row, valid, col0, D: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, h):
     """Pointers and mask of the [BT, BD] tile (tokens row, features col0..) of a [B, L, H, D]
     tensor, row = b * L + t (int64)."""
     cols = col0 + tl.arange(0, BD)
     ptrs = PTR + (row[:, None] * H + h) * D + cols[None, :]
     return ptrs, valid[:, None] & (cols[None, :] < D)
+
+
+@triton.jit
+def _tile_t(PTR, row, valid, col0, D: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, h):
+    """``_tile``'s transpose: pointers and mask of the [BD, BT] tile (features col0.., tokens
+    row) of a [B, L, H, D] tensor, so a product takes it as loaded, not through tl.trans."""
+    cols = col0 + tl.arange(0, BD)
+    ptrs = PTR + (row[None, :] * H + h) * D + cols[:, None]
+    return ptrs, valid[None, :] & (cols[:, None] < D)
 
 
 @triton.jit
@@ -242,27 +239,28 @@ def _loop_count(N, N_CONST: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, SUB: tl.constexpr, MODE: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular [BT, BT] A (BT / SUB <= 4 blocks)."""
+def _unit_lower_inverse(A, BT: tl.constexpr, MODE: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular [BT, BT] A (BT a power of two <= 128), by
+    doubling the side of the inverted diagonal blocks: with T the inverse of the blocks of
+    side s / 2 and E the part of A in the lower-left quadrants of the blocks of side s,
+    (D + E)^-1 = (I - T E) T = T - T E T ((T E)^2 = 0). Side 2 needs no product (T = I - E);
+    sides 4 .. BT take two [BT, BT] products each. Every product only fills a quadrant T
+    holds zeros in: nothing cancels (the block forward substitution of the textbook)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    eye = tl.where(rows == cols, 1.0, 0.0)
-    in_block = (rows // SUB) == (cols // SUB)
-    a_diag = tl.where(in_block, A, 0.0)
-    a_off = A - a_diag
-    d_inv = eye
-    for i in tl.static_range(1, SUB):  # row i of every diagonal block at once
-        d_inv = tl.where(rows % SUB == i, eye - _dot(a_diag, d_inv, MODE), d_inv)
-    f = _dot(d_inv, a_off, MODE)  # strictly block-lower: f^4 = 0
-    f2 = _dot(f, f, MODE)
-    return _dot(_dot(eye - f, eye + f2, MODE), d_inv, MODE)
+    tm = tl.where(rows == cols, 1.0, 0.0) - tl.where((rows >> 1) == (cols >> 1), A, 0.0)
+    for lvl in tl.static_range(2, 8):  # blocks of side 2**lvl
+        if (1 << lvl) <= BT:
+            quad = ((rows >> lvl) == (cols >> lvl)) & ((rows >> (lvl - 1)) != (cols >> (lvl - 1)))
+            tm = tm - _dot(_dot(tm, tl.where(quad, A, 0.0), MODE), tm, MODE)
+    return tm
 
 
 # -- forward ------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.constexpr,
                DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, SUB: tl.constexpr, HAS_RESET: tl.constexpr,
+               BT: tl.constexpr, HAS_RESET: tl.constexpr,
                MODE: tl.constexpr, SOLVE: tl.constexpr):
     n, bh = tl.program_id(0), tl.program_id(1)
     h, valid, gc, seg, beta, row, rows, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
@@ -277,7 +275,7 @@ def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.const
     k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [BT, BK]
     kk = _dot(k, tl.trans(k), MODE)  # [BT, BT]
     a = beta[:, None] * _pair(gc, seg, BT, True) * kk
-    tm = _unit_lower_inverse(a, BT, SUB, SOLVE)  # T = (I + A)^-1 (never bfloat16 products)
+    tm = _unit_lower_inverse(a, BT, SOLVE)  # T = (I + A)^-1 (never bfloat16 products)
 
     w = _dot(tm, k.to(tl.float32) * (beta * decay_in)[:, None], MODE)  # [BT, BK]
     w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
@@ -289,7 +287,21 @@ def _fwd_intra(K_, V_, G, BETA, RST, W, U, TM, DIN, DOUT, GAM, L, N, H: tl.const
         tl.store(u_ptrs, _cast(_dot(tm, v * beta[:, None], MODE), U, MODE), mask=v_mask)
 
     t_base = chunk * BT * BT
-    tl.store(TM + t_base + rows[:, None] * BT + rows[None, :], tm)
+    tl.store(TM + t_base + rows[:, None] * BT + rows[None, :], _cast(tm, TM, MODE))
+
+
+@triton.jit
+def _state_loads(X, D, GAM, b, bh, n, v0, L, N, H: tl.constexpr, DV: tl.constexpr,
+                 BV: tl.constexpr, BT: tl.constexpr):
+    """Chunk n's loads of a state pass that feed no product: the [BT, BV] tile of X (a [B, L,
+    H, DV] tensor), the [BT] gate vector of D ([BH, N * BT]) and the chunk's gamma."""
+    rows = tl.arange(0, BT)
+    t = n * BT + rows
+    valid = t < L
+    x_ptrs, x_mask = _tile(X, b.to(tl.int64) * L + t, valid, v0, DV, BV, H, bh % H)
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    d = tl.load(D + (bh.to(tl.int64) * N + n) * BT + rows)
+    return x, d, tl.load(GAM + bh.to(tl.int64) * N + n)
 
 
 @triton.jit
@@ -306,25 +318,27 @@ def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
         state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BK, BV]
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
+    # the loads that feed no product (u, the decays) are issued a chunk ahead by hand
+    u_next, dout_next, gam_next = _state_loads(U, DOUT, GAM, b, bh, 0, v0, L, N, H, DV, BV, BT)
     for n in range(_loop_count(N, N_CONST)):
+        u, decay_out, gamma = u_next, dout_next, gam_next
+        u_next, dout_next, gam_next = _state_loads(U, DOUT, GAM, b, bh, tl.minimum(n + 1, N - 1),
+                                                   v0, L, N, H, DV, BV, BT)
         hs_ptrs, _ = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV, BK, BV)
         tl.store(hs_ptrs, _cast(state, HS, MODE), mask=s_mask)
         t = n * BT + rows
         valid = t < L
         row = b.to(tl.int64) * L + t
-        k_ptrs, k_mask = _tile(K_, row, valid, 0, DK, BK, H, h)
-        w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
-        u_ptrs, v_mask = _tile(U, row, valid, v0, DV, BV, H, h)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        kt_ptrs, kt_mask = _tile_t(K_, row, valid, 0, DK, BK, H, h)
+        w_ptrs, k_mask = _tile(W, row, valid, 0, DK, BK, H, h)
+        v_mask = valid[:, None] & ((v0 + tl.arange(0, BV))[None, :] < DV)
+        k_t = tl.load(kt_ptrs, mask=kt_mask, other=0.0)  # k^T [BK, BT]
         w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=v_mask, other=0.0)
-        decay_out = tl.load(DOUT + (bh.to(tl.int64) * N + n) * BT + rows)
-        gamma = tl.load(GAM + bh.to(tl.int64) * N + n)
         v_new = u - _dot(w, state.to(w.dtype), MODE)  # [BT, BV]; bf16 S costs ~nothing here
         vn_ptrs, _ = _tile(VN, row, valid, v0, DV, BV, H, h)
         tl.store(vn_ptrs, _cast(v_new, VN, MODE), mask=v_mask)
-        k_out = k.to(tl.float32) * decay_out[:, None]
-        state = state * gamma + _dot(tl.trans(k_out), v_new, MODE)
+        # (decay_out * k)^T v_new with the decay on v_new's rows: k^T enters as loaded
+        state = state * gamma + _dot(k_t, v_new * decay_out[:, None], MODE)
     if STORE_HT:
         ht_ptrs, _ = _state_tile(HT, bh.to(tl.int64) * DK * DV, 0, v0, DK, DV, BK, BV)
         tl.store(ht_ptrs, state, mask=s_mask)
@@ -343,13 +357,13 @@ def _fwd_out(Q, K_, G, BETA, RST, HS, VN, O, L, N, scale, H: tl.constexpr, DK: t
     q = tl.load(q_ptrs, mask=k_mask, other=0.0)
     k = tl.load(k_ptrs, mask=k_mask, other=0.0)
     p = _dot(q, tl.trans(k), MODE) * scale * _pair(gc, seg, BT, False)  # [BT, BT]
-    q_in = q.to(tl.float32) * (scale * decay_in)[:, None]
     for v0 in range(0, DV, BV):
         hs_ptrs, s_mask = _state_tile(HS, chunk * DK * DV, 0, v0, DK, DV, BK, BV)
         state = tl.load(hs_ptrs, mask=s_mask, other=0.0)
         vn_ptrs, v_mask = _tile(VN, row, valid, v0, DV, BV, H, h)
         v_new = tl.load(vn_ptrs, mask=v_mask, other=0.0)
-        o = _dot(q_in, state, MODE) + _dot(p, v_new, MODE)
+        # (scale * decay_in * q) S, the row scale after the product (q, S both as stored)
+        o = _dot(q, state, MODE) * (scale * decay_in)[:, None] + _dot(p, v_new, MODE)
         o_ptrs, _o_mask = _tile(O, row, valid, v0, DV, BV, H, h)
         tl.store(o_ptrs, _cast(o, O, MODE), mask=v_mask)
 
@@ -390,33 +404,38 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         dstate = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    # the loads that feed no product (do, dL/dv_new's local part, the decays) are issued a
+    # chunk ahead by hand
+    do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV, BV,
+                                               BT)
+    dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, N - 1, v0, L, N, H, DV, BV, BT)
     for i in range(_loop_count(N, N_CONST)):
         n = N - 1 - i
+        do, decay_in, gamma = do_next, din_next, gam_next
+        dv_new, decay_out = dvn_next, dout_next
+        do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, tl.maximum(n - 1, 0), v0,
+                                                   L, N, H, DV, BV, BT)
+        dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, tl.maximum(n - 1, 0), v0, L,
+                                              N, H, DV, BV, BT)
         dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
                                   BK, BV)
         tl.store(dhs_ptrs, _cast(dstate, DHS, MODE), mask=s_mask)  # dL/d(S leaving n)
         t = n * BT + rows
         valid = t < L
         row = b.to(tl.int64) * L + t
-        gate_off = (bh.to(tl.int64) * N + n) * BT + rows
-        decay_in = tl.load(DIN + gate_off)
-        decay_out = tl.load(DOUT + gate_off)
-        gamma = tl.load(GAM + bh.to(tl.int64) * N + n)
-        q_ptrs, k_mask = _tile(Q, row, valid, 0, DK, BK, H, h)
-        k_ptrs, _ = _tile(K_, row, valid, 0, DK, BK, H, h)
-        w_ptrs, _ = _tile(W, row, valid, 0, DK, BK, H, h)
-        do_ptrs, v_mask = _tile(DO, row, valid, v0, DV, BV, H, h)
-        dvn_ptrs, _ = _tile(DVN, row, valid, v0, DV, BV, H, h)
-        q = tl.load(q_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=v_mask, other=0.0)
-        dv_new = tl.load(dvn_ptrs, mask=v_mask, other=0.0)
-        dv_new = dv_new.to(tl.float32) + _dot(k * decay_out[:, None], dstate, MODE)  # [BT, BV]
+        # q^T and w^T enter the products as loaded; the decays scale rows of [BT, BV] tiles
+        qt_ptrs, kt_mask = _tile_t(Q, row, valid, 0, DK, BK, H, h)
+        wt_ptrs, _ = _tile_t(W, row, valid, 0, DK, BK, H, h)
+        k_ptrs, k_mask = _tile(K_, row, valid, 0, DK, BK, H, h)
+        dvn_ptrs, v_mask = _tile(DVN, row, valid, v0, DV, BV, H, h)
+        q_t = tl.load(qt_ptrs, mask=kt_mask, other=0.0)
+        w_t = tl.load(wt_ptrs, mask=kt_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        dv_new = dv_new.to(tl.float32) + _dot(k, dstate, MODE) * decay_out[:, None]  # [BT, BV]
         tl.store(dvn_ptrs, _cast(dv_new, DVN, MODE), mask=v_mask)
-        q_in = q * (scale * decay_in)[:, None]
-        dstate = (dstate * gamma + _dot(tl.trans(q_in), do, MODE)
-                  - _dot(tl.trans(w), dv_new, MODE))
+        # (scale * decay_in * q)^T do - w^T dv_new
+        dstate = (dstate * gamma + _dot(q_t, do.to(tl.float32) * (scale * decay_in)[:, None], MODE)
+                  - _dot(w_t, dv_new, MODE))
     if STORE_DH0:
         dh0_ptrs, _ = _state_tile(DH0, bh.to(tl.int64) * DK * DV, 0, v0, DK, DV, BK, BV)
         tl.store(dh0_ptrs, dstate, mask=s_mask)
@@ -424,18 +443,20 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
 
 # The backward after the state pass, in three kernels with little live state each (one kernel
 # doing all of it ran at 255 registers with 176 spilled on the H100, 1.1-1.2x slower end to
-# end). Per chunk, scratch SCR [NS = 2 + NKB, BT, BT] float32 holds d_qk (slot 0), the u part
-# of dL/dA (slot 1) and the w part of dL/dA per K slice (slots 2..); VEC [NKB, 2, BT] the
-# per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] float32 dk before its dL/dA
-# term. The partials are summed in a fixed order (no atomics). Transposes of computed [BT, BT]
-# matrices are loads of those scratch tiles with transposed pointers: no tl.trans of a matmul
+# end). Per chunk, DQK [BT, BT] holds d_qk = dL/dP masked (bfloat16 under "dqk" in
+# BF16_STORAGE, which only bf16 products read), scratch SCR [NS = 1 + NKB, BT, BT] float32 the
+# u part of dL/dA (slot 0) and the w part of dL/dA per K slice (slots 1..); VEC [NKB, 2, BT]
+# the per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] dk before its dL/dA term
+# (float32, or bfloat16 under "dk_part"). The partials are summed in a fixed order (no
+# atomics). Transposes of computed [BT, BT] matrices are loads of those tiles with transposed
+# pointers: no tl.trans of a matmul
 # result feeds a matmul (Triton 3.4-3.7.0 miscompiles that on Hopper, fla issue 640).
 @triton.jit
-def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.constexpr,
+def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, DQK, SCR, DV_, DB, L, N, H: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              BT: tl.constexpr, HAS_RESET: tl.constexpr, MODE: tl.constexpr, NS: tl.constexpr):
     """The value side of one chunk (a V loop, no [BT, K] accumulators): dv, d_qk = dL/dP
-    masked (scratch slot 0), the u part of dL/dA, -(T^T du) u^T (slot 1), and d_beta's value
+    masked (DQK), the u part of dL/dA, -(T^T du) u^T (scratch slot 0), and d_beta's value
     part, rowsum(T^T du * v), stored in DB for _bwd_fin to add to."""
     n, bh = tl.program_id(0), tl.program_id(1)
     h, valid, gc, seg, beta, row, rows, chunk = _chunk_start(G, BETA, RST, n, bh, L, N, H, BT,
@@ -443,7 +464,7 @@ def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.conste
     tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
 
     d_p = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dP
-    d_a = tl.zeros([BT, BT], dtype=tl.float32)  # dL/dA, u part (before masking)
+    x = tl.zeros([BT, BT], dtype=tl.float32)  # (T^T du) (beta v)^T over the V loop
     d_beta = tl.zeros([BT], dtype=tl.float32)
     for v0 in range(0, DV, BV):
         v_ptrs, v_mask = _tile(V_, row, valid, v0, DV, BV, H, h)
@@ -459,25 +480,26 @@ def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, SCR, DV_, DB, L, N, H: tl.conste
         dv_ptrs, _ = _tile(DV_, row, valid, v0, DV, BV, H, h)
         tl.store(dv_ptrs, _cast(dx_u * beta[:, None], DV_, MODE), mask=v_mask)
         d_beta += tl.sum(dx_u * v, 1)
-        u_t = _dot(tl.trans(v * beta[:, None]), tm_t, MODE)  # u^T = (beta v)^T T^T  [BV, BT]
-        d_a -= _dot(dx_u, u_t, MODE)
+        x += _dot(dx_u, tl.trans(v * beta[:, None]), MODE)
+    d_a = -_dot(x, tm_t, MODE)  # dL/dA, u part (before masking): -(T^T du) u^T, u = T beta v
 
-    scr = SCR + chunk * NS * BT * BT
     tile = rows[:, None] * BT + rows[None, :]
-    tl.store(scr + tile, d_p * _pair(gc, seg, BT, False))  # d_qk = dL/d(scale * q_i . k_j)
-    tl.store(scr + BT * BT + tile, d_a)
+    d_qk = d_p * _pair(gc, seg, BT, False)  # dL/d(scale * q_i . k_j)
+    tl.store(DQK + chunk * BT * BT + tile, _cast(d_qk, DQK, MODE))
+    tl.store(SCR + chunk * NS * BT * BT + tile, d_a)
     tl.store(DB + row * H + h, d_beta, mask=valid)
 
 
 @triton.jit
-def _bwd_key(Q, K_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, VEC, DQ, DKP, L, N, scale,
+def _bwd_key(Q, K_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, DQK, SCR, VEC, DQ, DKP, L, N,
+             scale,
              H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
              BV: tl.constexpr, BT: tl.constexpr, HAS_RESET: tl.constexpr, MODE: tl.constexpr,
              BKS: tl.constexpr, NKB: tl.constexpr, NS: tl.constexpr):
     """One chunk's K slice of BKS columns (after _bwd_val; program_id(0) = chunk * NKB + slice,
     so a chunk's slices run side by side and share its reads in L2): a V loop for the slice's
     dL/d(q_in), dL/dw, dL/d(k_out) [BT, BKS], then dq (final), dk without its dL/dA term
-    (DKP), the slice's w part of dL/dA, -(T^T dL/dw) w^T (scratch slot 2 + slice), and its
+    (DKP), the slice's w part of dL/dA, -(T^T dL/dw) w^T (scratch slot 1 + slice), and its
     row sums for d_beta and d_gc (VEC). The P terms of d_gc use rowsum(m) = rowsum(q * dq_P),
     colsum(m) = rowsum(k * dk_P) for m = d_qk * (scale q k^T), so no q k^T is formed."""
     n, kb, bh = tl.program_id(0) // NKB, tl.program_id(0) % NKB, tl.program_id(1)
@@ -487,7 +509,7 @@ def _bwd_key(Q, K_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, VEC, DQ, DKP
     k0 = kb * BKS
 
     d_q_in = tl.zeros([BT, BKS], dtype=tl.float32)  # dL/d(scale * decay_in * q)
-    d_w = tl.zeros([BT, BKS], dtype=tl.float32)
+    d_w_neg = tl.zeros([BT, BKS], dtype=tl.float32)  # -dL/dw
     d_k_out = tl.zeros([BT, BKS], dtype=tl.float32)  # dL/d(decay_out * k)
     d_gamma = tl.zeros([BKS], dtype=tl.float32)  # summed at the end
     for v0 in range(0, DV, BV):
@@ -502,41 +524,44 @@ def _bwd_key(Q, K_, G, BETA, RST, TM, W, HS, VN, DHS, DO, DVN, SCR, VEC, DQ, DKP
         do = tl.load(do_ptrs, mask=v_mask, other=0.0)
         du = tl.load(dvn_ptrs, mask=v_mask, other=0.0)
         d_q_in += _dot(do, tl.trans(state), MODE)
-        d_w -= _dot(du, tl.trans(state), MODE)
+        d_w_neg += _dot(du, tl.trans(state), MODE)
         d_k_out += _dot(v_new, tl.trans(dstate), MODE)
         d_gamma += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), 1)
 
-    tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
-    dx_w = _dot(tm_t, d_w, MODE)  # dL/d(beta * decay_in * k)  [BT, BKS]
-    kcols = k0 + tl.arange(0, BKS)
-    w_t = tl.load(W + (row[None, :] * H + h) * DK + kcols[:, None],
-                  mask=valid[None, :] & (kcols[:, None] < DK), other=0.0)  # w^T [BKS, BT]
-    scr = SCR + chunk * NS * BT * BT
-    tile = rows[:, None] * BT + rows[None, :]
-    tl.store(scr + (2 + kb) * BT * BT + tile, -_dot(dx_w, w_t, MODE))
-    d_qk = tl.load(scr + tile)
-    d_qk_t = tl.load(scr + rows[None, :] * BT + rows[:, None])
-
+    # the epilogue consumes each [BT, BKS] accumulator as soon as it can (its row sums taken,
+    # its terms added), so few of them are live at once: d_q_in, then d_k_out, then d_w_neg
     q_ptrs, k_mask = _tile(Q, row, valid, k0, DK, BKS, H, h)
     k_ptrs, _ = _tile(K_, row, valid, k0, DK, BKS, H, h)
     q = tl.load(q_ptrs, mask=k_mask, other=0.0)
     k = tl.load(k_ptrs, mask=k_mask, other=0.0)
     q32 = q.to(tl.float32)
     k32 = k.to(tl.float32)
-    dq_p = _dot(d_qk, k, MODE) * scale
-    dk_p = _dot(d_qk_t, q, MODE) * scale
-    dq = d_q_in * (scale * decay_in)[:, None] + dq_p
-    dk = dk_p + dx_w * (beta * decay_in)[:, None] + d_k_out * decay_out[:, None]
+    tile = rows[:, None] * BT + rows[None, :]
+    dq_p = _dot(tl.load(DQK + chunk * BT * BT + tile), k, MODE) * scale
+    d_gc = scale * tl.sum(d_q_in * q32, 1) * decay_in + tl.sum(q32 * dq_p, 1)
     dq_ptrs, _ = _tile(DQ, row, valid, k0, DK, BKS, H, h)
-    dkp_ptrs, _ = _tile(DKP, row, valid, k0, DK, BKS, H, h)
-    tl.store(dq_ptrs, _cast(dq, DQ, MODE), mask=k_mask)
-    tl.store(dkp_ptrs, dk, mask=k_mask)
+    tl.store(dq_ptrs, _cast(d_q_in * (scale * decay_in)[:, None] + dq_p, DQ, MODE), mask=k_mask)
 
-    xk = tl.sum(dx_w * k32, 1)
     end = tl.sum(d_k_out * k32, 1) * decay_out  # dL/d(decay_out) * decay_out
-    d_gc = ((beta * xk + scale * tl.sum(d_q_in * q32, 1)) * decay_in
-            + tl.sum(q32 * dq_p, 1) - tl.sum(k32 * dk_p, 1) - end
-            + tl.where(rows == BT - 1, tl.sum(end, 0) + tl.sum(d_gamma, 0) * gamma, 0.0))
+    dk = d_k_out * decay_out[:, None]
+    tm_t = tl.load(TM + chunk * BT * BT + rows[None, :] * BT + rows[:, None])  # T^T
+    dx_w_neg = _dot(tm_t, d_w_neg, MODE)  # -dL/d(beta * decay_in * k)  [BT, BKS]
+    xk = -tl.sum(dx_w_neg * k32, 1)
+    dk -= dx_w_neg * (beta * decay_in)[:, None]
+    kcols = k0 + tl.arange(0, BKS)
+    w_t = tl.load(W + (row[None, :] * H + h) * DK + kcols[:, None],
+                  mask=valid[None, :] & (kcols[:, None] < DK), other=0.0)  # w^T [BKS, BT]
+    scr = SCR + chunk * NS * BT * BT
+    tl.store(scr + (1 + kb) * BT * BT + tile, _dot(dx_w_neg, w_t, MODE))
+
+    d_qk_t = tl.load(DQK + chunk * BT * BT + rows[None, :] * BT + rows[:, None])
+    dk_p = _dot(d_qk_t, q, MODE) * scale
+    dk += dk_p
+    dkp_ptrs, _ = _tile(DKP, row, valid, k0, DK, BKS, H, h)
+    tl.store(dkp_ptrs, _cast(dk, DKP, MODE), mask=k_mask)
+
+    d_gc += (beta * xk * decay_in - tl.sum(k32 * dk_p, 1) - end
+             + tl.where(rows == BT - 1, tl.sum(end, 0) + tl.sum(d_gamma, 0) * gamma, 0.0))
     vec = VEC + (chunk * NKB + kb) * 2 * BT
     tl.store(vec + rows, xk * decay_in)  # d_beta part
     tl.store(vec + BT + rows, d_gc)
@@ -548,7 +573,8 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
              BT: tl.constexpr, HAS_RESET: tl.constexpr, MODE: tl.constexpr,
              BKS: tl.constexpr, NKB: tl.constexpr, NS: tl.constexpr):
     """One chunk's finish (after _bwd_key): dL/dA summed from the scratch slots, masked, as
-    d_ak = dL/dA * pair and d_kk^T (both loaded, one through transposed pointers); then per K
+    d_ak = dL/dA * pair and d_kk^T (d_ak's rows scaled by beta, transposed: a loaded sum, not
+    a matmul result, so tl.trans is safe here, see above _bwd_val); then per K
     slice of BKS: dk = DKP + beta * (d_ak k) + d_kk^T k, and the dL/dA terms of d_beta and d_gc
     as row sums (rowsum(d_ak * k k^T) = rowsum(k * d_ak k)); then d_g (cumsum, resets)."""
     n, bh = tl.program_id(0), tl.program_id(1)
@@ -556,16 +582,12 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
                                                              HAS_RESET)
     scr = SCR + chunk * NS * BT * BT
     tile = rows[:, None] * BT + rows[None, :]
-    tile_t = rows[None, :] * BT + rows[:, None]
-    d_a = tl.load(scr + BT * BT + tile)  # dL/dA
-    d_a_t = tl.load(scr + BT * BT + tile_t)  # its transpose
+    d_a = tl.load(scr + tile)  # dL/dA
     for kb in tl.static_range(NKB):
-        d_a += tl.load(scr + (2 + kb) * BT * BT + tile)
-        d_a_t += tl.load(scr + (2 + kb) * BT * BT + tile_t)
+        d_a += tl.load(scr + (1 + kb) * BT * BT + tile)
     pair = _pair(gc, seg, BT, True)
-    pair_t = _pair_t(gc, seg, BT, True)
     d_ak = tl.where(pair != 0.0, d_a, 0.0) * pair  # dL/d(beta_i * (k_i . k_j)), i > j
-    d_kk_t = tl.where(pair_t != 0.0, d_a_t, 0.0) * pair_t * beta[None, :]  # dL/d(k_j . k_i)
+    d_kk_t = tl.trans(d_ak * beta[:, None])  # dL/d(k_j . k_i)
 
     d_beta = tl.load(DB + row * H + h, mask=valid, other=0.0)  # _bwd_val's part
     d_gc = tl.zeros([BT], dtype=tl.float32)
@@ -579,7 +601,7 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
         x = _dot(d_ak, k, MODE)  # [BT, BKS]
         y = _dot(d_kk_t, k, MODE)
         dkp_ptrs, _ = _tile(DKP, row, valid, k0, DK, BKS, H, h)
-        dk = tl.load(dkp_ptrs, mask=k_mask, other=0.0) + x * beta[:, None] + y
+        dk = tl.load(dkp_ptrs, mask=k_mask, other=0.0).to(tl.float32) + x * beta[:, None] + y
         dk_ptrs, _ = _tile(DK_, row, valid, k0, DK, BKS, H, h)
         tl.store(dk_ptrs, _cast(dk, DK_, MODE), mask=k_mask)
         k32 = k.to(tl.float32)
@@ -598,20 +620,39 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
 # -- autograd -----------------------------------------------------------------------------------
 # Launch settings per kernel: BV (value columns per tile), BKS (key columns per slice of
 # _bwd_key / _bwd_fin), num_warps, num_stages, from benchmarks/gated_delta_tune.py --quick
-# sweeps on an H100 (nam56r 4k / 8k and H16 K = V = 128 4k; the backward's three kernels: 4
-# warps, BV 32, BKS 32 in _bwd_fin, 0.4 ms of 6.8 at H16, see gated_delta_split_h100.json).
+# --graph sweeps on an H100 (nam56r 4k and H16 K = V = 128 4k, CUDA-graph replays;
+# benchmarks/results/kernels/h100_s9).
 CONFIG: dict[str, dict[str, int]] = {
     "fwd_intra": {"num_warps": 4, "num_stages": 1},
     # num_stages 1 here, with bf16 products at K = V = 128, hit an illegal memory access on the
-    # H100 (Triton 3.6; not root-caused, h100_s8/session8_h100.log run 7): keep 2
-    "fwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
-    "fwd_out": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    # H100 (Triton 3.6; session 8) and, in session 9, gave a wrong state and output (35% off,
+    # compute-sanitizer memcheck clean): a miscompile, see h100_s9/session9_h100.log. Keep >= 2
+    "fwd_state": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "fwd_out": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 2},
-    "bwd_val": {"BV": 32, "num_warps": 4, "num_stages": 2},
-    "bwd_key": {"BKS": 64, "BV": 32, "num_warps": 4, "num_stages": 2},
-    "bwd_fin": {"BKS": 32, "num_warps": 4, "num_stages": 1},
+    "bwd_state": {"BV": 64, "num_warps": 4, "num_stages": 3},
+    "bwd_val": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "bwd_key": {"BKS": 64, "BV": 64, "num_warps": 4, "num_stages": 2},
+    "bwd_fin": {"BKS": 64, "num_warps": 4, "num_stages": 1},
 }
+# The state passes' settings when CONFIG's [V / BV, B * H] grid has fewer programs than the
+# device has SMs (nam56r: 64 programs of BV 64 on 132 SMs): narrower tiles, more programs, and
+# for _fwd_state two warps (mma.sync: each chunk's two dependent products wait less than with
+# the four-warp wgmma). On the H100: -20 us (_fwd_state) and -5 us (_bwd_state) of 0.72 ms at
+# nam56r 4k; at H16 (256 programs) BV 32 costs +80 us.
+SMALL_GRID: dict[str, dict[str, int]] = {
+    "fwd_state": {"BV": 32, "num_warps": 2, "num_stages": 3},
+    "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 3},
+}
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count; for the CPU interpreter an H100's 132, so it follows the choices
+    an H100 makes."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _dot_mode(q: Tensor) -> int:
@@ -623,7 +664,7 @@ def _dot_mode(q: Tensor) -> int:
     return 2 if q.device.type == "cpu" else 1
 
 
-STORABLE = ("u", "v_new", "dvn")  # the intermediates BF16_STORAGE may name
+STORABLE = ("u", "v_new", "dvn", "T", "dqk", "dk_part")  # what BF16_STORAGE may name
 
 
 def _check_precision_sets() -> None:
@@ -636,7 +677,7 @@ def _check_precision_sets() -> None:
 
 
 def _store_dtype(q: Tensor, name: str) -> torch.dtype:
-    """Storage of the intermediate ``name`` (u, v_new, dvn): bfloat16 for bfloat16 inputs
+    """Storage of the intermediate ``name`` (one of STORABLE): bfloat16 for bfloat16 inputs
     when it is in ``BF16_STORAGE``, else float32."""
     return q.dtype if q.dtype == torch.bfloat16 and name in BF16_STORAGE else torch.float32
 
@@ -662,11 +703,16 @@ class _Launcher:
 
     def __call__(self, kernel, name: str, per_chunk: bool, *args, slices: int = 1, **const):
         """Launch ``kernel`` over [N * slices, B*H] (per_chunk) or [V / BV, B*H] with
-        CONFIG[name] (its BKS, if any, clamped by ``k_slice``)."""
+        CONFIG[name] (its BKS, if any, clamped by ``k_slice``), or SMALL_GRID[name] when the
+        latter grid would not fill the device's SMs."""
         cfg = dict(CONFIG[name])
         bv = max(MIN_TILE, min(cfg.pop("BV", 64), triton.next_power_of_2(self.V)))
         if not per_chunk:
             const["N_CONST"] = self.N if self.on_cpu else 0  # see _loop_count
+            if (name in SMALL_GRID
+                    and triton.cdiv(self.V, bv) * self.B * self.H < _sm_count(self.q.device)):
+                cfg = dict(SMALL_GRID[name])
+                bv = max(MIN_TILE, min(cfg.pop("BV"), triton.next_power_of_2(self.V)))
         grid = (self.N * slices if per_chunk else triton.cdiv(self.V, bv), self.B * self.H)
         if "BKS" in cfg:
             const["BKS"] = self.k_slice(name)
@@ -688,12 +734,12 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         run = _Launcher(q, v, reset, g)
         B, L, H, K, V, N, rst = run.B, run.L, run.H, run.K, run.V, run.N, run.rst
         f32 = {"device": q.device, "dtype": torch.float32}
-        tm = torch.empty(B, H, N * CHUNK, CHUNK, **f32)
+        tm = torch.empty(B, H, N * CHUNK, CHUNK, **run.store("T"))
         w, u = torch.empty_like(k), torch.empty(B, L, H, V, **run.store("u"))
         decay_in, decay_out = (torch.empty(B, H, N * CHUNK, **f32) for _ in range(2))
         gamma = torch.empty(B, H, N, **f32)
         run(_fwd_intra, "fwd_intra", True, k, v, g, beta, rst, w, u, tm, decay_in, decay_out,
-            gamma, L, N, SUB=SUB, SOLVE=run.const["MODE"])
+            gamma, L, N, SOLVE=run.const["MODE"])
         hs = torch.empty(B, H, N, K, V, device=q.device, dtype=q.dtype)
         v_new = torch.empty(B, L, H, V, **run.store("v_new"))
         ht = torch.empty(B, H, K, V, **f32)
@@ -728,15 +774,16 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         dg, db = torch.empty_like(g), torch.empty_like(beta)
         # the scratch is described above _bwd_val
         nkb = triton.cdiv(K, run.k_slice("bwd_key"))
-        ns = 2 + nkb
+        ns = 1 + nkb
+        d_qk = torch.empty(B, H, N, CHUNK, CHUNK, **run.store("dqk"))
         scratch = torch.empty(B, H, N, ns, CHUNK, CHUNK, **f32)
         vec = torch.empty(B, H, N, nkb, 2, CHUNK, **f32)
-        dk_part = torch.empty(B, L, H, K, **f32)
+        dk_part = torch.empty(B, L, H, K, **run.store("dk_part"))
         assert db.dtype == torch.float32  # it carries _bwd_val's d_beta part to _bwd_fin
-        run(_bwd_val, "bwd_val", True, v, g, beta, rst, tm, v_new, do, dvn, scratch, dv, db, L,
-            N, NS=ns)
+        run(_bwd_val, "bwd_val", True, v, g, beta, rst, tm, v_new, do, dvn, d_qk, scratch, dv,
+            db, L, N, NS=ns)
         run(_bwd_key, "bwd_key", True, q, k, g, beta, rst, tm, w, hs, v_new, dhs, do, dvn,
-            scratch, vec, dq, dk_part, L, N, ctx.scale, slices=nkb, NKB=nkb, NS=ns)
+            d_qk, scratch, vec, dq, dk_part, L, N, ctx.scale, slices=nkb, NKB=nkb, NS=ns)
         run(_bwd_fin, "bwd_fin", True, k, g, beta, rst, scratch, vec, dk_part, dk, dg, db, L, N,
             NKB=nkb, NS=ns)
         return dq, dk, dv, dg, db, dh0, None, None
