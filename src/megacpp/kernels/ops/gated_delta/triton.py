@@ -703,8 +703,8 @@ class _Launcher:
 
     def __call__(self, kernel, name: str, per_chunk: bool, *args, slices: int = 1, **const):
         """Launch ``kernel`` over [N * slices, B*H] (per_chunk) or [V / BV, B*H] with
-        CONFIG[name] (its BKS, if any, clamped by ``k_slice``), or SMALL_GRID[name] when the
-        latter grid would not fill the device's SMs."""
+        CONFIG[name] (its BKS, if any, clamped by ``k_slice``, and BV then to at most BKS), or
+        SMALL_GRID[name] when the latter grid would not fill the device's SMs."""
         cfg = dict(CONFIG[name])
         bv = max(MIN_TILE, min(cfg.pop("BV", 64), triton.next_power_of_2(self.V)))
         if not per_chunk:
@@ -717,6 +717,9 @@ class _Launcher:
         if "BKS" in cfg:
             const["BKS"] = self.k_slice(name)
             cfg.pop("BKS")
+            # no value tile wider than the key slice: _bwd_key at BKS 32 (K = 32) with BV 64
+            # faults or computes a wrong dq on the H100 (Triton 3.6; h100_s9 session log)
+            bv = min(bv, const["BKS"])
         launch_cfg = {} if self.on_cpu else cfg
         mode = self.const["MODE"]
         if name in BF16_PRODUCTS and mode in (1, 2):
