@@ -271,9 +271,10 @@ def _surfaces() -> list[Surface]:
             "gated delta rule, chunked: q, k [B, L, H, K], v [B, L, H, V] (same dtype), g, beta "
             "[B, L, H] (float32), reset [B, L] bool doc starts or None, initial_state "
             "[B, H, K, V] or None -> o [B, L, H, V] in q.dtype + final state [B, H, K, V] "
-            "float32 (see ops/gated_delta); triton saves q, k, v, g, beta, T [B, H, L, 64] fp32, "
-            "w, chunk-entry states [B, H, L/64, K, V], v_new (bf16 for bf16 inputs, else fp32) "
-            "and the decays (backward adds a [B, H, L/64, 2 + K/BKS, 64, 64] fp32 scratch); "
+            "float32 (see ops/gated_delta); triton saves q, k, v, g, beta, T [B, H, L, 64], "
+            "w, chunk-entry states [B, H, L/64, K, V], v_new (T, v_new bf16 for bf16 inputs, "
+            "else fp32) and the decays (backward adds dL/dP [B, H, L/64, 64, 64] and a "
+            "[B, H, L/64, 1 + K/BKS, 64, 64] fp32 scratch); "
             "bf16 inputs take bf16 products (T's inverse tf32); calls it cannot take (float16/float64, "
             "K > 128, CPU) run the reference",
             gated_delta_rule_chunked, _gated_delta_inputs,
