@@ -35,7 +35,7 @@ Kernels (grid in brackets; N chunks, BH = B * H):
 T is built without tiny matmuls or per-row steps: the inverse of (I + A)'s diagonal blocks of
 side 2, 4, ..., 64 in turn, each from the last by ``T <- T - T E T`` (E: A's lower-left
 quadrants of the new blocks), two [64, 64] products per side, all blocks at once: 10 dependent
-products (the 15-step forward substitution it replaced took 19; _fwd_intra -17% at H16).
+products (the 15-step forward substitution it replaced took 19; _fwd_intra -15% at H16).
 
 Saved for backward: q, k, v, g, beta, reset, T [B, H, N*C, C], w (k's dtype), the
 chunk-entry states [B, H, N, K, V] (q's dtype), v_new [B, L, H, V], the decays; u^T is
@@ -318,7 +318,8 @@ def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
         state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BK, BV]
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
-    # the loads that feed no product (u, the decays) are issued a chunk ahead by hand
+    # the loads that feed no product (u, the decays) are issued a chunk ahead by hand, as in
+    # _bwd_state (there -26% at H16 on the H100; here no measurable change)
     u_next, dout_next, gam_next = _state_loads(U, DOUT, GAM, b, bh, 0, v0, L, N, H, DV, BV, BT)
     for n in range(_loop_count(N, N_CONST)):
         u, decay_out, gamma = u_next, dout_next, gam_next
@@ -449,8 +450,8 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
 # the per-K-slice row sums for d_beta and d_gc; DKP [B, L, H, K] dk before its dL/dA term
 # (float32, or bfloat16 under "dk_part"). The partials are summed in a fixed order (no
 # atomics). Transposes of computed [BT, BT] matrices are loads of those tiles with transposed
-# pointers: no tl.trans of a matmul
-# result feeds a matmul (Triton 3.4-3.7.0 miscompiles that on Hopper, fla issue 640).
+# pointers, or (_bwd_fin) tl.trans of a sum of loaded tiles: no tl.trans of a matmul result
+# feeds a matmul (Triton 3.4-3.7.0 miscompiles that on Hopper, fla issue 640).
 @triton.jit
 def _bwd_val(V_, G, BETA, RST, TM, VN, DO, DVN, DQK, SCR, DV_, DB, L, N, H: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -626,7 +627,8 @@ CONFIG: dict[str, dict[str, int]] = {
     "fwd_intra": {"num_warps": 4, "num_stages": 1},
     # num_stages 1 here, with bf16 products at K = V = 128, hit an illegal memory access on the
     # H100 (Triton 3.6; session 8) and, in session 9, gave a wrong state and output (35% off,
-    # compute-sanitizer memcheck clean): a miscompile, see h100_s9/session9_h100.log. Keep >= 2
+    # compute-sanitizer memcheck and racecheck clean): a miscompile, see
+    # h100_s9/session9_h100.log. Keep >= 2
     "fwd_state": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "fwd_out": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
@@ -637,9 +639,10 @@ CONFIG: dict[str, dict[str, int]] = {
 }
 # The state passes' settings when CONFIG's [V / BV, B * H] grid has fewer programs than the
 # device has SMs (nam56r: 64 programs of BV 64 on 132 SMs): narrower tiles, more programs, and
-# for _fwd_state two warps (mma.sync: each chunk's two dependent products wait less than with
-# the four-warp wgmma). On the H100: -20 us (_fwd_state) and -5 us (_bwd_state) of 0.72 ms at
-# nam56r 4k; at H16 (256 programs) BV 32 costs +80 us.
+# for _fwd_state two warps (likely because two warps take mma.sync, not the four-warp wgmma,
+# for its chain of dependent products; not profiled). On the H100, CUDA-graph replays: about
+# -20 us (_fwd_state) and -5 us (_bwd_state) of 0.72 ms at nam56r 4k; at H16 (256 programs)
+# BV 32 costs +50..80 us.
 SMALL_GRID: dict[str, dict[str, int]] = {
     "fwd_state": {"BV": 32, "num_warps": 2, "num_stages": 3},
     "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 3},
