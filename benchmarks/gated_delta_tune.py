@@ -163,22 +163,20 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True, peer: bool = True,
     result["base_ms"] = time_ms(lambda: _fwd_bwd(inputs, do), 50, 300)
     result["base_ms_again"] = time_ms(lambda: _fwd_bwd(inputs, do), 50, 300)
     result["breakdown_us"] = _breakdown(lambda: _fwd_bwd(inputs, do))
-    try:
-        if not peer:
-            raise RuntimeError("--no-peer")
-        fla_run = _fla_fn(inputs, do)
-        result["fla_ms"] = do_bench(fla_run, warmup=50, rep=300, return_mode="median")
-        result["fla_breakdown_us"] = _breakdown(fla_run)
-    except Exception as exc:  # noqa: BLE001 -- report why the peer did not run
-        result["fla_error"] = repr(exc)[:300]
+    if peer:
+        try:
+            fla_run = _fla_fn(inputs, do)
+            result["fla_ms"] = do_bench(fla_run, warmup=50, rep=300, return_mode="median")
+            result["fla_breakdown_us"] = _breakdown(fla_run)
+        except Exception as exc:  # noqa: BLE001 -- report why the peer did not run
+            result["fla_error"] = repr(exc)[:300]
     print(json.dumps({k: result[k] for k in ("case", "base_ms", "base_ms_again")}), flush=True)
     print(json.dumps(result["resources"]), flush=True)
     print(json.dumps(result.get("fla_ms")), flush=True)
     best, trials = {}, []
     for name, configs in (QUICK if quick else SWEEP).items() if sweep else ():
         default = dict(gdt.CONFIG[name])
-        small_grid = dict(gdt.SMALL_GRID)
-        gdt.SMALL_GRID.pop(name, None)  # the swept setting applies whatever the grid
+        small_grid = gdt.SMALL_GRID.pop(name, None)  # the swept setting, whatever the grid
         scores = []
         for cfg in configs:
             gdt.CONFIG[name] = cfg
@@ -197,8 +195,8 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True, peer: bool = True,
                 scores.append((ms, cfg))
             print(f"{name:13} {cfg} {ms:.4f} ms  err {err:.1e}", flush=True)
         gdt.CONFIG[name] = default
-        gdt.SMALL_GRID.clear()
-        gdt.SMALL_GRID.update(small_grid)
+        if small_grid is not None:
+            gdt.SMALL_GRID[name] = small_grid
         best[name] = min(scores, key=lambda s: s[0]) if scores else None
     result["trials"], result["best"] = trials, best
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -125,22 +126,15 @@ def _interpreter_check() -> dict:
     }
     errors = {name: compare(fn, inputs, dtype, tol) for name, (inputs, dtype, tol) in cases.items()}
     # the tf32 path: no kernel's products in bfloat16, intermediates in float32
-    products, storage = gd.BF16_PRODUCTS, gd.BF16_STORAGE
-    gd.BF16_PRODUCTS, gd.BF16_STORAGE = frozenset(), frozenset()
-    try:
+    with mock.patch.multiple(gd, BF16_PRODUCTS=frozenset(), BF16_STORAGE=frozenset()):
         inputs, dtype, tol = cases["k96_bf16"]
         errors["k96_bf16_tf32"] = compare(fn, inputs, dtype, tol)
-    finally:
-        gd.BF16_PRODUCTS, gd.BF16_STORAGE = products, storage
     # the state passes' CONFIG settings (the cases above take SMALL_GRID's: their grids are
     # smaller than an H100's 132 SMs, which the interpreter assumes)
-    small_grid, gd.SMALL_GRID = gd.SMALL_GRID, {}
-    try:
+    with mock.patch.object(gd, "SMALL_GRID", {}):
         for name in ("k128", "k96_bf16"):
             inputs, dtype, tol = cases[name]
             errors[f"{name}_config"] = compare(fn, inputs, dtype, tol)
-    finally:
-        gd.SMALL_GRID = small_grid
     for name in ("k128", "k96_bf16"):
         inputs, dtype, _ = cases[name]
         first, second = backward_twice(fn, inputs, dtype)

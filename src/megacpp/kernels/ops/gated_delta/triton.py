@@ -704,25 +704,30 @@ class _Launcher:
         """CONFIG[name]'s BKS clamped to [MIN_TILE, BK]: the key columns of one slice."""
         return max(MIN_TILE, min(CONFIG[name]["BKS"], self.const["BK"]))
 
+    def v_tile(self, cfg: dict[str, int]) -> int:
+        """A setting's BV (64 if it has none) clamped to [MIN_TILE, V rounded up to a power
+        of two]: the value columns of one tile."""
+        return max(MIN_TILE, min(cfg.get("BV", 64), triton.next_power_of_2(self.V)))
+
     def __call__(self, kernel, name: str, per_chunk: bool, *args, slices: int = 1, **const):
         """Launch ``kernel`` over [N * slices, B*H] (per_chunk) or [V / BV, B*H] with
         CONFIG[name] (its BKS, if any, clamped by ``k_slice``, and BV then to at most BKS), or
         SMALL_GRID[name] when the latter grid would not fill the device's SMs."""
         cfg = dict(CONFIG[name])
-        bv = max(MIN_TILE, min(cfg.pop("BV", 64), triton.next_power_of_2(self.V)))
         if not per_chunk:
             const["N_CONST"] = self.N if self.on_cpu else 0  # see _loop_count
-            if (name in SMALL_GRID
-                    and triton.cdiv(self.V, bv) * self.B * self.H < _sm_count(self.q.device)):
+            programs = triton.cdiv(self.V, self.v_tile(cfg)) * self.B * self.H
+            if name in SMALL_GRID and programs < _sm_count(self.q.device):
                 cfg = dict(SMALL_GRID[name])
-                bv = max(MIN_TILE, min(cfg.pop("BV"), triton.next_power_of_2(self.V)))
-        grid = (self.N * slices if per_chunk else triton.cdiv(self.V, bv), self.B * self.H)
+        bv = self.v_tile(cfg)
+        cfg.pop("BV", None)
         if "BKS" in cfg:
             const["BKS"] = self.k_slice(name)
             cfg.pop("BKS")
             # no value tile wider than the key slice: _bwd_key at BKS 32 (K = 32) with BV 64
             # faults or computes a wrong dq on the H100 (Triton 3.6; h100_s9 session log)
             bv = min(bv, const["BKS"])
+        grid = (self.N * slices if per_chunk else triton.cdiv(self.V, bv), self.B * self.H)
         launch_cfg = {} if self.on_cpu else cfg
         mode = self.const["MODE"]
         if name in BF16_PRODUCTS and mode in (1, 2):
