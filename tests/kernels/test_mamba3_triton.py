@@ -116,10 +116,12 @@ def _interpreter_check() -> list[dict[str, float]]:
     inputs, reset = make_inputs(batch=2, seqlen=70, groups=2, nheads=4, d_state=12, headdim=8,
                                 n_angles=2, dtype=torch.float32, device="cpu", seed=3)
     errors = [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
-    # two state tiles of pairs (d_state 40 -> 32 padded pairs), two 16-pair _bwd_qk tiles (its
-    # scalar grads summed from per-tile shares), one head per _bwd_qk program (dq, dk summed
-    # from per-head partials), and y before the gate formed again for dz
-    TUNING.update(qk_pairs=16, qk_heads=1, save_y_pre=False)
+    # two state tiles of pairs (d_state 40 -> 32 padded pairs), 8-pair _prep/_bwd_post tiles,
+    # two 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), one head per
+    # _bwd_post program (dq, dk summed from per-head partials), _prep run again in the
+    # backward instead of saving its outputs, and y before the gate formed again for dz
+    TUNING.update(prep_pairs=8, tile_pairs=8, dqk_pairs=16, post_heads=1, save_rotated=False,
+                  save_y_pre=False)
     inputs, reset = make_inputs(batch=1, seqlen=40, groups=1, nheads=2, d_state=40, headdim=16,
                                 n_angles=9, dtype=torch.float32, device="cpu", seed=4)
     return [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]

@@ -16,36 +16,34 @@ state passed between chunks is re-expressed in the next chunk's frame by rotatin
 ``-phi_c`` (phi_c = the chunk's total angle). No long cumulative angle is ever formed, and
 the angle backward is chunk-local too (``d phi_c`` comes from the state's rotation).
 
-Rotation on the fly. Every kernel that needs a head's q or k forms it from the group's q/k
-rows (shared by the group's heads, so mostly L2 hits), the head's bias and its angle logits
-(ell = cumsum(pi tanh(angles) dt) over the chunk, hardware sin/cos): no per-head rotated copy
-of q/k ([B, H, L, N], 16x the group's rows at the benchmark's shape) is written or read, and
-nothing per head but the states and the per-token grads is saved for the backward.
-
-Halves layout. ``rot`` turns pairs ``(n = 2j, n = 2j+1)``. A rotated [*, N] operand is held
-as its even components and its odd ones (pairs j >= R get angle 0, padding is 0), so a
-rotation is elementwise on the two halves and a dot product over N is the sum of one dot per
-half; the state buffers store the halves one after the other, ``[*, 2, N2B]``.
+Halves layout. ``rot`` turns pairs ``(n = 2j, n = 2j+1)``. Every rotated [*, N] operand is
+stored as its even components then its odd ones, ``[*, 2, N2B]`` (pairs j >= R get angle 0,
+padding is 0), so a rotation is elementwise on the two halves and a dot product over N is one
+dot over the whole ``2 * N2B`` row.
 
 Kernels (grid; C = chunks, J = tiles of pairs):
-  forward    _state_fwd  (J, H, B)  walks the chunks: S_in[c] (stored), the final state and
-                                    angle
+  _prep      (H, C, B)   per head: q, k biased and rotated into the chunk frame (QR, KR, halves
+                         layout, rows padded to whole chunks), the per-token scalars
+                         a (in-chunk cumsum of adt), scale, gamma, and phi_c
+  forward    _state_fwd  (J, H, B)  walks the chunks: S_in[c] (stored), the final state
              _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
   backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
              _bwd_dx     (H, C, B)  dx, dz, dD
-             _bwd_qk     (C, J', B * G * head blocks)  for a tile of pairs, each head of a
-                                    block of one q/k group in turn: d(q, k) in the rotated
-                                    frame (float32, in registers), d ell, the angle grads and
-                                    dt's angle part, d(q, k) rotated back and summed over the
-                                    block's heads, the bias grads, and the tile's shares of
-                                    the adt grad and of d scale / d gamma
+             _bwd_dqk    (H, C, B*J')  for a tile of pairs (J' tiles): d(q, k) in the rotated
+                                    frame (stored per head, operand dtype), d ell (float32,
+                                    from the float32 d(q, k) and the state's rotation), the
+                                    tile's shares of the adt grad, d scale and d gamma
+             _bwd_post   (C, J, B*G*head blocks)  angle grads and dt's angle part from d ell;
+                                    d(q, k) rotated back, summed over a block of the group's
+                                    heads, and the bias grads
   host       dt and trap grads from d scale / d gamma (the first token of a chunk takes the
-             previous chunk's last d scale), sums of the per-tile and per-block partials
+             previous chunk's last d scale), sums of the per-block partials
 The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
 all T x T and T x N work is in the chunk-parallel kernels.
-Saved for backward: the inputs, S_in [B, H, C, P, N] (bf16; float32 for float32 ``v``) and
-(``TUNING["save_y_pre"]``, with z) y before the gate.
-Backward scratch: G (as S_in), float32 per-token and per-block partials.
+Saved for backward: the inputs, S_in [B, H, C, P, N], (``TUNING["save_y_pre"]``, with z) y
+before the gate, and (``TUNING["save_rotated"]``) QR, KR
+(bf16; float32 for float32 ``v``); without it _prep runs again in the backward.
+Backward scratch: G (as S_in), d(q, k) per head (as QR), d ell, float32 per-token partials.
 """
 
 from __future__ import annotations
@@ -64,21 +62,33 @@ from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_in
 
 CHUNK_SIZES = (16, 32, 64)
 # launch settings per kernel (Triton launch options) and tile sizes, chosen by H100 sweeps
-# (benchmarks/results/kernels/h100_s10)
+# (benchmarks/results/kernels/mamba3_h100_s3.log, h100_s7/mamba3_sweep_h100_s7.log). The
+# kernels are latency-bound (ncu: long-scoreboard stalls after loads, one or two programs per
+# SM), so the register caps (maxnreg) buy more programs per SM: _out_fwd 2 -> 3,
+# _state_bwd 3 -> 5, _bwd_post 3 -> 4
 TUNING = {
     "launch": {
+        "prep": {"num_warps": 4, "num_stages": 1},
         "state_fwd": {"num_warps": 4, "num_stages": 2},
-        "out_fwd": {"num_warps": 4, "num_stages": 1},
-        "state_bwd": {"num_warps": 4, "num_stages": 2},
+        "out_fwd": {"num_warps": 4, "num_stages": 1, "maxnreg": 168},
+        "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 96},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
-        "bwd_qk": {"num_warps": 8, "num_stages": 1},
+        "bwd_dqk": {"num_warps": 4, "num_stages": 1},
+        "bwd_post": {"num_warps": 4, "num_stages": 1, "maxnreg": 128},
     },
     "pairs": 16,  # state tile of the sequential kernels
-    "qk_pairs": 32,  # pairs per program of _bwd_qk
-    "qk_heads": 8,  # heads per program of _bwd_qk (a divisor of the heads per group)
+    "prep_pairs": 64,  # pairs per program of _prep
+    # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
+    # programs fit an SM (benchmarks/results/kernels/h100_s7)
+    "dqk_pairs": 32,
+    "tile_pairs": 16,  # pairs per program of _bwd_post
+    "post_heads": 64,  # heads per program of _bwd_post (a divisor of the heads per group)
     "max_chunk": 64,
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
+    # keep _prep's per-head QR/KR from the forward for the backward (2 x [B, H, L, N] in the
+    # operand dtype) instead of running _prep again
+    "save_rotated": True,
     # with a gate z: keep y before the gate (y_pre, [B, L, H, P] in v's dtype) from _out_fwd for
     # dz, instead of _bwd_dx forming it again from S_in (a [T, N] x [N, P] and a [T, T] x [T, P]
     # product and S_in's read per chunk)
@@ -118,12 +128,11 @@ def _cos_sin(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _chunk_start(ADT, DT, TRAP, RESET, b, h, c, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h,
-                 st_b, st_l, st_h, T: tl.constexpr, HAS_RESET: tl.constexpr):
-    """Chunk c of head h: its tokens [T] and their live mask, the per-token scalars a (in-chunk
-    cumsum of adt), dt, gamma = lambda dt, scale = gamma + (1 - lambda_next) dt_next (0 past
-    the end), and seg, the resets seen so far inside the chunk (0 without resets)."""
-    tok = c * T + tl.arange(0, T)
+def _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h,
+                   st_b, st_l, st_h, T: tl.constexpr):
+    """[T] per-token scalars of one chunk and head: a (in-chunk cumsum of adt), dt,
+    gamma = lambda dt, scale = gamma + (1 - lambda_next) dt_next (0 past the end)."""
+    tok = t0 + tl.arange(0, T)
     live = tok < L
     nxt = tok + 1 < L
     adt = tl.load(ADT + b * sa_b + tok * sa_l + h * sa_h, mask=live, other=0.0).to(tl.float32)
@@ -135,52 +144,83 @@ def _chunk_start(ADT, DT, TRAP, RESET, b, h, c, L, sa_b, sa_l, sa_h, sd_b, sd_l,
     lam_n = tl.sigmoid(trap_n.to(tl.float32))
     gamma = lam * dt
     scale = gamma + (1.0 - lam_n) * dt_n.to(tl.float32)
-    if HAS_RESET:
-        seg = tl.cumsum(tl.load(RESET + b * L + tok, mask=live, other=0).to(tl.int32), axis=0)
-    else:
-        seg = tl.zeros([T], dtype=tl.int32)
-    return tok, live, tl.cumsum(adt, axis=0), dt, gamma, scale, seg
+    return tl.cumsum(adt, axis=0), dt, gamma, scale
 
 
 @triton.jit
-def _frame(ANG, b, h, tok, live, j, R, dt, sg_b, sg_l, sg_h, sg_r, FAST: tl.constexpr):
-    """Head h's chunk frame for pairs j, [T, len(j)]: tanh of the angle logits (0 for pairs
-    >= R and past the end), the in-chunk angle ell = cumsum(pi tanh(angles) dt), its cos, sin."""
+def _segments(RESET, b, t0, L, T: tl.constexpr, HAS_RESET: tl.constexpr):
+    """[T] int32: resets seen so far inside the chunk (0 everywhere without resets)."""
+    tok = t0 + tl.arange(0, T)
+    if HAS_RESET:
+        r = tl.load(RESET + b * L + tok, mask=tok < L, other=0).to(tl.int32)
+    else:
+        r = tl.zeros([T], dtype=tl.int32)
+    return tl.cumsum(r, axis=0)
+
+
+@triton.jit
+def _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r):
+    """[T, pairs j] tanh of the angle logits (0 for pairs >= R and past the end)."""
     m = live[:, None] & (j < R)[None, :]
     ptr = ANG + b * sg_b + tok[:, None] * sg_l + h * sg_h + j[None, :] * sg_r
-    th = _tanh(tl.load(ptr, mask=m, other=0.0).to(tl.float32))
-    ell = tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0)
-    cos, sin = _cos_sin(ell, FAST)
-    return th, ell, cos, sin
+    return _tanh(tl.load(ptr, mask=m, other=0.0).to(tl.float32))
 
 
 @triton.jit
-def _rotated(X, BIAS, h, row, live, j0, N, s_n, sb_h, sb_n, cos, sin, JB: tl.constexpr):
-    """rot(x + bias_h, ell) for pairs j0 .. j0 + JB of the q or k rows at offsets ``row``: the
-    even and odd halves [T, JB] in float32 (0 past the end and past N). One [T, 2 JB] load."""
-    n = 2 * j0 + tl.arange(0, 2 * JB)
-    x = tl.load(X + row[:, None] + n[None, :] * s_n, mask=live[:, None] & (n < N)[None, :],
-                other=0.0)
-    raw_e, raw_o = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], JB, 2]))
-    bias = tl.load(BIAS + h * sb_h + n * sb_n, mask=n < N, other=0.0).to(tl.float32)
-    bias_e, bias_o = tl.split(tl.reshape(bias, [JB, 2]))
+def _pairs(X, row, live, j, N, s_n, PAIRED: tl.constexpr):
+    """Even and odd columns [T, pairs j] (float32, 0 outside) of the rows at offsets ``row``.
+    PAIRED (j = all pairs, N = 2 * len(j), unit stride): one [T, N] load split in two."""
+    if PAIRED:
+        n = tl.arange(0, 2 * j.shape[0])
+        x = tl.load(X + row[:, None] + n[None, :], mask=live[:, None], other=0.0)
+        e, o = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], j.shape[0], 2]))
+        return e, o
+    ptr = X + row[:, None] + (2 * j)[None, :] * s_n
+    e = tl.load(ptr, mask=live[:, None] & (2 * j < N)[None, :], other=0.0).to(tl.float32)
+    o = tl.load(ptr + s_n, mask=live[:, None] & (2 * j + 1 < N)[None, :], other=0.0)
+    return e, o.to(tl.float32)
+
+
+@triton.jit
+def _bias_pairs(BIAS, h, j, N, sb_h, sb_n):
+    """Even and odd entries [pairs j] of head h's bias (0 outside N)."""
+    e = tl.load(BIAS + h * sb_h + 2 * j * sb_n, mask=2 * j < N, other=0.0).to(tl.float32)
+    o = tl.load(BIAS + h * sb_h + (2 * j + 1) * sb_n, mask=2 * j + 1 < N, other=0.0)
+    return e, o.to(tl.float32)
+
+
+@triton.jit
+def _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin):
+    """rot(raw + bias, ell) on the even/odd halves; rows past the end are 0."""
     e = tl.where(live[:, None], raw_e + bias_e[None, :], 0.0)
     o = tl.where(live[:, None], raw_o + bias_o[None, :], 0.0)
     return e * cos - o * sin, e * sin + o * cos
 
 
 @triton.jit
-def _last_row(x, T: tl.constexpr):
-    """The last row of a [T, J] tile."""
-    return tl.sum(tl.where((tl.arange(0, T) == T - 1)[:, None], x, 0.0), axis=0)
+def _store_rotated(X, BIAS, OUT, h, row, off, live, j, N, s_n, sb_h, sb_n, cos, sin,
+                   N2B: tl.constexpr, PAIRED: tl.constexpr):
+    """rot(x + bias_h, ell) of the q or k rows at offsets ``row``, stored at ``off`` of a
+    halves-layout buffer (even components, then odd ones N2B further)."""
+    bias_e, bias_o = _bias_pairs(BIAS, h, j, N, sb_h, sb_n)
+    raw_e, raw_o = _pairs(X, row, live, j, N, s_n, PAIRED)
+    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
+    tl.store(OUT + off, x_e.to(OUT.dtype.element_ty))
+    tl.store(OUT + off + N2B, x_o.to(OUT.dtype.element_ty))
 
 
 @triton.jit
-def _decay_matrix(a, seg, t):
-    """[T, T] exp(a_t - a_s) for s < t in the same document, else 0 (masked before exp);
-    t = arange(T) (see _bwd_qk)."""
+def _decay_matrix(a, seg, T: tl.constexpr):
+    """[T, T] exp(a_t - a_s) for s < t in the same document, else 0 (masked before exp)."""
+    t = tl.arange(0, T)
     valid = (t[:, None] > t[None, :]) & (seg[:, None] == seg[None, :])
     return tl.exp(tl.where(valid, a[:, None] - a[None, :], float("-inf")))
+
+
+@triton.jit
+def _last(v, T: tl.constexpr):
+    """The last element of a [T] vector."""
+    return tl.sum(tl.where(tl.arange(0, T) == T - 1, v, 0.0), axis=0)
 
 
 @triton.jit
@@ -188,7 +228,7 @@ def _weights(a, scale, seg, T: tl.constexpr):
     """Per-token weights of one chunk from a (in-chunk cumsum) and scale:
     carry_t = exp(a_t) (0 after a reset), to_end_s = exp(a_last - a_s) (0 before the last
     reset), w_state = to_end * scale, and the chunk's decay exp(a_last) (0 with a reset)."""
-    a_last = tl.sum(tl.where(tl.arange(0, T) == T - 1, a, 0.0), axis=0)
+    a_last = _last(a, T)
     seg_last = tl.max(seg, axis=0)
     carry = tl.where(seg == 0, tl.exp(a), 0.0)
     to_end = tl.where(seg == seg_last, tl.exp(a_last - a), 0.0)
@@ -197,12 +237,25 @@ def _weights(a, scale, seg, T: tl.constexpr):
 
 
 @triton.jit
-def _intra_weights(a, scale, gamma, seg, t):
+def _intra_weights(a, scale, gamma, seg, T: tl.constexpr):
     """[T, T] W = exp(a_t - a_s) scale_s (s < t, same document) + gamma_t (s = t), and the
-    decay part exp(a_t - a_s) alone; t = arange(T)."""
-    decay_tt = _decay_matrix(a, seg, t)
+    decay part exp(a_t - a_s) alone."""
+    t = tl.arange(0, T)
+    decay_tt = _decay_matrix(a, seg, T)
     w = decay_tt * scale[None, :] + tl.where(t[:, None] == t[None, :], gamma[:, None], 0.0)
     return w, decay_tt
+
+
+@triton.jit
+def _load_scalars(SC, row, n_sc):
+    """a, scale, gamma [T] of the chunk rows ``row`` (padded to whole chunks by _prep)."""
+    return tl.load(SC + row), tl.load(SC + n_sc + row), tl.load(SC + 2 * n_sc + row)
+
+
+@triton.jit
+def _load_rows(X, row, cols, NW: tl.constexpr):
+    """[T, cols] of a row-major [*, NW] buffer (QR, KR and the d(q, k) scratch)."""
+    return tl.load(X + row.to(tl.int64)[:, None] * NW + cols[None, :])
 
 
 @triton.jit
@@ -220,11 +273,10 @@ def _store_state(S, bhc, p, mp, j, P, s_e, s_o, N2B: tl.constexpr):
 
 
 @triton.jit
-def _state_t(S, bhc, p, mp, P, N2B: tl.constexpr):
-    """The even and odd halves of chunk ``bhc``'s state loaded transposed, [N2B, BP] each."""
-    ptr = S + (bhc.to(tl.int64) * P + p[None, :]) * (2 * N2B) + tl.arange(0, N2B)[:, None]
-    return (tl.load(ptr, mask=mp[None, :], other=0.0),
-            tl.load(ptr + N2B, mask=mp[None, :], other=0.0))
+def _state_t(S, bhc, p, mp, cols, P, NW: tl.constexpr):
+    """The state tile of chunk ``bhc`` loaded transposed, [cols, BP] (0 past P)."""
+    return tl.load(S + (bhc.to(tl.int64) * P + p[None, :]) * NW + cols[:, None],
+                   mask=mp[None, :], other=0.0)
 
 
 @triton.jit
@@ -247,126 +299,135 @@ def _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, s
     return dy, dy, dy, dy
 
 
+# -- per-head operands -----------------------------------------------------------------------
 @triton.jit
-def _chunk_operands(Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, RESET,
-                    sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sa_b, sa_l, sa_h,
-                    sd_b, sd_l, sd_h, st_b, st_l, st_h, sg_b, sg_l, sg_h, sg_r,
-                    sqb_h, sqb_n, skb_h, skb_n, L, H, G, NC, P, N, R,
-                    T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr,
-                    HAS_RESET: tl.constexpr, FAST: tl.constexpr):
-    """The start of the chunk kernels, grid (H, C, B): head, row, the chunk's tokens and
-    [T, BP] mask, its index into the state buffers, a / scale / gamma / seg, and the head's
-    rotated q and k halves [T, N2B] (float32)."""
-    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _prep(Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, QR, KR, SC, PHI,
+          sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n,
+          sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
+          sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
+          B, L, H, G, NC, NJ, N, R,
+          T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr,
+          PAIRED: tl.constexpr):
+    """One chunk of one head, JB pairs: QR, KR rows (halves layout), phi_c; the first pair
+    tile also writes a / scale / gamma."""
+    h, c, bj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = bj // NJ
+    pid_j = bj % NJ
     g = h // (H // G)
-    tok, live, a, dt, gamma, scale, seg = _chunk_start(
-        ADT, DT, TRAP, RESET, b, h, c, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-        T, HAS_RESET)
-    _th, _ell, cos, sin = _frame(ANG, b, h, tok, live, tl.arange(0, N2B), R, dt,
-                                 sg_b, sg_l, sg_h, sg_r, FAST)
-    q_e, q_o = _rotated(Q, QBIAS, h, b * sq_b + tok * sq_l + g * sq_g, live, 0, N, sq_n,
-                        sqb_h, sqb_n, cos, sin, N2B)
-    k_e, k_o = _rotated(K, KBIAS, h, b * sk_b + tok * sk_l + g * sk_g, live, 0, N, sk_n,
-                        skb_h, skb_n, cos, sin, N2B)
-    p = tl.arange(0, BP)
-    mask = live[:, None] & (p < P)[None, :]
-    return (h, b, tok, p, mask, (b * H + h) * NC + c, a, gamma, scale, seg,
-            q_e, q_o, k_e, k_o)
+    t = tl.arange(0, T)
+    j = pid_j * JB + tl.arange(0, JB)
+    t0 = c * T
+    tok = t0 + t
+    live = tok < L
+    a, dt, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
+                                         sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
+    row = (b * H + h) * (NC * T) + tok  # rows padded to whole chunks
+    if pid_j == 0:
+        n_sc = B * H * NC * T
+        tl.store(SC + row, a)
+        tl.store(SC + n_sc + row, scale)
+        tl.store(SC + 2 * n_sc + row, gamma)
+    th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
+    ell = tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0)  # [T, JB]
+    tl.store(PHI + ((b * H + h) * NC + c) * N2B + j,
+             tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0))
+    cos, sin = _cos_sin(ell, FAST)
+    off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
+    _store_rotated(Q, QBIAS, QR, h, b * sq_b + tok * sq_l + g * sq_g, off, live, j, N, sq_n,
+                   sqb_h, sqb_n, cos, sin, N2B, PAIRED)
+    _store_rotated(K, KBIAS, KR, h, b * sk_b + tok * sk_l + g * sk_g, off, live, j, N, sk_n,
+                   skb_h, skb_n, cos, sin, N2B, PAIRED)
 
-
-@triton.jit
-def _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T: tl.constexpr,
-                  DOT: tl.constexpr):
-    """scores = (q k^T) * W [T, T], carry and w_state of one chunk."""
-    carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
-    w, _decay_tt = _intra_weights(a, scale, gamma, seg, tl.arange(0, T))
-    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)
-    return qk * w, carry, w_state
-
-
-@triton.jit
-def _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, mp, P, N2B: tl.constexpr,
-              DOT: tl.constexpr):
-    """y before the gate [T, BP]: intra (scores x) + carry q S_in^T + D x."""
-    s_e, s_o = _state_t(SIN, bhc, p, mp, P, N2B)
-    return (_mm(scores, x, DOT) + carry[:, None] * (_mm(q_e, s_e, DOT) + _mm(q_o, s_o, DOT))
-            + d_skip * x.to(tl.float32))
-
-
-# Every kernel takes the inputs (Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP,
-# RESET; None where absent), its outputs, the inputs' strides in that order (_strides) and the
-# sizes B, L, H, G, NC, P, N, R.
 
 # -- forward ---------------------------------------------------------------------------------
 @triton.jit
-def _state_fwd(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET,
-               SIN, SFIN, AFIN,
-               sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sv_b, sv_l, sv_h, sv_p,
-               sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, sa_b, sa_l, sa_h,
-               sd_b, sd_l, sd_h, st_b, st_l, st_h, sg_b, sg_l, sg_h, sg_r,
-               sqb_h, sqb_n, skb_h, skb_n, B, L, H, G, NC, P, N, R,
+def _state_fwd(V, KR, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p, B, L, H, NC, P,
                T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr,
                HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
-    """Walks one head's chunks for a tile of JB pairs: stores S_in[c], then the final state
-    and the final angle (mod 2 pi). S_in[c + 1] = rot(-phi_c)(decay_c S_in[c]
-    + sum_s w_state_s x_s k_s^T)."""
+    """Walks one head's chunks for a tile of JB pairs: stores S_in[c], then the final state.
+    S_in[c + 1] = rot(-phi_c)(decay_c S_in[c] + sum_s w_state_s x_s k_s^T)."""
     pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = h // (H // G)
+    t = tl.arange(0, T)
     p = tl.arange(0, BP)
     mp = p < P
-    j0 = pid_j * JB
-    j = j0 + tl.arange(0, JB)
+    j = pid_j * JB + tl.arange(0, JB)
+    n_sc = B * H * NC * T
     s_e = tl.zeros([BP, JB], dtype=tl.float32)  # the state entering chunk c, in its frame
     s_o = tl.zeros([BP, JB], dtype=tl.float32)
-    total = tl.zeros([JB], dtype=tl.float32)  # the angle so far, mod 2 pi
     for c in range(NC):
         bhc = (b * H + h) * NC + c
         _store_state(SIN, bhc, p, mp, j, P, s_e, s_o, N2B)
-        tok, live, a, dt, _gamma, scale, seg = _chunk_start(
-            ADT, DT, TRAP, RESET, b, h, c, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h,
-            st_b, st_l, st_h, T, HAS_RESET)
+        tok = c * T + t
+        row = (b * H + h) * (NC * T) + tok
+        a = tl.load(SC + row)
+        scale = tl.load(SC + n_sc + row)
+        seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
         _carry, _to_end, w_state, decay = _weights(a, scale, seg, T)
-        _th, ell, cos, sin = _frame(ANG, b, h, tok, live, j, R, dt, sg_b, sg_l, sg_h, sg_r, FAST)
-        k_e, k_o = _rotated(K, KBIAS, h, b * sk_b + tok * sk_l + g * sk_g, live, j0, N, sk_n,
-                            skb_h, skb_n, cos, sin, JB)
         x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p),
-                    mask=live[:, None] & mp[None, :], other=0.0)
+                    mask=(tok < L)[:, None] & mp[None, :], other=0.0)
         xw = tl.trans(x.to(tl.float32) * w_state[:, None])  # [BP, T]
-        u_e = decay * s_e + _mm(xw, k_e, DOT)
-        u_o = decay * s_o + _mm(xw, k_o, DOT)
-        phi = _last_row(ell, T)
-        cp, sp = _cos_sin(phi, FAST)
+        u_e = decay * s_e + _mm(xw, _load_rows(KR, row, j, 2 * N2B), DOT)
+        u_o = decay * s_o + _mm(xw, _load_rows(KR, row, N2B + j, 2 * N2B), DOT)
+        cp, sp = _cos_sin(tl.load(PHI + bhc * N2B + j), FAST)
         cp, sp = cp[None, :], sp[None, :]
         s_e, s_o = u_e * cp + u_o * sp, u_o * cp - u_e * sp
-        total += phi
-        total -= 6.283185307179586 * tl.floor(total * 0.15915494309189535)
     _store_state(SFIN, b * H + h, p, mp, j, P, s_e, s_o, N2B)
-    tl.store(AFIN + (b * H + h) * N2B + j, total)
 
 
 @triton.jit
-def _out_fwd(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET,
-             SIN, Y, YP,
-             sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sv_b, sv_l, sv_h, sv_p,
-             sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, sa_b, sa_l, sa_h,
-             sd_b, sd_l, sd_h, st_b, st_l, st_h, sg_b, sg_l, sg_h, sg_r,
-             sqb_h, sqb_n, skb_h, skb_n, B, L, H, G, NC, P, N, R,
+def _chunk_program(SC, RESET, B, L, H, NC, P, T: tl.constexpr, BP: tl.constexpr,
+                   HAS_RESET: tl.constexpr, SPLIT: tl.constexpr):
+    """The chunk kernels' common start, grid (H, C, B * SPLIT): the head, chunk and row, the
+    chunk's tokens and [T, BP] mask, its rows of the padded per-head buffers, a / scale /
+    gamma, and the document segments."""
+    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLIT
+    tok = c * T + tl.arange(0, T)
+    p = tl.arange(0, BP)
+    mask = (tok < L)[:, None] & (p < P)[None, :]
+    row = (b * H + h) * (NC * T) + tok
+    a, scale, gamma = _load_scalars(SC, row, B * H * NC * T)
+    seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
+    return h, c, b, tok, p, mask, (b * H + h) * NC + c, row, a, scale, gamma, seg
+
+
+@triton.jit
+def _chunk_scores(QR, KR, row, a, scale, gamma, seg, T: tl.constexpr, N2B: tl.constexpr,
+                  DOT: tl.constexpr):
+    """q, k [T, 2 N2B] of a chunk's rows, scores = (q k^T) * W [T, T], carry and w_state."""
+    cols = tl.arange(0, 2 * N2B)
+    carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
+    w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
+    q = _load_rows(QR, row, cols, 2 * N2B)
+    k = _load_rows(KR, row, cols, 2 * N2B)
+    return q, k, _mm(q, tl.trans(k), DOT) * w, carry, w_state
+
+
+@triton.jit
+def _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B: tl.constexpr,
+              DOT: tl.constexpr):
+    """y before the gate [T, BP]: intra (scores x) + carry q S_in^T + D x."""
+    s_t = _state_t(SIN, bhc, p, mp, tl.arange(0, 2 * N2B), P, 2 * N2B)  # [NW, BP]
+    return (_mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
+            + d_skip * x.to(tl.float32))
+
+
+@triton.jit
+def _out_fwd(QR, KR, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
+             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, B, L, H, NC, P,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             FAST: tl.constexpr, STORE_YP: tl.constexpr):
+             STORE_YP: tl.constexpr):
     """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z); STORE_YP: also
     y before the gate (YP, for dz)."""
-    h, b, tok, p, mask, bhc, a, gamma, scale, seg, q_e, q_o, k_e, k_o = _chunk_operands(
-        Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, RESET, sq_b, sq_l, sq_g, sq_n,
-        sk_b, sk_l, sk_g, sk_n, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-        sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n, L, H, G, NC, P, N, R,
-        T, BP, N2B, HAS_RESET, FAST)
-    scores, carry, _w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
+    q, _k, scores, carry, _w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B,
+                                                   DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(DSKIP + h).to(tl.float32)
-    y = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, p < P, P, N2B, DOT)
+    y = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, p < P, P, N2B, DOT)
     out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     if HAS_Z:
         if STORE_YP:
@@ -379,66 +440,54 @@ def _out_fwd(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET,
 
 # -- backward --------------------------------------------------------------------------------
 @triton.jit
-def _state_bwd(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET,
-               GST,
-               sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sv_b, sv_l, sv_h, sv_p,
-               sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, sa_b, sa_l, sa_h,
-               sd_b, sd_l, sd_h, st_b, st_l, st_h, sg_b, sg_l, sg_h, sg_r,
-               sqb_h, sqb_n, skb_h, skb_n, B, L, H, G, NC, P, N, R,
+def _state_bwd(QR, Z, DY, SC, PHI, RESET, GST,
+               sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, B, L, H, NC, P,
                T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr,
                HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
                FAST: tl.constexpr):
     """dS[c] = dL/dS_in[c] walking backwards for a tile of JB pairs; stores
     G_c = dL/dU_c = rot(-phi_c)^T dS[c + 1]."""
     pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = h // (H // G)
+    t = tl.arange(0, T)
     p = tl.arange(0, BP)
     mp = p < P
-    j0 = pid_j * JB
-    j = j0 + tl.arange(0, JB)
+    j = pid_j * JB + tl.arange(0, JB)
     ds_e = tl.zeros([BP, JB], dtype=tl.float32)  # dL/dS_in[c + 1]
     ds_o = tl.zeros([BP, JB], dtype=tl.float32)
     for i in range(NC):
         c = NC - 1 - i
         bhc = (b * H + h) * NC + c
-        tok, live, a, dt, _gamma, _scale, seg = _chunk_start(
-            ADT, DT, TRAP, RESET, b, h, c, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h,
-            st_b, st_l, st_h, T, HAS_RESET)
-        _th, ell, cos, sin = _frame(ANG, b, h, tok, live, j, R, dt, sg_b, sg_l, sg_h, sg_r, FAST)
-        cp, sp = _cos_sin(_last_row(ell, T), FAST)
+        cp, sp = _cos_sin(tl.load(PHI + bhc * N2B + j), FAST)
         cp, sp = cp[None, :], sp[None, :]
         g_e = ds_e * cp - ds_o * sp
         g_o = ds_e * sp + ds_o * cp
         _store_state(GST, bhc, p, mp, j, P, g_e, g_o, N2B)
+        tok = c * T + t
+        row = (b * H + h) * (NC * T) + tok
+        a = tl.load(SC + row)
+        seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
         carry, _to_end, _w_state, decay = _weights(a, a, seg, T)  # (no scale needed)
-        q_e, q_o = _rotated(Q, QBIAS, h, b * sq_b + tok * sq_l + g * sq_g, live, j0, N, sq_n,
-                            sqb_h, sqb_n, cos, sin, JB)
-        do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, live[:, None] & mp[None, :],
+        do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, (tok < L)[:, None] & mp[None, :],
                                         sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, sz_h, sz_p, HAS_Z)
         do_t = tl.trans(do * carry[:, None])  # [BP, T]
-        ds_e = decay * g_e + _mm(do_t, q_e, DOT)
-        ds_o = decay * g_o + _mm(do_t, q_o, DOT)
+        ds_e = decay * g_e + _mm(do_t, _load_rows(QR, row, j, 2 * N2B), DOT)
+        ds_o = decay * g_o + _mm(do_t, _load_rows(QR, row, N2B + j, 2 * N2B), DOT)
 
 
 @triton.jit
-def _bwd_dx(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET,
-            SIN, GST, YP, DV, DZ, DDP,
-            sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sv_b, sv_l, sv_h, sv_p,
-            sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, sa_b, sa_l, sa_h,
-            sd_b, sd_l, sd_h, st_b, st_l, st_h, sg_b, sg_l, sg_h, sg_r,
-            sqb_h, sqb_n, skb_h, skb_n, B, L, H, G, NC, P, N, R,
+def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
+            sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
+            B, L, H, NC, P,
             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-            FAST: tl.constexpr, LOAD_YP: tl.constexpr):
+            LOAD_YP: tl.constexpr):
     """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD;
     LOAD_YP: dz from the forward's y before the gate (YP) instead of forming it again."""
-    h, b, tok, p, mask, bhc, a, gamma, scale, seg, q_e, q_o, k_e, k_o = _chunk_operands(
-        Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, RESET, sq_b, sq_l, sq_g, sq_n,
-        sk_b, sk_l, sk_g, sk_n, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-        sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n, L, H, G, NC, P, N, R,
-        T, BP, N2B, HAS_RESET, FAST)
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     mp = p < P
-    scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
+    cols = tl.arange(0, 2 * N2B)
+    q, k, scores, carry, w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                  sz_b, sz_l, sz_h, sz_p, HAS_Z)
@@ -451,19 +500,108 @@ def _bwd_dx(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET,
         if LOAD_YP:
             y_pre = tl.load(YP + out, mask=mask, other=0.0).to(tl.float32)
         else:
-            y_pre = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, mp, P, N2B, DOT)
+            y_pre = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B, DOT)
         tl.store(DZ + out, (dy * y_pre * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty),
                  mask=mask)
-    g_e, g_o = _state_t(GST, bhc, p, mp, P, N2B)
     dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
-          + w_state[:, None] * (_mm(k_e, g_e, DOT) + _mm(k_o, g_o, DOT)))
+          + w_state[:, None] * _mm(k, _state_t(GST, bhc, p, mp, cols, P, 2 * N2B), DOT))
     tl.store(DV + out, dx.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _unrotate(d_e, d_o, live, cos, sin, DB, bias, j, N):
-    """d(q or k) [T, pairs j] from the rotated frame back to the biased, unrotated one (rows
-    past the end 0); stores the sum over the chunk's tokens (the bias grad's part, DB)."""
+def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
+             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
+             B, L, H, NC, P,
+             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_Z: tl.constexpr,
+             HAS_RESET: tl.constexpr, DOT: tl.constexpr, JD: tl.constexpr):
+    """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
+    pairs in the rotated frame (stored in the operand dtype), the grad of each token's in-chunk
+    angle ell (float32), and the pair tile's share of the adt grad and of d scale / d gamma
+    (DADT, DSG: [N2B / JD, ...], summed on the host, which forms dt and trap grads from DSG).
+    Every scalar grad is linear in sums over pairs (q k^T, x^T G k, q S_in^T do, <G, S_in>),
+    so a tile's share needs its pairs only; d_qk = (do x^T) * W is whole in every tile."""
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
+    jt = tl.program_id(2) % (N2B // JD)
+    t = tl.arange(0, T)
+    live = tok < L
+    mp = p < P
+    j = jt * JD + tl.arange(0, JD)
+    carry, to_end, w_state, decay = _weights(a, scale, seg, T)
+    w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
+    q_e = _load_rows(QR, row, j, 2 * N2B)
+    q_o = _load_rows(QR, row, N2B + j, 2 * N2B)
+    k_e = _load_rows(KR, row, j, 2 * N2B)
+    k_o = _load_rows(KR, row, N2B + j, 2 * N2B)
+    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
+    do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
+                                    sz_b, sz_l, sz_h, sz_p, HAS_Z)
+    s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
+    s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
+    s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
+    g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
+    g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
+
+    # dq: intra + the carried state's read-out
+    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
+    d_scores = _mm(do, tl.trans(x), DOT)
+    d_qk = d_scores * w
+    d_w = d_scores * qk
+    dos_e = _mm(do, s_e, DOT)  # [T, N2B]
+    dos_o = _mm(do, s_o, DOT)
+    off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
+    dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
+    tl.store(DQR + off, dq_e.to(DQR.dtype.element_ty))
+    dq_o = _mm(d_qk, k_o, DOT) + carry[:, None] * dos_o
+    tl.store(DQR + off + N2B, dq_o.to(DQR.dtype.element_ty))
+    qf_e, qf_o = q_e.to(tl.float32), q_o.to(tl.float32)
+    # q_t . (do_t S_in) = do_t . (q_t S_in^T): the carried read-out's share of d a_t
+    q_s = tl.sum(qf_e * dos_e + qf_o * dos_o, axis=1)
+    # d ell (the in-chunk angle) from q's rotation, from the float32 dq
+    d_ell = qf_e * dq_o - qf_o * dq_e
+
+    # dk: intra + k's use in the chunk state (m = x^T G per token)
+    m_e = _mm(x, g_e, DOT)  # [T, N2B]
+    m_o = _mm(x, g_o, DOT)
+    d_qk_t = tl.trans(d_qk)
+    kf_e, kf_o = k_e.to(tl.float32), k_o.to(tl.float32)
+    dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
+    tl.store(DKR + off, dk_e.to(DKR.dtype.element_ty))
+    dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
+    tl.store(DKR + off + N2B, dk_o.to(DKR.dtype.element_ty))
+    d_ell += kf_e * dk_o - kf_o * dk_e
+    mk = tl.sum(m_e * kf_e + m_o * kf_o, axis=1)  # x_s^T G k_s
+
+    # the state's rotation by -phi_c (phi_c = the last token's ell): the pairwise cross terms
+    # of G with U and with S_in; and <G, S_in> (the chunk decay's grad)
+    g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
+    s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
+    d_phi = (tl.sum(w_state[:, None] * (m_e * kf_o - m_o * kf_e), axis=0)
+             + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
+    d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
+    tl.store(DELL + row.to(tl.int64)[:, None] * N2B + j[None, :], d_ell)
+    d_dec = tl.sum(g_e * s_e + g_o * s_o)
+
+    # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
+    z_dec = d_w * decay_tt
+    z_w = z_dec * scale[None, :]
+    w_mk = w_state * mk
+    d_scale = tl.sum(z_dec, axis=0) + to_end * mk
+    d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * q_s - w_mk
+    d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
+    sc = jt * (B * L * H) + (b * L + tok) * H + h
+    tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
+    tl.store(DSG + sc, d_scale, mask=live)
+    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1) + d_scale
+    tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma, mask=live)
+
+
+@triton.jit
+def _unrotate(DR, DB, row, bias, j, live, cos, sin, N, N2B: tl.constexpr):
+    """A head's d(q or k) rows [T, pairs j] from the rotated frame (DR) back to the biased,
+    unrotated one; stores their sum over the chunk's tokens (the bias grad's part, DB)."""
+    d_e = _load_rows(DR, row, j, 2 * N2B).to(tl.float32)
+    d_o = _load_rows(DR, row, N2B + j, 2 * N2B).to(tl.float32)
     x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
     x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
     tl.store(DB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
@@ -472,130 +610,49 @@ def _unrotate(d_e, d_o, live, cos, sin, DB, bias, j, N):
 
 
 @triton.jit
-def _bwd_qk(Q, K, V, Z, DY, ADT, DT, TRAP, ANG, QBIAS, KBIAS, DSKIP, RESET,
-            SIN, GST, DQ, DK, DQB, DKB, DANG, DADT, DSC,
-            sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n, sv_b, sv_l, sv_h, sv_p,
-            sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, sa_b, sa_l, sa_h,
-            sd_b, sd_l, sd_h, st_b, st_l, st_h, sg_b, sg_l, sg_h, sg_r,
-            sqb_h, sqb_n, skb_h, skb_n, B, L, H, G, NC, P, N, R, HB,
-            T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, JD: tl.constexpr,
-            HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-            FAST: tl.constexpr):
-    """One chunk, JD pairs (grid (C, N2B / JD, B * G * head blocks)), each of HB heads of one
-    q/k group in turn: d(q, k) of those pairs in the head's rotated frame (float32), the grad
-    of its in-chunk angle ell and from it the angle grads and dt's angle part, d(q, k) rotated
-    back (the bias grads, and the sum over the block's heads: a partial dq, dk per block), and
-    the pair tile's share of the adt grad and of d scale / d gamma (DADT, DSC: per tile,
-    summed on the host, which forms dt and trap grads from DSC). Every scalar grad is linear
-    in sums over pairs (q k^T, x^T G k, q S_in^T do, <G, S_in>), so a tile's share needs its
-    pairs only; d_qk = (do x^T) * W is whole in every tile."""
+def _bwd_post(DT, ANG, DQR, DKR, DELL, DQ, DK, DQB, DKB, DANG, DDTA,
+              sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
+              B, L, H, G, NC, N, R, HB,
+              T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr):
+    """One chunk, JB pairs, HB heads of one q/k group: each head's angle grads and dt's angle
+    part from d ell, and its d(q, k) rotated back and summed over the heads (a partial dq, dk
+    per head block), with the bias grads."""
     c, pid_j, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     nhb = H // G // HB  # head blocks per group
     b = pid // (G * nhb)
     g = (pid // nhb) % G
     hb = pid % nhb
-    p = tl.arange(0, BP)
-    mp = p < P
-    j0 = pid_j * JD
-    j = j0 + tl.arange(0, JD)
-    nsc = B * L * H
-    dq_acc_e = tl.zeros([T, JD], dtype=tl.float32)
-    dq_acc_o = tl.zeros([T, JD], dtype=tl.float32)
-    dk_acc_e = tl.zeros([T, JD], dtype=tl.float32)
-    dk_acc_o = tl.zeros([T, JD], dtype=tl.float32)
+    t = tl.arange(0, T)
+    tok = c * T + t
+    live = tok < L
+    j = pid_j * JB + tl.arange(0, JB)
+    dq_acc_e = tl.zeros([T, JB], dtype=tl.float32)
+    dq_acc_o = tl.zeros([T, JB], dtype=tl.float32)
+    dk_acc_e = tl.zeros([T, JB], dtype=tl.float32)
+    dk_acc_o = tl.zeros([T, JB], dtype=tl.float32)
     for i in range(HB):
         h = (g * nhb + hb) * HB + i
-        bhc = (b * H + h) * NC + c
-        # zero, but not known to be: everything indexed by the chunk's tokens depends on it, so
-        # the compiler cannot hoist those [T, *] offsets and masks out of the head loop, where
-        # they would stay live in registers across it (ptxas, sm_90: 2744 -> 1780 bytes of
-        # spills at 8 warps)
-        zero = h // H
-        t = tl.arange(0, T) + zero
-        tok, live, a, dt, gamma, scale, seg = _chunk_start(
-            ADT, DT, TRAP, RESET, b, h, c + zero, L, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h,
-            st_b, st_l, st_h, T, HAS_RESET)
-        mask = live[:, None] & mp[None, :]
-        th, _ell, cos, sin = _frame(ANG, b, h, tok, live, j, R, dt, sg_b, sg_l, sg_h, sg_r,
-                                    FAST)
-        q_e, q_o = _rotated(Q, QBIAS, h, b * sq_b + tok * sq_l + g * sq_g, live, j0, N, sq_n,
-                            sqb_h, sqb_n, cos, sin, JD)
-        k_e, k_o = _rotated(K, KBIAS, h, b * sk_b + tok * sk_l + g * sk_g, live, j0, N, sk_n,
-                            skb_h, skb_n, cos, sin, JD)
-        carry, to_end, w_state, decay = _weights(a, scale, seg, T)
-        w, decay_tt = _intra_weights(a, scale, gamma, seg, t)
-        x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
-        do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
-                                        sz_b, sz_l, sz_h, sz_p, HAS_Z)
-        s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
-        s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
-        s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
-        g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
-        g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
-
-        # dq: intra + the carried state's read-out
-        qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
-        d_scores = _mm(do, tl.trans(x), DOT)
-        d_qk = d_scores * w
-        d_w = d_scores * qk
-        dos_e = _mm(do, s_e, DOT)  # [T, JD]
-        dos_o = _mm(do, s_o, DOT)
-        dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
-        dq_o = _mm(d_qk, k_o, DOT) + carry[:, None] * dos_o
-        # q_t . (do_t S_in) = do_t . (q_t S_in^T): the carried read-out's share of d a_t
-        q_s = tl.sum(q_e * dos_e + q_o * dos_o, axis=1)
-        d_ell = q_e * dq_o - q_o * dq_e  # from q's rotation by ell
-
-        # dk: intra + k's use in the chunk state (m = x^T G per token)
-        m_e = _mm(x, g_e, DOT)  # [T, JD]
-        m_o = _mm(x, g_o, DOT)
-        d_qk_t = tl.trans(d_qk)
-        dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
-        dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
-        d_ell += k_e * dk_o - k_o * dk_e
-        mk = tl.sum(m_e * k_e + m_o * k_o, axis=1)  # x_s^T G k_s
-
-        # the state's rotation by -phi_c (phi_c = the last token's ell): the pairwise cross
-        # terms of G with U and with S_in; and <G, S_in> (the chunk decay's grad)
-        g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
-        s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
-        d_phi = (tl.sum(w_state[:, None] * (m_e * k_o - m_o * k_e), axis=0)
-                 + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
-        d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
-        d_dec = tl.sum(g_e * s_e + g_o * s_o)
-
-        # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
-        z_dec = d_w * decay_tt
-        z_w = z_dec * scale[None, :]
-        w_mk = w_state * mk
-        d_scale = tl.sum(z_dec, axis=0) + to_end * mk
-        d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * q_s - w_mk
-        d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
-        sc = pid_j * nsc + (b * L + tok) * H + h
-        tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
-        tl.store(DSC + sc, d_scale, mask=live)
-        d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1) + d_scale
-        tl.store(DSC + (N2B // JD) * nsc + sc, d_gamma, mask=live)
-
-        # angles: ell = cumsum(pi tanh(angle) dt), so d(pi tanh(angle) dt) is the reverse
-        # cumsum of d ell
-        d_rate = tl.cumsum(d_ell, axis=0, reverse=True)
+        dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0)
+        dt = dt.to(tl.float32)
+        th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
+        row = (b * H + h) * (NC * T) + tok
+        # ell = cumsum(pi tanh(angle) dt): d(pi tanh(angle) dt) is the reverse cumsum of d ell
+        d_rate = tl.cumsum(_load_rows(DELL, row, j, N2B), axis=0, reverse=True)
+        sc = (b * L + tok) * H + h
         d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
-        tl.store(DANG + ((b * L + tok) * H + h).to(tl.int64)[:, None] * R + j[None, :],
+        tl.store(DANG + sc.to(tl.int64)[:, None] * R + j[None, :],
                  d_ang.to(DANG.dtype.element_ty), mask=live[:, None] & (j < R)[None, :])
-        tl.store(DSC + 2 * (N2B // JD) * nsc + sc,
+        tl.store(DDTA + pid_j * (B * L * H) + sc,
                  tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
-
         # back to the unrotated frame: the bias grads, and dq, dk summed over the heads
+        cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
         bias = ((b * NC + c) * H + h) * N + 2 * j
-        x_e, x_o = _unrotate(dq_e, dq_o, live, cos, sin, DQB, bias, j, N)
+        x_e, x_o = _unrotate(DQR, DQB, row, bias, j, live, cos, sin, N, N2B)
         dq_acc_e += x_e
         dq_acc_o += x_o
-        x_e, x_o = _unrotate(dk_e, dk_o, live, cos, sin, DKB, bias, j, N)
+        x_e, x_o = _unrotate(DKR, DKB, row, bias, j, live, cos, sin, N, N2B)
         dk_acc_e += x_e
         dk_acc_o += x_o
-    tok = c * T + tl.arange(0, T)
-    live = tok < L
     out = (((hb * B + b) * L + tok) * G + g).to(tl.int64)[:, None] * N + 2 * j[None, :]
     m_e = live[:, None] & (2 * j < N)[None, :]
     m_o = live[:, None] & (2 * j + 1 < N)[None, :]
@@ -618,13 +675,9 @@ class _Geometry(NamedTuple):
     NC: int  # chunks
     BP: int  # P padded to a power of two (>= 16)
     N2B: int  # N / 2 pairs padded to a power of two (>= 16)
-    JB: int  # pairs per program of the sequential kernels (N2B // JB tiles)
-    JD: int  # pairs per program of _bwd_qk
-    HB: int  # heads per program of _bwd_qk
-
-    def dims(self) -> tuple[int, ...]:
-        """The sizes every kernel takes: B, L, H, G, NC, P, N, R."""
-        return self.B, self.L, self.H, self.G, self.NC, self.P, self.N, self.R
+    JB: int  # pairs per program of the sequential kernels (NJ = N2B // JB tiles)
+    JP: int  # pairs per program of _bwd_post
+    HB: int  # heads per program of _bwd_post
 
 
 def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometry:
@@ -641,14 +694,14 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
     if v.dtype == torch.float32:
         T = min(T, 32)  # float32 operands of 64-token chunks overflow shared memory
     NC = triton.cdiv(L, T)
-    if max(v.numel(), angles.numel(), q.numel(), B * H * NC * P * 2 * N2B) >= 2**31:
+    if max(v.numel(), angles.numel(), q.numel(), B * H * NC * T * 2 * N2B) >= 2**31:
         raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
                            "supported (32-bit offsets); split the batch")
     per_group = H // G
-    HB = max(d for d in range(1, min(per_group, TUNING["qk_heads"]) + 1) if per_group % d == 0)
+    HB = max(d for d in range(1, min(per_group, TUNING["post_heads"]) + 1) if per_group % d == 0)
     BP = max(16, triton.next_power_of_2(P), TUNING["min_bp"] if T == 64 else 16)
-    return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B, min(N2B, TUNING["pairs"]),
-                     min(N2B, TUNING["qk_pairs"]), HB)
+    return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B,
+                     min(N2B, TUNING["pairs"]), min(N2B, TUNING["tile_pairs"]), HB)
 
 
 def _launch(kernel: str) -> dict[str, int]:
@@ -656,43 +709,57 @@ def _launch(kernel: str) -> dict[str, int]:
 
 
 def _precision(v: Tensor) -> tuple[torch.dtype, tl.dtype, bool]:
-    """(state storage dtype, matmul operand dtype, fast trig): float32 with accurate trig for
-    float32 v; else bf16 with the hardware sin/cos (not in the CPU interpreter)."""
+    """(operand storage dtype, matmul operand dtype, fast trig): float32 with accurate trig
+    for float32 v; else bf16 with the hardware sin/cos (not in the CPU interpreter)."""
     if v.dtype == torch.float32:
         return torch.float32, tl.float32, False
     return torch.bfloat16, tl.bfloat16, v.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-class _Inputs(NamedTuple):
-    """The inputs every kernel takes, in its argument order (None where absent)."""
+def _strides(t: Tensor | None, ndim: int) -> tuple[int, ...]:
+    return tuple(t.stride()) if t is not None else (0,) * ndim
 
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    z: Tensor | None
-    dy: Tensor | None
-    adt: Tensor
-    dt: Tensor
-    trap: Tensor
-    angles: Tensor
-    q_bias: Tensor
-    k_bias: Tensor
-    D: Tensor | None
-    reset: Tensor | None  # int8
 
-    def strides(self) -> tuple[int, ...]:
-        """The strides of q ... k_bias in order (zeros for an absent tensor)."""
-        out: list[int] = []
-        for t, ndim in zip(self, (4, 4, 4, 4, 4, 3, 3, 3, 4, 2, 2)):
-            out += t.stride() if t is not None else (0,) * ndim
-        return tuple(out)
+class _Operands(NamedTuple):
+    """What _prep writes: per-head rotated q/k (halves layout), a / scale / gamma, phi."""
+
+    qr: Tensor  # [B, H, NC * T, 2 * N2B]
+    kr: Tensor
+    sc: Tensor  # [3, B, H, NC * T] float32
+    phi: Tensor  # [B, H, NC, N2B] float32
+
+
+def _prep_operands(geo: _Geometry, args: tuple, st: dict, dtype: torch.dtype,
+                   fast: bool) -> _Operands:
+    q, k, v, adt, dt, trap, angles, q_bias, k_bias, _D, _z, _rst = args
+    B, L, H, G, _P, N, R, T, NC = geo[:9]
+    dev = v.device
+    qr = torch.empty(B, H, NC * T, 2 * geo.N2B, device=dev, dtype=dtype)
+    kr = torch.empty_like(qr)
+    sc = torch.empty(3, B, H, NC * T, device=dev, dtype=torch.float32)
+    phi = torch.empty(B, H, NC, geo.N2B, device=dev, dtype=torch.float32)
+    jb = min(geo.N2B, TUNING["prep_pairs"])
+    nj = geo.N2B // jb
+    _prep[(H, NC, B * nj)](
+        q, k, adt, dt, trap, angles, q_bias, k_bias, qr, kr, sc, phi,
+        *st["q"], *st["k"], *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["qb"],
+        *st["kb"], B, L, H, G, NC, nj, N, R, T=T, N2B=geo.N2B, JB=jb, FAST=fast,
+        PAIRED=nj == 1 and N == 2 * geo.N2B and q.stride(-1) == 1 and k.stride(-1) == 1,
+        **_launch("prep"))
+    return _Operands(qr, kr, sc, phi)
+
+
+def _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias) -> dict[str, tuple]:
+    return {"q": _strides(q, 4), "k": _strides(k, 4), "v": _strides(v, 4), "z": _strides(z, 4),
+            "adt": _strides(adt, 3), "dt": _strides(dt, 3), "trap": _strides(trap, 3),
+            "ang": _strides(angles, 4), "qb": _strides(q_bias, 2), "kb": _strides(k_bias, 2)}
 
 
 def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Tensor,
-                 a_fin: Tensor) -> Mamba3ScanState:
+                 phi: Tensor) -> Mamba3ScanState:
     """The reference's final state in its global frame (angle mod 2 pi), without gradient."""
     L, H, G, N, R = geo.L, geo.H, geo.G, geo.N, geo.R
-    total = torch.remainder(a_fin, 2 * math.pi)  # [B, H, N2B]
+    total = torch.remainder(phi.double().sum(2), 2 * math.pi).float()  # [B, H, N2B]
     cos, sin = torch.cos(total)[:, :, None], torch.sin(total)[:, :, None]
     s_e, s_o = s_fin[..., 0, :], s_fin[..., 1, :]  # [B, H, P, N2B]
     ssm = torch.stack([s_e * cos - s_o * sin, s_e * sin + s_o * cos], dim=-1)
@@ -702,69 +769,81 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
     return Mamba3ScanState(angle, ssm, _rotate(k_last, angle), v[:, L - 1].float())
 
 
-def _forward(geo: _Geometry, ins: _Inputs, dtype: torch.dtype, dot,
-             fast: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """_state_fwd then _out_fwd: y, S_in, the final state [B, H, P, 2, N2B] and angle
-    [B, H, N2B], and y before the gate (``TUNING["save_y_pre"]`` with z, else None)."""
-    v, z = ins.v, ins.z
-    B, L, H, P, T, NC, N2B = geo.B, geo.L, geo.H, geo.P, geo.T, geo.NC, geo.N2B
+def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
+             fast: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """_state_fwd then _out_fwd: y, S_in, the final state [B, H, P, 2, N2B], and y before the
+    gate (``TUNING["save_y_pre"]`` with z, else None)."""
+    v, D, z, rst = args[2], args[9], args[10], args[11]
+    B, L, H, P, T, NC = geo.B, geo.L, geo.H, geo.P, geo.T, geo.NC
     dev = v.device
-    shape = {"T": T, "BP": geo.BP, "N2B": N2B, "HAS_RESET": ins.reset is not None,
-             "DOT": dot, "FAST": fast}
-    s_in = torch.empty(B, H, NC, P, 2, N2B, device=dev, dtype=dtype)
-    s_fin = torch.empty(B, H, P, 2, N2B, device=dev, dtype=torch.float32)
-    a_fin = torch.empty(B, H, N2B, device=dev, dtype=torch.float32)
-    _state_fwd[(N2B // geo.JB, H, B)](
-        *ins, s_in, s_fin, a_fin, *ins.strides(), *geo.dims(), JB=geo.JB, **shape,
-        **_launch("state_fwd"))
+    s_in = torch.empty(B, H, NC, P, 2, geo.N2B, device=dev, dtype=ops.qr.dtype)
+    s_fin = torch.empty(B, H, P, 2, geo.N2B, device=dev, dtype=torch.float32)
+    _state_fwd[(geo.N2B // geo.JB, H, B)](
+        v, ops.kr, ops.sc, ops.phi, rst, s_in, s_fin, *st["v"], B, L, H, NC, P,
+        T=T, BP=geo.BP, N2B=geo.N2B, JB=geo.JB, HAS_RESET=rst is not None, DOT=dot,
+        FAST=fast, **_launch("state_fwd"))
     y = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     y_pre = torch.empty_like(y) if z is not None and TUNING["save_y_pre"] else None
     _out_fwd[(H, NC, B)](
-        *ins, s_in, y, y_pre, *ins.strides(), *geo.dims(), HAS_D=ins.D is not None,
-        HAS_Z=z is not None, STORE_YP=y_pre is not None, **shape, **_launch("out_fwd"))
-    return y, s_in, s_fin, a_fin, y_pre
+        ops.qr, ops.kr, v, z, y, y_pre, ops.sc, D, rst, s_in, *st["v"], *st["z"],
+        B, L, H, NC, P, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_RESET=rst is not None, DOT=dot, STORE_YP=y_pre is not None, **_launch("out_fwd"))
+    return y, s_in, s_fin, y_pre
 
 
-def _backward(geo: _Geometry, ins: _Inputs, s_in: Tensor, y_pre: Tensor | None, dot,
-              fast: bool) -> tuple:
-    """_state_bwd, _bwd_dx, _bwd_qk; the input grads."""
-    q, k, v, z, _dy, adt, dt, trap, angles, q_bias, k_bias, D, rst = ins
+def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
+              s_in: Tensor, y_pre: Tensor | None, dot, fast: bool) -> tuple:
+    """_state_bwd, _bwd_dx, _bwd_dqk, _bwd_post; the input grads."""
+    q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
     B, L, H, G, P, N, R, T, NC = geo[:9]
     dev = v.device
     f32 = {"device": dev, "dtype": torch.float32}
     shape = {"T": T, "BP": geo.BP, "N2B": geo.N2B, "HAS_Z": z is not None,
-             "HAS_RESET": rst is not None, "DOT": dot, "FAST": fast}
-    strides, dims = ins.strides(), geo.dims()
+             "HAS_RESET": rst is not None, "DOT": dot}
+    strides = (*st["v"], *st["z"], *dy.stride())
     g_st = torch.empty_like(s_in)
     _state_bwd[(geo.N2B // geo.JB, H, B)](
-        *ins, g_st, *strides, *dims, JB=geo.JB, **shape, **_launch("state_bwd"))
+        ops.qr, z, dy, ops.sc, ops.phi, rst, g_st, *st["z"], *dy.stride(), B, L, H, NC, P,
+        JB=geo.JB, FAST=fast, **shape, **_launch("state_bwd"))
 
     dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
     dd_part = torch.empty(B, H, NC, **f32)
     _bwd_dx[(H, NC, B)](
-        *ins, s_in, g_st, y_pre, dv, dz, dd_part, *strides, *dims, HAS_D=D is not None,
-        LOAD_YP=y_pre is not None, **shape, **_launch("bwd_dx"))
+        ops.qr, ops.kr, v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part, *strides,
+        B, L, H, NC, P, HAS_D=D is not None, LOAD_YP=y_pre is not None, **shape,
+        **_launch("bwd_dx"))
 
-    njd = geo.N2B // geo.JD
+    dqr = torch.empty_like(ops.qr)  # d(q, k) per head in the rotated frame
+    dkr = torch.empty_like(ops.kr)
+    d_ell = torch.empty(B, H, NC * T, geo.N2B, **f32)
+    jd = min(geo.N2B, TUNING["dqk_pairs"])
+    njd = geo.N2B // jd
+    dadt = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
+    d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
+    _bwd_dqk[(H, NC, B * njd)](
+        ops.qr, ops.kr, v, z, dy, ops.sc, rst, s_in, g_st, dqr, dkr, d_ell, dadt, d_sg,
+        *strides, B, L, H, NC, P, JD=jd, **shape, **_launch("bwd_dqk"))
+    dadt, d_sg = (dadt[0], d_sg[:, 0]) if njd == 1 else (dadt.sum(0), d_sg.sum(1))
+
     nhb = H // G // geo.HB
-    dq_part = torch.empty(nhb, B, L, G, N, **f32)  # per block of a group's heads
+    nj = geo.N2B // geo.JP
+    dq_part = torch.empty(nhb, B, L, G, N, **f32)
     dk_part = torch.empty(nhb, B, L, G, N, **f32)
-    dqb_part = torch.empty(B, NC, H, N, **f32)  # per chunk
+    dqb_part = torch.empty(B, NC, H, N, **f32)
     dkb_part = torch.empty(B, NC, H, N, **f32)
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
-    dadt = torch.empty(njd, B, L, H, **f32)  # shares of the pair tiles
-    d_sc = torch.empty(3, njd, B, L, H, **f32)  # d scale, d gamma, dt's angle part
-    _bwd_qk[(NC, njd, B * G * nhb)](
-        *ins, s_in, g_st, dq_part, dk_part, dqb_part, dkb_part, dang, dadt, d_sc,
-        *strides, *dims, geo.HB, JD=geo.JD, **shape, **_launch("bwd_qk"))
-    dadt, d_sc = (dadt[0], d_sc[:, 0]) if njd == 1 else (dadt.sum(0), d_sc.sum(1))
+    ddt_angle = torch.empty(nj, B, L, H, **f32)
+    _bwd_post[(NC, nj, B * G * nhb)](
+        dt, angles, dqr, dkr, d_ell, dq_part, dk_part, dqb_part, dkb_part, dang, ddt_angle,
+        *st["dt"], *st["ang"], B, L, H, G, NC, N, R, geo.HB, T=T, N2B=geo.N2B, JB=geo.JP,
+        FAST=fast, **_launch("bwd_post"))
 
     # dt and trap: gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t
-    d_scale, d_gamma, ddt_angle = d_sc.unbind(0)
+    d_scale, d_gamma = d_sg.unbind(0)
     d_prev = torch.nn.functional.pad(d_scale[:, :-1], (0, 0, 1, 0))  # d scale_{t-1}
     lam = torch.sigmoid(trap.float())
-    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle
+    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle.sum(0)
     dtrap = (d_gamma - d_prev) * dt.float() * lam * (1 - lam)
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
     return (dq_part.sum(0).to(q.dtype), dk_part.sum(0).to(k.dtype), dv, dadt.to(adt.dtype),
@@ -778,22 +857,28 @@ class _Mamba3ScanFn(torch.autograd.Function):
         geo = _geometry(q, v, angles, chunk_size)
         dtype, dot, fast = _precision(v)
         rst = reset.to(torch.int8).contiguous() if reset is not None else None
-        ins = _Inputs(q, k, v, z, None, adt, dt, trap, angles, q_bias, k_bias, D, rst)
-        y, s_in, s_fin, a_fin, y_pre = _forward(geo, ins, dtype, dot, fast)
-        final = _final_state(geo, k, v, k_bias, s_fin, a_fin)
+        st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
+        args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
+        ops = _prep_operands(geo, args, st, dtype, fast)
+        y, s_in, s_fin, y_pre = _forward(geo, args, st, ops, dot, fast)
+        final = _final_state(geo, k, v, k_bias, s_fin, ops.phi)
+        saved = ops if TUNING["save_rotated"] else ()
         ctx.save_for_backward(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in,
-                              y_pre)
+                              y_pre, *saved)
         ctx.geo = geo
         ctx.mark_non_differentiable(*final)
         return (y, *final)
 
     @staticmethod
     def backward(ctx, dy, *_state_grads):
-        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, y_pre = (
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, y_pre, *saved = (
             ctx.saved_tensors)
-        _dtype, dot, fast = _precision(v)
-        ins = _Inputs(q, k, v, z, dy, adt, dt, trap, angles, q_bias, k_bias, D, rst)
-        return _backward(ctx.geo, ins, s_in, y_pre, dot, fast)
+        geo = ctx.geo
+        dtype, dot, fast = _precision(v)
+        st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
+        args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
+        ops = _Operands(*saved) if saved else _prep_operands(geo, args, st, dtype, fast)
+        return _backward(geo, args, st, ops, dy, s_in, y_pre, dot, fast)
 
 
 def mamba3_scan_triton(
