@@ -65,11 +65,13 @@ CHUNK_SIZES = (16, 32, 64)
 # (benchmarks/results/kernels/mamba3_h100_s3.log, h100_s7/mamba3_sweep_h100_s7.log). The
 # kernels are latency-bound (ncu: long-scoreboard stalls after loads, one or two programs per
 # SM), so the register caps (maxnreg) buy more programs per SM: _out_fwd 2 -> 3,
-# _state_bwd 3 -> 5, _bwd_post 3 -> 4
+# _state_bwd 3 -> 5, _bwd_post 3 -> 4. _state_fwd at num_stages 3 (loads two chunks ahead):
+# 377-383 -> 325-326 us at L 4096 in two H100 runs (h100_s10); 4 stages, or 3 for _state_bwd,
+# were slower
 TUNING = {
     "launch": {
         "prep": {"num_warps": 4, "num_stages": 1},
-        "state_fwd": {"num_warps": 4, "num_stages": 2},
+        "state_fwd": {"num_warps": 4, "num_stages": 3},
         "out_fwd": {"num_warps": 4, "num_stages": 1, "maxnreg": 168},
         "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 96},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
