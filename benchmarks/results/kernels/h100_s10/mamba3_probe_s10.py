@@ -1,7 +1,8 @@
 """Dev sweep of the Mamba-3 scan kernels on one GPU (session 10): smoke + fwd+bwd timings of
-TUNING variants of the kernels, the previous kernels ('old', .device-carry/s10/mamba3_old.py,
-in the same process) and the peer (LONG="a;b": variants also timed at 8192).
-    PYTHONPATH=$PWD/src:/tmp/site python3 .device-carry/s10/probe.py VARIANTS..."""
+TUNING variants of the kernels, the previous kernels ('old': a copy of 8a7fde0's
+ops/mamba3_scan/triton.py saved as mamba3_old.py next to this file, in the same process) and
+the peer (LONG="a;b": variants also timed at 8192).
+    PYTHONPATH=$PWD/src:/tmp/site python3 mamba3_probe_s10.py VARIANTS..."""
 import copy
 import json
 import os
