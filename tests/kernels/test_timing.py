@@ -116,3 +116,15 @@ def test_failed_capture_gets_a_reason_releases_its_pool_and_cuda_still_works() -
     timing = time_fwd_bwd_graphed(syncs_only_when_capturing, inputs, GRAD_ARGS, device)
     assert timing.median_ms is None and timing.failure.startswith("capture failed: ")
     _cuda_still_works()
+
+
+def test_one_graph_capture_error_for_benchmarks_and_the_trainer() -> None:
+    """The trainer's step capture raises the timing module's class: a user-facing error (the
+    CLI's exit code) that callers catching RuntimeError still see."""
+    from megacpp.errors import MegaCppError
+    from megacpp.train import graphs
+
+    assert graphs.GraphCaptureError is GraphCaptureError
+    error = GraphCaptureError("capture failed: RuntimeError: x")
+    assert isinstance(error, MegaCppError) and isinstance(error, RuntimeError)
+    assert error.exit_code == MegaCppError.exit_code and str(error).startswith("capture failed")

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from megacpp.errors import MegaCppError
 from megacpp.kernels.check import outputs_of
 
 T = TypeVar("T")
@@ -37,9 +38,11 @@ class GraphTiming:
     failure: str | None = None  # "<what>: <ExceptionType>: <its first line>" when not captured
 
 
-class GraphCaptureError(RuntimeError):
-    """The forward+backward could not be captured as a CUDA graph; the message says why.
-    Raised after the capture was ended and its memory released: CUDA stays usable."""
+class GraphCaptureError(MegaCppError, RuntimeError):
+    """Work could not be captured as a CUDA graph; the message says why. From
+    :func:`capture_graph` (benchmarks) it is raised after the capture was ended and its memory
+    released, so CUDA stays usable; the trainer's step capture (``train/graphs.py``) raises it
+    too, with what to change in the run's settings."""
 
 
 @dataclass

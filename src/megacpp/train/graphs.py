@@ -30,6 +30,11 @@ the first micro-batch's backward overwrites them.
 One CUDA process only (no DDP/FSDP: their collectives and hooks are not captured here), and
 the graph is fixed at capture: anything that changes the step's work (a new shape, another
 kernel choice) needs a new run segment.
+
+The capture does not go through :func:`megacpp.kernels.timing.capture_graph` (the benchmarks'):
+that one warms up and captures a single function into a pool of its own on a stream it makes,
+while the step needs two graphs sharing one pool, captured on the stream the trainer's eager
+warm-up steps ran on. Both raise the same :class:`~megacpp.kernels.timing.GraphCaptureError`.
 """
 
 from __future__ import annotations
@@ -39,18 +44,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from megacpp.errors import MegaCppError
-from megacpp.kernels.timing import describe_error
+from megacpp.kernels.timing import GraphCaptureError, describe_error
 from megacpp.train.optim import Optimizers
 
 WARMUP_STEPS = 3  # eager steps before capture (the PyTorch CUDA-graph notes use 3)
 INPUT_KEYS = ("input_ids", "labels", "doc_ids")
 
 Batch = dict[str, Tensor]
-
-
-class GraphCaptureError(MegaCppError):
-    """The training step could not be captured as a CUDA graph."""
 
 
 class StepGraphs:
