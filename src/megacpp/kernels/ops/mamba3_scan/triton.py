@@ -169,11 +169,13 @@ def _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r):
 
 
 @triton.jit
-def _pairs(X, row, live, j, N, s_n, PAIRED: tl.constexpr):
-    """Even and odd columns [T, pairs j] (float32, 0 outside) of the rows at offsets ``row``.
-    PAIRED (j = all pairs, N = 2 * len(j), unit stride): one [T, N] load split in two."""
+def _pairs(X, row, live, j, j0, N, s_n, PAIRED: tl.constexpr):
+    """Even and odd columns [T, pairs j = j0 + arange] (float32, 0 outside) of the rows at
+    offsets ``row``. PAIRED (every pair of the padded tile inside N, unit stride): one load of
+    the tile's [T, 2 len(j)] contiguous columns split in two; else two loads at a stride of two
+    columns (2.4x slower in _prep on an H100, benchmarks/results/kernels/h100_s10)."""
     if PAIRED:
-        n = tl.arange(0, 2 * j.shape[0])
+        n = 2 * j0 + tl.arange(0, 2 * j.shape[0])
         x = tl.load(X + row[:, None] + n[None, :], mask=live[:, None], other=0.0)
         e, o = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], j.shape[0], 2]))
         return e, o
@@ -200,12 +202,12 @@ def _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin):
 
 
 @triton.jit
-def _store_rotated(X, BIAS, OUT, h, row, off, live, j, N, s_n, sb_h, sb_n, cos, sin,
+def _store_rotated(X, BIAS, OUT, h, row, off, live, j, j0, N, s_n, sb_h, sb_n, cos, sin,
                    N2B: tl.constexpr, PAIRED: tl.constexpr):
     """rot(x + bias_h, ell) of the q or k rows at offsets ``row``, stored at ``off`` of a
     halves-layout buffer (even components, then odd ones N2B further)."""
     bias_e, bias_o = _bias_pairs(BIAS, h, j, N, sb_h, sb_n)
-    raw_e, raw_o = _pairs(X, row, live, j, N, s_n, PAIRED)
+    raw_e, raw_o = _pairs(X, row, live, j, j0, N, s_n, PAIRED)
     x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
     tl.store(OUT + off, x_e.to(OUT.dtype.element_ty))
     tl.store(OUT + off + N2B, x_o.to(OUT.dtype.element_ty))
@@ -335,10 +337,10 @@ def _prep(Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, QR, KR, SC, PHI,
              tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0))
     cos, sin = _cos_sin(ell, FAST)
     off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
-    _store_rotated(Q, QBIAS, QR, h, b * sq_b + tok * sq_l + g * sq_g, off, live, j, N, sq_n,
-                   sqb_h, sqb_n, cos, sin, N2B, PAIRED)
-    _store_rotated(K, KBIAS, KR, h, b * sk_b + tok * sk_l + g * sk_g, off, live, j, N, sk_n,
-                   skb_h, skb_n, cos, sin, N2B, PAIRED)
+    _store_rotated(Q, QBIAS, QR, h, b * sq_b + tok * sq_l + g * sq_g, off, live, j, pid_j * JB,
+                   N, sq_n, sqb_h, sqb_n, cos, sin, N2B, PAIRED)
+    _store_rotated(K, KBIAS, KR, h, b * sk_b + tok * sk_l + g * sk_g, off, live, j, pid_j * JB,
+                   N, sk_n, skb_h, skb_n, cos, sin, N2B, PAIRED)
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -746,7 +748,7 @@ def _prep_operands(geo: _Geometry, args: tuple, st: dict, dtype: torch.dtype,
         q, k, adt, dt, trap, angles, q_bias, k_bias, qr, kr, sc, phi,
         *st["q"], *st["k"], *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["qb"],
         *st["kb"], B, L, H, G, NC, nj, N, R, T=T, N2B=geo.N2B, JB=jb, FAST=fast,
-        PAIRED=nj == 1 and N == 2 * geo.N2B and q.stride(-1) == 1 and k.stride(-1) == 1,
+        PAIRED=N == 2 * geo.N2B and q.stride(-1) == 1 and k.stride(-1) == 1,
         **_launch("prep"))
     return _Operands(qr, kr, sc, phi)
 
