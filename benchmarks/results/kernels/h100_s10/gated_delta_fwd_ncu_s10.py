@@ -1,6 +1,7 @@
-"""(session 10; run as `ncu --profile-from-start off ... python3 THIS`) One forward of our gated delta rule and of fla's at the nam56r 4k shape (bf16), inside a
-cudaProfilerStart/Stop range for ncu --profile-from-start off (both warmed up first: Triton
-compilation and fla's autotuning happen outside the range)."""
+"""Session 10: one forward of our gated delta rule and of fla's at the nam56r 4k shape (bf16),
+inside a cudaProfilerStart/Stop range (both warmed up first: Triton compilation and fla's
+autotuning happen outside it). Run as
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight ... python3 THIS"""
 import torch
 
 from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
