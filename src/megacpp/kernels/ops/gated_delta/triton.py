@@ -318,13 +318,11 @@ def _fwd_state(K_, W, U, DOUT, GAM, H0, HS, VN, HT, L, N, H: tl.constexpr,
         state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BK, BV]
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
-    # the loads that feed no product (u, the decays) are issued a chunk ahead by hand, as in
-    # _bwd_state (there -26% at H16 on the H100; here no measurable change)
-    u_next, dout_next, gam_next = _state_loads(U, DOUT, GAM, b, bh, 0, v0, L, N, H, DV, BV, BT)
     for n in range(_loop_count(N, N_CONST)):
-        u, decay_out, gamma = u_next, dout_next, gam_next
-        u_next, dout_next, gam_next = _state_loads(U, DOUT, GAM, b, bh, tl.minimum(n + 1, N - 1),
-                                                   v0, L, N, H, DV, BV, BT)
+        # the loads that feed no product, in their own chunk: issued a chunk ahead by hand
+        # (sessions 8-9), the loop carry's register moves waited for them (ncu, H100, nam56r
+        # 4k: 18% of the stall samples on one move) and the prefetch cost 85.9 vs 73.6 us
+        u, decay_out, gamma = _state_loads(U, DOUT, GAM, b, bh, n, v0, L, N, H, DV, BV, BT)
         hs_ptrs, _ = _state_tile(HS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV, BK, BV)
         tl.store(hs_ptrs, _cast(state, HS, MODE), mask=s_mask)
         t = n * BT + rows
@@ -405,19 +403,12 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         dstate = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
-    # the loads that feed no product (do, dL/dv_new's local part, the decays) are issued a
-    # chunk ahead by hand
-    do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV, BV,
-                                               BT)
-    dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, N - 1, v0, L, N, H, DV, BV, BT)
     for i in range(_loop_count(N, N_CONST)):
         n = N - 1 - i
-        do, decay_in, gamma = do_next, din_next, gam_next
-        dv_new, decay_out = dvn_next, dout_next
-        do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, tl.maximum(n - 1, 0), v0,
-                                                   L, N, H, DV, BV, BT)
-        dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, tl.maximum(n - 1, 0), v0, L,
-                                              N, H, DV, BV, BT)
+        # loaded in their own chunk (see _fwd_state): the hand prefetch a chunk ahead cost
+        # 106.0 vs 88.6 us at nam56r 4k and 401 vs 391 at H16 (ncu, H100, h100_s10)
+        do, decay_in, gamma = _state_loads(DO, DIN, GAM, b, bh, n, v0, L, N, H, DV, BV, BT)
+        dv_new, decay_out, _g = _state_loads(DVN, DOUT, GAM, b, bh, n, v0, L, N, H, DV, BV, BT)
         dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
                                   BK, BV)
         tl.store(dhs_ptrs, _cast(dstate, DHS, MODE), mask=s_mask)  # dL/d(S leaving n)
