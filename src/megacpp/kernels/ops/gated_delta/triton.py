@@ -403,12 +403,23 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         dstate = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    # the loads that feed no product (do, dL/dv_new's local part, the decays) are issued a
+    # chunk ahead by hand. Loading them in their own chunk, as _fwd_state does, was faster in
+    # ncu (106.0 -> 88.6 us at nam56r 4k, 401 -> 391 at H16) but is not kept: Triton then
+    # pipelines them through shared memory (263 KB at K = 128 in float32, over the 227 KB
+    # limit), and two bf16 H16 fwd+bwd were no longer bit-identical (not root-caused; DVN is
+    # read and written in place here). h100_s10, run 19.
+    do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV, BV,
+                                               BT)
+    dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, N - 1, v0, L, N, H, DV, BV, BT)
     for i in range(_loop_count(N, N_CONST)):
         n = N - 1 - i
-        # loaded in their own chunk (see _fwd_state): the hand prefetch a chunk ahead cost
-        # 106.0 vs 88.6 us at nam56r 4k and 401 vs 391 at H16 (ncu, H100, h100_s10)
-        do, decay_in, gamma = _state_loads(DO, DIN, GAM, b, bh, n, v0, L, N, H, DV, BV, BT)
-        dv_new, decay_out, _g = _state_loads(DVN, DOUT, GAM, b, bh, n, v0, L, N, H, DV, BV, BT)
+        do, decay_in, gamma = do_next, din_next, gam_next
+        dv_new, decay_out = dvn_next, dout_next
+        do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, tl.maximum(n - 1, 0), v0,
+                                                   L, N, H, DV, BV, BT)
+        dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, tl.maximum(n - 1, 0), v0, L,
+                                              N, H, DV, BV, BT)
         dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
                                   BK, BV)
         tl.store(dhs_ptrs, _cast(dstate, DHS, MODE), mask=s_mask)  # dL/d(S leaving n)
