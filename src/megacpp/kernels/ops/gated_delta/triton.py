@@ -393,7 +393,7 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
                H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, BT: tl.constexpr, HAS_RESET: tl.constexpr,
                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, MODE: tl.constexpr,
-               N_CONST: tl.constexpr):
+               N_CONST: tl.constexpr, PREFETCH: tl.constexpr):
     vb, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     v0 = vb * BV
@@ -403,23 +403,31 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
         dstate = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
-    # the loads that feed no product (do, dL/dv_new's local part, the decays) are issued a
-    # chunk ahead by hand. Loading them in their own chunk, as _fwd_state does, was faster in
-    # ncu (106.0 -> 88.6 us at nam56r 4k, 401 -> 391 at H16) but is not kept: Triton then
-    # pipelines them through shared memory (263 KB at K = 128 in float32, over the 227 KB
-    # limit), and two bf16 H16 fwd+bwd were no longer bit-identical (not root-caused; DVN is
-    # read and written in place here). h100_s10, run 19.
-    do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV, BV,
-                                               BT)
-    dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, N - 1, v0, L, N, H, DV, BV, BT)
+    # the loads that feed no product (do, dL/dv_new's local part, the decays): PREFETCH issues
+    # them a chunk ahead by hand, else each chunk loads its own (as _fwd_state does). In ncu on
+    # the H100 its own chunk was faster (106.0 -> 88.6 us at nam56r 4k, 401 -> 391 at H16), but
+    # Triton then pipelines these loads through shared memory too (263 KB at K = 128 in float32,
+    # over the 227 KB limit) and two bf16 H16 fwd+bwd at BV 64 were not bit-identical (h100_s10
+    # run 19, not root-caused; DVN is read and written in place). So: own chunk only for bf16
+    # products in the SMALL_GRID launch (nam56r), where two runs were bit-identical
+    if PREFETCH:
+        do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV,
+                                                   BV, BT)
+        dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, N - 1, v0, L, N, H, DV, BV,
+                                              BT)
     for i in range(_loop_count(N, N_CONST)):
         n = N - 1 - i
-        do, decay_in, gamma = do_next, din_next, gam_next
-        dv_new, decay_out = dvn_next, dout_next
-        do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, tl.maximum(n - 1, 0), v0,
-                                                   L, N, H, DV, BV, BT)
-        dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, tl.maximum(n - 1, 0), v0, L,
-                                              N, H, DV, BV, BT)
+        if PREFETCH:
+            do, decay_in, gamma = do_next, din_next, gam_next
+            dv_new, decay_out = dvn_next, dout_next
+            do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, tl.maximum(n - 1, 0),
+                                                       v0, L, N, H, DV, BV, BT)
+            dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, tl.maximum(n - 1, 0),
+                                                  v0, L, N, H, DV, BV, BT)
+        else:
+            do, decay_in, gamma = _state_loads(DO, DIN, GAM, b, bh, n, v0, L, N, H, DV, BV, BT)
+            dv_new, decay_out, _g = _state_loads(DVN, DOUT, GAM, b, bh, n, v0, L, N, H, DV, BV,
+                                                 BT)
         dhs_ptrs, _ = _state_tile(DHS, (bh.to(tl.int64) * N + n) * DK * DV, 0, v0, DK, DV,
                                   BK, BV)
         tl.store(dhs_ptrs, _cast(dstate, DHS, MODE), mask=s_mask)  # dL/d(S leaving n)
@@ -634,7 +642,7 @@ CONFIG: dict[str, dict[str, int]] = {
     "fwd_state": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "fwd_out": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "bwd_state": {"BV": 64, "num_warps": 4, "num_stages": 3},
+    "bwd_state": {"BV": 64, "num_warps": 4, "num_stages": 3, "prefetch": 1},
     "bwd_val": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_key": {"BKS": 64, "BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_fin": {"BKS": 64, "num_warps": 4, "num_stages": 1},
@@ -647,7 +655,7 @@ CONFIG: dict[str, dict[str, int]] = {
 # BV 32 costs +50..80 us.
 SMALL_GRID: dict[str, dict[str, int]] = {
     "fwd_state": {"BV": 32, "num_warps": 2, "num_stages": 3},
-    "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 3},
+    "bwd_state": {"BV": 32, "num_warps": 4, "num_stages": 3, "prefetch": 0},
 }
 
 
@@ -723,6 +731,8 @@ class _Launcher:
                 cfg = dict(SMALL_GRID[name])
         bv = self.v_tile(cfg)
         cfg.pop("BV", None)
+        if name == "bwd_state":  # PREFETCH (default on; always with float32 products, MODE 0)
+            const["PREFETCH"] = bool(cfg.pop("prefetch", 1)) or self.const["MODE"] == 0
         if "BKS" in cfg:
             const["BKS"] = self.k_slice(name)
             cfg.pop("BKS")
