@@ -109,21 +109,20 @@ def _interpreter_check() -> list[dict[str, float]]:
     inputs, reset = make_inputs(batch=2, seqlen=45, groups=1, nheads=2, d_state=10, headdim=12,
                                 n_angles=3, dtype=torch.float32, device="cpu", seed=0)
     errors = compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)
-    # d_state filling the pair tile, in two 8-pair _prep tiles (one row load split in two each)
-    inputs, reset = make_inputs(batch=1, seqlen=20, groups=1, nheads=2, d_state=32, headdim=16,
-                                n_angles=5, dtype=torch.float32, device="cpu", seed=1)
-    with mock.patch.dict(TUNING, prep_pairs=8):
+    # d_state 2 N2B (q, k rows loaded whole and split in two), in two 16-pair state tiles and
+    # two 16-pair _bwd_dqk tiles, the second one partly rotated (20 of 32 pairs)
+    inputs, reset = make_inputs(batch=1, seqlen=20, groups=1, nheads=2, d_state=64, headdim=16,
+                                n_angles=20, dtype=torch.float32, device="cpu", seed=1)
+    with mock.patch.dict(TUNING, dqk_pairs=16):
         errors = [errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
     # 2 q/k groups of 2 heads, 3 chunks of 32 (dq, dk summed over a group's heads)
     inputs, reset = make_inputs(batch=2, seqlen=70, groups=2, nheads=4, d_state=12, headdim=8,
                                 n_angles=2, dtype=torch.float32, device="cpu", seed=3)
     errors = [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
-    # two state tiles of pairs (d_state 40 -> 32 padded pairs), 8-pair _prep/_bwd_post tiles,
-    # two 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), one head per
-    # _bwd_post program (dq, dk summed from per-head partials), _prep run again in the
-    # backward instead of saving its outputs, and y before the gate formed again for dz
-    TUNING.update(prep_pairs=8, tile_pairs=8, dqk_pairs=16, post_heads=1, save_rotated=False,
-                  save_y_pre=False)
+    # two state tiles of pairs (d_state 40 -> 32 padded pairs, strided pair loads), two
+    # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), and y before the
+    # gate formed again for dz
+    TUNING.update(dqk_pairs=16, save_y_pre=False)
     inputs, reset = make_inputs(batch=1, seqlen=40, groups=1, nheads=2, d_state=40, headdim=16,
                                 n_angles=9, dtype=torch.float32, device="cpu", seed=4)
     return [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]

@@ -16,34 +16,39 @@ state passed between chunks is re-expressed in the next chunk's frame by rotatin
 ``-phi_c`` (phi_c = the chunk's total angle). No long cumulative angle is ever formed, and
 the angle backward is chunk-local too (``d phi_c`` comes from the state's rotation).
 
-Halves layout. ``rot`` turns pairs ``(n = 2j, n = 2j+1)``. Every rotated [*, N] operand is
-stored as its even components then its odd ones, ``[*, 2, N2B]`` (pairs j >= R get angle 0,
-padding is 0), so a rotation is elementwise on the two halves and a dot product over N is one
-dot over the whole ``2 * N2B`` row.
+Halves layout. ``rot`` turns pairs ``(n = 2j, n = 2j+1)``. Every kernel splits q and k into
+their even and odd components, ``[T, pairs]`` each (pairs j >= R get angle 0, padding is 0),
+so a rotation is elementwise on the two halves and a dot product over N is two dots, one per
+half; the chunk states are stored in the same layout, ``[P, 2, N2B]``.
+
+Rotation table. q and k are shared by a group's heads but the angle is per head, so a
+rotated copy per head would be 2 x [B, H, L, N]. Instead _prep writes, per head and token,
+cos and sin of the in-chunk angle of the R rotated pairs ([B, H, L, 2, RB], float16; float32
+for float32 ``v``): 4x fewer bytes than the rotated copies at N = 128, R = 32, and every
+kernel rotates the (L2-resident, shared) q / k rows it loads with a few multiply-adds.
 
 Kernels (grid; C = chunks, J = tiles of pairs):
-  _prep      (H, C, B)   per head: q, k biased and rotated into the chunk frame (QR, KR, halves
-                         layout, rows padded to whole chunks), the per-token scalars
-                         a (in-chunk cumsum of adt), scale, gamma, and phi_c
+  _prep      (H, C, B)   per head: the rotation table (rows padded to whole chunks), the
+                         per-token scalars a (in-chunk cumsum of adt), scale, gamma, and phi_c
   forward    _state_fwd  (J, H, B)  walks the chunks: S_in[c] (stored), the final state
              _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
   backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
              _bwd_dx     (H, C, B)  dx, dz, dD
-             _bwd_dqk    (H, C, B*J')  for a tile of pairs (J' tiles): d(q, k) in the rotated
-                                    frame (stored per head, operand dtype), d ell (float32,
-                                    from the float32 d(q, k) and the state's rotation), the
-                                    tile's shares of the adt grad, d scale and d gamma
-             _bwd_post   (C, J, B*G*head blocks)  angle grads and dt's angle part from d ell;
-                                    d(q, k) rotated back, summed over a block of the group's
-                                    heads, and the bias grads
-  host       dt and trap grads from d scale / d gamma (the first token of a chunk takes the
-             previous chunk's last d scale), sums of the per-block partials
+             _bwd_dqk    (H, C, B*J')  for a tile of pairs (J' tiles): d(q, k) rotated back and
+                                    stored per head (operand dtype) with the bias grads'
+                                    parts; d ell (from the float32 d(q, k) in the rotated
+                                    frame and the state's rotation) and from it, in the
+                                    chunk, the angle grads and dt's angle part; the tile's
+                                    shares of the adt grad, d scale and d gamma
+  host       d(q, k) summed over each group's heads; dt and trap grads from d scale / d gamma
+             (the first token of a chunk takes the previous chunk's last d scale); sums of
+             the per-tile and per-chunk partials
 The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
 all T x T and T x N work is in the chunk-parallel kernels.
-Saved for backward: the inputs, S_in [B, H, C, P, N], (``TUNING["save_y_pre"]``, with z) y
-before the gate, and (``TUNING["save_rotated"]``) QR, KR
-(bf16; float32 for float32 ``v``); without it _prep runs again in the backward.
-Backward scratch: G (as S_in), d(q, k) per head (as QR), d ell, float32 per-token partials.
+Saved for backward: the inputs (q, k and their biases made contiguous), _prep's outputs,
+S_in [B, H, C, P, 2, N2B] (bf16; float32 for float32 ``v``) and (``TUNING["save_y_pre"]``,
+with z) y before the gate.
+Backward scratch: G (as S_in), d(q, k) per head [B, L, H, N], float32 per-token partials.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ CHUNK_SIZES = (16, 32, 64)
 # (benchmarks/results/kernels/mamba3_h100_s3.log, h100_s7/mamba3_sweep_h100_s7.log). The
 # kernels are latency-bound (ncu: long-scoreboard stalls after loads, one or two programs per
 # SM), so the register caps (maxnreg) buy more programs per SM: _out_fwd 2 -> 3,
-# _state_bwd 3 -> 5, _bwd_post 3 -> 4. _state_fwd at num_stages 3 (loads two chunks ahead):
+# _state_bwd 3 -> 5 (both measured with the per-head rotated copies of session 10). _state_fwd at num_stages 3 (loads two chunks ahead):
 # 377-383 -> 325-326 us at L 4096 in two H100 runs (h100_s10); 4 stages, or 3 for _state_bwd,
 # were slower
 TUNING = {
@@ -76,21 +81,14 @@ TUNING = {
         "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 96},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
         "bwd_dqk": {"num_warps": 4, "num_stages": 1},
-        "bwd_post": {"num_warps": 4, "num_stages": 1, "maxnreg": 128},
     },
     "pairs": 16,  # state tile of the sequential kernels
-    "prep_pairs": 64,  # pairs per program of _prep (32 or 16: 0.88 vs 0.71 ms, h100_s10)
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
-    "tile_pairs": 16,  # pairs per program of _bwd_post
-    "post_heads": 64,  # heads per program of _bwd_post (a divisor of the heads per group)
     "max_chunk": 64,
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
-    # keep _prep's per-head QR/KR from the forward for the backward (2 x [B, H, L, N] in the
-    # operand dtype) instead of running _prep again
-    "save_rotated": True,
     # with a gate z: keep y before the gate (y_pre, [B, L, H, P] in v's dtype) from _out_fwd for
     # dz, instead of _bwd_dx forming it again from S_in (a [T, N] x [N, P] and a [T, T] x [T, P]
     # product and S_in's read per chunk)
@@ -202,15 +200,22 @@ def _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin):
 
 
 @triton.jit
-def _store_rotated(X, BIAS, OUT, h, row, off, live, j, j0, N, s_n, sb_h, sb_n, cos, sin,
-                   N2B: tl.constexpr, PAIRED: tl.constexpr):
-    """rot(x + bias_h, ell) of the q or k rows at offsets ``row``, stored at ``off`` of a
-    halves-layout buffer (even components, then odd ones N2B further)."""
-    bias_e, bias_o = _bias_pairs(BIAS, h, j, N, sb_h, sb_n)
-    raw_e, raw_o = _pairs(X, row, live, j, j0, N, s_n, PAIRED)
-    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
-    tl.store(OUT + off, x_e.to(OUT.dtype.element_ty))
-    tl.store(OUT + off + N2B, x_o.to(OUT.dtype.element_ty))
+def _rot_table(CS, row, j, R, RB: tl.constexpr):
+    """cos, sin [T, pairs j] (float32) of the in-chunk angle at the padded rows ``row`` of
+    _prep's table (1 and 0 for the pairs j >= R, which are not rotated)."""
+    ptr = CS + row.to(tl.int64)[:, None] * (2 * RB) + j[None, :]
+    m = (j < R)[None, :]
+    cos = tl.load(ptr, mask=m, other=1.0).to(tl.float32)
+    sin = tl.load(ptr + RB, mask=m, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotated(X, xrow, live, j, j0, N, bias_e, bias_o, cos, sin, PAIRED: tl.constexpr):
+    """rot(x + bias, ell) [T, pairs j = j0 + arange] of the rows at offsets ``xrow`` of a
+    contiguous q or k: even and odd halves in float32, 0 past the end."""
+    raw_e, raw_o = _pairs(X, xrow, live, j, j0, N, 1, PAIRED)
+    return _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
 
 
 @triton.jit
@@ -257,12 +262,6 @@ def _load_scalars(SC, row, n_sc):
 
 
 @triton.jit
-def _load_rows(X, row, cols, NW: tl.constexpr):
-    """[T, cols] of a row-major [*, NW] buffer (QR, KR and the d(q, k) scratch)."""
-    return tl.load(X + row.to(tl.int64)[:, None] * NW + cols[None, :])
-
-
-@triton.jit
 def _state_offsets(bhc, p, cols, P, NW: tl.constexpr):
     """Offsets [BP, cols] into a [*, P, NW] state buffer (halves layout) of chunk ``bhc``."""
     return (bhc.to(tl.int64) * P + p[:, None]) * NW + cols[None, :]
@@ -305,56 +304,69 @@ def _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, s
 
 # -- per-head operands -----------------------------------------------------------------------
 @triton.jit
-def _prep(Q, K, ADT, DT, TRAP, ANG, QBIAS, KBIAS, QR, KR, SC, PHI,
-          sq_b, sq_l, sq_g, sq_n, sk_b, sk_l, sk_g, sk_n,
-          sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
-          sg_b, sg_l, sg_h, sg_r, sqb_h, sqb_n, skb_h, skb_n,
-          B, L, H, G, NC, NJ, N, R,
-          T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr,
-          PAIRED: tl.constexpr):
-    """One chunk of one head, JB pairs: QR, KR rows (halves layout), phi_c; the first pair
-    tile also writes a / scale / gamma."""
-    h, c, bj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = bj // NJ
-    pid_j = bj % NJ
-    g = h // (H // G)
+def _prep(ADT, DT, TRAP, ANG, SC, PHI, CS, sa_b, sa_l, sa_h, sd_b, sd_l, sd_h, st_b, st_l, st_h,
+          sg_b, sg_l, sg_h, sg_r, B, L, H, NC, R,
+          T: tl.constexpr, RB: tl.constexpr, FAST: tl.constexpr):
+    """One chunk of one head: a / scale / gamma, the rotation table (cos and sin of the
+    in-chunk angle ell of every rotated pair, [T, 2, RB] per chunk) and phi_c."""
+    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tl.arange(0, T)
-    j = pid_j * JB + tl.arange(0, JB)
-    t0 = c * T
-    tok = t0 + t
+    j = tl.arange(0, RB)
+    tok = c * T + t
     live = tok < L
-    a, dt, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, t0, L, sa_b, sa_l, sa_h,
+    a, dt, gamma, scale = _chunk_scalars(ADT, DT, TRAP, b, h, c * T, L, sa_b, sa_l, sa_h,
                                          sd_b, sd_l, sd_h, st_b, st_l, st_h, T)
     row = (b * H + h) * (NC * T) + tok  # rows padded to whole chunks
-    if pid_j == 0:
-        n_sc = B * H * NC * T
-        tl.store(SC + row, a)
-        tl.store(SC + n_sc + row, scale)
-        tl.store(SC + 2 * n_sc + row, gamma)
+    n_sc = B * H * NC * T
+    tl.store(SC + row, a)
+    tl.store(SC + n_sc + row, scale)
+    tl.store(SC + 2 * n_sc + row, gamma)
     th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
-    ell = tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0)  # [T, JB]
-    tl.store(PHI + ((b * H + h) * NC + c) * N2B + j,
+    ell = tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0)  # [T, RB]
+    tl.store(PHI + ((b * H + h) * NC + c) * RB + j,
              tl.sum(tl.where((t == T - 1)[:, None], ell, 0.0), axis=0))
     cos, sin = _cos_sin(ell, FAST)
-    off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
-    _store_rotated(Q, QBIAS, QR, h, b * sq_b + tok * sq_l + g * sq_g, off, live, j, pid_j * JB,
-                   N, sq_n, sqb_h, sqb_n, cos, sin, N2B, PAIRED)
-    _store_rotated(K, KBIAS, KR, h, b * sk_b + tok * sk_l + g * sk_g, off, live, j, pid_j * JB,
-                   N, sk_n, skb_h, skb_n, cos, sin, N2B, PAIRED)
+    off = row.to(tl.int64)[:, None] * (2 * RB) + j[None, :]
+    tl.store(CS + off, cos.to(CS.dtype.element_ty))
+    tl.store(CS + off + RB, sin.to(CS.dtype.element_ty))
+
+
+@triton.jit
+def _qk_rows(b, tok, g, L, G, N):
+    """Offsets [T] of the rows of a contiguous [B, L, G, N] q or k."""
+    return ((b * L + tok) * G + g) * N
+
+
+@triton.jit
+def _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, g, tok, row, live, L, G, N, R,
+              N2B: tl.constexpr, RB: tl.constexpr, PAIRED: tl.constexpr):
+    """A chunk's q and k [T, N2B], biased and rotated (even and odd halves, float32)."""
+    j = tl.arange(0, N2B)
+    cos, sin = _rot_table(CS, row, j, R, RB)
+    xrow = _qk_rows(b, tok, g, L, G, N)
+    qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
+    q_e, q_o = _rotated(Q, xrow, live, j, 0, N, qb_e, qb_o, cos, sin, PAIRED)
+    kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
+    k_e, k_o = _rotated(K, xrow, live, j, 0, N, kb_e, kb_o, cos, sin, PAIRED)
+    return q_e, q_o, k_e, k_o
 
 
 # -- forward ---------------------------------------------------------------------------------
 @triton.jit
-def _state_fwd(V, KR, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p, B, L, H, NC, P,
-               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr,
-               HAS_RESET: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
+def _state_fwd(K, KBIAS, CS, V, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p,
+               B, L, H, G, NC, P, N, R,
+               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+               JB: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
+               FAST: tl.constexpr, PAIRED: tl.constexpr):
     """Walks one head's chunks for a tile of JB pairs: stores S_in[c], then the final state.
     S_in[c + 1] = rot(-phi_c)(decay_c S_in[c] + sum_s w_state_s x_s k_s^T)."""
     pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = h // (H // G)
     t = tl.arange(0, T)
     p = tl.arange(0, BP)
     mp = p < P
     j = pid_j * JB + tl.arange(0, JB)
+    kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
     n_sc = B * H * NC * T
     s_e = tl.zeros([BP, JB], dtype=tl.float32)  # the state entering chunk c, in its frame
     s_o = tl.zeros([BP, JB], dtype=tl.float32)
@@ -362,17 +374,21 @@ def _state_fwd(V, KR, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_p, B, L, H
         bhc = (b * H + h) * NC + c
         _store_state(SIN, bhc, p, mp, j, P, s_e, s_o, N2B)
         tok = c * T + t
+        live = tok < L
         row = (b * H + h) * (NC * T) + tok
         a = tl.load(SC + row)
         scale = tl.load(SC + n_sc + row)
         seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
         _carry, _to_end, w_state, decay = _weights(a, scale, seg, T)
         x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p),
-                    mask=(tok < L)[:, None] & mp[None, :], other=0.0)
+                    mask=live[:, None] & mp[None, :], other=0.0)
         xw = tl.trans(x.to(tl.float32) * w_state[:, None])  # [BP, T]
-        u_e = decay * s_e + _mm(xw, _load_rows(KR, row, j, 2 * N2B), DOT)
-        u_o = decay * s_o + _mm(xw, _load_rows(KR, row, N2B + j, 2 * N2B), DOT)
-        cp, sp = _cos_sin(tl.load(PHI + bhc * N2B + j), FAST)
+        cos, sin = _rot_table(CS, row, j, R, RB)
+        k_e, k_o = _rotated(K, _qk_rows(b, tok, g, L, G, N), live, j, pid_j * JB, N, kb_e, kb_o,
+                            cos, sin, PAIRED)
+        u_e = decay * s_e + _mm(xw, k_e, DOT)
+        u_o = decay * s_o + _mm(xw, k_o, DOT)
+        cp, sp = _cos_sin(tl.load(PHI + bhc * RB + j, mask=j < R, other=0.0), FAST)
         cp, sp = cp[None, :], sp[None, :]
         s_e, s_o = u_e * cp + u_o * sp, u_o * cp - u_e * sp
     _store_state(SFIN, b * H + h, p, mp, j, P, s_e, s_o, N2B)
@@ -395,43 +411,50 @@ def _chunk_program(SC, RESET, B, L, H, NC, P, T: tl.constexpr, BP: tl.constexpr,
 
 
 @triton.jit
-def _chunk_scores(QR, KR, row, a, scale, gamma, seg, T: tl.constexpr, N2B: tl.constexpr,
-                  DOT: tl.constexpr):
-    """q, k [T, 2 N2B] of a chunk's rows, scores = (q k^T) * W [T, T], carry and w_state."""
-    cols = tl.arange(0, 2 * N2B)
+def _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T: tl.constexpr, DOT: tl.constexpr):
+    """scores = (q k^T) * W [T, T] of a chunk's q, k halves; carry and w_state."""
     carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
     w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    q = _load_rows(QR, row, cols, 2 * N2B)
-    k = _load_rows(KR, row, cols, 2 * N2B)
-    return q, k, _mm(q, tl.trans(k), DOT) * w, carry, w_state
+    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)
+    return qk * w, carry, w_state
 
 
 @triton.jit
-def _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B: tl.constexpr,
+def _state_dot(X_e, X_o, S, bhc, p, mp, P, N2B: tl.constexpr, DOT: tl.constexpr):
+    """X S^T [T, BP] of the [T, N2B] halves X_e, X_o and chunk ``bhc``'s state tile of S."""
+    j = tl.arange(0, N2B)
+    s_e = _state_t(S, bhc, p, mp, j, P, 2 * N2B)  # [N2B, BP]
+    s_o = _state_t(S, bhc, p, mp, N2B + j, P, 2 * N2B)
+    return _mm(X_e, s_e, DOT) + _mm(X_o, s_o, DOT)
+
+
+@triton.jit
+def _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, mp, P, N2B: tl.constexpr,
               DOT: tl.constexpr):
     """y before the gate [T, BP]: intra (scores x) + carry q S_in^T + D x."""
-    s_t = _state_t(SIN, bhc, p, mp, tl.arange(0, 2 * N2B), P, 2 * N2B)  # [NW, BP]
-    return (_mm(scores, x, DOT) + carry[:, None] * _mm(q, s_t, DOT)
+    return (_mm(scores, x, DOT) + carry[:, None] * _state_dot(q_e, q_o, SIN, bhc, p, mp, P, N2B,
+                                                              DOT)
             + d_skip * x.to(tl.float32))
 
 
 @triton.jit
-def _out_fwd(QR, KR, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
-             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, B, L, H, NC, P,
-             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
-             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             STORE_YP: tl.constexpr):
+def _out_fwd(Q, K, QBIAS, KBIAS, CS, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
+             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, B, L, H, G, NC, P, N, R,
+             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+             HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
+             DOT: tl.constexpr, STORE_YP: tl.constexpr, PAIRED: tl.constexpr):
     """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z); STORE_YP: also
     y before the gate (YP, for dz)."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
-    q, _k, scores, carry, _w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B,
-                                                   DOT)
+    q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
+                                   tok < L, L, G, N, R, N2B, RB, PAIRED)
+    scores, carry, _w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(DSKIP + h).to(tl.float32)
-    y = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, p < P, P, N2B, DOT)
+    y = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, p < P, P, N2B, DOT)
     out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     if HAS_Z:
         if STORE_YP:
@@ -444,54 +467,61 @@ def _out_fwd(QR, KR, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
 
 # -- backward --------------------------------------------------------------------------------
 @triton.jit
-def _state_bwd(QR, Z, DY, SC, PHI, RESET, GST,
-               sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, B, L, H, NC, P,
-               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr,
-               HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-               FAST: tl.constexpr):
+def _state_bwd(Q, QBIAS, CS, Z, DY, SC, PHI, RESET, GST,
+               sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, B, L, H, G, NC, P, N, R,
+               T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+               JB: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
+               DOT: tl.constexpr, FAST: tl.constexpr, PAIRED: tl.constexpr):
     """dS[c] = dL/dS_in[c] walking backwards for a tile of JB pairs; stores
     G_c = dL/dU_c = rot(-phi_c)^T dS[c + 1]."""
     pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = h // (H // G)
     t = tl.arange(0, T)
     p = tl.arange(0, BP)
     mp = p < P
     j = pid_j * JB + tl.arange(0, JB)
+    qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
     ds_e = tl.zeros([BP, JB], dtype=tl.float32)  # dL/dS_in[c + 1]
     ds_o = tl.zeros([BP, JB], dtype=tl.float32)
     for i in range(NC):
         c = NC - 1 - i
         bhc = (b * H + h) * NC + c
-        cp, sp = _cos_sin(tl.load(PHI + bhc * N2B + j), FAST)
+        cp, sp = _cos_sin(tl.load(PHI + bhc * RB + j, mask=j < R, other=0.0), FAST)
         cp, sp = cp[None, :], sp[None, :]
         g_e = ds_e * cp - ds_o * sp
         g_o = ds_e * sp + ds_o * cp
         _store_state(GST, bhc, p, mp, j, P, g_e, g_o, N2B)
         tok = c * T + t
+        live = tok < L
         row = (b * H + h) * (NC * T) + tok
         a = tl.load(SC + row)
         seg = _segments(RESET, b, c * T, L, T, HAS_RESET)
         carry, _to_end, _w_state, decay = _weights(a, a, seg, T)  # (no scale needed)
-        do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, (tok < L)[:, None] & mp[None, :],
+        do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, live[:, None] & mp[None, :],
                                         sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, sz_h, sz_p, HAS_Z)
         do_t = tl.trans(do * carry[:, None])  # [BP, T]
-        ds_e = decay * g_e + _mm(do_t, _load_rows(QR, row, j, 2 * N2B), DOT)
-        ds_o = decay * g_o + _mm(do_t, _load_rows(QR, row, N2B + j, 2 * N2B), DOT)
+        cos, sin = _rot_table(CS, row, j, R, RB)
+        q_e, q_o = _rotated(Q, _qk_rows(b, tok, g, L, G, N), live, j, pid_j * JB, N, qb_e, qb_o,
+                            cos, sin, PAIRED)
+        ds_e = decay * g_e + _mm(do_t, q_e, DOT)
+        ds_o = decay * g_o + _mm(do_t, q_o, DOT)
 
 
 @triton.jit
-def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
+def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-            B, L, H, NC, P,
-            T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_D: tl.constexpr,
-            HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-            LOAD_YP: tl.constexpr):
+            B, L, H, G, NC, P, N, R,
+            T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+            HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
+            DOT: tl.constexpr, LOAD_YP: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD;
     LOAD_YP: dz from the forward's y before the gate (YP) instead of forming it again."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     mp = p < P
-    cols = tl.arange(0, 2 * N2B)
-    q, k, scores, carry, w_state = _chunk_scores(QR, KR, row, a, scale, gamma, seg, T, N2B, DOT)
+    q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
+                                   tok < L, L, G, N, R, N2B, RB, PAIRED)
+    scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                  sz_b, sz_l, sz_h, sz_p, HAS_Z)
@@ -504,27 +534,53 @@ def _bwd_dx(QR, KR, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
         if LOAD_YP:
             y_pre = tl.load(YP + out, mask=mask, other=0.0).to(tl.float32)
         else:
-            y_pre = _read_out(SIN, scores, x, q, carry, d_skip, bhc, p, mp, P, N2B, DOT)
+            y_pre = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, mp, P, N2B, DOT)
         tl.store(DZ + out, (dy * y_pre * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty),
                  mask=mask)
     dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
-          + w_state[:, None] * _mm(k, _state_t(GST, bhc, p, mp, cols, P, 2 * N2B), DOT))
+          + w_state[:, None] * _state_dot(k_e, k_o, GST, bhc, p, mp, P, N2B, DOT))
     tl.store(DV + out, dx.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
+def _store_unrotated(DH, DB, hrow, bias, live, j, j0, N, d_e, d_o, cos, sin,
+                     PAIRED: tl.constexpr):
+    """A head's d(q or k) [T, pairs j] rotated back to the biased, unrotated frame and stored
+    at rows ``hrow`` of a [*, N] buffer (DH's dtype); its sum over the chunk's tokens (the bias
+    grad's part) at ``bias`` of DB. PAIRED: the halves interleaved into one contiguous store."""
+    x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
+    x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
+    tl.store(DB + bias + 2 * j, tl.sum(x_e, axis=0), mask=2 * j < N)
+    tl.store(DB + bias + 2 * j + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
+    if PAIRED:
+        n = 2 * j0 + tl.arange(0, 2 * j.shape[0])
+        tl.store(DH + hrow[:, None] + n[None, :],
+                 tl.interleave(x_e, x_o).to(DH.dtype.element_ty), mask=live[:, None])
+    else:
+        ptr = DH + hrow[:, None] + 2 * j[None, :]
+        tl.store(ptr, x_e.to(DH.dtype.element_ty), mask=live[:, None] & (2 * j < N)[None, :])
+        tl.store(ptr + 1, x_o.to(DH.dtype.element_ty),
+                 mask=live[:, None] & (2 * j + 1 < N)[None, :])
+
+
+@triton.jit
+def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
+             DQH, DKH, DQB, DKB, DANG, DDTA, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-             B, L, H, NC, P,
-             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, HAS_Z: tl.constexpr,
-             HAS_RESET: tl.constexpr, DOT: tl.constexpr, JD: tl.constexpr):
+             sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r, B, L, H, G, NC, P, N, R,
+             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
+             JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
-    pairs in the rotated frame (stored in the operand dtype), the grad of each token's in-chunk
-    angle ell (float32), and the pair tile's share of the adt grad and of d scale / d gamma
-    (DADT, DSG: [N2B / JD, ...], summed on the host, which forms dt and trap grads from DSG).
-    Every scalar grad is linear in sums over pairs (q k^T, x^T G k, q S_in^T do, <G, S_in>),
-    so a tile's share needs its pairs only; d_qk = (do x^T) * W is whole in every tile."""
-    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+    pairs, rotated back and stored per head (DQH, DKH [B, L, H, N], summed over a group's heads
+    on the host) with their sums over the chunk (DQB, DKB: the bias grads' parts); the angle
+    grads (DANG) and the pair tile's shares of dt's angle part (DDTA), of the adt grad (DADT)
+    and of d scale / d gamma (DSG), all [N2B / JD, ...] and summed on the host, which forms dt
+    and trap grads from DSG. Every scalar grad is linear in sums over pairs (q k^T, x^T G k,
+    q S_in^T do, <G, S_in>, the angle terms), so a tile's share needs its pairs only;
+    d_qk = (do x^T) * W is whole in every tile. The in-chunk angle's grad d ell comes from
+    the float32 d(q, k) in the rotated frame and the state's rotation by -phi_c."""
+    h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
     jt = tl.program_id(2) % (N2B // JD)
     t = tl.arange(0, T)
@@ -533,10 +589,12 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
     j = jt * JD + tl.arange(0, JD)
     carry, to_end, w_state, decay = _weights(a, scale, seg, T)
     w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    q_e = _load_rows(QR, row, j, 2 * N2B)
-    q_o = _load_rows(QR, row, N2B + j, 2 * N2B)
-    k_e = _load_rows(KR, row, j, 2 * N2B)
-    k_o = _load_rows(KR, row, N2B + j, 2 * N2B)
+    xrow = _qk_rows(b, tok, h // (H // G), L, G, N)
+    cos, sin = _rot_table(CS, row, j, R, RB)
+    qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
+    q_e, q_o = _rotated(Q, xrow, live, j, jt * JD, N, qb_e, qb_o, cos, sin, PAIRED)
+    kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
+    k_e, k_o = _rotated(K, xrow, live, j, jt * JD, N, kb_e, kb_o, cos, sin, PAIRED)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                     sz_b, sz_l, sz_h, sz_p, HAS_Z)
@@ -545,46 +603,53 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
     s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
     g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
     g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
+    hrow = ((b * L + tok).to(tl.int64) * H + h) * N  # rows of DQH, DKH
+    bias = ((b * NC + c) * H + h) * N  # the bias grads' parts, [B, NC, H, N]
 
     # dq: intra + the carried state's read-out
     qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
     d_scores = _mm(do, tl.trans(x), DOT)
     d_qk = d_scores * w
     d_w = d_scores * qk
-    dos_e = _mm(do, s_e, DOT)  # [T, N2B]
+    dos_e = _mm(do, s_e, DOT)  # [T, JD]
     dos_o = _mm(do, s_o, DOT)
-    off = row.to(tl.int64)[:, None] * (2 * N2B) + j[None, :]
     dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
-    tl.store(DQR + off, dq_e.to(DQR.dtype.element_ty))
     dq_o = _mm(d_qk, k_o, DOT) + carry[:, None] * dos_o
-    tl.store(DQR + off + N2B, dq_o.to(DQR.dtype.element_ty))
-    qf_e, qf_o = q_e.to(tl.float32), q_o.to(tl.float32)
     # q_t . (do_t S_in) = do_t . (q_t S_in^T): the carried read-out's share of d a_t
-    q_s = tl.sum(qf_e * dos_e + qf_o * dos_o, axis=1)
-    # d ell (the in-chunk angle) from q's rotation, from the float32 dq
-    d_ell = qf_e * dq_o - qf_o * dq_e
+    q_s = tl.sum(q_e * dos_e + q_o * dos_o, axis=1)
+    d_ell = q_e * dq_o - q_o * dq_e  # d ell (the in-chunk angle) from q's rotation
+    _store_unrotated(DQH, DQB, hrow, bias, live, j, jt * JD, N, dq_e, dq_o, cos, sin, PAIRED)
 
     # dk: intra + k's use in the chunk state (m = x^T G per token)
-    m_e = _mm(x, g_e, DOT)  # [T, N2B]
+    m_e = _mm(x, g_e, DOT)  # [T, JD]
     m_o = _mm(x, g_o, DOT)
     d_qk_t = tl.trans(d_qk)
-    kf_e, kf_o = k_e.to(tl.float32), k_o.to(tl.float32)
     dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
-    tl.store(DKR + off, dk_e.to(DKR.dtype.element_ty))
     dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
-    tl.store(DKR + off + N2B, dk_o.to(DKR.dtype.element_ty))
-    d_ell += kf_e * dk_o - kf_o * dk_e
-    mk = tl.sum(m_e * kf_e + m_o * kf_o, axis=1)  # x_s^T G k_s
+    d_ell += k_e * dk_o - k_o * dk_e
+    _store_unrotated(DKH, DKB, hrow, bias, live, j, jt * JD, N, dk_e, dk_o, cos, sin, PAIRED)
+    mk = tl.sum(m_e * k_e + m_o * k_o, axis=1)  # x_s^T G k_s
 
     # the state's rotation by -phi_c (phi_c = the last token's ell): the pairwise cross terms
     # of G with U and with S_in; and <G, S_in> (the chunk decay's grad)
     g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
     s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
-    d_phi = (tl.sum(w_state[:, None] * (m_e * kf_o - m_o * kf_e), axis=0)
+    d_phi = (tl.sum(w_state[:, None] * (m_e * k_o - m_o * k_e), axis=0)
              + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
     d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
-    tl.store(DELL + row.to(tl.int64)[:, None] * N2B + j[None, :], d_ell)
     d_dec = tl.sum(g_e * s_e + g_o * s_o)
+
+    # the angles: ell = cumsum over the chunk of pi tanh(angle) dt, so d(pi tanh(angle) dt) is
+    # the reverse cumsum of d ell
+    d_rate = tl.cumsum(d_ell, axis=0, reverse=True)
+    th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
+    dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0).to(tl.float32)
+    tsc = (b * L + tok) * H + h  # [B, L, H] offsets of the chunk's tokens
+    d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
+    tl.store(DANG + tsc.to(tl.int64)[:, None] * R + j[None, :], d_ang.to(DANG.dtype.element_ty),
+             mask=live[:, None] & (j < R)[None, :])
+    sc = jt * (B * L * H) + tsc
+    tl.store(DDTA + sc, tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
 
     # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
     z_dec = d_w * decay_tt
@@ -593,77 +658,10 @@ def _bwd_dqk(QR, KR, V, Z, DY, SC, RESET, SIN, GST, DQR, DKR, DELL, DADT, DSG,
     d_scale = tl.sum(z_dec, axis=0) + to_end * mk
     d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * q_s - w_mk
     d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
-    sc = jt * (B * L * H) + (b * L + tok) * H + h
     tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
     tl.store(DSG + sc, d_scale, mask=live)
     d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1) + d_scale
     tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma, mask=live)
-
-
-@triton.jit
-def _unrotate(DR, DB, row, bias, j, live, cos, sin, N, N2B: tl.constexpr):
-    """A head's d(q or k) rows [T, pairs j] from the rotated frame (DR) back to the biased,
-    unrotated one; stores their sum over the chunk's tokens (the bias grad's part, DB)."""
-    d_e = _load_rows(DR, row, j, 2 * N2B).to(tl.float32)
-    d_o = _load_rows(DR, row, N2B + j, 2 * N2B).to(tl.float32)
-    x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
-    x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
-    tl.store(DB + bias, tl.sum(x_e, axis=0), mask=2 * j < N)
-    tl.store(DB + bias + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
-    return x_e, x_o
-
-
-@triton.jit
-def _bwd_post(DT, ANG, DQR, DKR, DELL, DQ, DK, DQB, DKB, DANG, DDTA,
-              sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
-              B, L, H, G, NC, N, R, HB,
-              T: tl.constexpr, N2B: tl.constexpr, JB: tl.constexpr, FAST: tl.constexpr):
-    """One chunk, JB pairs, HB heads of one q/k group: each head's angle grads and dt's angle
-    part from d ell, and its d(q, k) rotated back and summed over the heads (a partial dq, dk
-    per head block), with the bias grads."""
-    c, pid_j, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    nhb = H // G // HB  # head blocks per group
-    b = pid // (G * nhb)
-    g = (pid // nhb) % G
-    hb = pid % nhb
-    t = tl.arange(0, T)
-    tok = c * T + t
-    live = tok < L
-    j = pid_j * JB + tl.arange(0, JB)
-    dq_acc_e = tl.zeros([T, JB], dtype=tl.float32)
-    dq_acc_o = tl.zeros([T, JB], dtype=tl.float32)
-    dk_acc_e = tl.zeros([T, JB], dtype=tl.float32)
-    dk_acc_o = tl.zeros([T, JB], dtype=tl.float32)
-    for i in range(HB):
-        h = (g * nhb + hb) * HB + i
-        dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0)
-        dt = dt.to(tl.float32)
-        th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
-        row = (b * H + h) * (NC * T) + tok
-        # ell = cumsum(pi tanh(angle) dt): d(pi tanh(angle) dt) is the reverse cumsum of d ell
-        d_rate = tl.cumsum(_load_rows(DELL, row, j, N2B), axis=0, reverse=True)
-        sc = (b * L + tok) * H + h
-        d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
-        tl.store(DANG + sc.to(tl.int64)[:, None] * R + j[None, :],
-                 d_ang.to(DANG.dtype.element_ty), mask=live[:, None] & (j < R)[None, :])
-        tl.store(DDTA + pid_j * (B * L * H) + sc,
-                 tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
-        # back to the unrotated frame: the bias grads, and dq, dk summed over the heads
-        cos, sin = _cos_sin(tl.cumsum(3.141592653589793 * th * dt[:, None], axis=0), FAST)
-        bias = ((b * NC + c) * H + h) * N + 2 * j
-        x_e, x_o = _unrotate(DQR, DQB, row, bias, j, live, cos, sin, N, N2B)
-        dq_acc_e += x_e
-        dq_acc_o += x_o
-        x_e, x_o = _unrotate(DKR, DKB, row, bias, j, live, cos, sin, N, N2B)
-        dk_acc_e += x_e
-        dk_acc_o += x_o
-    out = (((hb * B + b) * L + tok) * G + g).to(tl.int64)[:, None] * N + 2 * j[None, :]
-    m_e = live[:, None] & (2 * j < N)[None, :]
-    m_o = live[:, None] & (2 * j + 1 < N)[None, :]
-    tl.store(DQ + out, dq_acc_e, mask=m_e)
-    tl.store(DQ + out + 1, dq_acc_o, mask=m_o)
-    tl.store(DK + out, dk_acc_e, mask=m_e)
-    tl.store(DK + out + 1, dk_acc_o, mask=m_o)
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -679,9 +677,9 @@ class _Geometry(NamedTuple):
     NC: int  # chunks
     BP: int  # P padded to a power of two (>= 16)
     N2B: int  # N / 2 pairs padded to a power of two (>= 16)
+    RB: int  # R rotated pairs padded to a power of two (>= 16, <= N2B): the table's width
     JB: int  # pairs per program of the sequential kernels (NJ = N2B // JB tiles)
-    JP: int  # pairs per program of _bwd_post
-    HB: int  # heads per program of _bwd_post
+    PAIRED: bool  # N = 2 N2B: a tile's pairs are contiguous columns of q, k (one row load)
 
 
 def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometry:
@@ -694,18 +692,17 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
         raise MegaCppError(f"mamba3_scan triton: needs headdim <= {MAX_HEADDIM} and d_state <= "
                            f"{MAX_D_STATE}, got {P} and {N} (use the reference)")
     N2B = max(16, triton.next_power_of_2((N + 1) // 2))
+    RB = max(16, triton.next_power_of_2(R))  # R <= N // 2, so RB <= N2B
     T = min(chunk_size, TUNING["max_chunk"])  # any chunking computes the same function
     if v.dtype == torch.float32:
         T = min(T, 32)  # float32 operands of 64-token chunks overflow shared memory
     NC = triton.cdiv(L, T)
-    if max(v.numel(), angles.numel(), q.numel(), B * H * NC * T * 2 * N2B) >= 2**31:
+    BP = max(16, triton.next_power_of_2(P), TUNING["min_bp"] if T == 64 else 16)
+    if max(v.numel(), angles.numel(), B * L * H * N, B * H * NC * BP * 2 * N2B) >= 2**31:
         raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
                            "supported (32-bit offsets); split the batch")
-    per_group = H // G
-    HB = max(d for d in range(1, min(per_group, TUNING["post_heads"]) + 1) if per_group % d == 0)
-    BP = max(16, triton.next_power_of_2(P), TUNING["min_bp"] if T == 64 else 16)
-    return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B,
-                     min(N2B, TUNING["pairs"]), min(N2B, TUNING["tile_pairs"]), HB)
+    return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B, RB, min(N2B, TUNING["pairs"]),
+                     N == 2 * N2B)
 
 
 def _launch(kernel: str) -> dict[str, int]:
@@ -713,11 +710,17 @@ def _launch(kernel: str) -> dict[str, int]:
 
 
 def _precision(v: Tensor) -> tuple[torch.dtype, tl.dtype, bool]:
-    """(operand storage dtype, matmul operand dtype, fast trig): float32 with accurate trig
-    for float32 v; else bf16 with the hardware sin/cos (not in the CPU interpreter)."""
+    """(rotation table dtype, matmul operand dtype, fast trig): float32 with accurate trig for
+    float32 v; else float16 cos / sin (11 bits, finer than the bf16 operands they rotate),
+    bf16 products and the hardware sin/cos (not in the CPU interpreter)."""
     if v.dtype == torch.float32:
         return torch.float32, tl.float32, False
-    return torch.bfloat16, tl.bfloat16, v.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    return torch.float16, tl.bfloat16, v.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _operand_dtype(v: Tensor) -> torch.dtype:
+    """Storage of the chunk states and the per-head d(q, k): the matmul operand dtype."""
+    return torch.float32 if v.dtype == torch.float32 else torch.bfloat16
 
 
 def _strides(t: Tensor | None, ndim: int) -> tuple[int, ...]:
@@ -725,46 +728,39 @@ def _strides(t: Tensor | None, ndim: int) -> tuple[int, ...]:
 
 
 class _Operands(NamedTuple):
-    """What _prep writes: per-head rotated q/k (halves layout), a / scale / gamma, phi."""
+    """What _prep writes: the rotation table, a / scale / gamma, phi."""
 
-    qr: Tensor  # [B, H, NC * T, 2 * N2B]
-    kr: Tensor
+    cs: Tensor  # [B, H, NC * T, 2, RB] cos, sin of the in-chunk angle (float16; float32)
     sc: Tensor  # [3, B, H, NC * T] float32
-    phi: Tensor  # [B, H, NC, N2B] float32
+    phi: Tensor  # [B, H, NC, RB] float32
 
 
-def _prep_operands(geo: _Geometry, args: tuple, st: dict, dtype: torch.dtype,
+def _prep_operands(geo: _Geometry, args: tuple, st: dict, cs_dtype: torch.dtype,
                    fast: bool) -> _Operands:
-    q, k, v, adt, dt, trap, angles, q_bias, k_bias, _D, _z, _rst = args
-    B, L, H, G, _P, N, R, T, NC = geo[:9]
-    dev = v.device
-    qr = torch.empty(B, H, NC * T, 2 * geo.N2B, device=dev, dtype=dtype)
-    kr = torch.empty_like(qr)
+    adt, dt, trap, angles = args[3:7]
+    B, H, T, NC, RB = geo.B, geo.H, geo.T, geo.NC, geo.RB
+    dev = adt.device
+    cs = torch.empty(B, H, NC * T, 2, RB, device=dev, dtype=cs_dtype)
     sc = torch.empty(3, B, H, NC * T, device=dev, dtype=torch.float32)
-    phi = torch.empty(B, H, NC, geo.N2B, device=dev, dtype=torch.float32)
-    jb = min(geo.N2B, TUNING["prep_pairs"])
-    nj = geo.N2B // jb
-    _prep[(H, NC, B * nj)](
-        q, k, adt, dt, trap, angles, q_bias, k_bias, qr, kr, sc, phi,
-        *st["q"], *st["k"], *st["adt"], *st["dt"], *st["trap"], *st["ang"], *st["qb"],
-        *st["kb"], B, L, H, G, NC, nj, N, R, T=T, N2B=geo.N2B, JB=jb, FAST=fast,
-        PAIRED=N == 2 * geo.N2B and q.stride(-1) == 1 and k.stride(-1) == 1,
-        **_launch("prep"))
-    return _Operands(qr, kr, sc, phi)
+    phi = torch.empty(B, H, NC, RB, device=dev, dtype=torch.float32)
+    _prep[(H, NC, B)](
+        adt, dt, trap, angles, sc, phi, cs, *st["adt"], *st["dt"], *st["trap"], *st["ang"],
+        B, geo.L, H, NC, geo.R, T=T, RB=RB, FAST=fast, **_launch("prep"))
+    return _Operands(cs, sc, phi)
 
 
-def _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias) -> dict[str, tuple]:
-    return {"q": _strides(q, 4), "k": _strides(k, 4), "v": _strides(v, 4), "z": _strides(z, 4),
-            "adt": _strides(adt, 3), "dt": _strides(dt, 3), "trap": _strides(trap, 3),
-            "ang": _strides(angles, 4), "qb": _strides(q_bias, 2), "kb": _strides(k_bias, 2)}
+def _common_strides(v, z, adt, dt, trap, angles) -> dict[str, tuple]:
+    return {"v": _strides(v, 4), "z": _strides(z, 4), "adt": _strides(adt, 3),
+            "dt": _strides(dt, 3), "trap": _strides(trap, 3), "ang": _strides(angles, 4)}
 
 
 def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Tensor,
                  phi: Tensor) -> Mamba3ScanState:
     """The reference's final state in its global frame (angle mod 2 pi), without gradient."""
     L, H, G, N, R = geo.L, geo.H, geo.G, geo.N, geo.R
-    total = torch.remainder(phi.double().sum(2), 2 * math.pi).float()  # [B, H, N2B]
-    cos, sin = torch.cos(total)[:, :, None], torch.sin(total)[:, :, None]
+    total = torch.remainder(phi.double().sum(2), 2 * math.pi).float()  # [B, H, RB]
+    total_n = torch.nn.functional.pad(total, (0, geo.N2B - geo.RB))  # pairs >= RB: angle 0
+    cos, sin = torch.cos(total_n)[:, :, None], torch.sin(total_n)[:, :, None]
     s_e, s_o = s_fin[..., 0, :], s_fin[..., 1, :]  # [B, H, P, N2B]
     ssm = torch.stack([s_e * cos - s_o * sin, s_e * sin + s_o * cos], dim=-1)
     ssm = ssm.flatten(-2)[..., :N].contiguous()
@@ -773,85 +769,92 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
     return Mamba3ScanState(angle, ssm, _rotate(k_last, angle), v[:, L - 1].float())
 
 
+def _qk_args(args: tuple, ops: _Operands) -> tuple:
+    """q, k, q_bias, k_bias (contiguous) and the rotation table: what every kernel that
+    rotates q or k reads."""
+    q, k, q_bias, k_bias = args[0], args[1], args[7], args[8]
+    return q, k, q_bias, k_bias, ops.cs
+
+
 def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
              fast: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """_state_fwd then _out_fwd: y, S_in, the final state [B, H, P, 2, N2B], and y before the
     gate (``TUNING["save_y_pre"]`` with z, else None)."""
-    v, D, z, rst = args[2], args[9], args[10], args[11]
-    B, L, H, P, T, NC = geo.B, geo.L, geo.H, geo.P, geo.T, geo.NC
+    _q, k, v, D, z, rst = args[0], args[1], args[2], args[9], args[10], args[11]
+    B, L, H, G, P, N, R, T, NC = geo[:9]
     dev = v.device
-    s_in = torch.empty(B, H, NC, P, 2, geo.N2B, device=dev, dtype=ops.qr.dtype)
+    dims = (B, L, H, G, NC, P, N, R)
+    const = {"T": T, "BP": geo.BP, "N2B": geo.N2B, "RB": geo.RB, "HAS_RESET": rst is not None,
+             "DOT": dot, "PAIRED": geo.PAIRED}
+    s_in = torch.empty(B, H, NC, P, 2, geo.N2B, device=dev, dtype=_operand_dtype(v))
     s_fin = torch.empty(B, H, P, 2, geo.N2B, device=dev, dtype=torch.float32)
     _state_fwd[(geo.N2B // geo.JB, H, B)](
-        v, ops.kr, ops.sc, ops.phi, rst, s_in, s_fin, *st["v"], B, L, H, NC, P,
-        T=T, BP=geo.BP, N2B=geo.N2B, JB=geo.JB, HAS_RESET=rst is not None, DOT=dot,
-        FAST=fast, **_launch("state_fwd"))
+        k, args[8], ops.cs, v, ops.sc, ops.phi, rst, s_in, s_fin, *st["v"], *dims,
+        JB=geo.JB, FAST=fast, **const, **_launch("state_fwd"))
     y = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     y_pre = torch.empty_like(y) if z is not None and TUNING["save_y_pre"] else None
     _out_fwd[(H, NC, B)](
-        ops.qr, ops.kr, v, z, y, y_pre, ops.sc, D, rst, s_in, *st["v"], *st["z"],
-        B, L, H, NC, P, T=T, BP=geo.BP, N2B=geo.N2B, HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_RESET=rst is not None, DOT=dot, STORE_YP=y_pre is not None, **_launch("out_fwd"))
+        *_qk_args(args, ops), v, z, y, y_pre, ops.sc, D, rst, s_in, *st["v"], *st["z"], *dims,
+        HAS_D=D is not None, HAS_Z=z is not None, STORE_YP=y_pre is not None, **const,
+        **_launch("out_fwd"))
     return y, s_in, s_fin, y_pre
 
 
 def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
               s_in: Tensor, y_pre: Tensor | None, dot, fast: bool) -> tuple:
-    """_state_bwd, _bwd_dx, _bwd_dqk, _bwd_post; the input grads."""
+    """_state_bwd, _bwd_dx, _bwd_dqk; the input grads."""
     q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst = args
     B, L, H, G, P, N, R, T, NC = geo[:9]
     dev = v.device
     f32 = {"device": dev, "dtype": torch.float32}
-    shape = {"T": T, "BP": geo.BP, "N2B": geo.N2B, "HAS_Z": z is not None,
-             "HAS_RESET": rst is not None, "DOT": dot}
+    dims = (B, L, H, G, NC, P, N, R)
+    const = {"T": T, "BP": geo.BP, "N2B": geo.N2B, "RB": geo.RB, "HAS_Z": z is not None,
+             "HAS_RESET": rst is not None, "DOT": dot, "PAIRED": geo.PAIRED}
     strides = (*st["v"], *st["z"], *dy.stride())
     g_st = torch.empty_like(s_in)
     _state_bwd[(geo.N2B // geo.JB, H, B)](
-        ops.qr, z, dy, ops.sc, ops.phi, rst, g_st, *st["z"], *dy.stride(), B, L, H, NC, P,
-        JB=geo.JB, FAST=fast, **shape, **_launch("state_bwd"))
+        q, q_bias, ops.cs, z, dy, ops.sc, ops.phi, rst, g_st, *st["z"], *dy.stride(), *dims,
+        JB=geo.JB, FAST=fast, **const, **_launch("state_bwd"))
 
     dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
     dd_part = torch.empty(B, H, NC, **f32)
     _bwd_dx[(H, NC, B)](
-        ops.qr, ops.kr, v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part, *strides,
-        B, L, H, NC, P, HAS_D=D is not None, LOAD_YP=y_pre is not None, **shape,
+        *_qk_args(args, ops), v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part,
+        *strides, *dims, HAS_D=D is not None, LOAD_YP=y_pre is not None, **const,
         **_launch("bwd_dx"))
 
-    dqr = torch.empty_like(ops.qr)  # d(q, k) per head in the rotated frame
-    dkr = torch.empty_like(ops.kr)
-    d_ell = torch.empty(B, H, NC * T, geo.N2B, **f32)
-    jd = min(geo.N2B, TUNING["dqk_pairs"])
-    njd = geo.N2B // jd
-    dadt = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
-    d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
-    _bwd_dqk[(H, NC, B * njd)](
-        ops.qr, ops.kr, v, z, dy, ops.sc, rst, s_in, g_st, dqr, dkr, d_ell, dadt, d_sg,
-        *strides, B, L, H, NC, P, JD=jd, **shape, **_launch("bwd_dqk"))
-    dadt, d_sg = (dadt[0], d_sg[:, 0]) if njd == 1 else (dadt.sum(0), d_sg.sum(1))
-
-    nhb = H // G // geo.HB
-    nj = geo.N2B // geo.JP
-    dq_part = torch.empty(nhb, B, L, G, N, **f32)
-    dk_part = torch.empty(nhb, B, L, G, N, **f32)
+    # d(q, k) per head, unrotated, in the operand dtype (summed over the group's heads below)
+    dqh = torch.empty(B, L, H, N, device=dev, dtype=_operand_dtype(v))
+    dkh = torch.empty_like(dqh)
     dqb_part = torch.empty(B, NC, H, N, **f32)
     dkb_part = torch.empty(B, NC, H, N, **f32)
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
-    ddt_angle = torch.empty(nj, B, L, H, **f32)
-    _bwd_post[(NC, nj, B * G * nhb)](
-        dt, angles, dqr, dkr, d_ell, dq_part, dk_part, dqb_part, dkb_part, dang, ddt_angle,
-        *st["dt"], *st["ang"], B, L, H, G, NC, N, R, geo.HB, T=T, N2B=geo.N2B, JB=geo.JP,
-        FAST=fast, **_launch("bwd_post"))
+    jd = min(geo.N2B, TUNING["dqk_pairs"])
+    njd = geo.N2B // jd
+    ddt_angle = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
+    dadt = torch.empty(njd, B, L, H, **f32)
+    d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
+    _bwd_dqk[(H, NC, B * njd)](
+        *_qk_args(args, ops), v, z, dy, dt, angles, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part,
+        dkb_part, dang, ddt_angle, dadt, d_sg, *strides, *st["dt"], *st["ang"], *dims, JD=jd,
+        **const, **_launch("bwd_dqk"))
+    dadt, d_sg, ddt_angle = ((dadt[0], d_sg[:, 0], ddt_angle[0]) if njd == 1 else
+                             (dadt.sum(0), d_sg.sum(1), ddt_angle.sum(0)))
 
     # dt and trap: gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t
     d_scale, d_gamma = d_sg.unbind(0)
     d_prev = torch.nn.functional.pad(d_scale[:, :-1], (0, 0, 1, 0))  # d scale_{t-1}
     lam = torch.sigmoid(trap.float())
-    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle.sum(0)
+    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle
     dtrap = (d_gamma - d_prev) * dt.float() * lam * (1 - lam)
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
-    return (dq_part.sum(0).to(q.dtype), dk_part.sum(0).to(k.dtype), dv, dadt.to(adt.dtype),
-            ddt.to(dt.dtype), dtrap.to(trap.dtype), dqb_part.sum((0, 1)).to(q_bias.dtype),
+
+    def group_sum(d: Tensor, like: Tensor) -> Tensor:  # [B, L, H, N] -> [B, L, G, N]
+        return d.view(B, L, G, H // G, N).sum(3, dtype=torch.float32).to(like.dtype)
+
+    return (group_sum(dqh, q), group_sum(dkh, k), dv, dadt.to(adt.dtype), ddt.to(dt.dtype),
+            dtrap.to(trap.dtype), dqb_part.sum((0, 1)).to(q_bias.dtype),
             dkb_part.sum((0, 1)).to(k_bias.dtype), dang, dD, dz, None, None)
 
 
@@ -859,30 +862,28 @@ class _Mamba3ScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, reset, chunk_size):
         geo = _geometry(q, v, angles, chunk_size)
-        dtype, dot, fast = _precision(v)
+        cs_dtype, dot, fast = _precision(v)
         rst = reset.to(torch.int8).contiguous() if reset is not None else None
-        st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
+        q, k, q_bias, k_bias = (t.contiguous() for t in (q, k, q_bias, k_bias))
+        st = _common_strides(v, z, adt, dt, trap, angles)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
-        ops = _prep_operands(geo, args, st, dtype, fast)
+        ops = _prep_operands(geo, args, st, cs_dtype, fast)
         y, s_in, s_fin, y_pre = _forward(geo, args, st, ops, dot, fast)
         final = _final_state(geo, k, v, k_bias, s_fin, ops.phi)
-        saved = ops if TUNING["save_rotated"] else ()
         ctx.save_for_backward(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in,
-                              y_pre, *saved)
+                              y_pre, *ops)
         ctx.geo = geo
         ctx.mark_non_differentiable(*final)
         return (y, *final)
 
     @staticmethod
     def backward(ctx, dy, *_state_grads):
-        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, y_pre, *saved = (
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, y_pre, *ops = (
             ctx.saved_tensors)
-        geo = ctx.geo
-        dtype, dot, fast = _precision(v)
-        st = _common_strides(q, k, v, z, adt, dt, trap, angles, q_bias, k_bias)
+        _cs_dtype, dot, fast = _precision(v)
+        st = _common_strides(v, z, adt, dt, trap, angles)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
-        ops = _Operands(*saved) if saved else _prep_operands(geo, args, st, dtype, fast)
-        return _backward(geo, args, st, ops, dy, s_in, y_pre, dot, fast)
+        return _backward(ctx.geo, args, st, _Operands(*ops), dy, s_in, y_pre, dot, fast)
 
 
 def mamba3_scan_triton(
