@@ -201,21 +201,22 @@ def _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin):
 
 @triton.jit
 def _rot_table(CS, row, j, R, RB: tl.constexpr):
-    """cos, sin [T, pairs j] (float32) of the in-chunk angle at the padded rows ``row`` of
-    _prep's table (1 and 0 for the pairs j >= R, which are not rotated)."""
+    """cos, sin [T, pairs j] of the in-chunk angle at the padded rows ``row`` of _prep's table,
+    in its dtype (1 and 0 for the pairs j >= R, which are not rotated)."""
     ptr = CS + row.to(tl.int64)[:, None] * (2 * RB) + j[None, :]
     m = (j < R)[None, :]
-    cos = tl.load(ptr, mask=m, other=1.0).to(tl.float32)
-    sin = tl.load(ptr + RB, mask=m, other=0.0).to(tl.float32)
-    return cos, sin
+    return tl.load(ptr, mask=m, other=1.0), tl.load(ptr + RB, mask=m, other=0.0)
 
 
 @triton.jit
-def _rotated(X, xrow, live, j, j0, N, bias_e, bias_o, cos, sin, PAIRED: tl.constexpr):
+def _rotated(X, xrow, live, j, j0, N, bias_e, bias_o, cos, sin, DOT: tl.constexpr,
+             PAIRED: tl.constexpr):
     """rot(x + bias, ell) [T, pairs j = j0 + arange] of the rows at offsets ``xrow`` of a
-    contiguous q or k: even and odd halves in float32, 0 past the end."""
+    contiguous q or k: even and odd halves rounded to the matmul operand dtype (as a stored
+    rotated copy would be, and half the registers), 0 past the end."""
     raw_e, raw_o = _pairs(X, xrow, live, j, j0, N, 1, PAIRED)
-    return _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
+    x_e, x_o = _biased_rotated(raw_e, raw_o, bias_e, bias_o, live, cos, sin)
+    return x_e.to(DOT), x_o.to(DOT)
 
 
 @triton.jit
@@ -339,15 +340,15 @@ def _qk_rows(b, tok, g, L, G, N):
 
 @triton.jit
 def _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, g, tok, row, live, L, G, N, R,
-              N2B: tl.constexpr, RB: tl.constexpr, PAIRED: tl.constexpr):
-    """A chunk's q and k [T, N2B], biased and rotated (even and odd halves, float32)."""
+              N2B: tl.constexpr, RB: tl.constexpr, DOT: tl.constexpr, PAIRED: tl.constexpr):
+    """A chunk's q and k [T, N2B], biased and rotated (even and odd halves, DOT)."""
     j = tl.arange(0, N2B)
     cos, sin = _rot_table(CS, row, j, R, RB)
     xrow = _qk_rows(b, tok, g, L, G, N)
     qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
-    q_e, q_o = _rotated(Q, xrow, live, j, 0, N, qb_e, qb_o, cos, sin, PAIRED)
+    q_e, q_o = _rotated(Q, xrow, live, j, 0, N, qb_e, qb_o, cos, sin, DOT, PAIRED)
     kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
-    k_e, k_o = _rotated(K, xrow, live, j, 0, N, kb_e, kb_o, cos, sin, PAIRED)
+    k_e, k_o = _rotated(K, xrow, live, j, 0, N, kb_e, kb_o, cos, sin, DOT, PAIRED)
     return q_e, q_o, k_e, k_o
 
 
@@ -385,7 +386,7 @@ def _state_fwd(K, KBIAS, CS, V, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_
         xw = tl.trans(x.to(tl.float32) * w_state[:, None])  # [BP, T]
         cos, sin = _rot_table(CS, row, j, R, RB)
         k_e, k_o = _rotated(K, _qk_rows(b, tok, g, L, G, N), live, j, pid_j * JB, N, kb_e, kb_o,
-                            cos, sin, PAIRED)
+                            cos, sin, DOT, PAIRED)
         u_e = decay * s_e + _mm(xw, k_e, DOT)
         u_o = decay * s_o + _mm(xw, k_o, DOT)
         cp, sp = _cos_sin(tl.load(PHI + bhc * RB + j, mask=j < R, other=0.0), FAST)
@@ -448,7 +449,7 @@ def _out_fwd(Q, K, QBIAS, KBIAS, CS, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
-                                   tok < L, L, G, N, R, N2B, RB, PAIRED)
+                                   tok < L, L, G, N, R, N2B, RB, DOT, PAIRED)
     scores, carry, _w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     d_skip = 0.0
@@ -502,7 +503,7 @@ def _state_bwd(Q, QBIAS, CS, Z, DY, SC, PHI, RESET, GST,
         do_t = tl.trans(do * carry[:, None])  # [BP, T]
         cos, sin = _rot_table(CS, row, j, R, RB)
         q_e, q_o = _rotated(Q, _qk_rows(b, tok, g, L, G, N), live, j, pid_j * JB, N, qb_e, qb_o,
-                            cos, sin, PAIRED)
+                            cos, sin, DOT, PAIRED)
         ds_e = decay * g_e + _mm(do_t, q_e, DOT)
         ds_o = decay * g_o + _mm(do_t, q_o, DOT)
 
@@ -520,7 +521,7 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     mp = p < P
     q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
-                                   tok < L, L, G, N, R, N2B, RB, PAIRED)
+                                   tok < L, L, G, N, R, N2B, RB, DOT, PAIRED)
     scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
@@ -592,9 +593,9 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
     xrow = _qk_rows(b, tok, h // (H // G), L, G, N)
     cos, sin = _rot_table(CS, row, j, R, RB)
     qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
-    q_e, q_o = _rotated(Q, xrow, live, j, jt * JD, N, qb_e, qb_o, cos, sin, PAIRED)
+    q_e, q_o = _rotated(Q, xrow, live, j, jt * JD, N, qb_e, qb_o, cos, sin, DOT, PAIRED)
     kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
-    k_e, k_o = _rotated(K, xrow, live, j, jt * JD, N, kb_e, kb_o, cos, sin, PAIRED)
+    k_e, k_o = _rotated(K, xrow, live, j, jt * JD, N, kb_e, kb_o, cos, sin, DOT, PAIRED)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                     sz_b, sz_l, sz_h, sz_p, HAS_Z)
