@@ -48,7 +48,7 @@ all T x T and T x N work is in the chunk-parallel kernels.
 Saved for backward: the inputs (q, k and their biases made contiguous), _prep's outputs,
 S_in [B, H, C, P, 2, N2B] (bf16; float32 for float32 ``v``) and (``TUNING["save_y_pre"]``,
 with z) y before the gate.
-Backward scratch: G (as S_in), d(q, k) per head [B, L, H, N], float32 per-token partials.
+Backward scratch: G (as S_in), d(q, k) per head [B, L, H, 2, N2B], float32 per-token partials.
 """
 
 from __future__ import annotations
@@ -544,24 +544,18 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
 
 
 @triton.jit
-def _store_unrotated(DH, DB, hrow, bias, live, j, j0, N, d_e, d_o, cos, sin,
-                     PAIRED: tl.constexpr):
+def _store_unrotated(DH, DB, hrow, brow, live, j, d_e, d_o, cos, sin, N2B: tl.constexpr):
     """A head's d(q or k) [T, pairs j] rotated back to the biased, unrotated frame and stored
-    at rows ``hrow`` of a [*, N] buffer (DH's dtype); its sum over the chunk's tokens (the bias
-    grad's part) at ``bias`` of DB. PAIRED: the halves interleaved into one contiguous store."""
+    at rows ``hrow`` of a halves-layout buffer (DH's dtype; contiguous runs, not 2-byte
+    stores at a 4-byte stride); its sum over the chunk's tokens (the bias grad's part) at
+    row ``brow`` of DB (same layout)."""
     x_e = tl.where(live[:, None], d_e * cos + d_o * sin, 0.0)
     x_o = tl.where(live[:, None], d_o * cos - d_e * sin, 0.0)
-    tl.store(DB + bias + 2 * j, tl.sum(x_e, axis=0), mask=2 * j < N)
-    tl.store(DB + bias + 2 * j + 1, tl.sum(x_o, axis=0), mask=2 * j + 1 < N)
-    if PAIRED:
-        n = 2 * j0 + tl.arange(0, 2 * j.shape[0])
-        tl.store(DH + hrow[:, None] + n[None, :],
-                 tl.interleave(x_e, x_o).to(DH.dtype.element_ty), mask=live[:, None])
-    else:
-        ptr = DH + hrow[:, None] + 2 * j[None, :]
-        tl.store(ptr, x_e.to(DH.dtype.element_ty), mask=live[:, None] & (2 * j < N)[None, :])
-        tl.store(ptr + 1, x_o.to(DH.dtype.element_ty),
-                 mask=live[:, None] & (2 * j + 1 < N)[None, :])
+    tl.store(DB + brow + j, tl.sum(x_e, axis=0))
+    tl.store(DB + brow + N2B + j, tl.sum(x_o, axis=0))
+    off = hrow[:, None] + j[None, :]
+    tl.store(DH + off, x_e.to(DH.dtype.element_ty), mask=live[:, None])
+    tl.store(DH + off + N2B, x_o.to(DH.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
@@ -573,8 +567,9 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
              JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
-    pairs, rotated back and stored per head (DQH, DKH [B, L, H, N], summed over a group's heads
-    on the host) with their sums over the chunk (DQB, DKB: the bias grads' parts); the angle
+    pairs, rotated back and stored per head (DQH, DKH [B, L, H, 2, N2B], halves layout, summed
+    over a group's heads on the host) with their sums over the chunk (DQB, DKB [B, C, H, 2,
+    N2B]: the bias grads' parts); the angle
     grads (DANG) and the pair tile's shares of dt's angle part (DDTA), of the adt grad (DADT)
     and of d scale / d gamma (DSG), all [N2B / JD, ...] and summed on the host, which forms dt
     and trap grads from DSG. Every scalar grad is linear in sums over pairs (q k^T, x^T G k,
@@ -599,19 +594,25 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                     sz_b, sz_l, sz_h, sz_p, HAS_Z)
-    s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
-    s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
-    s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
-    g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
-    g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
-    hrow = ((b * L + tok).to(tl.int64) * H + h) * N  # rows of DQH, DKH
-    bias = ((b * NC + c) * H + h) * N  # the bias grads' parts, [B, NC, H, N]
+    hrow = ((b * L + tok).to(tl.int64) * H + h) * (2 * N2B)  # rows of DQH, DKH
+    brow = ((b * NC + c) * H + h) * (2 * N2B)  # the bias grads' parts
 
-    # dq: intra + the carried state's read-out
+    # the [T, T] work first, reduced at once to [T] vectors (d_w, W and the decays are then
+    # dead: the kernel runs at the register limit)
     qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
     d_scores = _mm(do, tl.trans(x), DOT)
     d_qk = d_scores * w
     d_w = d_scores * qk
+    z_dec = d_w * decay_tt
+    z_w = z_dec * scale[None, :]
+    dz_dec = tl.sum(z_dec, axis=0)
+    dz_w = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0)
+    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1)
+
+    # dq: intra + the carried state's read-out
+    s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
+    s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
+    s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
     dos_e = _mm(do, s_e, DOT)  # [T, JD]
     dos_o = _mm(do, s_o, DOT)
     dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
@@ -619,16 +620,21 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
     # q_t . (do_t S_in) = do_t . (q_t S_in^T): the carried read-out's share of d a_t
     q_s = tl.sum(q_e * dos_e + q_o * dos_o, axis=1)
     d_ell = q_e * dq_o - q_o * dq_e  # d ell (the in-chunk angle) from q's rotation
-    _store_unrotated(DQH, DQB, hrow, bias, live, j, jt * JD, N, dq_e, dq_o, cos, sin, PAIRED)
+    # cos, sin loaded again where they are used (fewer registers live through the products)
+    _store_unrotated(DQH, DQB, hrow, brow, live, j, dq_e, dq_o, *_rot_table(CS, row, j, R, RB),
+                     N2B)
 
     # dk: intra + k's use in the chunk state (m = x^T G per token)
+    g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
+    g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
     m_e = _mm(x, g_e, DOT)  # [T, JD]
     m_o = _mm(x, g_o, DOT)
     d_qk_t = tl.trans(d_qk)
     dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
     dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
     d_ell += k_e * dk_o - k_o * dk_e
-    _store_unrotated(DKH, DKB, hrow, bias, live, j, jt * JD, N, dk_e, dk_o, cos, sin, PAIRED)
+    _store_unrotated(DKH, DKB, hrow, brow, live, j, dk_e, dk_o, *_rot_table(CS, row, j, R, RB),
+                     N2B)
     mk = tl.sum(m_e * k_e + m_o * k_o, axis=1)  # x_s^T G k_s
 
     # the state's rotation by -phi_c (phi_c = the last token's ell): the pairwise cross terms
@@ -653,16 +659,13 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
     tl.store(DDTA + sc, tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
 
     # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
-    z_dec = d_w * decay_tt
-    z_w = z_dec * scale[None, :]
     w_mk = w_state * mk
-    d_scale = tl.sum(z_dec, axis=0) + to_end * mk
-    d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0) + carry * q_s - w_mk
+    d_scale = dz_dec + to_end * mk
+    d_a = dz_w + carry * q_s - w_mk
     d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
     tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
     tl.store(DSG + sc, d_scale, mask=live)
-    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1) + d_scale
-    tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma, mask=live)
+    tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma + d_scale, mask=live)
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -826,10 +829,10 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
         **_launch("bwd_dx"))
 
     # d(q, k) per head, unrotated, in the operand dtype (summed over the group's heads below)
-    dqh = torch.empty(B, L, H, N, device=dev, dtype=_operand_dtype(v))
+    dqh = torch.empty(B, L, H, 2 * geo.N2B, device=dev, dtype=_operand_dtype(v))
     dkh = torch.empty_like(dqh)
-    dqb_part = torch.empty(B, NC, H, N, **f32)
-    dkb_part = torch.empty(B, NC, H, N, **f32)
+    dqb_part = torch.empty(B, NC, H, 2 * geo.N2B, **f32)
+    dkb_part = torch.empty_like(dqb_part)
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
     jd = min(geo.N2B, TUNING["dqk_pairs"])
     njd = geo.N2B // jd
@@ -851,12 +854,16 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dtrap = (d_gamma - d_prev) * dt.float() * lam * (1 - lam)
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
 
-    def group_sum(d: Tensor, like: Tensor) -> Tensor:  # [B, L, H, N] -> [B, L, G, N]
-        return d.view(B, L, G, H // G, N).sum(3, dtype=torch.float32).to(like.dtype)
+    def interleaved(d: Tensor, like: Tensor) -> Tensor:  # [..., 2, N2B] -> [..., N]
+        d = d.unflatten(-1, (2, geo.N2B)).transpose(-1, -2).flatten(-2)
+        return d[..., :N].to(like.dtype)
 
-    return (group_sum(dqh, q), group_sum(dkh, k), dv, dadt.to(adt.dtype), ddt.to(dt.dtype),
-            dtrap.to(trap.dtype), dqb_part.sum((0, 1)).to(q_bias.dtype),
-            dkb_part.sum((0, 1)).to(k_bias.dtype), dang, dD, dz, None, None)
+    # d(q, k): each group's heads summed (in float32), then the halves interleaved
+    dq = dqh.view(B, L, G, H // G, -1).sum(3, dtype=torch.float32)
+    dk = dkh.view(B, L, G, H // G, -1).sum(3, dtype=torch.float32)
+    return (interleaved(dq, q), interleaved(dk, k), dv, dadt.to(adt.dtype), ddt.to(dt.dtype),
+            dtrap.to(trap.dtype), interleaved(dqb_part.sum((0, 1)), q_bias),
+            interleaved(dkb_part.sum((0, 1)), k_bias), dang, dD, dz, None, None)
 
 
 class _Mamba3ScanFn(torch.autograd.Function):
