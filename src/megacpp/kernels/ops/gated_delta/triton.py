@@ -644,7 +644,11 @@ CONFIG: dict[str, dict[str, int]] = {
     "bwd_dv_local": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_state": {"BV": 64, "num_warps": 4, "num_stages": 3, "prefetch": 1},
     "bwd_val": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "bwd_key": {"BKS": 64, "BV": 64, "num_warps": 4, "num_stages": 2},
+    # num_stages 1: at 2 (the sweeps' pick), two bf16 fwd+bwd at H16 K = V = 128 (two key
+    # slices) gave dk, dg, d_beta differing by up to 0.05, 0.03, 0.01 on the H100 (Triton
+    # 3.6); of nine single-kernel launch edits only this one made four runs bit-identical
+    # (h100_s11 run 4: a race in the pipelined loads, not root-caused)
+    "bwd_key": {"BKS": 64, "BV": 64, "num_warps": 4, "num_stages": 1},
     "bwd_fin": {"BKS": 64, "num_warps": 4, "num_stages": 1},
 }
 # The state passes' settings when CONFIG's [V / BV, B * H] grid has fewer programs than the

@@ -81,11 +81,15 @@ TUNING = {
         "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 96},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
         "bwd_dqk": {"num_warps": 4, "num_stages": 1},
+        "bwd_angle": {"num_warps": 4, "num_stages": 1},
     },
     "pairs": 16,  # state tile of the sequential kernels
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
+    # the angle grads in their own kernel (_bwd_angle, from a float32 d ell of the rotated
+    # pairs) rather than at the end of _bwd_dqk
+    "split_angle": False,
     "max_chunk": 64,
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
@@ -544,6 +548,36 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
 
 
 @triton.jit
+def _angle_grads(d_ell, DT, ANG, DANG, DDTA, b, h, tok, live, j, L, H, R, sd_b, sd_l, sd_h,
+                 sg_b, sg_l, sg_h, sg_r):
+    """The angle grads [T, pairs j] (DANG) and dt's angle part [T] (DDTA, [B, L, H]) of one
+    chunk and head from d ell: ell = cumsum over the chunk of pi tanh(angle) dt, so
+    d(pi tanh(angle) dt) is the reverse cumsum of d ell."""
+    d_rate = tl.cumsum(d_ell, axis=0, reverse=True)
+    th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
+    dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0).to(tl.float32)
+    tsc = (b * L + tok) * H + h  # [B, L, H] offsets of the chunk's tokens
+    d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
+    tl.store(DANG + tsc.to(tl.int64)[:, None] * R + j[None, :], d_ang.to(DANG.dtype.element_ty),
+             mask=live[:, None] & (j < R)[None, :])
+    tl.store(DDTA + tsc, tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
+
+
+@triton.jit
+def _bwd_angle(DELL, DT, ANG, DANG, DDTA, sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
+               L, H, NC, R, T: tl.constexpr, RB: tl.constexpr):
+    """One chunk of one head (grid (H, C, B)): the angle grads from _bwd_dqk's d ell."""
+    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tok = c * T + tl.arange(0, T)
+    j = tl.arange(0, RB)
+    row = (b * H + h) * (NC * T) + tok
+    d_ell = tl.load(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], mask=(j < R)[None, :],
+                    other=0.0)
+    _angle_grads(d_ell, DT, ANG, DANG, DDTA, b, h, tok, tok < L, j, L, H, R, sd_b, sd_l, sd_h,
+                 sg_b, sg_l, sg_h, sg_r)
+
+
+@triton.jit
 def _store_unrotated(DH, DB, hrow, brow, live, j, d_e, d_o, cos, sin, N2B: tl.constexpr):
     """A head's d(q or k) [T, pairs j] rotated back to the biased, unrotated frame and stored
     at rows ``hrow`` of a halves-layout buffer (DH's dtype; contiguous runs, not 2-byte
@@ -560,12 +594,12 @@ def _store_unrotated(DH, DB, hrow, brow, live, j, d_e, d_o, cos, sin, N2B: tl.co
 
 @triton.jit
 def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
-             DQH, DKH, DQB, DKB, DANG, DDTA, DADT, DSG,
+             DQH, DKH, DQB, DKB, DANG, DDTA, DELL, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
              sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r, B, L, H, G, NC, P, N, R,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             JD: tl.constexpr, PAIRED: tl.constexpr):
+             JD: tl.constexpr, PAIRED: tl.constexpr, SPLIT_ANGLE: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
     pairs, rotated back and stored per head (DQH, DKH [B, L, H, 2, N2B], halves layout, summed
     over a group's heads on the host) with their sums over the chunk (DQB, DKB [B, C, H, 2,
@@ -646,17 +680,14 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
     d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
     d_dec = tl.sum(g_e * s_e + g_o * s_o)
 
-    # the angles: ell = cumsum over the chunk of pi tanh(angle) dt, so d(pi tanh(angle) dt) is
-    # the reverse cumsum of d ell
-    d_rate = tl.cumsum(d_ell, axis=0, reverse=True)
-    th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
-    dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0).to(tl.float32)
     tsc = (b * L + tok) * H + h  # [B, L, H] offsets of the chunk's tokens
-    d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
-    tl.store(DANG + tsc.to(tl.int64)[:, None] * R + j[None, :], d_ang.to(DANG.dtype.element_ty),
-             mask=live[:, None] & (j < R)[None, :])
     sc = jt * (B * L * H) + tsc
-    tl.store(DDTA + sc, tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
+    if SPLIT_ANGLE:  # d ell of the rotated pairs to _bwd_angle
+        tl.store(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], d_ell,
+                 mask=(j < R)[None, :])
+    else:
+        _angle_grads(d_ell, DT, ANG, DANG, DDTA + jt * (B * L * H), b, h, tok, live, j, L, H, R,
+                     sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r)
 
     # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
     w_mk = w_state * mk
@@ -836,13 +867,19 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
     jd = min(geo.N2B, TUNING["dqk_pairs"])
     njd = geo.N2B // jd
-    ddt_angle = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
+    split = TUNING["split_angle"]
+    # dt's angle part: shares of _bwd_dqk's pair tiles, or one from _bwd_angle
+    ddt_angle = torch.empty(1 if split else njd, B, L, H, **f32)
+    d_ell = torch.empty(B, H, NC * T, geo.RB, **f32) if split else ddt_angle
     dadt = torch.empty(njd, B, L, H, **f32)
     d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
     _bwd_dqk[(H, NC, B * njd)](
         *_qk_args(args, ops), v, z, dy, dt, angles, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part,
-        dkb_part, dang, ddt_angle, dadt, d_sg, *strides, *st["dt"], *st["ang"], *dims, JD=jd,
-        **const, **_launch("bwd_dqk"))
+        dkb_part, dang, ddt_angle, d_ell, dadt, d_sg, *strides, *st["dt"], *st["ang"], *dims,
+        JD=jd, SPLIT_ANGLE=split, **const, **_launch("bwd_dqk"))
+    if split:
+        _bwd_angle[(H, NC, B)](d_ell, dt, angles, dang, ddt_angle, *st["dt"], *st["ang"], L, H,
+                               NC, R, T=T, RB=geo.RB, **_launch("bwd_angle"))
     dadt, d_sg, ddt_angle = ((dadt[0], d_sg[:, 0], ddt_angle[0]) if njd == 1 else
                              (dadt.sum(0), d_sg.sum(1), ddt_angle.sum(0)))
 
