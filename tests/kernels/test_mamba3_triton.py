@@ -113,7 +113,7 @@ def _interpreter_check() -> list[dict[str, float]]:
     # two 16-pair _bwd_dqk tiles, the second one partly rotated (20 of 32 pairs)
     inputs, reset = make_inputs(batch=1, seqlen=20, groups=1, nheads=2, d_state=64, headdim=16,
                                 n_angles=20, dtype=torch.float32, device="cpu", seed=1)
-    with mock.patch.dict(TUNING, dqk_pairs=16):
+    with mock.patch.dict(TUNING, dqk_pairs=16, pairs=16):
         errors = [errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
     # 2 q/k groups of 2 heads, 3 chunks of 32 (dq, dk summed over a group's heads)
     inputs, reset = make_inputs(batch=2, seqlen=70, groups=2, nheads=4, d_state=12, headdim=8,
@@ -122,7 +122,7 @@ def _interpreter_check() -> list[dict[str, float]]:
     # two state tiles of pairs (d_state 40 -> 32 padded pairs, strided pair loads), two
     # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), and y before the
     # gate formed again for dz
-    TUNING.update(dqk_pairs=16, save_y_pre=False, split_angle=True)
+    TUNING.update(dqk_pairs=16, pairs=16, save_y_pre=False)
     inputs, reset = make_inputs(batch=1, seqlen=40, groups=1, nheads=2, d_state=40, headdim=16,
                                 n_angles=9, dtype=torch.float32, device="cpu", seed=4)
     return [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]

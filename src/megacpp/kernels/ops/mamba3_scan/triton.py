@@ -36,10 +36,12 @@ Kernels (grid; C = chunks, J = tiles of pairs):
              _bwd_dx     (H, C, B)  dx, dz, dD
              _bwd_dqk    (H, C, B*J')  for a tile of pairs (J' tiles): d(q, k) rotated back and
                                     stored per head (operand dtype) with the bias grads'
-                                    parts; d ell (from the float32 d(q, k) in the rotated
-                                    frame and the state's rotation) and from it, in the
-                                    chunk, the angle grads and dt's angle part; the tile's
-                                    shares of the adt grad, d scale and d gamma
+                                    parts; d ell of the rotated pairs (float32, from the
+                                    float32 d(q, k) in the rotated frame and the state's
+                                    rotation); the tile's shares of the adt grad, d scale
+                                    and d gamma
+             _bwd_angle  (H, C, B)  the angle grads and dt's angle part from d ell (its reverse
+                                    cumsum over the chunk)
   host       d(q, k) summed over each group's heads; dt and trap grads from d scale / d gamma
              (the first token of a chunk takes the previous chunk's last d scale); sums of
              the per-tile and per-chunk partials
@@ -67,29 +69,26 @@ from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_in
 
 CHUNK_SIZES = (16, 32, 64)
 # launch settings per kernel (Triton launch options) and tile sizes, chosen by H100 sweeps
-# (benchmarks/results/kernels/mamba3_h100_s3.log, h100_s7/mamba3_sweep_h100_s7.log). The
-# kernels are latency-bound (ncu: long-scoreboard stalls after loads, one or two programs per
-# SM), so the register caps (maxnreg) buy more programs per SM: _out_fwd 2 -> 3,
-# _state_bwd 3 -> 5 (both measured with the per-head rotated copies of session 10). _state_fwd at num_stages 3 (loads two chunks ahead):
-# 377-383 -> 325-326 us at L 4096 in two H100 runs (h100_s10); 4 stages, or 3 for _state_bwd,
-# were slower
+# (benchmarks/results/kernels/mamba3_h100_s3.log, h100_s7/mamba3_sweep_h100_s7.log, h100_s11).
+# The kernels are latency-bound (ncu: long-scoreboard stalls after loads, one or two programs
+# per SM), so register caps (maxnreg) buy more programs per SM: _out_fwd 2 -> 3. With the
+# rotation table (session 11, L 4096): state tiles of 32 pairs, 437 -> 314 us (_state_fwd) and,
+# with _state_bwd capped at 128 registers (96 spilled 30), 630 -> 365 us (_state_bwd);
+# _state_fwd at num_stages 3 (loads two chunks ahead; 2: 379 us)
 TUNING = {
     "launch": {
         "prep": {"num_warps": 4, "num_stages": 1},
         "state_fwd": {"num_warps": 4, "num_stages": 3},
         "out_fwd": {"num_warps": 4, "num_stages": 1, "maxnreg": 168},
-        "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 96},
+        "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 128},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
         "bwd_dqk": {"num_warps": 4, "num_stages": 1},
         "bwd_angle": {"num_warps": 4, "num_stages": 1},
     },
-    "pairs": 16,  # state tile of the sequential kernels
+    "pairs": 32,  # state tile of the sequential kernels
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
-    # the angle grads in their own kernel (_bwd_angle, from a float32 d ell of the rotated
-    # pairs) rather than at the end of _bwd_dqk
-    "split_angle": False,
     "max_chunk": 64,
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
@@ -593,23 +592,22 @@ def _store_unrotated(DH, DB, hrow, brow, live, j, d_e, d_o, cos, sin, N2B: tl.co
 
 
 @triton.jit
-def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
-             DQH, DKH, DQB, DKB, DANG, DDTA, DELL, DADT, DSG,
+def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
+             DQH, DKH, DQB, DKB, DELL, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-             sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r, B, L, H, G, NC, P, N, R,
+             B, L, H, G, NC, P, N, R,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             JD: tl.constexpr, PAIRED: tl.constexpr, SPLIT_ANGLE: tl.constexpr):
+             JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
     pairs, rotated back and stored per head (DQH, DKH [B, L, H, 2, N2B], halves layout, summed
     over a group's heads on the host) with their sums over the chunk (DQB, DKB [B, C, H, 2,
-    N2B]: the bias grads' parts); the angle
-    grads (DANG) and the pair tile's shares of dt's angle part (DDTA), of the adt grad (DADT)
-    and of d scale / d gamma (DSG), all [N2B / JD, ...] and summed on the host, which forms dt
-    and trap grads from DSG. Every scalar grad is linear in sums over pairs (q k^T, x^T G k,
-    q S_in^T do, <G, S_in>, the angle terms), so a tile's share needs its pairs only;
-    d_qk = (do x^T) * W is whole in every tile. The in-chunk angle's grad d ell comes from
-    the float32 d(q, k) in the rotated frame and the state's rotation by -phi_c."""
+    N2B]: the bias grads' parts); d ell of the rotated pairs (DELL, float32, for _bwd_angle);
+    the pair tile's shares of the adt grad (DADT) and of d scale / d gamma (DSG), [N2B / JD,
+    ...] each and summed on the host, which forms dt and trap grads from DSG. Every scalar grad
+    is linear in sums over pairs (q k^T, x^T G k, q S_in^T do, <G, S_in>), so a tile's share
+    needs its pairs only; d_qk = (do x^T) * W is whole in every tile. d ell comes from the
+    float32 d(q, k) in the rotated frame and the state's rotation by -phi_c."""
     h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
     jt = tl.program_id(2) % (N2B // JD)
@@ -680,14 +678,10 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, DT, ANG, SC, RESET, SIN, GST,
     d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
     d_dec = tl.sum(g_e * s_e + g_o * s_o)
 
-    tsc = (b * L + tok) * H + h  # [B, L, H] offsets of the chunk's tokens
-    sc = jt * (B * L * H) + tsc
-    if SPLIT_ANGLE:  # d ell of the rotated pairs to _bwd_angle
-        tl.store(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], d_ell,
-                 mask=(j < R)[None, :])
-    else:
-        _angle_grads(d_ell, DT, ANG, DANG, DDTA + jt * (B * L * H), b, h, tok, live, j, L, H, R,
-                     sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r)
+    # d ell of the rotated pairs, for _bwd_angle (the angle grads here, at the end of this
+    # kernel, cost 2.39 vs 2.08 + 0.11 ms at L 4096 on the H100: more spills; h100_s11)
+    tl.store(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], d_ell, mask=(j < R)[None, :])
+    sc = jt * (B * L * H) + (b * L + tok) * H + h  # [B, L, H] offsets of the chunk's tokens
 
     # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
     w_mk = w_state * mk
@@ -867,21 +861,16 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
     jd = min(geo.N2B, TUNING["dqk_pairs"])
     njd = geo.N2B // jd
-    split = TUNING["split_angle"]
-    # dt's angle part: shares of _bwd_dqk's pair tiles, or one from _bwd_angle
-    ddt_angle = torch.empty(1 if split else njd, B, L, H, **f32)
-    d_ell = torch.empty(B, H, NC * T, geo.RB, **f32) if split else ddt_angle
-    dadt = torch.empty(njd, B, L, H, **f32)
+    d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
+    dadt = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
     d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
     _bwd_dqk[(H, NC, B * njd)](
-        *_qk_args(args, ops), v, z, dy, dt, angles, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part,
-        dkb_part, dang, ddt_angle, d_ell, dadt, d_sg, *strides, *st["dt"], *st["ang"], *dims,
-        JD=jd, SPLIT_ANGLE=split, **const, **_launch("bwd_dqk"))
-    if split:
-        _bwd_angle[(H, NC, B)](d_ell, dt, angles, dang, ddt_angle, *st["dt"], *st["ang"], L, H,
-                               NC, R, T=T, RB=geo.RB, **_launch("bwd_angle"))
-    dadt, d_sg, ddt_angle = ((dadt[0], d_sg[:, 0], ddt_angle[0]) if njd == 1 else
-                             (dadt.sum(0), d_sg.sum(1), ddt_angle.sum(0)))
+        *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
+        d_ell, dadt, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk"))
+    ddt_angle = torch.empty(B, L, H, **f32)  # dt's angle part
+    _bwd_angle[(H, NC, B)](d_ell, dt, angles, dang, ddt_angle, *st["dt"], *st["ang"], L, H, NC,
+                           R, T=T, RB=geo.RB, **_launch("bwd_angle"))
+    dadt, d_sg = (dadt[0], d_sg[:, 0]) if njd == 1 else (dadt.sum(0), d_sg.sum(1))
 
     # dt and trap: gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t
     d_scale, d_gamma = d_sg.unbind(0)
