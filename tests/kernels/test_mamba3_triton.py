@@ -122,7 +122,7 @@ def _interpreter_check() -> list[dict[str, float]]:
     # two state tiles of pairs (d_state 40 -> 32 padded pairs, strided pair loads), two
     # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), and y before the
     # gate formed again for dz
-    TUNING.update(dqk_pairs=16, pairs=16, save_y_pre=False, dqk_loop=True)
+    TUNING.update(dqk_pairs=16, pairs=16, save_y_pre=False)
     inputs, reset = make_inputs(batch=1, seqlen=40, groups=1, nheads=2, d_state=40, headdim=16,
                                 n_angles=9, dtype=torch.float32, device="cpu", seed=4)
     return [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]

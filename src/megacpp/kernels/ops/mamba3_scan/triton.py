@@ -89,7 +89,6 @@ TUNING = {
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
-    "dqk_loop": False,  # one program per chunk and head, looping over the pair tiles
     "max_chunk": 64,
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
@@ -694,103 +693,6 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma + d_scale, mask=live)
 
 
-@triton.jit
-def _qk_tile(Q, K, QBIAS, KBIAS, CS, h, xrow, row, live, j, j0, N, R, RB: tl.constexpr,
-             DOT: tl.constexpr, PAIRED: tl.constexpr):
-    """q, k [T, pairs j] halves of a chunk, biased and rotated (DOT)."""
-    cos, sin = _rot_table(CS, row, j, R, RB)
-    qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
-    q_e, q_o = _rotated(Q, xrow, live, j, j0, N, qb_e, qb_o, cos, sin, DOT, PAIRED)
-    kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
-    k_e, k_o = _rotated(K, xrow, live, j, j0, N, kb_e, kb_o, cos, sin, DOT, PAIRED)
-    return q_e, q_o, k_e, k_o
-
-
-@triton.jit
-def _bwd_dqk_loop(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-                  DQH, DKH, DQB, DKB, DELL, DADT, DSG,
-                  sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-                  B, L, H, G, NC, P, N, R,
-                  T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
-                  HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-                  JD: tl.constexpr, PAIRED: tl.constexpr):
-    """_bwd_dqk's work for all pairs of one chunk of one head (grid (H, C, B)), in a loop over
-    tiles of JD pairs: q k^T summed over the tiles first, then the [T, T] work once, then per
-    tile d(q, k), d ell and the shares of the scalar grads."""
-    h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
-        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
-    t = tl.arange(0, T)
-    live = tok < L
-    mp = p < P
-    xrow = _qk_rows(b, tok, h // (H // G), L, G, N)
-    qk = tl.zeros([T, T], dtype=tl.float32)
-    for jt in range(N2B // JD):
-        j = jt * JD + tl.arange(0, JD)
-        q_e, q_o, k_e, k_o = _qk_tile(Q, K, QBIAS, KBIAS, CS, h, xrow, row, live, j, jt * JD, N,
-                                      R, RB, DOT, PAIRED)
-        qk += _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)
-    carry, to_end, w_state, decay = _weights(a, scale, seg, T)
-    w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
-    do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
-                                    sz_b, sz_l, sz_h, sz_p, HAS_Z)
-    d_scores = _mm(do, tl.trans(x), DOT)
-    d_qk = d_scores * w
-    d_w = d_scores * qk
-    z_dec = d_w * decay_tt
-    z_w = z_dec * scale[None, :]
-    d_scale = tl.sum(z_dec, axis=0)
-    d_a = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0)
-    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1)
-    d_qk_t = tl.trans(d_qk)
-    hrow = ((b * L + tok).to(tl.int64) * H + h) * (2 * N2B)  # rows of DQH, DKH
-    brow = ((b * NC + c) * H + h) * (2 * N2B)  # the bias grads' parts
-    q_s = tl.zeros([T], dtype=tl.float32)
-    mk = tl.zeros([T], dtype=tl.float32)
-    d_dec = 0.0
-    for jt in range(N2B // JD):
-        j = jt * JD + tl.arange(0, JD)
-        q_e, q_o, k_e, k_o = _qk_tile(Q, K, QBIAS, KBIAS, CS, h, xrow, row, live, j, jt * JD, N,
-                                      R, RB, DOT, PAIRED)
-        s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
-        s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
-        s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
-        dos_e = _mm(do, s_e, DOT)  # [T, JD]
-        dos_o = _mm(do, s_o, DOT)
-        dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
-        dq_o = _mm(d_qk, k_o, DOT) + carry[:, None] * dos_o
-        q_s += tl.sum(q_e * dos_e + q_o * dos_o, axis=1)
-        d_ell = q_e * dq_o - q_o * dq_e
-        _store_unrotated(DQH, DQB, hrow, brow, live, j, dq_e, dq_o,
-                         *_rot_table(CS, row, j, R, RB), N2B)
-        g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
-        g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
-        m_e = _mm(x, g_e, DOT)  # [T, JD]
-        m_o = _mm(x, g_o, DOT)
-        dk_e = _mm(d_qk_t, q_e, DOT) + w_state[:, None] * m_e
-        dk_o = _mm(d_qk_t, q_o, DOT) + w_state[:, None] * m_o
-        d_ell += k_e * dk_o - k_o * dk_e
-        _store_unrotated(DKH, DKB, hrow, brow, live, j, dk_e, dk_o,
-                         *_rot_table(CS, row, j, R, RB), N2B)
-        mk += tl.sum(m_e * k_e + m_o * k_o, axis=1)
-        g_e, g_o = g_e.to(tl.float32), g_o.to(tl.float32)
-        s_e, s_o = s_e.to(tl.float32), s_o.to(tl.float32)
-        d_phi = (tl.sum(w_state[:, None] * (m_e * k_o - m_o * k_e), axis=0)
-                 + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
-        d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
-        d_dec += tl.sum(g_e * s_e + g_o * s_o)
-        tl.store(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], d_ell,
-                 mask=(j < R)[None, :])
-    sc = (b * L + tok) * H + h
-    w_mk = w_state * mk
-    d_scale += to_end * mk
-    d_a += carry * q_s - w_mk
-    d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
-    tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
-    tl.store(DSG + sc, d_scale, mask=live)
-    tl.store(DSG + B * L * H + sc, d_gamma + d_scale, mask=live)
-
-
 # -- host side -------------------------------------------------------------------------------
 class _Geometry(NamedTuple):
     B: int
@@ -958,11 +860,11 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dkb_part = torch.empty_like(dqb_part)
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
     jd = min(geo.N2B, TUNING["dqk_pairs"])
-    njd = 1 if TUNING["dqk_loop"] else geo.N2B // jd  # programs per chunk and head
+    njd = geo.N2B // jd
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
     dadt = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
     d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
-    (_bwd_dqk_loop if TUNING["dqk_loop"] else _bwd_dqk)[(H, NC, B * njd)](
+    _bwd_dqk[(H, NC, B * njd)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
         d_ell, dadt, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk"))
     ddt_angle = torch.empty(B, L, H, **f32)  # dt's angle part
