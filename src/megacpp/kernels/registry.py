@@ -255,7 +255,8 @@ def _surfaces() -> list[Surface]:
             "chunk_size 16/32/64 (fp32 v runs chunks of <= 32 tokens: same function), headdim "
             "<= 64, d_state <= 128, no gradient through the final state; bf16 matmul operands "
             "unless v is fp32; saves the inputs, the state entering every chunk [B, H, L/T, P, "
-            "N] and the per-head rotated q, k [B, H, L, N] (bf16; fp32 for fp32 v)",
+            "N] (bf16; fp32 for fp32 v), the per-head rotation table (cos, sin of the in-chunk "
+            "angle) [B, H, L, 2, R] (fp16; fp32 for fp32 v) and y before the gate",
             mamba3_scan_chunked, _mamba3_inputs,
             {"check": {"batch": 2, "seq": 300, "groups": 2, "heads": 4, "d_state": 64,
                        "headdim": 64, "angles": 16, "chunk": 64, "resets": 1},
