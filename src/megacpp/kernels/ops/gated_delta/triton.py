@@ -407,9 +407,10 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
     # them a chunk ahead by hand, else each chunk loads its own (as _fwd_state does). In ncu on
     # the H100 its own chunk was faster (106.0 -> 88.6 us at nam56r 4k, 401 -> 391 at H16), but
     # Triton then pipelines these loads through shared memory too (263 KB at K = 128 in float32,
-    # over the 227 KB limit) and two bf16 H16 fwd+bwd at BV 64 were not bit-identical (h100_s10
-    # run 19, not root-caused; DVN is read and written in place). So: own chunk only for bf16
-    # products in the SMALL_GRID launch (nam56r), where two runs were bit-identical
+    # over the 227 KB limit). Own chunk is used for bf16 products in the SMALL_GRID launch
+    # (nam56r; four runs bit-identical, h100_s11). The BV 64 launch keeps the prefetch: the H16
+    # repeats that differed in h100_s10 run 19 came from _bwd_key (see CONFIG), and own-chunk
+    # loads there were not measured again after that fix
     if PREFETCH:
         do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV,
                                                    BV, BT)

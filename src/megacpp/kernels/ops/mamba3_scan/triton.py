@@ -174,7 +174,8 @@ def _pairs(X, row, live, j, j0, N, s_n, PAIRED: tl.constexpr):
     """Even and odd columns [T, pairs j = j0 + arange] (float32, 0 outside) of the rows at
     offsets ``row``. PAIRED (every pair of the padded tile inside N, unit stride): one load of
     the tile's [T, 2 len(j)] contiguous columns split in two; else two loads at a stride of two
-    columns (_prep with 32-pair tiles on an H100: 1.7 ms strided, 0.88 split; h100_s10)."""
+    columns (session 10's _prep, which loaded q / k, with 32-pair tiles on an H100: 1.7 ms
+    strided, 0.88 split; h100_s10)."""
     if PAIRED:
         n = 2 * j0 + tl.arange(0, 2 * j.shape[0])
         x = tl.load(X + row[:, None] + n[None, :], mask=live[:, None], other=0.0)
