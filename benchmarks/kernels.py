@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/kernels.py --out benchmarks/results/kernels
     python benchmarks/kernels.py --plot benchmarks/results/kernels/kernels.json   # PNG only
+    ... --surfaces mamba3_scan --cases seq8192 --backends triton_chunked,mamba_ssm  # a subset
 
 Measures the device ceilings first (a 1 GiB device-to-device copy, counting bytes read plus
 written; an 8192^3 bf16 matmul), then every surface with a fast backend at its bench case(s).
@@ -104,21 +105,29 @@ def rates(ms: float, flops: float | None, moved: float | None, ceil: dict[str, f
     return r
 
 
+def check_selection(surfaces: list[str] | None, cases: list[str] | None,
+                    backends: list[str] | None) -> None:
+    """Exit with the known names if ``--surfaces``, ``--cases`` or ``--backends`` names one
+    the benchmark does not have (before any GPU work)."""
+    for flag, given, known in (
+            ("surfaces", surfaces, set(BENCH)),
+            ("cases", cases, {c for cs, _ in BENCH.values() for c in cs}),
+            ("backends", backends, {b for _, bs in BENCH.values() for b in bs})):
+        unknown = sorted(set(given or ()) - known)
+        if unknown:
+            raise SystemExit(f"error: unknown --{flag} {unknown}; known: {sorted(known)}")
+
+
 def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels",
-        cases: list[str] | None = None, graphed: bool = True) -> list[dict]:
+        cases: list[str] | None = None, graphed: bool = True,
+        backends: list[str] | None = None) -> list[dict]:
+    check_selection(surfaces, cases, backends)
     catalog, device = default_catalog(), torch.device("cuda")
     facts = device_facts(device)
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
     rows = []
-    unknown = sorted(set(surfaces or ()) - set(BENCH))
-    if unknown:
-        raise SystemExit(f"error: unknown --surfaces {unknown}; known: {sorted(BENCH)}")
-    known_cases = {c for cs, _ in BENCH.values() for c in cs}
-    unknown = sorted(set(cases or ()) - known_cases)
-    if unknown:
-        raise SystemExit(f"error: unknown --cases {unknown}; known: {sorted(known_cases)}")
-    for name, (bench_cases, backends) in BENCH.items():
+    for name, (bench_cases, all_backends) in BENCH.items():
         if surfaces and name not in surfaces:
             continue
         surface = catalog.surface(name)
@@ -131,7 +140,9 @@ def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels",
             moved = surface.bytes_moved(inputs) if surface.bytes_moved else None
             dense = dense_equivalent_tflops(flops) if name == "moe_experts" else None
             same = dense_same_gemms_tflops(inputs) if name == "moe_experts" else None
-            for backend_name in backends:
+            for backend_name in all_backends:
+                if backends and backend_name not in backends:
+                    continue
                 backend = catalog.backend(name, backend_name)
                 why = rejection(backend, facts, "bfloat16")
                 if why is not None:
@@ -249,17 +260,23 @@ def main() -> int:
     parser.add_argument("--surfaces", help="comma-separated surfaces to run (default: all)")
     parser.add_argument("--cases", help="comma-separated cases to run (default: all of each surface)")
     parser.add_argument("--name", default="kernels", help="stem of the JSON/PNG written")
+    parser.add_argument("--backends",
+                        help="comma-separated backends to time (default: all of each surface; "
+                             "e.g. leave out the slow reference with triton_chunked,mamba_ssm)")
     parser.add_argument("--no-graphed", action="store_true",
                         help="skip the CUDA-graph replay timing (per-call times only)")
     args = parser.parse_args()
     if args.plot:
         print(plot(args.plot))
         return 0
+    surfaces, cases, backends = (v.split(",") if v else None
+                                 for v in (args.surfaces, args.cases, args.backends))
+    check_selection(surfaces, cases, backends)
     if not torch.cuda.is_available():
         print("error: benchmarks/kernels.py needs a CUDA device", file=sys.stderr)
         return 2
-    rows = run(args.out, args.surfaces.split(",") if args.surfaces else None, args.name,
-               args.cases.split(",") if args.cases else None, graphed=not args.no_graphed)
+    rows = run(args.out, surfaces, args.name, cases, graphed=not args.no_graphed,
+               backends=backends)
     print_table(rows)
     try:
         print(plot(args.out / f"{args.name}.json"))
