@@ -84,12 +84,14 @@ TUNING = {
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
         "bwd_dqk": {"num_warps": 4, "num_stages": 1},
         "bwd_angle": {"num_warps": 4, "num_stages": 1},
+        "group_sum": {"num_warps": 4, "num_stages": 1},
     },
     "pairs": 32,  # state tile of the sequential kernels
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
     "max_chunk": 64,
+    "sum_rows": 4,  # (token, group) rows per program of _group_sum
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
     # with a gate z: keep y before the gate (y_pre, [B, L, H, P] in v's dtype) from _out_fwd for
@@ -694,6 +696,33 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma + d_scale, mask=live)
 
 
+@triton.jit
+def _head_sum(DH, D, base, m, out, m_e, m_o, N2B: tl.constexpr):
+    """One of _group_sum's two sums: even and odd halves summed over axis 1, stored interleaved."""
+    e = tl.sum(tl.load(DH + base, mask=m, other=0.0).to(tl.float32), axis=1)
+    o = tl.sum(tl.load(DH + base + N2B, mask=m, other=0.0).to(tl.float32), axis=1)
+    tl.store(D + out, e.to(D.dtype.element_ty), mask=m_e)
+    tl.store(D + out + 1, o.to(D.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def _group_sum(DQH, DKH, DQ, DK, n_rows, HG, N, ROWS: tl.constexpr, HGP: tl.constexpr,
+               N2B: tl.constexpr):
+    """d(q, k) of ROWS (token, group) rows: the group's HG per-head rows (halves layout,
+    contiguous) summed in float32 and stored interleaved, [*, N] in DQ's / DK's dtype."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    i = tl.arange(0, HGP)
+    j = tl.arange(0, N2B)
+    live = r < n_rows
+    m = live[:, None, None] & (i < HG)[None, :, None]
+    base = (r.to(tl.int64)[:, None, None] * HG + i[None, :, None]) * (2 * N2B) + j[None, None, :]
+    out = r.to(tl.int64)[:, None] * N + 2 * j[None, :]
+    m_e = live[:, None] & (2 * j < N)[None, :]
+    m_o = live[:, None] & (2 * j + 1 < N)[None, :]
+    _head_sum(DQH, DQ, base, m, out, m_e, m_o, N2B)
+    _head_sum(DKH, DK, base, m, out, m_e, m_o, N2B)
+
+
 # -- host side -------------------------------------------------------------------------------
 class _Geometry(NamedTuple):
     B: int
@@ -885,10 +914,13 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
         d = d.unflatten(-1, (2, geo.N2B)).transpose(-1, -2).flatten(-2)
         return d[..., :N].to(like.dtype)
 
-    # d(q, k): each group's heads summed (in float32), then the halves interleaved
-    dq = dqh.view(B, L, G, H // G, -1).sum(3, dtype=torch.float32)
-    dk = dkh.view(B, L, G, H // G, -1).sum(3, dtype=torch.float32)
-    return (interleaved(dq, q), interleaved(dk, k), dv, dadt.to(adt.dtype), ddt.to(dt.dtype),
+    # d(q, k): each group's heads summed (in float32), the halves interleaved
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    rows = B * L * G
+    _group_sum[(triton.cdiv(rows, TUNING["sum_rows"]),)](
+        dqh, dkh, dq, dk, rows, H // G, N, ROWS=TUNING["sum_rows"],
+        HGP=triton.next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum"))
+    return (dq, dk, dv, dadt.to(adt.dtype), ddt.to(dt.dtype),
             dtrap.to(trap.dtype), interleaved(dqb_part.sum((0, 1)), q_bias),
             interleaved(dkb_part.sum((0, 1)), k_bias), dang, dD, dz, None, None)
 
