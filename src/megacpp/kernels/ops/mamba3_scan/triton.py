@@ -91,7 +91,9 @@ TUNING = {
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
     "max_chunk": 64,
-    "sum_rows": 4,  # (token, group) rows per program of _group_sum
+    # (token, group) rows per program of _group_sum: 8 rows, 203 us at L 4096 (2.6 TB/s;
+    # 2 or 4 rows 330-335, 4 rows at 8 warps 608; h100_s11 run 11)
+    "sum_rows": 8,
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
     # with a gate z: keep y before the gate (y_pre, [B, L, H, P] in v's dtype) from _out_fwd for
