@@ -42,9 +42,9 @@ Kernels (grid; C = chunks, J = tiles of pairs):
                                     and d gamma
              _bwd_angle  (H, C, B)  the angle grads and dt's angle part from d ell (its reverse
                                     cumsum over the chunk)
-  host       d(q, k) summed over each group's heads; dt and trap grads from d scale / d gamma
-             (the first token of a chunk takes the previous chunk's last d scale); sums of
-             the per-tile and per-chunk partials
+             _group_sum  (B*L*G / rows)  d(q, k): each group's per-head grads summed (float32)
+  host       dt and trap grads from d scale / d gamma (the first token of a chunk takes the
+             previous chunk's last d scale); sums of the per-tile and per-chunk partials
 The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
 all T x T and T x N work is in the chunk-parallel kernels.
 Saved for backward: the inputs (q, k and their biases made contiguous), _prep's outputs,
