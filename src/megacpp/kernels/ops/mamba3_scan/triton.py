@@ -606,7 +606,7 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
              JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
     pairs, rotated back and stored per head (DQH, DKH [B, L, H, 2, N2B], halves layout, summed
-    over a group's heads on the host) with their sums over the chunk (DQB, DKB [B, C, H, 2,
+    over a group's heads by _group_sum) with their sums over the chunk (DQB, DKB [B, C, H, 2,
     N2B]: the bias grads' parts); d ell of the rotated pairs (DELL, float32, for _bwd_angle);
     the pair tile's shares of the adt grad (DADT) and of d scale / d gamma (DSG), [N2B / JD,
     ...] each and summed on the host, which forms dt and trap grads from DSG. Every scalar grad
