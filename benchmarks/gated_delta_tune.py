@@ -38,8 +38,10 @@ SWEEP = {
                   for bv in (32, 64) for w in (4, 8) for s in (2, 3, 4)],
     "bwd_val": [{"BV": bv, "num_warps": w, "num_stages": s}
                 for bv in (32, 64) for w in (4, 8) for s in (1, 2)],
-    "bwd_key": [{"BKS": bk, "BV": bv, "num_warps": w, "num_stages": s}
-                for bk in (32, 64) for bv in (32, 64) for w in (4, 8) for s in (1, 2)],
+    # _bwd_key at 1 stage only: at 2 its pipelined loads race (H16 repeats not bit-identical,
+    # which the error check below does not see; CONFIG in ops/gated_delta/triton.py)
+    "bwd_key": [{"BKS": bk, "BV": bv, "num_warps": w, "num_stages": 1}
+                for bk in (32, 64) for bv in (32, 64) for w in (4, 8)],
     "bwd_fin": [{"BKS": bk, "num_warps": w, "num_stages": 1} for bk in (32, 64) for w in (4, 8)],
 }
 # the state passes: num_stages 1 is left out (with bf16 products at K = V = 128 _fwd_state
@@ -59,9 +61,9 @@ QUICK = {
     "bwd_state": _STATE_QUICK,
     "bwd_val": [{"BV": bv, "num_warps": w, "num_stages": s}
                 for bv, w, s in ((32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3))],
-    "bwd_key": [{"BKS": bks, "BV": bv, "num_warps": w, "num_stages": s}
-                for bks, bv, w, s in ((64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3),
-                                      (32, 32, 4, 2), (128, 32, 8, 2))],  # BKS clamped to K
+    "bwd_key": [{"BKS": bks, "BV": bv, "num_warps": w, "num_stages": 1}  # 1 stage: see SWEEP
+                for bks, bv, w in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (32, 32, 4),
+                                   (128, 32, 8))],  # BKS clamped to K
     "bwd_fin": [{"BKS": bks, "num_warps": w, "num_stages": s}
                 for bks, w, s in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (32, 4, 2))],
 }

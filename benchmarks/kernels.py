@@ -121,7 +121,7 @@ def check_selection(surfaces: list[str] | None, cases: list[str] | None,
 def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels",
         cases: list[str] | None = None, graphed: bool = True,
         backends: list[str] | None = None) -> list[dict]:
-    check_selection(surfaces, cases, backends)
+    """Every selected surface, case and backend (names checked by ``check_selection``)."""
     catalog, device = default_catalog(), torch.device("cuda")
     facts = device_facts(device)
     ceil = ceilings()

@@ -410,15 +410,16 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
     # over the 227 KB limit). Own chunk is used for bf16 products in the SMALL_GRID launch
     # (nam56r; four runs bit-identical, h100_s11). The BV 64 launch keeps the prefetch: the H16
     # repeats that differed in h100_s10 run 19 came from _bwd_key (see CONFIG), and own-chunk
-    # loads there were not measured again after that fix
-    if PREFETCH:
+    # loads there were not measured again after that fix. Float32 products (MODE 0) always
+    # prefetch
+    if PREFETCH or MODE == 0:
         do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV,
                                                    BV, BT)
         dvn_next, dout_next, _g = _state_loads(DVN, DOUT, GAM, b, bh, N - 1, v0, L, N, H, DV, BV,
                                               BT)
     for i in range(_loop_count(N, N_CONST)):
         n = N - 1 - i
-        if PREFETCH:
+        if PREFETCH or MODE == 0:
             do, decay_in, gamma = do_next, din_next, gam_next
             dv_new, decay_out = dvn_next, dout_next
             do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, tl.maximum(n - 1, 0),
@@ -736,8 +737,8 @@ class _Launcher:
                 cfg = dict(SMALL_GRID[name])
         bv = self.v_tile(cfg)
         cfg.pop("BV", None)
-        if name == "bwd_state":  # PREFETCH (default on; always with float32 products, MODE 0)
-            const["PREFETCH"] = bool(cfg.pop("prefetch", 1)) or self.const["MODE"] == 0
+        if name == "bwd_state":  # its PREFETCH (on unless the setting says 0)
+            const["PREFETCH"] = bool(cfg.pop("prefetch", 1))
         if "BKS" in cfg:
             const["BKS"] = self.k_slice(name)
             cfg.pop("BKS")
