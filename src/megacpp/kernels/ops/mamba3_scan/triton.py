@@ -32,19 +32,21 @@ Kernels (grid; C = chunks, J = tiles of pairs):
                          per-token scalars a (in-chunk cumsum of adt), scale, gamma, and phi_c
   forward    _state_fwd  (J, H, B)  walks the chunks: S_in[c] (stored), the final state
              _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
+             _final      (H, B)     the final state in the global frame (the returned cache)
   backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
              _bwd_dx     (H, C, B)  dx, dz, dD
-             _bwd_dqk    (H, C, B*J')  for a tile of pairs (J' tiles): d(q, k) rotated back and
+             _bwd_dqk    (H*J', C, B)  for a tile of pairs (J' tiles): d(q, k) rotated back and
                                     stored per head (operand dtype) with the bias grads'
                                     parts; d ell of the rotated pairs (float32, from the
                                     float32 d(q, k) in the rotated frame and the state's
                                     rotation); the tile's shares of the adt grad, d scale
                                     and d gamma
-             _bwd_angle  (H, C, B)  the angle grads and dt's angle part from d ell (its reverse
-                                    cumsum over the chunk)
+             _bwd_tokens (H, C, B)  the per-token grads: angles (the reverse cumsum of d ell
+                                    over the chunk), adt (the tiles' shares summed), dt and
+                                    trap (from d scale / d gamma; the first token of a chunk
+                                    takes the previous chunk's last d scale)
              _group_sum  (B*L*G / rows)  d(q, k): each group's per-head grads summed (float32)
-  host       dt and trap grads from d scale / d gamma (the first token of a chunk takes the
-             previous chunk's last d scale); sums of the per-tile and per-chunk partials
+  host       the sums of the per-chunk bias and D partials
 The sequential kernels only carry a [P, pairs-tile] state through a short per-chunk update;
 all T x T and T x N work is in the chunk-parallel kernels.
 Saved for backward: the inputs (q, k and their biases made contiguous), _prep's outputs,
@@ -55,7 +57,6 @@ Backward scratch: G (as S_in), d(q, k) per head [B, L, H, 2, N2B], float32 per-t
 
 from __future__ import annotations
 
-import math
 import os
 from typing import NamedTuple
 
@@ -65,7 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
-from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs, _rotate
+from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs
 
 CHUNK_SIZES = (16, 32, 64)
 # launch settings per kernel (Triton launch options) and tile sizes, chosen by H100 sweeps
@@ -83,7 +84,8 @@ TUNING = {
         "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 128},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
         "bwd_dqk": {"num_warps": 4, "num_stages": 1},
-        "bwd_angle": {"num_warps": 4, "num_stages": 1},
+        "bwd_tokens": {"num_warps": 4, "num_stages": 1},
+        "final": {"num_warps": 4, "num_stages": 1},
         "group_sum": {"num_warps": 4, "num_stages": 1},
     },
     "pairs": 32,  # state tile of the sequential kernels
@@ -406,10 +408,10 @@ def _state_fwd(K, KBIAS, CS, V, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_
 @triton.jit
 def _chunk_program(SC, RESET, B, L, H, NC, P, T: tl.constexpr, BP: tl.constexpr,
                    HAS_RESET: tl.constexpr, SPLIT: tl.constexpr):
-    """The chunk kernels' common start, grid (H, C, B * SPLIT): the head, chunk and row, the
+    """The chunk kernels' common start, grid (H * SPLIT, C, B): the head, chunk and row, the
     chunk's tokens and [T, BP] mask, its rows of the padded per-head buffers, a / scale /
     gamma, and the document segments."""
-    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLIT
+    h, c, b = tl.program_id(0) // SPLIT, tl.program_id(1), tl.program_id(2)
     tok = c * T + tl.arange(0, T)
     p = tl.arange(0, BP)
     mask = (tok < L)[:, None] & (p < P)[None, :]
@@ -472,6 +474,43 @@ def _out_fwd(Q, K, QBIAS, KBIAS, CS, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
         z = z.to(tl.float32)
         y = y * z * tl.sigmoid(z)
     tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _final(SFIN, PHI, K, KBIAS, V, ANGLE, SSM, KLAST, VLAST, sv_b, sv_l, sv_h, sv_p,
+           L, H, G, NC, P, N, R, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr):
+    """The final state of one head (grid (H, B)) in the reference's global frame, float32: the
+    angle (the chunks' phi summed in float64, mod 2 pi) [B, H, R], the last state (halves,
+    last chunk's frame) rotated into it and interleaved [B, H, P, N], the last token's biased,
+    rotated k [B, H, N] and its v [B, H, P]."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    bh = b * H + h
+    j = tl.arange(0, N2B)
+    total = tl.zeros([N2B], dtype=tl.float64)
+    for c in range(NC):
+        total += tl.load(PHI + (bh * NC + c) * RB + j, mask=j < R, other=0.0).to(tl.float64)
+    two_pi = tl.full([], 6.283185307179586, tl.float64)  # (a bare float would be float32)
+    angle = (total - two_pi * tl.floor(total / two_pi)).to(tl.float32)
+    tl.store(ANGLE + bh * R + j, angle, mask=j < R)
+    cos, sin = tl.cos(angle), tl.sin(angle)  # pairs >= R: angle 0
+    p = tl.arange(0, BP)
+    mp = p < P
+    off = (bh * P + p[:, None]) * (2 * N2B) + j[None, :]
+    s_e = tl.load(SFIN + off, mask=mp[:, None], other=0.0)
+    s_o = tl.load(SFIN + off + N2B, mask=mp[:, None], other=0.0)
+    out = (bh * P + p[:, None]) * N + 2 * j[None, :]
+    tl.store(SSM + out, s_e * cos[None, :] - s_o * sin[None, :],
+             mask=mp[:, None] & (2 * j < N)[None, :])
+    tl.store(SSM + out + 1, s_e * sin[None, :] + s_o * cos[None, :],
+             mask=mp[:, None] & (2 * j + 1 < N)[None, :])
+    row = ((b * L + L - 1) * G + h // (H // G)) * N  # the last token's row of k
+    kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
+    k_e = tl.load(K + row + 2 * j, mask=2 * j < N, other=0.0).to(tl.float32) + kb_e
+    k_o = tl.load(K + row + 2 * j + 1, mask=2 * j + 1 < N, other=0.0).to(tl.float32) + kb_o
+    tl.store(KLAST + bh * N + 2 * j, k_e * cos - k_o * sin, mask=2 * j < N)
+    tl.store(KLAST + bh * N + 2 * j + 1, k_e * sin + k_o * cos, mask=2 * j + 1 < N)
+    v = tl.load(V + b * sv_b + (L - 1) * sv_l + h * sv_h + p * sv_p, mask=mp, other=0.0)
+    tl.store(VLAST + bh * P + p, v.to(tl.float32), mask=mp)
 
 
 # -- backward --------------------------------------------------------------------------------
@@ -552,11 +591,23 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
 
 
 @triton.jit
-def _angle_grads(d_ell, DT, ANG, DANG, DDTA, b, h, tok, live, j, L, H, R, sd_b, sd_l, sd_h,
-                 sg_b, sg_l, sg_h, sg_r):
-    """The angle grads [T, pairs j] (DANG) and dt's angle part [T] (DDTA, [B, L, H]) of one
-    chunk and head from d ell: ell = cumsum over the chunk of pi tanh(angle) dt, so
-    d(pi tanh(angle) dt) is the reverse cumsum of d ell."""
+def _bwd_tokens(DELL, DADTS, DSG, DT, TRAP, ANG, DANG, DADT, DDT, DTRAP,
+                sd_b, sd_l, sd_h, st_b, st_l, st_h, sg_b, sg_l, sg_h, sg_r,
+                B, L, H, NC, R, T: tl.constexpr, RB: tl.constexpr, NJD: tl.constexpr):
+    """One chunk of one head (grid (H, C, B)): the per-token grads from _bwd_dqk's outputs.
+    Angles: ell = cumsum over the chunk of pi tanh(angle) dt, so d(pi tanh(angle) dt) is the
+    reverse cumsum of d ell (DELL, the rotated pairs); DANG [B, L, H, R]. adt: its NJD pair
+    tiles' shares summed (DADTS). dt, trap: from d scale and d gamma (DSG, NJD shares each) with
+    gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t (the chunk's first
+    token reads the previous chunk's last d scale), plus dt's angle part. DADT, DDT, DTRAP are
+    contiguous [B, L, H] in their inputs' dtypes."""
+    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tok = c * T + tl.arange(0, T)
+    live = tok < L
+    j = tl.arange(0, RB)
+    row = (b * H + h) * (NC * T) + tok
+    d_ell = tl.load(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], mask=(j < R)[None, :],
+                    other=0.0)
     d_rate = tl.cumsum(d_ell, axis=0, reverse=True)
     th = _angle_tanh(ANG, b, h, tok, live, j, R, sg_b, sg_l, sg_h, sg_r)
     dt = tl.load(DT + b * sd_b + tok * sd_l + h * sd_h, mask=live, other=0.0).to(tl.float32)
@@ -564,21 +615,24 @@ def _angle_grads(d_ell, DT, ANG, DANG, DDTA, b, h, tok, live, j, L, H, R, sd_b, 
     d_ang = d_rate * dt[:, None] * 3.141592653589793 * (1.0 - th * th)
     tl.store(DANG + tsc.to(tl.int64)[:, None] * R + j[None, :], d_ang.to(DANG.dtype.element_ty),
              mask=live[:, None] & (j < R)[None, :])
-    tl.store(DDTA + tsc, tl.sum(d_rate * 3.141592653589793 * th, axis=1), mask=live)
 
-
-@triton.jit
-def _bwd_angle(DELL, DT, ANG, DANG, DDTA, sd_b, sd_l, sd_h, sg_b, sg_l, sg_h, sg_r,
-               L, H, NC, R, T: tl.constexpr, RB: tl.constexpr):
-    """One chunk of one head (grid (H, C, B)): the angle grads from _bwd_dqk's d ell."""
-    h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    tok = c * T + tl.arange(0, T)
-    j = tl.arange(0, RB)
-    row = (b * H + h) * (NC * T) + tok
-    d_ell = tl.load(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], mask=(j < R)[None, :],
-                    other=0.0)
-    _angle_grads(d_ell, DT, ANG, DANG, DDTA, b, h, tok, tok < L, j, L, H, R, sd_b, sd_l, sd_h,
-                 sg_b, sg_l, sg_h, sg_r)
+    n = B * L * H
+    d_adt = tl.zeros([T], dtype=tl.float32)
+    d_scale = tl.zeros([T], dtype=tl.float32)
+    d_gamma = tl.zeros([T], dtype=tl.float32)
+    d_prev = tl.zeros([T], dtype=tl.float32)  # d scale_{t-1}
+    for jt in tl.static_range(NJD):
+        d_adt += tl.load(DADTS + jt * n + tsc, mask=live, other=0.0)
+        d_scale += tl.load(DSG + jt * n + tsc, mask=live, other=0.0)
+        d_gamma += tl.load(DSG + (NJD + jt) * n + tsc, mask=live, other=0.0)
+        d_prev += tl.load(DSG + jt * n + tsc - H, mask=live & (tok > 0), other=0.0)
+    trap = tl.load(TRAP + b * st_b + tok * st_l + h * st_h, mask=live, other=0.0)
+    lam = tl.sigmoid(trap.to(tl.float32))
+    d_dt = d_gamma * lam + d_prev * (1.0 - lam) + tl.sum(d_rate * 3.141592653589793 * th, axis=1)
+    d_trap = (d_gamma - d_prev) * dt * lam * (1.0 - lam)
+    tl.store(DADT + tsc, d_adt.to(DADT.dtype.element_ty), mask=live)
+    tl.store(DDT + tsc, d_dt.to(DDT.dtype.element_ty), mask=live)
+    tl.store(DTRAP + tsc, d_trap.to(DTRAP.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -604,18 +658,22 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
              JD: tl.constexpr, PAIRED: tl.constexpr):
-    """One chunk of one head, JD of its pairs (grid (H, C, B * N2B / JD)): d(q, k) of those
-    pairs, rotated back and stored per head (DQH, DKH [B, L, H, 2, N2B], halves layout, summed
-    over a group's heads by _group_sum) with their sums over the chunk (DQB, DKB [B, C, H, 2,
-    N2B]: the bias grads' parts); d ell of the rotated pairs (DELL, float32, for _bwd_angle);
-    the pair tile's shares of the adt grad (DADT) and of d scale / d gamma (DSG), [N2B / JD,
-    ...] each and summed on the host, which forms dt and trap grads from DSG. Every scalar grad
-    is linear in sums over pairs (q k^T, x^T G k, q S_in^T do, <G, S_in>), so a tile's share
-    needs its pairs only; d_qk = (do x^T) * W is whole in every tile. d ell comes from the
-    float32 d(q, k) in the rotated frame and the state's rotation by -phi_c."""
+    """One chunk of one head, JD of its pairs (grid (H * N2B / JD, C, B): a head's pair tiles
+    run next to each other and share its x, dy, z in L2, 2.10 -> 2.02 ms at L 4096 on the H100
+    against tiles a grid apart; h100_s12): d(q, k) of those pairs, rotated back and stored per
+    head (DQH, DKH [B, L, H, 2, N2B], halves layout, summed over a group's heads by _group_sum)
+    with their sums over the chunk (DQB, DKB [B, C, H, 2, N2B]: the bias grads' parts); d ell
+    of the rotated pairs (DELL, float32); the pair tile's shares of the adt grad (DADT) and of
+    d scale / d gamma (DSG), [N2B / JD, ...] each. _bwd_tokens turns d ell, the shares and d
+    scale / d gamma into the per-token grads. Every scalar grad is linear in sums over pairs
+    (q k^T, x^T G k, q S_in^T do, <G, S_in>), so a tile's share needs its pairs only; d_qk =
+    (do x^T) * W is whole in every tile. d ell comes from the float32 d(q, k) in the rotated
+    frame and the state's rotation by -phi_c.
+    A loop over a group's heads adding up d(q, k) in the program (no per-head copies, no
+    _group_sum) spilled: 3.8 ms with 8 heads, 3.9 with 2 (h100_s12)."""
     h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
-    jt = tl.program_id(2) % (N2B // JD)
+    jt = tl.program_id(0) % (N2B // JD)
     t = tl.arange(0, T)
     live = tok < L
     mp = p < P
@@ -683,7 +741,7 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
     d_dec = tl.sum(g_e * s_e + g_o * s_o)
 
-    # d ell of the rotated pairs, for _bwd_angle (the angle grads here, at the end of this
+    # d ell of the rotated pairs, for _bwd_tokens (the angle grads here, at the end of this
     # kernel, cost 2.39 vs 2.08 + 0.11 ms at L 4096 on the H100: more spills; h100_s11)
     tl.store(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], d_ell, mask=(j < R)[None, :])
     sc = jt * (B * L * H) + (b * L + tok) * H + h  # [B, L, H] offsets of the chunk's tokens
@@ -818,16 +876,13 @@ def _common_strides(v, z, adt, dt, trap, angles) -> dict[str, tuple]:
 def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Tensor,
                  phi: Tensor) -> Mamba3ScanState:
     """The reference's final state in its global frame (angle mod 2 pi), without gradient."""
-    L, H, G, N, R = geo.L, geo.H, geo.G, geo.N, geo.R
-    total = torch.remainder(phi.double().sum(2), 2 * math.pi).float()  # [B, H, RB]
-    total_n = torch.nn.functional.pad(total, (0, geo.N2B - geo.RB))  # pairs >= RB: angle 0
-    cos, sin = torch.cos(total_n)[:, :, None], torch.sin(total_n)[:, :, None]
-    s_e, s_o = s_fin[..., 0, :], s_fin[..., 1, :]  # [B, H, P, N2B]
-    ssm = torch.stack([s_e * cos - s_o * sin, s_e * sin + s_o * cos], dim=-1)
-    ssm = ssm.flatten(-2)[..., :N].contiguous()
-    k_last = k[:, L - 1].float().repeat_interleave(H // G, dim=1) + k_bias.float()  # [B, H, N]
-    angle = total[..., :R].contiguous()
-    return Mamba3ScanState(angle, ssm, _rotate(k_last, angle), v[:, L - 1].float())
+    B, H, P, N, R = geo.B, geo.H, geo.P, geo.N, geo.R
+    f32 = {"device": v.device, "dtype": torch.float32}
+    state = Mamba3ScanState(torch.empty(B, H, R, **f32), torch.empty(B, H, P, N, **f32),
+                            torch.empty(B, H, N, **f32), torch.empty(B, H, P, **f32))
+    _final[(H, B)](s_fin, phi, k, k_bias, v, *state, *v.stride(), geo.L, H, geo.G, geo.NC, P,
+                   N, R, BP=geo.BP, N2B=geo.N2B, RB=geo.RB, **_launch("final"))
+    return state
 
 
 def _qk_args(args: tuple, ops: _Operands) -> tuple:
@@ -894,22 +949,18 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     jd = min(geo.N2B, TUNING["dqk_pairs"])
     njd = geo.N2B // jd
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
-    dadt = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
+    dadt_part = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
     d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
-    _bwd_dqk[(H, NC, B * njd)](
+    _bwd_dqk[(H * njd, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
-        d_ell, dadt, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk"))
-    ddt_angle = torch.empty(B, L, H, **f32)  # dt's angle part
-    _bwd_angle[(H, NC, B)](d_ell, dt, angles, dang, ddt_angle, *st["dt"], *st["ang"], L, H, NC,
-                           R, T=T, RB=geo.RB, **_launch("bwd_angle"))
-    dadt, d_sg = (dadt[0], d_sg[:, 0]) if njd == 1 else (dadt.sum(0), d_sg.sum(1))
-
-    # dt and trap: gamma = lambda dt and scale_{t-1} = gamma_{t-1} + (1 - lambda_t) dt_t
-    d_scale, d_gamma = d_sg.unbind(0)
-    d_prev = torch.nn.functional.pad(d_scale[:, :-1], (0, 0, 1, 0))  # d scale_{t-1}
-    lam = torch.sigmoid(trap.float())
-    ddt = d_gamma * lam + d_prev * (1 - lam) + ddt_angle
-    dtrap = (d_gamma - d_prev) * dt.float() * lam * (1 - lam)
+        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk"))
+    dadt = torch.empty(B, L, H, device=dev, dtype=adt.dtype)
+    ddt = torch.empty(B, L, H, device=dev, dtype=dt.dtype)
+    dtrap = torch.empty(B, L, H, device=dev, dtype=trap.dtype)
+    _bwd_tokens[(H, NC, B)](
+        d_ell, dadt_part, d_sg, dt, trap, angles, dang, dadt, ddt, dtrap, *st["dt"],
+        *st["trap"], *st["ang"], B, L, H, NC, R, T=T, RB=geo.RB, NJD=njd,
+        **_launch("bwd_tokens"))
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
 
     def interleaved(d: Tensor, like: Tensor) -> Tensor:  # [..., 2, N2B] -> [..., N]
@@ -922,8 +973,7 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     _group_sum[(triton.cdiv(rows, TUNING["sum_rows"]),)](
         dqh, dkh, dq, dk, rows, H // G, N, ROWS=TUNING["sum_rows"],
         HGP=triton.next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum"))
-    return (dq, dk, dv, dadt.to(adt.dtype), ddt.to(dt.dtype),
-            dtrap.to(trap.dtype), interleaved(dqb_part.sum((0, 1)), q_bias),
+    return (dq, dk, dv, dadt, ddt, dtrap, interleaved(dqb_part.sum((0, 1)), q_bias),
             interleaved(dkb_part.sum((0, 1)), k_bias), dang, dD, dz, None, None)
 
 
