@@ -93,6 +93,8 @@ TUNING = {
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
     "max_chunk": 64,
+    # chunks' phi per load of _final (one at a time it took 50 us at L 4096 on the H100)
+    "final_chunks": 32,
     # (token, group) rows per program of _group_sum: 8 rows, 203 us at L 4096 (2.6 TB/s;
     # 2 or 4 rows 330-335, 4 rows at 8 warps 608; h100_s11 run 11)
     "sum_rows": 8,
@@ -478,7 +480,8 @@ def _out_fwd(Q, K, QBIAS, KBIAS, CS, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
 
 @triton.jit
 def _final(SFIN, PHI, K, KBIAS, V, ANGLE, SSM, KLAST, VLAST, sv_b, sv_l, sv_h, sv_p,
-           L, H, G, NC, P, N, R, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr):
+           L, H, G, NC, P, N, R, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+           CB: tl.constexpr):
     """The final state of one head (grid (H, B)) in the reference's global frame, float32: the
     angle (the chunks' phi summed in float64, mod 2 pi) [B, H, R], the last state (halves,
     last chunk's frame) rotated into it and interleaved [B, H, P, N], the last token's biased,
@@ -487,8 +490,11 @@ def _final(SFIN, PHI, K, KBIAS, V, ANGLE, SSM, KLAST, VLAST, sv_b, sv_l, sv_h, s
     bh = b * H + h
     j = tl.arange(0, N2B)
     total = tl.zeros([N2B], dtype=tl.float64)
-    for c in range(NC):
-        total += tl.load(PHI + (bh * NC + c) * RB + j, mask=j < R, other=0.0).to(tl.float64)
+    for c0 in range(0, NC, CB):
+        c = c0 + tl.arange(0, CB)
+        phi = tl.load(PHI + (bh * NC + c[:, None]) * RB + j[None, :],
+                      mask=(c < NC)[:, None] & (j < R)[None, :], other=0.0)
+        total += tl.sum(phi.to(tl.float64), axis=0)
     two_pi = tl.full([], 6.283185307179586, tl.float64)  # (a bare float would be float32)
     angle = (total - two_pi * tl.floor(total / two_pi)).to(tl.float32)
     tl.store(ANGLE + bh * R + j, angle, mask=j < R)
@@ -616,16 +622,16 @@ def _bwd_tokens(DELL, DADTS, DSG, DT, TRAP, ANG, DANG, DADT, DDT, DTRAP,
     tl.store(DANG + tsc.to(tl.int64)[:, None] * R + j[None, :], d_ang.to(DANG.dtype.element_ty),
              mask=live[:, None] & (j < R)[None, :])
 
-    n = B * L * H
+    n = B * H * NC * T  # the shares: rows of [B, H, C * T] (padded, contiguous per head)
     d_adt = tl.zeros([T], dtype=tl.float32)
     d_scale = tl.zeros([T], dtype=tl.float32)
     d_gamma = tl.zeros([T], dtype=tl.float32)
     d_prev = tl.zeros([T], dtype=tl.float32)  # d scale_{t-1}
     for jt in tl.static_range(NJD):
-        d_adt += tl.load(DADTS + jt * n + tsc, mask=live, other=0.0)
-        d_scale += tl.load(DSG + jt * n + tsc, mask=live, other=0.0)
-        d_gamma += tl.load(DSG + (NJD + jt) * n + tsc, mask=live, other=0.0)
-        d_prev += tl.load(DSG + jt * n + tsc - H, mask=live & (tok > 0), other=0.0)
+        d_adt += tl.load(DADTS + jt * n + row)
+        d_scale += tl.load(DSG + jt * n + row)
+        d_gamma += tl.load(DSG + (NJD + jt) * n + row)
+        d_prev += tl.load(DSG + jt * n + row - 1, mask=tok > 0, other=0.0)
     trap = tl.load(TRAP + b * st_b + tok * st_l + h * st_h, mask=live, other=0.0)
     lam = tl.sigmoid(trap.to(tl.float32))
     d_dt = d_gamma * lam + d_prev * (1.0 - lam) + tl.sum(d_rate * 3.141592653589793 * th, axis=1)
@@ -744,16 +750,16 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     # d ell of the rotated pairs, for _bwd_tokens (the angle grads here, at the end of this
     # kernel, cost 2.39 vs 2.08 + 0.11 ms at L 4096 on the H100: more spills; h100_s11)
     tl.store(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], d_ell, mask=(j < R)[None, :])
-    sc = jt * (B * L * H) + (b * L + tok) * H + h  # [B, L, H] offsets of the chunk's tokens
+    sc = jt * (B * H * NC * T) + row  # the chunk's rows of the [B, H, C * T] shares
 
-    # scalars: a (-> adt) here; d scale and d gamma go to the host (dt, trap)
+    # scalars: a (-> adt) here; d scale and d gamma go to _bwd_tokens (dt, trap)
     w_mk = w_state * mk
     d_scale = dz_dec + to_end * mk
     d_a = dz_w + carry * q_s - w_mk
     d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
-    tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True), mask=live)
-    tl.store(DSG + sc, d_scale, mask=live)
-    tl.store(DSG + (N2B // JD) * B * L * H + sc, d_gamma + d_scale, mask=live)
+    tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True))
+    tl.store(DSG + sc, d_scale)
+    tl.store(DSG + (N2B // JD) * B * H * NC * T + sc, d_gamma + d_scale)
 
 
 @triton.jit
@@ -881,7 +887,8 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
     state = Mamba3ScanState(torch.empty(B, H, R, **f32), torch.empty(B, H, P, N, **f32),
                             torch.empty(B, H, N, **f32), torch.empty(B, H, P, **f32))
     _final[(H, B)](s_fin, phi, k, k_bias, v, *state, *v.stride(), geo.L, H, geo.G, geo.NC, P,
-                   N, R, BP=geo.BP, N2B=geo.N2B, RB=geo.RB, **_launch("final"))
+                   N, R, BP=geo.BP, N2B=geo.N2B, RB=geo.RB, CB=TUNING["final_chunks"],
+                   **_launch("final"))
     return state
 
 
@@ -949,8 +956,8 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     jd = min(geo.N2B, TUNING["dqk_pairs"])
     njd = geo.N2B // jd
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
-    dadt_part = torch.empty(njd, B, L, H, **f32)  # shares of _bwd_dqk's pair tiles
-    d_sg = torch.empty(2, njd, B, L, H, **f32)  # d scale, d gamma
+    dadt_part = torch.empty(njd, B, H, NC * T, **f32)  # shares of _bwd_dqk's pair tiles
+    d_sg = torch.empty(2, njd, B, H, NC * T, **f32)  # d scale, d gamma
     _bwd_dqk[(H * njd, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
         d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk"))
