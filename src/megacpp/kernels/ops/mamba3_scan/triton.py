@@ -677,8 +677,8 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     frame and the state's rotation by -phi_c.
     A loop over a group's heads adding up d(q, k) in the program (no per-head copies, no
     _group_sum) spilled: 3.8 ms with 8 heads, 3.9 with 2. Split into a dq and a dk launch
-    (4-16 bytes spilled offline, against 212) the dq side came out wrong on the H100 in bf16
-    with 64-token chunks, though right in the interpreter (h100_s12: not found, reverted)."""
+    (4-16 bytes spilled offline, against 212) both took 4.3 ms, and the dq side at 4 warps was
+    miscompiled on the H100 in bf16 with 64-token chunks (right at 8 warps; h100_s12)."""
     h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
     jt = tl.program_id(0) % (N2B // JD)
