@@ -393,7 +393,7 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
                H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, BT: tl.constexpr, HAS_RESET: tl.constexpr,
                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, MODE: tl.constexpr,
-               N_CONST: tl.constexpr, PREFETCH: tl.constexpr):
+               N_CONST: tl.constexpr, PREFETCH: tl.constexpr = 1):
     vb, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     v0 = vb * BV
@@ -411,7 +411,7 @@ def _bwd_state(Q, K_, W, DIN, DOUT, GAM, DO, DVN, DHT, DHS, DH0, L, N, scale,
     # (nam56r; four runs bit-identical, h100_s11). The BV 64 launch keeps the prefetch: the H16
     # repeats that differed in h100_s10 run 19 came from _bwd_key (see CONFIG), and own-chunk
     # loads there were not measured again after that fix. Float32 products (MODE 0) always
-    # prefetch
+    # prefetch, and so does a setting without the switch (the tuning sweeps' settings)
     if PREFETCH or MODE == 0:
         do_next, din_next, gam_next = _state_loads(DO, DIN, GAM, b, bh, N - 1, v0, L, N, H, DV,
                                                    BV, BT)
@@ -632,9 +632,12 @@ def _bwd_fin(K_, G, BETA, RST, SCR, VEC, DKP, DK_, DG, DB, L, N, H: tl.constexpr
 
 # -- autograd -----------------------------------------------------------------------------------
 # Launch settings per kernel: BV (value columns per tile), BKS (key columns per slice of
-# _bwd_key / _bwd_fin), num_warps, num_stages, from benchmarks/gated_delta_tune.py --quick
+# _bwd_key / _bwd_fin), the Triton launch options (LAUNCH_OPTIONS) and the kernel's own
+# switches (any other lower-case key, passed as its upper-case constexpr: "prefetch" ->
+# _bwd_state's PREFETCH), from benchmarks/gated_delta_tune.py --quick
 # --graph sweeps on an H100 (nam56r 4k and H16 K = V = 128 4k, CUDA-graph replays;
 # benchmarks/results/kernels/h100_s9).
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 CONFIG: dict[str, dict[str, int]] = {
     "fwd_intra": {"num_warps": 4, "num_stages": 1},
     # num_stages 1 here, with bf16 products at K = V = 128, hit an illegal memory access on the
@@ -737,8 +740,8 @@ class _Launcher:
                 cfg = dict(SMALL_GRID[name])
         bv = self.v_tile(cfg)
         cfg.pop("BV", None)
-        if name == "bwd_state":  # its PREFETCH (on unless the setting says 0)
-            const["PREFETCH"] = bool(cfg.pop("prefetch", 1))
+        for key in [k for k in cfg if k.islower() and k not in LAUNCH_OPTIONS]:
+            const[key.upper()] = cfg.pop(key)  # a kernel switch
         if "BKS" in cfg:
             const["BKS"] = self.k_slice(name)
             cfg.pop("BKS")
