@@ -23,8 +23,26 @@ def run_interpreter_check(test_file: str, check: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), str(here.parent),
                                           os.environ.get("PYTHONPATH", "")])}
-    code = f"import {here.stem} as t; print(t.{check}())"
+    code = ("from tests.kernels.interpreter import patch_scalar_index; patch_scalar_index(); "
+            f"import {here.stem} as t; print(t.{check}())")
     run = subprocess.run([sys.executable, "-c", code], check=False, env=env,
                          capture_output=True, text=True, timeout=300)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+
+
+def patch_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into an index with ``int(array)`` on a
+    one-element 1-D array, which numpy 2.4 refuses ("only 0-dimensional arrays can be
+    converted"): ``range(tl.program_id(0), n, tl.num_programs(0))`` (a persistent row loop)
+    fails there. Re-set ``__index__`` after the interpreter patches ``tl.tensor`` (in this
+    process only; no installed file is changed)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched

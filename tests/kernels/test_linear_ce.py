@@ -32,11 +32,14 @@ def _rel(a, b) -> float:
 
 
 @gpu
+@pytest.mark.parametrize("lanes", [False, True])
 @pytest.mark.parametrize("strategy", ["addmm", "planes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_grads_scaled_by_grad_output_match_fp32_reference(dtype, strategy):
+def test_grads_scaled_by_grad_output_match_fp32_reference(dtype, strategy, lanes, monkeypatch):
+    from megacpp.kernels.ops.linear_ce import triton as lce
     from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
 
+    monkeypatch.setitem(lce.CE_CONFIG, "lanes", lanes)  # both sweep-1 forms of the row kernel
     h, w, labels = _case(3000, 256, 10007, dtype, 0)  # ragged vocab / last chunk
     scale = 0.37
     loss = linear_cross_entropy_triton(h, w, labels, chunk_tokens=704, strategy=strategy)
@@ -159,9 +162,44 @@ def _interpreter_check() -> dict:
         out = lce.finish_weight_grad_fp32(halves, scale, torch.float32)
         assert out.shape == (vocab, hidden) and not halves and out.is_contiguous()
         errors[vocab] = _rel(out, want * 0.37)
-    assert max(errors.values()) < 1e-6, errors
+    assert all(e < 1e-6 for e in errors.values()), errors  # NaN fails
     return errors
 
 
 def test_interpreter_fp32_halves_accumulate_and_finish() -> None:
     run_interpreter_check(__file__, "_interpreter_check")
+
+
+def _rows_interpreter_check() -> dict:
+    """The CE row kernel, both sweep-1 forms (LANES), against torch's log-softmax: loss rows
+    and the gradient written in place, with ignored rows, a vocab narrower than the block
+    (masked lanes that never see a value) and one several blocks wide with a ragged end.
+    float32 logits (the interpreter's bf16 cast truncates)."""
+    from megacpp.kernels.ops.linear_ce import triton as lce
+
+    g = torch.Generator().manual_seed(0)
+    errors = {}
+    for vocab, block in ((300, 512), (300, 64), (64, 64), (1, 16)):
+        logits = torch.randn(7, vocab, generator=g) * 4
+        labels = torch.randint(0, vocab, (7,), generator=g)
+        labels[2] = -100
+        kept = labels != -100
+        inv_n = torch.tensor([1.0 / int(kept.sum())])
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        safe = labels.clamp(min=0)
+        want_loss = torch.where(kept, -logp.gather(1, safe[:, None])[:, 0], 0.0)
+        want_grad = (logp.exp() - torch.nn.functional.one_hot(safe, vocab)) * inv_n.double()
+        want_grad[~kept] = 0.0
+        for lanes in (False, True):
+            work, loss = logits.clone(), torch.empty(7)
+            lce._ce_rows[(3,)](work, labels, loss, inv_n, 7, work.stride(0), -100, n_cols=vocab,
+                               BLOCK=block, WRITE_GRAD=True, LANES=lanes)
+            key = f"V{vocab}_B{block}_lanes{int(lanes)}"
+            errors[key] = max(float((loss.double() - want_loss).abs().max()),
+                              float((work.double() - want_grad).abs().max()))
+    assert all(e < 1e-5 for e in errors.values()), errors  # (a NaN fails here, not in max)
+    return errors
+
+
+def test_interpreter_ce_rows_both_forms_match_log_softmax() -> None:
+    run_interpreter_check(__file__, "_rows_interpreter_check")

@@ -27,11 +27,13 @@ def _compile(fn, signature: dict, constexprs: dict, **options):
 def test_linear_ce_kernels_compile_for_hopper():
     from megacpp.kernels.ops.linear_ce import triton as lce
 
-    _compile(lce._ce_rows,
-             {"LOGITS": "*bf16", "LABELS": "*i64", "LOSS": "*fp32", "INV_N": "*fp32",
-              "n_rows": "i32", "stride": "i32", "ignore_index": "i32", "n_cols": "constexpr",
-              "BLOCK": "constexpr", "WRITE_GRAD": "constexpr"},
-             {"n_cols": 65536, "BLOCK": 4096, "WRITE_GRAD": True}, num_warps=16)
+    for lanes in (False, True):
+        _compile(lce._ce_rows,
+                 {"LOGITS": "*bf16", "LABELS": "*i64", "LOSS": "*fp32", "INV_N": "*fp32",
+                  "n_rows": "i32", "stride": "i32", "ignore_index": "i32", "n_cols": "constexpr",
+                  "BLOCK": "constexpr", "WRITE_GRAD": "constexpr", "LANES": "constexpr"},
+                 {"n_cols": 65536, "BLOCK": 4096, "WRITE_GRAD": True, "LANES": lanes},
+                 num_warps=16)
     cfg = lce.DW_CONFIG
     tile = {"BM": cfg["BM"], "BN": cfg["BN"], "BK": cfg["BK"]}
     kernel = _compile(

@@ -44,26 +44,44 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # dW tile config; "tma" (tensor-descriptor tiles, 151 registers, no spills) where the strides
 # allow it, else the pointer kernel (it spills in the epilogue: a fallback for odd shapes)
 DW_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "tma": True}
+# the CE row kernel: block width (columns per load), warps, persistent programs per SM (a
+# row's second sweep finds it still in L2), per-lane running max / sum in sweep 1
+CE_CONFIG = {"BLOCK": 4096, "num_warps": 16, "programs_per_sm": 2, "lanes": False}
 
 
 @triton.jit
 def _ce_rows(LOGITS, LABELS, LOSS, INV_N, n_rows, stride, ignore_index, n_cols: tl.constexpr,
-             BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
+             BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, LANES: tl.constexpr):
     """Rows pid, pid + grid, ...: loss row (float32) and, if WRITE_GRAD, the gradient of the
-    mean loss written over the logits."""
+    mean loss written over the logits. LANES: sweep 1 keeps a running max and sum per lane
+    ([BLOCK] vectors, reduced once per row) instead of reducing every block across the warps."""
     cols = tl.arange(0, BLOCK)
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         base = LOGITS + tl.cast(row, tl.int64) * stride
         label = tl.load(LABELS + row)
         # sweep 1: running max and sum of exp (float32, base 2)
-        m = -float("inf")
-        s = 0.0
-        for start in range(0, n_cols, BLOCK):
-            v = tl.load(base + start + cols, mask=start + cols < n_cols, other=-float("inf"))
-            v = v.to(tl.float32) * LOG2E
-            m_new = tl.maximum(m, tl.max(v, axis=0))
-            s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(v - m_new), axis=0)
-            m = m_new
+        if LANES:
+            m_l = tl.full([BLOCK], -float("inf"), tl.float32)
+            s_l = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                v = tl.load(base + start + cols, mask=start + cols < n_cols,
+                            other=-float("inf")).to(tl.float32) * LOG2E
+                m_new = tl.maximum(m_l, v)
+                # a lane that has seen only -inf (masked) keeps s = 0: no -inf - -inf
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+                s_l = s_l * tl.exp2(m_l - m_safe) + tl.exp2(v - m_safe)
+                m_l = m_new
+            m = tl.max(m_l, axis=0)
+            s = tl.sum(s_l * tl.exp2(m_l - m), axis=0)
+        else:
+            m = -float("inf")
+            s = 0.0
+            for start in range(0, n_cols, BLOCK):
+                v = tl.load(base + start + cols, mask=start + cols < n_cols, other=-float("inf"))
+                v = v.to(tl.float32) * LOG2E
+                m_new = tl.maximum(m, tl.max(v, axis=0))
+                s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(v - m_new), axis=0)
+                m = m_new
         lse2 = m + tl.log2(s)  # log2-sum-exp2 of the base-2 logits
         kept = label != ignore_index
         safe_label = tl.where(kept, label, 0)
@@ -162,10 +180,7 @@ def _ce_programs(n_rows: int, device: torch.device, programs: int | None) -> int
     if device.type != "cuda":
         return n_rows
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_rows, CE_PROGRAMS_PER_SM * sms))
-
-
-CE_PROGRAMS_PER_SM = 2  # persistent rows: a row's second sweep finds it still in L2
+    return max(1, min(n_rows, CE_CONFIG["programs_per_sm"] * sms))
 
 
 def accumulate_weight_grad(hi: Tensor, lo: Tensor, grad_logits: Tensor, h_chunk: Tensor,
@@ -277,7 +292,7 @@ def _forward(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk
     elif need_dw:
         acc = tuple(torch.zeros(weight.shape, device=h.device, dtype=torch.int16)
                     for _ in range(2))
-    block = min(triton.next_power_of_2(vocab), 4096)
+    block = min(triton.next_power_of_2(vocab), CE_CONFIG["BLOCK"])
     for start in range(0, n_tokens, chunk_tokens):
         rows = slice(start, min(start + chunk_tokens, n_tokens))
         h_chunk = h[rows]  # [C, D]
@@ -285,7 +300,8 @@ def _forward(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk
         n_rows = logits.shape[0]
         _ce_rows[(_ce_programs(n_rows, h.device, ce_programs),)](
             logits, labels[rows], losses[rows], inv_n, n_rows, logits.stride(0), ignore_index,
-            n_cols=vocab, BLOCK=block, WRITE_GRAD=need_grad, num_warps=16)
+            n_cols=vocab, BLOCK=block, WRITE_GRAD=need_grad, LANES=CE_CONFIG["lanes"],
+            num_warps=CE_CONFIG["num_warps"])
         if need_dh:
             torch.mm(logits, weight, out=dh[rows])
         if need_dw and strategy == "addmm":
