@@ -6,7 +6,7 @@ Run on a GPU (the numbers in the README came from an H100)::
         --modes eager compiled --out benchmarks/results/train_step_h100.json
 
     # the fast path too (MEGACPP_KERNELS=auto: our Triton kernels where they qualify), with
-    # a profile of each hybrid row's top CUDA kernels
+    # a profile of each row: GPU time per kernel family, top CUDA kernels
     ... --kernels reference auto --profile benchmarks/results/train_step_profiles
 
     # the whole step as one CUDA graph (no host launches: the GPU-bound step rate)
@@ -187,18 +187,32 @@ def capture_step(step):
     return graph.replay
 
 
-def profile_steps(step, path: Path, steps: int = 3) -> None:
-    """Write the top CUDA kernels of ``steps`` training steps, by total device time, to ``path``."""
+def profile_steps(step, path: Path, steps: int = 3) -> list[dict]:
+    """Profile ``steps`` training steps: write the top CUDA kernels by total device time and
+    the GPU time per kernel family (:mod:`megacpp.kernels.profiling`) to ``path``; return the
+    family rows (also as ``path`` with a ``.families.json`` suffix). Works on graph replays:
+    the profiler sees the kernels a replayed graph runs."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from megacpp.kernels.profiling import family_breakdown, format_breakdown
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+    kernels = [(e.key, e.self_device_time_total) for e in averages
+               if e.device_type == DeviceType.CUDA]
+    families = family_breakdown(kernels, steps=steps)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{steps} training steps, sorted by self CUDA time\n{table}\n")
+    path.write_text(f"{steps} training steps: GPU time per kernel family\n"
+                    f"{format_breakdown(families)}\n\nsorted by self CUDA time\n{table}\n")
+    path.with_suffix(".families.json").write_text(json.dumps(families, indent=1) + "\n")
+    print(format_breakdown(families), flush=True)
+    return families
 
 
 def main() -> None:
@@ -221,7 +235,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--profile", type=Path, default=None, metavar="DIR",
-        help="also profile 3 steps of each hybrid row; top-kernel tables go to DIR",
+        help="also profile 3 steps of each row: GPU time per kernel family and the top kernels "
+        "go to DIR",
     )
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=8)
@@ -259,6 +274,8 @@ def main() -> None:
                         profile = args.profile / f"{name}_{mode}_L{seq_len}.txt"
                 else:
                     model, loss_fn, params, active, flops, name = llama_peer(*hybrid_shape, seq_len)
+                    if args.profile:
+                        profile = args.profile / f"{name}_{mode}_L{seq_len}.txt"
                 t0 = time.perf_counter()
                 try:
                     r = bench_one(

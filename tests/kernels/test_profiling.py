@@ -1,0 +1,45 @@
+"""The profiler's kernel families: library kernels by name, ours by their Triton module."""
+
+from __future__ import annotations
+
+import pytest
+
+from megacpp.kernels.profiling import family_breakdown, format_breakdown, kernel_family
+
+OURS = {"_bwd_dqk": "mamba3_scan", "_ce_rows": "linear_ce"}
+
+
+@pytest.mark.parametrize("name, family", [
+    ("_bwd_dqk", "ours: mamba3_scan"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "GEMM (cuBLAS / CUTLASS)"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention (flash / cuDNN SDPA)"),
+    ("void cutlass::device_kernel<at::cuda::detail::GroupedGemmKernel<...>>", "grouped GEMM"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamW>", "optimizer"),
+    ("triton_poi_fused__to_copy_add_mul_0", "Inductor (torch.compile)"),
+    ("Memcpy DtoD (Device -> Device)", "copies and fills"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+     "torch elementwise / reductions"),
+    ("some_unknown_kernel", "other"),
+])
+def test_kernel_family(name, family):
+    assert kernel_family(name, OURS) == family
+
+
+def test_breakdown_sums_per_step_and_sorts():
+    rows = family_breakdown([("_bwd_dqk", 3000.0), ("nvjet_a", 1000.0), ("nvjet_b", 500.0),
+                             ("_ce_rows", 2500.0), ("_bwd_dqk", 3000.0)], steps=2, ours=OURS)
+    assert [r["family"] for r in rows] == ["ours: mamba3_scan", "ours: linear_ce",
+                                           "GEMM (cuBLAS / CUTLASS)"]
+    assert rows[0]["ms_per_step"] == pytest.approx(3.0) and rows[0]["share"] == pytest.approx(0.6)
+    assert rows[2]["top"] == [("nvjet_a", 0.5), ("nvjet_b", 0.25)]
+    text = format_breakdown(rows)
+    assert "ours: mamba3_scan" in text and text.splitlines()[-1].split()[-1] == "5.00"
+
+
+def test_our_kernels_come_from_the_ops_modules():
+    pytest.importorskip("triton")
+    from megacpp.kernels.profiling import our_kernels
+
+    ours = our_kernels()
+    assert ours["_bwd_dqk"] == "mamba3_scan" and ours["_ce_rows"] == "linear_ce"
+    assert "_last" not in ours  # defined in two modules: either could own it
