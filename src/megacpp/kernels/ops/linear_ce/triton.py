@@ -45,8 +45,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # allow it, else the pointer kernel (it spills in the epilogue: a fallback for odd shapes)
 DW_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "tma": True}
 # the CE row kernel: block width (columns per load), warps, persistent programs per SM (a
-# row's second sweep finds it still in L2), per-lane running max / sum in sweep 1
-CE_CONFIG = {"BLOCK": 4096, "num_warps": 16, "programs_per_sm": 2, "lanes": False}
+# row's second sweep finds it still in L2), per-lane running max / sum in sweep 1. H100 sweep
+# of 112 settings on a [1024, 65536] bf16 chunk (h100_s13): 118.6 us with these, against
+# 159.5 us with the former 4096 / 16 warps / 2 per SM / a reduction per block
+CE_CONFIG = {"BLOCK": 4096, "num_warps": 32, "programs_per_sm": 1, "lanes": True}
 
 
 @triton.jit
