@@ -38,3 +38,24 @@ def test_cached_prefill_and_steps_equal_full_forward():
     ]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
     assert cache.length == 9
+
+
+def test_compiled_attention_reads_rope_tables_it_does_not_recompute():
+    """Under torch.compile the RoPE tables are graph constants (rope_range): the generated
+    code has no cos/sin (Inductor used to recompute them per batch row and head), for the
+    first length and for the dynamic-shape recompile a second length triggers."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn = GroupedQueryAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm=True)
+    compiled = torch.compile(attn)
+    for length in (12, 20):
+        x = torch.randn(2, length, 32)
+        out, codes = run_and_get_code(compiled, x)
+        torch.testing.assert_close(out, attn(x), rtol=1e-5, atol=1e-5)
+        trig = [line for code in codes for line in code.splitlines()
+                if re.search(r"\b(cos|sin)\b", line)]
+        assert not trig, trig[:3]

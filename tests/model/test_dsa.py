@@ -44,7 +44,7 @@ def _mask_reference(dsa: DeepSeekSparseAttention, x: torch.Tensor, doc_ids=None)
     """DSA the obvious way: score every key, keep the top-k allowed ones as a boolean mask,
     run naive (per-head K/V) MLA under that mask. No chunking, gathering or absorption."""
     B, L, _ = x.shape
-    cos, sin = dsa.attn.rope_tables(torch.arange(L), x.dtype)
+    cos, sin = dsa.attn.rope_tables(0, L, x)
     q_nope, q_rope, q_in = dsa.attn.queries(x, cos, sin)
     latent, k_rope = dsa.attn.compress_kv(x, cos, sin)
     index_q, weights = dsa.indexer.queries(x, q_in, cos, sin)

@@ -15,7 +15,7 @@ from torch import nn
 
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
-from megacpp.model.rope import apply_rope, rope_cos_sin
+from megacpp.model.rope import apply_rope, rope_range
 
 
 @dataclass
@@ -85,7 +85,7 @@ class GroupedQueryAttention(nn.Module):
         offset = cache.length if cache is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device)
         table_dtype = torch.promote_types(x.dtype, torch.float32)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_base, table_dtype)
+        cos, sin = rope_range(offset, L, self.head_dim, self.rope_base, table_dtype, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         mask, is_causal = None, True

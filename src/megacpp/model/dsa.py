@@ -190,7 +190,7 @@ class DeepSeekSparseAttention(nn.Module):
         L = x.shape[1]
         offset = cache.length if cache is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device)
-        cos, sin = self.attn.rope_tables(positions, x.dtype)
+        cos, sin = self.attn.rope_tables(offset, L, x)
         q_nope, q_rope, q_in = self.attn.queries(x, cos, sin)
         latent, k_rope = self.attn.compress_kv(x, cos, sin)
         index_q, index_w = self.indexer.queries(x.detach(), q_in.detach(), cos, sin)

@@ -40,7 +40,7 @@ from megacpp.kernels.ops.sparse_attention import allowed_keys, latent_attention
 from megacpp.model.attention import document_causal_mask
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
-from megacpp.model.rope import apply_rope, rope_cos_sin
+from megacpp.model.rope import apply_rope, rope_range
 
 DECODE_MODES = ("absorbed", "naive")
 
@@ -115,11 +115,12 @@ class MultiHeadLatentAttention(nn.Module):
         self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
 
     # -- projections (shared with DSA) --------------------------------------------------------
-    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin [..., L, rope_dim/2] for ``positions`` [..., L] (float64 for float64
-        models); [L] positions for rows that share them, [B, L] for per-row positions."""
-        table_dtype = torch.promote_types(dtype, torch.float32)
-        return rope_cos_sin(positions, self.rope_dim, self.rope_base, table_dtype)
+    def rope_tables(self, offset: int, length: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin [L, rope_dim/2] at positions ``offset .. offset + length - 1``, shared by
+        the batch rows (float64 for float64 models; constants of a compiled graph:
+        :func:`rope_range`)."""
+        table_dtype = torch.promote_types(x.dtype, torch.float32)
+        return rope_range(offset, length, self.rope_dim, self.rope_base, table_dtype, x.device)
 
     def paged_rope_tables(self, cache: PagedView, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos/sin [B, L, rope_dim/2] at a paged batch's per-row positions (shared by layers)."""
@@ -169,7 +170,7 @@ class MultiHeadLatentAttention(nn.Module):
         L = x.shape[1]
         offset = cache.length if cache is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device)
-        cos, sin = self.rope_tables(positions, x.dtype)
+        cos, sin = self.rope_tables(offset, L, x)
         q_nope, q_rope, _ = self.queries(x, cos, sin)
         latent, k_rope = self.compress_kv(x, cos, sin)
         if cache is None:
