@@ -32,8 +32,8 @@ def test_linear_ce_kernels_compile_for_hopper():
                  {"LOGITS": "*bf16", "LABELS": "*i64", "LOSS": "*fp32", "INV_N": "*fp32",
                   "n_rows": "i32", "stride": "i32", "ignore_index": "i32", "n_cols": "constexpr",
                   "BLOCK": "constexpr", "WRITE_GRAD": "constexpr", "LANES": "constexpr"},
-                 {"n_cols": 65536, "BLOCK": 4096, "WRITE_GRAD": True, "LANES": lanes},
-                 num_warps=16)
+                 {"n_cols": 65536, "BLOCK": lce.CE_CONFIG["BLOCK"], "WRITE_GRAD": True,
+                  "LANES": lanes}, num_warps=lce.CE_CONFIG["num_warps"])
     cfg = lce.DW_CONFIG
     tile = {"BM": cfg["BM"], "BN": cfg["BN"], "BK": cfg["BK"]}
     kernel = _compile(

@@ -303,7 +303,7 @@ def _forward(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk
         _ce_rows[(_ce_programs(n_rows, h.device, ce_programs),)](
             logits, labels[rows], losses[rows], inv_n, n_rows, logits.stride(0), ignore_index,
             n_cols=vocab, BLOCK=block, WRITE_GRAD=need_grad, LANES=CE_CONFIG["lanes"],
-            num_warps=CE_CONFIG["num_warps"])
+            num_warps=max(1, min(CE_CONFIG["num_warps"], block // 32)))  # >= 1 column a thread
         if need_dh:
             torch.mm(logits, weight, out=dh[rows])
         if need_dw and strategy == "addmm":
