@@ -236,7 +236,8 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=Path, default=None, metavar="DIR",
         help="also profile 3 steps of each row: GPU time per kernel family and the top kernels "
-        "go to DIR",
+        "go to DIR (host-bound rows timed after a profile ran slower on the H100, e.g. the "
+        "Llama's compiled step 172 vs 146 ms: take timings from a run without it)",
     )
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=8)
