@@ -42,6 +42,7 @@ from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
 from megacpp.infer.sampling import SamplingParams
+from megacpp.kernels.profiling import device_rows
 from megacpp.model.cache import PagedBatch
 from megacpp.model.config import load_config
 from megacpp.model.model import HybridLM
@@ -156,7 +157,7 @@ def profile_eager(model, tok, batch: int, args) -> list[dict]:
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:25]:
         rows.append({"name": e.key[:80], "calls": e.count,
                      "cuda_ms": round(e.device_time_total / 1000, 3)})
-    total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    total = sum(e.device_time_total for e in device_rows(prof.key_averages()))
     rows.append({"name": "TOTAL cuda (self, all kernels)", "cuda_ms": round(total / 1000, 3)})
     return rows
 

@@ -23,6 +23,7 @@ import triton
 from triton.testing import do_bench
 
 import megacpp.kernels.ops.gated_delta.triton as gdt
+from megacpp.kernels.profiling import device_rows
 from megacpp.kernels.registry import default_catalog
 
 SHAPES = {"nam56r_4k": "nam56r_4k", "h16_d128_4k": "h16_d128_4k"}
@@ -118,10 +119,9 @@ def _breakdown(fn, steps: int = 5) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     times: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:  # kernels and copies only
-            total = getattr(evt, "device_time_total", None) or evt.cuda_time_total
-            times[evt.key[:60]] += total / steps
+    for evt in device_rows(prof.key_averages()):  # kernels and copies only
+        total = getattr(evt, "device_time_total", None) or evt.cuda_time_total
+        times[evt.key[:60]] += total / steps
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 

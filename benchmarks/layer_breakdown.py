@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from megacpp.contract import capture_fingerprint
+from megacpp.kernels.profiling import device_rows
 from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, set_kernel_mode
 from megacpp.kernels.timing import cuda_times_ms, matmul_peak_tflops
 from megacpp.model.config import load_config
@@ -71,7 +72,7 @@ def _top_kernels(step, n: int = 8) -> list[dict]:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows = device_rows(prof.key_averages())
     rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in rows) or 1.0
     return [{"kernel": e.key[:100], "ms_per_call": e.self_device_time_total / 3e3,

@@ -72,6 +72,8 @@ def _host_ms(step, n: int = 5) -> float:
 def _kernel_ms(step, label: str, out: Path | None, iters: int = 3) -> float:
     from torch.profiler import ProfilerActivity, profile
 
+    from megacpp.kernels.profiling import device_rows
+
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -79,7 +81,7 @@ def _kernel_ms(step, label: str, out: Path | None, iters: int = 3) -> float:
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    total = sum(e.self_device_time_total for e in device_rows(events))
     if out is not None:
         (out / f"profile_{label}.txt").write_text(events.table(
             sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))

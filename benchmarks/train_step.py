@@ -192,10 +192,9 @@ def profile_steps(step, path: Path, steps: int = 3) -> list[dict]:
     the GPU time per kernel family (:mod:`megacpp.kernels.profiling`) to ``path``; return the
     family rows (also as ``path`` with a ``.families.json`` suffix). Works on graph replays:
     the profiler sees the kernels a replayed graph runs."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from megacpp.kernels.profiling import family_breakdown, format_breakdown
+    from megacpp.kernels.profiling import device_rows, family_breakdown, format_breakdown
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -204,8 +203,7 @@ def profile_steps(step, path: Path, steps: int = 3) -> list[dict]:
         torch.cuda.synchronize()
     averages = prof.key_averages()
     table = averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
-    kernels = [(e.key, e.self_device_time_total) for e in averages
-               if e.device_type == DeviceType.CUDA]
+    kernels = [(e.key, e.self_device_time_total) for e in device_rows(averages)]
     families = family_breakdown(kernels, steps=steps)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{steps} training steps: GPU time per kernel family\n"

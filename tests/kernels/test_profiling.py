@@ -43,3 +43,15 @@ def test_our_kernels_come_from_the_ops_modules():
     ours = our_kernels()
     assert ours["_bwd_dqk"] == "mamba3_scan" and ours["_ce_rows"] == "linear_ce"
     assert "_last" not in ours  # defined in two modules: either could own it
+
+
+def test_device_rows_drop_the_cpu_ops_that_repeat_their_kernels_time():
+    from types import SimpleNamespace
+
+    from megacpp.kernels.profiling import device_rows
+
+    def row(key, device):
+        return SimpleNamespace(key=key, device_type=SimpleNamespace(name=device))
+
+    rows = [row("aten::mm", "CPU"), row("nvjet_a", "CUDA"), row("Memset (Device)", "CUDA")]
+    assert [r.key for r in device_rows(rows)] == ["nvjet_a", "Memset (Device)"]

@@ -30,6 +30,13 @@ LIBRARY_FAMILIES: tuple[tuple[str, str], ...] = (
 )
 
 
+def device_rows(averages: Iterable) -> list:
+    """The device rows (kernels, copies, memsets) of a ``torch.profiler`` ``key_averages()``:
+    the CPU ops beside them carry their kernels' device time too, so sums over all rows count
+    it twice."""
+    return [e for e in averages if e.device_type.name == "CUDA"]
+
+
 @functools.cache
 def our_kernels() -> dict[str, str]:
     """Triton kernel name -> ops module (``mamba3_scan``, ``linear_ce``, ...) for every JIT
