@@ -20,10 +20,11 @@ def _compiled_rmsnorm():
 
 
 def rmsnorm_compiled(
-    x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5
+    x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None, skip: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """torch.compile of the reference (inductor generates one fused Triton kernel each way)."""
-    return _compiled_rmsnorm()(x, weight, residual, eps)
+    return _compiled_rmsnorm()(x, weight, residual, eps, out_dtype, skip)
 
 
 def liger_linear_cross_entropy(

@@ -111,10 +111,10 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: Any = None
     ) -> torch.Tensor:
-        h = self.norm(x)
+        h, skip = self.norm.with_skip(x)  # skip is x (its gradient summed in the norm's kernel)
         if cache is not None and x.shape[1] == 1 and hasattr(self.mixer, "step"):
-            return x + self.mixer.step(h, cache)  # recurrent decode (M, R)
-        return x + self.mixer(h, doc_ids=doc_ids, cache=cache)
+            return skip + self.mixer.step(h, cache)  # recurrent decode (M, R)
+        return skip + self.mixer(h, doc_ids=doc_ids, cache=cache)
 
     @property
     def letter(self) -> str:

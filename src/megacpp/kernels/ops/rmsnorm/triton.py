@@ -7,6 +7,12 @@ h = x + residual, and saves rstd [T] (float32). Backward recomputes h_hat from t
     dw = sum_rows dy * h_hat     (per-program float32 partials, summed once at the end)
 
 Saved for backward: h [T, D] (x.dtype), weight, rstd [T] float32.
+
+y can be written in another dtype than x (``out_dtype``: bf16 for the matmuls behind a pre-norm
+under autocast, while the float32 residual stream keeps its dtype). ``skip=True`` without a
+residual returns h = x through the op as well: in a pre-norm block ``h + mixer(y)`` the skip
+branch's gradient then reaches the backward kernel as dh_out and is summed into dx there,
+instead of autograd adding two float32 [T, D] gradients in a kernel of its own.
 """
 
 from __future__ import annotations
@@ -87,13 +93,14 @@ def _max_programs(device: torch.device) -> int:
 
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, residual: Tensor | None, eps: float):
+    def forward(ctx, x: Tensor, weight: Tensor, residual: Tensor | None, eps: float,
+                out_dtype: torch.dtype | None, skip: bool):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [T, D]
         n_rows, n_cols = x2.shape
         has_residual = residual is not None
         r2 = residual.reshape(-1, n_cols).contiguous() if has_residual else x2
-        y = torch.empty_like(x2)
+        y = torch.empty(x2.shape, device=x.device, dtype=out_dtype or x.dtype)
         h = torch.empty_like(x2) if has_residual else x2  # no residual: h is x itself
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         block, warps = _block(n_cols)
@@ -103,7 +110,8 @@ class _FusedRMSNorm(torch.autograd.Function):
             ROWS=rows, BLOCK=block, num_warps=warps)
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_residual, ctx.shape = has_residual, shape
-        return (y.view(shape), h.view(shape)) if has_residual else y.view(shape)
+        # with skip and no residual, h is a view of x: its gradient comes back as dh_out
+        return (y.view(shape), h.view(shape)) if has_residual or skip else y.view(shape)
 
     @staticmethod
     def backward(ctx, dy: Tensor, dh_out: Tensor | None = None):
@@ -124,13 +132,16 @@ class _FusedRMSNorm(torch.autograd.Function):
                                     num_warps=warps)
         dw = dw_partial.sum(0).to(weight.dtype)
         dh = dh.view(ctx.shape)
-        return dh, dw, (dh if ctx.has_residual else None), None
+        return dh, dw, (dh if ctx.has_residual else None), None, None, None
 
 
 def rmsnorm_triton(
-    x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5
+    x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None, skip: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Same contract as :func:`megacpp.kernels.ops.rmsnorm.reference.rmsnorm_reference`."""
-    if residual is None:
-        return _FusedRMSNorm.apply(x, weight, None, eps), x
-    return _FusedRMSNorm.apply(x, weight, residual, eps)
+    """Same contract as :func:`megacpp.kernels.ops.rmsnorm.reference.rmsnorm_reference`.
+    Without a residual, h is x itself unless ``skip`` routes it through the op (its gradient
+    is then added by the backward kernel: use it when h is the block's skip branch)."""
+    if residual is None and not skip:
+        return _FusedRMSNorm.apply(x, weight, None, eps, out_dtype, False), x
+    return _FusedRMSNorm.apply(x, weight, residual, eps, out_dtype, skip)
