@@ -51,6 +51,7 @@ from megacpp.model.config import load_config
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM, next_token_labels
 from megacpp.receipts import write_receipt
+from megacpp.train.parallelize import compile_region
 
 
 @dataclass
@@ -126,10 +127,11 @@ def llama_peer(target_params: int, vocab: int, d_model: int, seq_len: int):
 
 
 def compile_regions(model: torch.nn.Module) -> None:
-    """Regional compile: each residual block (hybrid) / decoder layer (Llama) on its own."""
+    """Regional compile: each residual block (hybrid) / decoder layer (Llama) on its own, both
+    with the trainer's Inductor options (:func:`megacpp.train.parallelize.compile_region`)."""
     layers = model.blocks if hasattr(model, "blocks") else model.model.layers
     for layer in layers:
-        layer.compile()
+        compile_region(layer)
 
 
 def bench_one(

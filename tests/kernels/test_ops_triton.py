@@ -88,15 +88,17 @@ def _rmsnorm_interpreter_check() -> dict:
     """Forward and backward (x, weight, residual) vs the reference in float32: row counts
     that leave partial forward / backward tiles, a width that is not a power of two, with a
     residual, without, and without one but with h routed through the op (``skip``: h's
-    gradient summed into dx by the backward kernel), y in x's dtype and in bfloat16. Run in a
-    fresh process with TRITON_INTERPRET=1."""
+    gradient summed into dx by the backward kernel), y in x's dtype and in bfloat16, narrow
+    rows (the multi-row tiles of QK-norm widths). Run in a fresh process with
+    TRITON_INTERPRET=1."""
     from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
     from megacpp.kernels.ops.rmsnorm.triton import rmsnorm_triton
 
     g = torch.Generator().manual_seed(0)
     errors, tolerance = {}, {}
     cases = ((67, 384, "residual", None), (5, 100, "none", None), (9, 1000, "residual", None),
-             (13, 384, "skip", None), (7, 100, "skip", torch.bfloat16))
+             (13, 384, "skip", None), (7, 100, "skip", torch.bfloat16),
+             (600, 64, "none", None))  # narrow rows: 32-row backward tiles, a ragged last one
     for tokens, dim, mode, out_dtype in cases:
         x = torch.randn(tokens, dim, generator=g)
         r = torch.randn(tokens, dim, generator=g) if mode == "residual" else None

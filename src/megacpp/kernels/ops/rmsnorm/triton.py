@@ -69,9 +69,14 @@ def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DW_PARTIAL, n_rows, n_cols, ROWS: t
     tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
-# launch shape (the probe's sweep picks these): rows per forward program, rows per backward
-# tile, backward programs per SM
-FWD_ROWS, BWD_TILE, BWD_PROGRAMS_PER_SM = 2, 2, 8  # H100 sweep, moe_ce_notes.md
+# launch shape (H100 sweeps pick these): rows per forward program, rows per backward tile,
+# backward programs per SM -- for rows of 512 columns or more (moe_ce_notes.md: 1024 columns).
+FWD_ROWS, BWD_TILE, BWD_PROGRAMS_PER_SM = 2, 2, 8
+# Narrow rows (QK-norm, Mamba-3's B/C norms: 64 columns) would give 2-row tiles of 128
+# elements, too little work per program: their tiles hold at least this many elements, with
+# fewer backward programs (session 14 sweep at 64 columns: q-norm fwd 61.5 -> 17.4 us,
+# bwd 77.9 -> 35.5 us; train_step_h100_s14).
+NARROW_FWD_ELEMS, NARROW_BWD_ELEMS, NARROW_BWD_PROGRAMS_PER_SM = 1024, 2048, 4
 
 
 def _block(n_cols: int) -> tuple[int, int]:
@@ -84,11 +89,23 @@ def _tile_rows(rows: int, block: int) -> int:
     return max(1, min(rows, 8192 // block))
 
 
-def _max_programs(device: torch.device) -> int:
-    """Backward grid: BWD_PROGRAMS_PER_SM programs per SM (each sums its rows' dw partial)."""
+def _fwd_rows(block: int) -> int:
+    return _tile_rows(max(FWD_ROWS, NARROW_FWD_ELEMS // block), block)
+
+
+def _bwd_launch(block: int, warps: int) -> tuple[int, int, int]:
+    """(rows per tile, programs per SM, num_warps) of the backward for BLOCK columns."""
+    if block >= 512:
+        return _tile_rows(BWD_TILE, block), BWD_PROGRAMS_PER_SM, warps
+    tile = _tile_rows(max(BWD_TILE, NARROW_BWD_ELEMS // block), block)
+    return tile, NARROW_BWD_PROGRAMS_PER_SM, max(1, min(16, tile * block // 512))
+
+
+def _max_programs(device: torch.device, per_sm: int) -> int:
+    """Backward grid: ``per_sm`` programs per SM (each sums its rows' dw partial)."""
     if device.type != "cuda":
         return 8  # the Triton interpreter (CPU) -- correctness runs only
-    return BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -104,7 +121,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         h = torch.empty_like(x2) if has_residual else x2  # no residual: h is x itself
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         block, warps = _block(n_cols)
-        rows = _tile_rows(FWD_ROWS, block)
+        rows = _fwd_rows(block)
         _rmsnorm_fwd[(triton.cdiv(n_rows, rows),)](
             x2, r2, weight, y, h, rstd, n_rows, n_cols, eps, HAS_RESIDUAL=has_residual,
             ROWS=rows, BLOCK=block, num_warps=warps)
@@ -121,15 +138,15 @@ class _FusedRMSNorm(torch.autograd.Function):
         has_dh_out = dh_out is not None
         dh_out2 = dh_out.reshape(n_rows, n_cols).contiguous() if has_dh_out else dy2
         dh = torch.empty_like(h)
-        n_programs = min(n_rows, _max_programs(h.device))
+        block, warps = _block(n_cols)
+        tile, per_sm, warps = _bwd_launch(block, warps)
+        n_programs = min(n_rows, _max_programs(h.device, per_sm))
         rows_per_program = triton.cdiv(n_rows, n_programs)
         n_programs = triton.cdiv(n_rows, rows_per_program)
         dw_partial = torch.empty(n_programs, n_cols, device=h.device, dtype=torch.float32)
-        block, warps = _block(n_cols)
         _rmsnorm_bwd[(n_programs,)](dy2, dh_out2, h, weight, rstd, dh, dw_partial, n_rows, n_cols,
-                                    ROWS=rows_per_program, HAS_DH_OUT=has_dh_out,
-                                    TILE=_tile_rows(BWD_TILE, block), BLOCK=block,
-                                    num_warps=warps)
+                                    ROWS=rows_per_program, HAS_DH_OUT=has_dh_out, TILE=tile,
+                                    BLOCK=block, num_warps=warps)
         dw = dw_partial.sum(0).to(weight.dtype)
         dh = dh.view(ctx.shape)
         return dh, dw, (dh if ctx.has_residual else None), None, None, None
