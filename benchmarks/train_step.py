@@ -51,7 +51,6 @@ from megacpp.model.config import load_config
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM, next_token_labels
 from megacpp.receipts import write_receipt
-from megacpp.train.parallelize import compile_region
 
 
 @dataclass
@@ -127,11 +126,10 @@ def llama_peer(target_params: int, vocab: int, d_model: int, seq_len: int):
 
 
 def compile_regions(model: torch.nn.Module) -> None:
-    """Regional compile: each residual block (hybrid) / decoder layer (Llama) on its own, both
-    with the trainer's Inductor options (:func:`megacpp.train.parallelize.compile_region`)."""
+    """Regional compile: each residual block (hybrid) / decoder layer (Llama) on its own."""
     layers = model.blocks if hasattr(model, "blocks") else model.model.layers
     for layer in layers:
-        compile_region(layer)
+        layer.compile()
 
 
 def bench_one(

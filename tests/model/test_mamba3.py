@@ -213,3 +213,36 @@ def test_bad_call_shapes_are_named():
         mixer.step(make_x(seqlen=2), cache)
     with pytest.raises(ValueError, match="doc_ids"):
         mixer(make_x(), doc_ids=torch.zeros(2, 20, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_gates_match_the_written_out_expression(dtype):
+    """_Gates (backward from saved sigmoids and the clamp mask) against autograd of
+    dt = softplus(dd_dt + bias), a = -max(softplus(dd_A), floor): values and all three
+    gradients, with inputs across the clamp bound and past softplus's linear threshold."""
+    from megacpp.model.mamba3 import _Gates
+
+    g = torch.Generator().manual_seed(0)
+    floor = 0.05
+    dd_dt = (torch.randn(3, 40, 6, generator=g) * 8).to(dtype)  # some dd_dt + bias > 20
+    dd_dt[0, 0, 0] = 30.0
+    dd_a = (torch.randn(3, 40, 6, generator=g) * 3 - 2).to(dtype)  # softplus below the floor too
+    bias = torch.randn(6, generator=g, dtype=torch.float64 if dtype == torch.float64 else None)
+    cot = [torch.randn(3, 40, 6, generator=g, dtype=bias.dtype) for _ in range(2)]
+    results = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (dd_dt, dd_a, bias)]
+        if fused:
+            adt, dt = _Gates.apply(*leaves, floor)
+        else:
+            dt = torch.nn.functional.softplus(leaves[0].to(bias.dtype) + leaves[2])
+            a = -torch.nn.functional.softplus(leaves[1].to(bias.dtype)).clamp(min=floor)
+            adt = a * dt
+        grads = torch.autograd.grad((adt * cot[0]).sum() + (dt * cot[1]).sum(), leaves)
+        results.append([adt, dt, *grads])
+    assert (dd_a.to(bias.dtype).exp().log1p() < floor).any()  # the clamp is active somewhere
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for name, got, want in zip(("adt", "dt", "d_dd_dt", "d_dd_a", "d_bias"), *results):
+        assert got.dtype == want.dtype, name
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < tol, (name, err)

@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, cfg: ParallelSection, env: DistEnv) -> nn.Modu
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         for block in model.blocks:
-            compile_region(block)
+            block.compile()
     if env.strategy == "ddp" and env.distributed:
         # broadcast_buffers=False: each rank keeps its own MoE load counters until the
         # trainer all-reduces them; the expert bias stays identical because every rank
@@ -116,31 +116,6 @@ def parallelize(model: nn.Module, cfg: ParallelSection, env: DistEnv) -> nn.Modu
     if env.strategy == "fsdp":
         apply_fsdp(model, env)
     return model
-
-
-# A cat of up to 8 inputs is lowered by Inductor as one pointwise kernel with a masked load per
-# input, whatever each input computes: every element then evaluates every input's math. The
-# backward of Mamba-3's in_proj split (8 gradients, two of them softplus backwards) ran that way
-# at 213 us per layer on an H100 for ~70 us of bytes (session 14's profile). With 4, a cat of
-# more inputs is one kernel only when each input is a plain read; otherwise each input is
-# computed into its slice of the output.
-_CAT_INPUTS = 4
-
-
-def inductor_options() -> dict[str, int]:
-    """The Inductor options of the regional compile, under the name this torch knows."""
-    import torch._inductor.config as inductor
-
-    for key in ("max_complex_pointwise_cat_inputs", "max_pointwise_cat_inputs"):
-        if hasattr(inductor, key):
-            return {key: _CAT_INPUTS}
-    return {}
-
-
-def compile_region(module: nn.Module) -> None:
-    """``torch.compile`` one block in place (parameter names unchanged) with
-    :func:`inductor_options`."""
-    module.compile(options=inductor_options())
 
 
 def apply_activation_checkpointing(model: nn.Module, letters: str) -> None:
