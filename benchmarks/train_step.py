@@ -190,11 +190,17 @@ def capture_step(step):
 def profile_steps(step, path: Path, steps: int = 3) -> list[dict]:
     """Profile ``steps`` training steps: write the top CUDA kernels by total device time and
     the GPU time per kernel family (:mod:`megacpp.kernels.profiling`) to ``path``; return the
-    family rows (also as ``path`` with a ``.families.json`` suffix). Works on graph replays:
+    family rows (also as ``path`` with a ``.families.json`` suffix; every kernel with its
+    family, calls and ms per step as ``.kernels.json``). Works on graph replays:
     the profiler sees the kernels a replayed graph runs."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megacpp.kernels.profiling import device_rows, family_breakdown, format_breakdown
+    from megacpp.kernels.profiling import (
+        device_rows,
+        family_breakdown,
+        format_breakdown,
+        kernel_family,
+    )
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -203,12 +209,17 @@ def profile_steps(step, path: Path, steps: int = 3) -> list[dict]:
         torch.cuda.synchronize()
     averages = prof.key_averages()
     table = averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
-    kernels = [(e.key, e.self_device_time_total) for e in device_rows(averages)]
+    rows = device_rows(averages)
+    kernels = [(e.key, e.self_device_time_total) for e in rows]
     families = family_breakdown(kernels, steps=steps)
+    every = [{"kernel": e.key, "family": kernel_family(e.key), "calls_per_step": e.count / steps,
+              "ms_per_step": e.self_device_time_total / steps / 1e3} for e in rows]
+    every.sort(key=lambda r: -r["ms_per_step"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{steps} training steps: GPU time per kernel family\n"
                     f"{format_breakdown(families)}\n\nsorted by self CUDA time\n{table}\n")
     path.with_suffix(".families.json").write_text(json.dumps(families, indent=1) + "\n")
+    path.with_suffix(".kernels.json").write_text(json.dumps(every, indent=1) + "\n")
     print(format_breakdown(families), flush=True)
     return families
 
