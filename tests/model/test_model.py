@@ -127,3 +127,26 @@ def test_untied_head(cfg):
     assert model.lm_head is not None
     ids = _tokens(1, 4, 97)
     assert model(ids).logits.shape == (1, 4, 97)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_chained_blocks_equal_one_block_at_a_time(cfg, autocast):
+    """residual_stream defers each block's residual add into the next block's norm (pending /
+    defer); the stream and its gradients are exactly those of calling the blocks one by one
+    (float32, and bf16 autocast where the pending output is bf16 and the stream float32)."""
+    model = _model(cfg, dtype=torch.float32).train()
+    ids = _tokens(2, 12, cfg.vocab_size)
+    results = []
+    for chained in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if chained:
+                x = model.residual_stream(ids)
+            else:
+                x = model.embed(ids)
+                for block in model.blocks:
+                    x = block(x)
+        assert x.dtype == torch.float32
+        grads = torch.autograd.grad(x.square().sum(), [model.embed.weight, model.blocks[0].norm.weight])
+        results.append((x, *grads))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)

@@ -109,12 +109,19 @@ class Block(nn.Module):
         self.mixer = build_mixer(family, variant, cfg)
 
     def forward(
-        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: Any = None
-    ) -> torch.Tensor:
-        h, skip = self.norm.with_skip(x)  # skip is x (its gradient summed in the norm's kernel)
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: Any = None,
+        pending: torch.Tensor | None = None, defer: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """s + mixer(norm(s)) with s = x, or x + pending: the previous block's mixer output not
+        yet added (its add then runs in this block's norm kernel). ``defer``: return
+        (s, mixer output) and leave that add to the next block's norm; HybridLM chains its
+        blocks this way."""
+        h, skip = self.norm.with_skip(x, pending)  # skip: s (its gradient summed in the norm)
         if cache is not None and x.shape[1] == 1 and hasattr(self.mixer, "step"):
-            return skip + self.mixer.step(h, cache)  # recurrent decode (M, R)
-        return skip + self.mixer(h, doc_ids=doc_ids, cache=cache)
+            out = self.mixer.step(h, cache)  # recurrent decode (M, R)
+        else:
+            out = self.mixer(h, doc_ids=doc_ids, cache=cache)
+        return (skip, out) if defer else skip + out
 
     @property
     def letter(self) -> str:

@@ -88,12 +88,14 @@ class HybridLM(nn.Module):
         cache: ModelCache | None = None,
     ) -> torch.Tensor:
         """[B, L] token ids -> [B, L, D] output of the last block (before the final norm)."""
-        x = self.embed(input_ids)
+        x, pending = self.embed(input_ids), None
         for i, block in enumerate(self.blocks):
-            x = block(x, doc_ids=doc_ids, cache=cache.layers[i] if cache is not None else None)
+            # each block adds the previous block's output inside its norm kernel (pending)
+            x, pending = block(x, doc_ids=doc_ids, cache=cache.layers[i] if cache is not None
+                               else None, pending=pending, defer=True)
         if cache is not None:
             cache.length += input_ids.shape[1]
-        return x
+        return x if pending is None else x + pending
 
     def hidden_states(
         self,

@@ -29,18 +29,25 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, skip=False)[0]
 
-    def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x), x) for a pre-norm residual block ``skip + mixer(norm(x))``. The values
-        are those of ``(self(x), x)``; a fused backend routes the skip through its kernel, so
-        the backward sums the skip branch's gradient into dx in the norm's own kernel instead
-        of autograd adding the two float32 gradients of the residual stream separately."""
-        return self._norm(x, skip=True)
+    def with_skip(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) with s = x + residual (or x) in x's dtype, for a pre-norm residual block
+        ``s + mixer(norm(s))``. A fused backend adds the residual in the norm's own kernel and
+        routes s through it, so its backward also sums the skip branch's gradient into ds
+        (without it, autograd adds the two float32 gradients of the residual stream in a kernel
+        of its own)."""
+        return self._norm(x, skip=True, residual=residual)
 
-    def _norm(self, x: torch.Tensor, skip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm(
+        self, x: torch.Tensor, skip: bool, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out_dtype = effective_dtype(x)
         backend = resolve("rmsnorm", x)  # the reference unless MEGACPP_KERNELS picks a kernel
         if backend.role != "fallback":
-            return backend.fn(x, self.weight, None, self.eps, out_dtype, skip)
+            return backend.fn(x, self.weight, residual, self.eps, out_dtype, skip)
+        if residual is not None:
+            x = (x + residual).to(x.dtype)
         dtype = torch.promote_types(x.dtype, torch.float32)
         y = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps)
         return y.to(out_dtype), x
