@@ -36,6 +36,31 @@ def test_backend_matches_reference(surface: str, backend: str, dtype: str, seed:
 
 
 @gpu
+def test_rmsnorm_bf16_residual_into_float32_stream() -> None:
+    """The pre-norm block's fused add: float32 stream x, bf16 mixer output as the residual, y
+    in bf16. The kernel writes the residual's gradient in bf16 itself: it must be exactly x's
+    float32 gradient rounded (round to nearest), and both close to the reference's."""
+    from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+    from megacpp.kernels.ops.rmsnorm.triton import rmsnorm_triton
+
+    gen = torch.Generator("cuda").manual_seed(5)
+    x = torch.randn(4096, 768, device="cuda", generator=gen)
+    r = torch.randn(4096, 768, device="cuda", generator=gen).bfloat16()
+    w = 1 + 0.1 * torch.randn(768, device="cuda", generator=gen)
+    cot = [torch.randn(4096, 768, device="cuda", generator=gen) for _ in range(2)]
+    got = []
+    for fn in (rmsnorm_triton, rmsnorm_reference):
+        leaves = [t.clone().requires_grad_() for t in (x, w, r)]
+        y, h = fn(leaves[0], leaves[1], leaves[2], 1e-5, torch.bfloat16, True)
+        loss = (y.float() * cot[0]).sum() + (h * cot[1]).sum()
+        got.append(torch.autograd.grad(loss, leaves))
+    (dx, dw, dr), (rdx, rdw, rdr) = got
+    assert dr.dtype == torch.bfloat16 and torch.equal(dr, dx.to(torch.bfloat16))
+    for a, b, tol in ((dx, rdx, 1e-5), (dw, rdw, 1e-5), (dr, rdr, 1e-2)):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < tol
+
+
+@gpu
 def test_linear_ce_dw_against_fp32_at_lm_head_scale() -> None:
     """A vocab that needs several chunks and several column blocks per row; dW vs fp32."""
     from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
@@ -98,10 +123,13 @@ def _rmsnorm_interpreter_check() -> dict:
     errors, tolerance = {}, {}
     cases = ((67, 384, "residual", None), (5, 100, "none", None), (9, 1000, "residual", None),
              (13, 384, "skip", None), (7, 100, "skip", torch.bfloat16),
-             (11, 384, "residual", torch.bfloat16), (600, 64, "none", None))  # narrow rows: 32-row backward tiles, a ragged last one
+             (11, 384, "residual", torch.bfloat16), (21, 384, "residual_bf16", torch.bfloat16),
+             (600, 64, "none", None))  # narrow rows: 32-row backward tiles, a ragged last one
     for tokens, dim, mode, out_dtype in cases:
         x = torch.randn(tokens, dim, generator=g)
-        r = torch.randn(tokens, dim, generator=g) if mode == "residual" else None
+        r = torch.randn(tokens, dim, generator=g) if mode.startswith("residual") else None
+        if mode == "residual_bf16":  # a bf16 mixer output into the float32 stream
+            r = r.bfloat16()
         w = 1 + 0.1 * torch.randn(dim, generator=g)
         cot = [torch.randn(tokens, dim, generator=g) for _ in range(2)]
         got = []
@@ -114,9 +142,11 @@ def _rmsnorm_interpreter_check() -> dict:
             got.append([y.float(), h, *torch.autograd.grad(loss, leaves)])
         for name, a, b in zip(("y", "h", "dx", "dw", "dres"), *got):
             key = f"{tokens}x{dim}/{mode}/{name}"
-            errors[key] = float((a - b).norm() / b.norm())
-            # a bf16 y is rounded once (2^-8 relative); everything else is float32 math
-            tolerance[key] = 1e-2 if out_dtype is not None and name == "y" else 1e-5
+            assert a.dtype == b.dtype, (key, a.dtype, b.dtype)
+            errors[key] = float((a.double() - b.double()).norm() / b.double().norm())
+            # a bf16 y or residual gradient is rounded once (2^-8 relative); the rest is fp32
+            rounded = (out_dtype is not None and name == "y") or a.dtype == torch.bfloat16
+            tolerance[key] = 1e-2 if rounded else 1e-5
     assert all(errors[k] < tolerance[k] for k in errors), errors  # NaN fails
     return errors
 

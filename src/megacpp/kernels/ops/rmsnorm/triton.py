@@ -6,7 +6,8 @@ h = x + residual, and saves rstd [T] (float32). Backward recomputes h_hat from t
     dh = rstd * (dy*w - h_hat * mean(dy*w*h_hat)) + dh_out        (dh_out: grad of h output)
     dw = sum_rows dy * h_hat     (per-program float32 partials, summed once at the end)
 
-Saved for backward: h [T, D] (x.dtype), weight, rstd [T] float32.
+Saved for backward: h [T, D] (x.dtype), weight, rstd [T] float32. The residual's gradient
+(dh) is stored by the backward kernel in the residual's dtype when that differs from x's.
 
 y can be written in another dtype than x (``out_dtype``: bf16 for the matmuls behind a pre-norm
 under autocast, while the float32 residual stream keeps its dtype). ``skip=True`` without a
@@ -42,9 +43,12 @@ def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_rows, n_cols, eps, HAS_RESIDUAL: tl.cons
 
 
 @triton.jit
-def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DW_PARTIAL, n_rows, n_cols, ROWS: tl.constexpr,
-                 HAS_DH_OUT: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows [pid * ROWS, (pid + 1) * ROWS) in [TILE, BLOCK] tiles; one float32 dw partial."""
+def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, ROWS: tl.constexpr,
+                 HAS_DH_OUT: tl.constexpr, WRITE_DR: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Rows [pid * ROWS, (pid + 1) * ROWS) in [TILE, BLOCK] tiles; one float32 dw partial.
+    WRITE_DR: also store dh in DR's dtype (the residual's gradient when it is narrower than
+    h's, so autograd needs no cast kernel)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
@@ -65,6 +69,8 @@ def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DW_PARTIAL, n_rows, n_cols, ROWS: t
         if HAS_DH_OUT:
             dh += tl.load(DH_OUT + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DH + offs, dh.to(DH.dtype.element_ty), mask=mask)
+        if WRITE_DR:
+            tl.store(DR + offs, dh.to(DR.dtype.element_ty), mask=mask)
         dw += dy * h_hat
     tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_ok)
 
@@ -127,6 +133,7 @@ class _FusedRMSNorm(torch.autograd.Function):
             ROWS=rows, BLOCK=block, num_warps=warps)
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_residual, ctx.shape = has_residual, shape
+        ctx.residual_dtype = residual.dtype if has_residual else None
         # with skip and no residual, h is a view of x: its gradient comes back as dh_out
         return (y.view(shape), h.view(shape)) if has_residual or skip else y.view(shape)
 
@@ -144,12 +151,16 @@ class _FusedRMSNorm(torch.autograd.Function):
         rows_per_program = triton.cdiv(n_rows, n_programs)
         n_programs = triton.cdiv(n_rows, rows_per_program)
         dw_partial = torch.empty(n_programs, n_cols, device=h.device, dtype=torch.float32)
-        _rmsnorm_bwd[(n_programs,)](dy2, dh_out2, h, weight, rstd, dh, dw_partial, n_rows, n_cols,
-                                    ROWS=rows_per_program, HAS_DH_OUT=has_dh_out, TILE=tile,
-                                    BLOCK=block, num_warps=warps)
+        # a residual of another dtype (a bf16 mixer output added to the float32 stream) gets
+        # its gradient written by the kernel in that dtype
+        write_dr = ctx.has_residual and ctx.residual_dtype != h.dtype
+        dr = torch.empty_like(h, dtype=ctx.residual_dtype) if write_dr else dh
+        _rmsnorm_bwd[(n_programs,)](dy2, dh_out2, h, weight, rstd, dh, dr, dw_partial, n_rows,
+                                    n_cols, ROWS=rows_per_program, HAS_DH_OUT=has_dh_out,
+                                    WRITE_DR=write_dr, TILE=tile, BLOCK=block, num_warps=warps)
         dw = dw_partial.sum(0).to(weight.dtype)
         dh = dh.view(ctx.shape)
-        return dh, dw, (dh if ctx.has_residual else None), None, None, None
+        return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None)
 
 
 def rmsnorm_triton(
