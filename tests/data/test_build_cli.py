@@ -3,6 +3,7 @@ commands, clean one-line errors, and crash safety (SIGKILL mid-build, then rerun
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -325,6 +326,23 @@ def test_build_over_hostile_tree(hostile_corpus, tmp_path):
 # ---- crash safety ---------------------------------------------------------------------------
 
 
+def _wait_for_lock_release(lock_path, timeout: float = 30.0) -> None:
+    """Until no killed process holds the build lock. The group's SIGKILL is asynchronous: a
+    worker being spawned (between fork and exec it shares the main process's open lock file)
+    can still hold the flock for a moment after the main process is reaped."""
+    deadline = time.monotonic() + timeout
+    with open(lock_path) as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the killed build still holds its lock"
+                time.sleep(0.01)
+                continue
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return
+
+
 def test_sigkill_mid_build_then_rerun(tmp_path, corpus, config_file):
     sources = [corpus]
     out = tmp_path / "ds"
@@ -355,6 +373,7 @@ def test_sigkill_mid_build_then_rerun(tmp_path, corpus, config_file):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    _wait_for_lock_release(tmp_path / ".ds.lock")
     assert not out.exists() and staging.exists()
     with pytest.raises(MegaCppError, match="no dataset at"):
         ShardedDataset.open(out)
