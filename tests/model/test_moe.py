@@ -74,3 +74,21 @@ def test_bias_balancing_moves_skewed_load_toward_uniform():
     assert after < 1.5, (before, after)
     # the bias is selection-only: it never enters the combine weights
     assert moe.expert_bias[:2].max() < 0 < moe.expert_bias[2:].max()
+
+
+def test_router_picks_topk_and_breaks_ties_toward_the_lower_expert():
+    """route(): the k largest of scores + bias in descending order (as topk without ties); tied
+    values go to the lower expert index, whatever the number of tokens routed together."""
+    torch.manual_seed(0)
+    moe = MoE(d_model=16, n_experts=8, top_k=3, expert_ffn=8)
+    tokens = torch.randn(50, 16)
+    scores, idx, weights = moe.route(tokens)
+    want = torch.topk(scores + moe.expert_bias, 3, dim=-1)
+    assert torch.equal(idx, want.indices)
+    assert torch.allclose(weights.sum(-1), torch.ones(50))
+    with torch.no_grad():
+        moe.router.weight.zero_()  # every score is sigmoid(0): all experts tie ...
+        moe.expert_bias.copy_(torch.tensor([0.0, 0.2, 0.0, 0.1, 0.0, 0.2, 0.0, 0.0]))
+    for n in (1, 7, 300):  # ... except through the bias
+        _, idx, _ = moe.route(torch.randn(n, 16))
+        assert idx.tolist() == [[1, 5, 3]] * n

@@ -296,11 +296,7 @@ def moe_all_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     updated (serving does not balance)."""
     B, L, D = x.shape
     tokens = x.reshape(-1, D)  # [T, D]
-    logits = moe.router(tokens)
-    scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-    expert_idx = torch.topk(scores + moe.expert_bias, moe.top_k, dim=-1).indices  # [T, k]
-    chosen = scores.gather(-1, expert_idx)
-    weights = chosen / chosen.sum(-1, keepdim=True) * moe.routed_scaling  # [T, k]
+    scores, expert_idx, weights = moe.route(tokens)
     dense = torch.zeros_like(scores).scatter_(-1, expert_idx, weights)  # [T, E]
     gate, up = torch.einsum("td,efd->etf", tokens, moe.w_in).chunk(2, dim=-1)  # [E, T, F]
     y = torch.bmm(F.silu(gate) * up, moe.out_proj.transpose(1, 2))  # [E, T, D]

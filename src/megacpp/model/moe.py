@@ -57,13 +57,7 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         B, L, D = x.shape
         tokens = x.reshape(-1, D)  # [T, D]
-        logits = self.router(tokens)
-        scores = torch.sigmoid(
-            logits.to(torch.promote_types(logits.dtype, torch.float32))
-        )  # [T, E]
-        expert_idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices  # [T, k]
-        chosen = scores.gather(-1, expert_idx)
-        weights = chosen / chosen.sum(-1, keepdim=True) * self.routed_scaling  # [T, k]
+        scores, expert_idx, weights = self.route(tokens)
 
         experts = resolve("moe_experts", tokens).fn  # reference unless MEGACPP_KERNELS says so
         out = experts(tokens, expert_idx, weights, self.w_in, self.out_proj)
@@ -83,6 +77,22 @@ class MoE(nn.Module):
             else None
         )
         return out.view(B, L, D)
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [T, D] -> (sigmoid router scores [T, E] in at least float32, the chosen
+        experts [T, k], their combine weights [T, k]).
+
+        The chosen experts are the k largest of ``scores + expert_bias``, in descending order,
+        ties going to the lower expert index: a stable descending sort of each row (E values),
+        so the choice never depends on how many tokens are routed together (``topk``'s tie
+        order is unspecified)."""
+        logits = self.router(tokens)
+        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        ranked = torch.sort(scores + self.expert_bias, dim=-1, descending=True, stable=True)
+        expert_idx = ranked.indices[..., : self.top_k]  # [T, k]
+        chosen = scores.gather(-1, expert_idx)
+        weights = chosen / chosen.sum(-1, keepdim=True) * self.routed_scaling  # [T, k]
+        return scores, expert_idx, weights
 
     def _sequence_aux_loss(self, scores: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         """alpha * sum_i f_i * P_i per sequence, averaged over the batch (DeepSeek-V3 eq. 17-20).
