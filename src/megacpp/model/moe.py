@@ -86,7 +86,8 @@ class MoE(nn.Module):
         ties going to the lower expert index: a stable descending sort of each row (E values),
         so the choice never depends on how many tokens are routed together (``topk``'s tie
         order is unspecified). Under torch.compile Inductor fuses that sort with the sigmoid
-        into one kernel (3.6 us at 16384 x 16 on an H100, where topk took 45 us)."""
+        into one kernel (3.6 us at 16384 x 16 on an H100, where topk took 45 us;
+        benchmarks/results/train_step_h100_s14, router_sort_dcbaa14)."""
         logits = self.router(tokens)
         scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         ranked = torch.sort(scores + self.expert_bias, dim=-1, descending=True, stable=True)
