@@ -130,6 +130,14 @@ def test_final_state_continues_the_sequence(scan):
     assert_states_close(s_b, s_full, 1e-10)
 
 
+def test_chunked_without_final_state_returns_none_and_the_same_y():
+    inputs = make_inputs(seqlen=30, seed=7)
+    y, state = mamba3_scan_chunked(**inputs, chunk_size=8)
+    y_only, none = mamba3_scan_chunked(**inputs, chunk_size=8, output_final_state=False)
+    assert none is None and state is not None
+    assert torch.equal(y_only, y)
+
+
 @pytest.mark.parametrize("scan", [mamba3_scan_recurrent, mamba3_scan_chunked])
 def test_reset_isolates_documents_including_angles(scan):
     """After a reset the output equals the new document run alone from a zero state, although

@@ -89,6 +89,20 @@ def compare(scan, inputs, reset, chunk_size, tol) -> dict[str, float]:
     return errors
 
 
+def same_without_final_state(scan, inputs, reset, chunk_size) -> None:
+    """``output_final_state=False`` gives no state and the same y and input grads, bit for bit
+    (the training path: only the final-state kernel is left out)."""
+    runs = []
+    for keep in (True, False):
+        ours = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
+        y, state = scan(**ours, reset=reset, chunk_size=chunk_size, output_final_state=keep)
+        assert (state is None) == (not keep)
+        cot = torch.ones_like(y).mul_(torch.arange(y.shape[-1], device=y.device) - 3.0)
+        runs.append((y, *torch.autograd.grad(y, [ours[n] for n in GRAD_ARGS], cot)))
+    for name, a, b in zip(("y", *GRAD_ARGS), *runs):
+        assert torch.equal(a, b), name
+
+
 # -- CPU: the Triton interpreter ---------------------------------------------------------------
 def _interpreter_check() -> list[dict[str, float]]:
     """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported)."""
@@ -121,6 +135,7 @@ def _interpreter_check() -> list[dict[str, float]]:
     inputs, reset = make_inputs(batch=2, seqlen=70, groups=2, nheads=4, d_state=12, headdim=8,
                                 n_angles=2, dtype=torch.float32, device="cpu", seed=3)
     errors = [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
+    same_without_final_state(mamba3_scan_triton, inputs, reset, chunk_size=32)
     # two state tiles of pairs (d_state 40 -> 32 padded pairs, strided pair loads), two
     # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), and y before the
     # gate formed again for dz
@@ -162,6 +177,12 @@ def test_gpu_matches_reference(case) -> None:
                                 with_reset=with_reset)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     print(case, compare(_gpu_scan(), inputs, reset, chunk, tol))
+
+
+@pytest.mark.gpu
+def test_gpu_without_final_state_is_the_same_scan() -> None:
+    inputs, reset = make_inputs(2, 300, 1, 4, 64, 64, 16, torch.bfloat16, "cuda", seed=5)
+    same_without_final_state(_gpu_scan(), inputs, reset, chunk_size=64)
 
 
 @pytest.mark.gpu

@@ -66,9 +66,10 @@ def mamba3_siso_combined(
     q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor,
     q_bias: Tensor, k_bias: Tensor, angles: Tensor,
     D: Tensor | None = None, z: Tensor | None = None, reset: Tensor | None = None,
-    initial_state: Any = None, chunk_size: int = 64,
+    initial_state: Any = None, chunk_size: int = 64, output_final_state: bool = True,
 ) -> Tensor:
-    """mamba_ssm's Mamba-3 SISO Triton op on the ``mamba3_scan`` surface's arguments -> y.
+    """mamba_ssm's Mamba-3 SISO Triton op on the ``mamba3_scan`` surface's arguments -> y
+    (it returns no final state whatever ``output_final_state`` says).
 
     Per-head scalars go to its [B, H, L] layout. Packed documents (``reset``) become its
     varlen form: the rows are concatenated into one sequence cut at every row start and

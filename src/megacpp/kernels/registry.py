@@ -137,6 +137,8 @@ def _mamba3_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
         reset[:, 0] = False
         inputs["reset"] = reset
     inputs["chunk_size"] = case["chunk"]
+    # the bench cases time what a training step runs (and the mamba_ssm peer returns): y only
+    inputs["output_final_state"] = bool(case.get("final_state", 1))
     return inputs
 
 
@@ -250,7 +252,8 @@ def _surfaces() -> list[Surface]:
             "mamba3_scan",
             "Mamba-3 SISO chunked scan: q, k [B, L, G, N], v, z [B, L, H, P], adt/dt/trap "
             "[B, L, H], angles [B, L, H, R], biases [H, N], D [H], reset [B, L] bool -> y "
-            "[B, L, H, P] in v.dtype + final state (float32); fp32 accumulation. triton_chunked: "
+            "[B, L, H, P] in v.dtype + final state (float32; None with output_final_state=False, "
+            "what a training step without a cache asks); fp32 accumulation. triton_chunked: "
             "initial_state=None only (a cached prefill runs the reference: the mixer picks it), "
             "chunk_size 16/32/64 (fp32 v runs chunks of <= 32 tokens: same function), headdim "
             "<= 64, d_state <= 128, no gradient through the final state; bf16 matmul operands "
@@ -261,9 +264,9 @@ def _surfaces() -> list[Surface]:
             {"check": {"batch": 2, "seq": 300, "groups": 2, "heads": 4, "d_state": 64,
                        "headdim": 64, "angles": 16, "chunk": 64, "resets": 1},
              "seq4096": {"batch": 8, "seq": 4096, "groups": 1, "heads": 32, "d_state": 128,
-                         "headdim": 64, "angles": 32, "chunk": 64},
+                         "headdim": 64, "angles": 32, "chunk": 64, "final_state": 0},
              "seq8192": {"batch": 8, "seq": 8192, "groups": 1, "heads": 32, "d_state": 128,
-                         "headdim": 64, "angles": 32, "chunk": 64}},
+                         "headdim": 64, "angles": 32, "chunk": 64, "final_state": 0}},
             ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z"),
             _mamba3_flops, _mamba3_bytes,
         ),

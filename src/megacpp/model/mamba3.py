@@ -184,7 +184,8 @@ class Mamba3Mixer(nn.Module):
         # state (an all-zero cache -- a first prefill chunk -- is the same as none)
         initial = None if cache is None or cache.is_zero() else cache.scan_state()
         scan = mamba3_scan_chunked if initial is not None else resolve("mamba3_scan", inputs["v"]).fn
-        y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size)
+        y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
+                        output_final_state=cache is not None)
         if cache is not None:
             cache.update_(final)
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]

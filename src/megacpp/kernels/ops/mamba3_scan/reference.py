@@ -129,8 +129,11 @@ def mamba3_scan_chunked(
     q_bias: Tensor, k_bias: Tensor, angles: Tensor,
     D: Tensor | None = None, z: Tensor | None = None, reset: Tensor | None = None,
     initial_state: Mamba3ScanState | None = None, chunk_size: int = 64,
-) -> tuple[Tensor, Mamba3ScanState]:
-    """Chunked parallel (SSD-style) form of :func:`mamba3_scan_recurrent`; same arguments.
+    output_final_state: bool = True,
+) -> tuple[Tensor, Mamba3ScanState | None]:
+    """Chunked parallel (SSD-style) form of :func:`mamba3_scan_recurrent`; same arguments, and
+    ``output_final_state=False`` returns ``(y, None)`` (a training step that keeps no cache:
+    the fast backend then skips the kernel that forms it).
 
     The trapezoid folds into one weight per token: the pair (v_s, k_s) enters h_s with
     gamma_s and h_{s+1} with beta_{s+1} = (1 - lam_{s+1}) dt_{s+1} alpha_{s+1}, so for t > s
@@ -176,6 +179,8 @@ def mamba3_scan_chunked(
 
     y = (y_intra + y_inter).flatten(1, 2)[:, :seqlen]  # [B, L, H, P]
     y = _skip_and_gate(y, x, D, z)
+    if not output_final_state:
+        return y.to(v.dtype), None
     return y.to(v.dtype), Mamba3ScanState(theta[:, -1], ssm_final, k[:, -1], x[:, -1])
 
 

@@ -32,7 +32,8 @@ Kernels (grid; C = chunks, J = tiles of pairs):
                          per-token scalars a (in-chunk cumsum of adt), scale, gamma, and phi_c
   forward    _state_fwd  (J, H, B)  walks the chunks: S_in[c] (stored), the final state
              _out_fwd    (H, C, B)  y = (intra + exp(a) q S_in^T + D x) * silu(z)
-             _final      (H, B)     the final state in the global frame (the returned cache)
+             _final      (H, B)     the final state in the global frame (the returned cache;
+                                    not launched with output_final_state=False)
   backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
              _bwd_dx     (H, C, B)  dx, dz, dD
              _bwd_dqk    (H*J', C, B)  for a tile of pairs (J' tiles): d(q, k) rotated back and
@@ -988,7 +989,8 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
 
 class _Mamba3ScanFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, reset, chunk_size):
+    def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, reset, chunk_size,
+                output_final_state):
         geo = _geometry(q, v, angles, chunk_size)
         cs_dtype, dot, fast = _precision(v)
         rst = reset.to(torch.int8).contiguous() if reset is not None else None
@@ -997,10 +999,12 @@ class _Mamba3ScanFn(torch.autograd.Function):
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
         ops = _prep_operands(geo, args, st, cs_dtype, fast)
         y, s_in, s_fin, y_pre = _forward(geo, args, st, ops, dot, fast)
-        final = _final_state(geo, k, v, k_bias, s_fin, ops.phi)
         ctx.save_for_backward(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in,
                               y_pre, *ops)
         ctx.geo = geo
+        if not output_final_state:
+            return y
+        final = _final_state(geo, k, v, k_bias, s_fin, ops.phi)
         ctx.mark_non_differentiable(*final)
         return (y, *final)
 
@@ -1011,7 +1015,7 @@ class _Mamba3ScanFn(torch.autograd.Function):
         _cs_dtype, dot, fast = _precision(v)
         st = _common_strides(v, z, adt, dt, trap, angles)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
-        return _backward(ctx.geo, args, st, _Operands(*ops), dy, s_in, y_pre, dot, fast)
+        return (*_backward(ctx.geo, args, st, _Operands(*ops), dy, s_in, y_pre, dot, fast), None)
 
 
 def mamba3_scan_triton(
@@ -1019,10 +1023,12 @@ def mamba3_scan_triton(
     q_bias: Tensor, k_bias: Tensor, angles: Tensor,
     D: Tensor | None = None, z: Tensor | None = None, reset: Tensor | None = None,
     initial_state: Mamba3ScanState | None = None, chunk_size: int = 64,
-) -> tuple[Tensor, Mamba3ScanState]:
+    output_final_state: bool = True,
+) -> tuple[Tensor, Mamba3ScanState | None]:
     """The chunked Mamba-3 SISO scan on the GPU (arguments as :func:`mamba3_scan_chunked`).
 
-    Returns y [B, L, H, P] in v.dtype and the final state (float32, no gradient).
+    Returns y [B, L, H, P] in v.dtype and the final state (float32, no gradient), or None for
+    it with ``output_final_state=False`` (``_final`` is then not launched).
     ``initial_state`` is not supported (a cached prefill must call the reference); neither
     is float64 (the reference is the float64 path).
     """
@@ -1032,6 +1038,9 @@ def mamba3_scan_triton(
                            "continues a cache runs the reference (mamba3_scan_chunked)")
     if v.dtype == torch.float64:
         raise MegaCppError("mamba3_scan triton: float64 is not supported (use the reference)")
+    if not output_final_state:
+        return _Mamba3ScanFn.apply(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, reset,
+                                   chunk_size, False), None
     y, *final = _Mamba3ScanFn.apply(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z,
-                                    reset, chunk_size)
+                                    reset, chunk_size, True)
     return y, Mamba3ScanState(*final)
