@@ -15,7 +15,7 @@ PARENT=$1 D=$2
 shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:$PWD:/tmp/site
-S=.device-carry/s14; mkdir -p "$D"; C=$(cut -c1-7 $S/commit)
+S=${S:-.device-carry/s14}; mkdir -p "$D"; C=$(cut -c1-7 $S/commit)
 python3 -m pytest -q "$@" 2>&1 | tail -3 | tee "$D/gpu_tests_$C.log"
 ARGS="--preset nam56r-350m --seq-len 2048 --kernels fast"
 parent() {  # $1: output name

@@ -766,30 +766,31 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
 
 
 @triton.jit
-def _head_sum(DH, D, base, m, out, m_e, m_o, N2B: tl.constexpr):
-    """One of _group_sum's two sums: even and odd halves summed over axis 1, stored interleaved."""
-    e = tl.sum(tl.load(DH + base, mask=m, other=0.0).to(tl.float32), axis=1)
-    o = tl.sum(tl.load(DH + base + N2B, mask=m, other=0.0).to(tl.float32), axis=1)
-    tl.store(D + out, e.to(D.dtype.element_ty), mask=m_e)
-    tl.store(D + out + 1, o.to(D.dtype.element_ty), mask=m_o)
+def _head_sum(DH, D, base, m, out, m_out, ROWS: tl.constexpr, N2B: tl.constexpr):
+    """One of _group_sum's two sums: the [ROWS, heads, 2 N2B] rows (halves layout, one load)
+    summed over the heads and stored interleaved, one contiguous row each."""
+    acc = tl.sum(tl.load(DH + base, mask=m, other=0.0).to(tl.float32), axis=1)
+    acc = tl.reshape(tl.permute(tl.reshape(acc, [ROWS, 2, N2B]), (0, 2, 1)), [ROWS, 2 * N2B])
+    tl.store(D + out, acc.to(D.dtype.element_ty), mask=m_out)
 
 
 @triton.jit
 def _group_sum(DQH, DKH, DQ, DK, n_rows, HG, N, ROWS: tl.constexpr, HGP: tl.constexpr,
                N2B: tl.constexpr):
     """d(q, k) of ROWS (token, group) rows: the group's HG per-head rows (halves layout,
-    contiguous) summed in float32 and stored interleaved, [*, N] in DQ's / DK's dtype."""
+    contiguous) summed in float32 and stored interleaved, [*, N] in DQ's / DK's dtype. Each
+    head's row is loaded whole and the interleaved row stored whole (split half-rows and
+    2-byte stores at a 4-byte stride ran at 1.1 TB/s at the nam56r shape, 24 heads of 64)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     i = tl.arange(0, HGP)
-    j = tl.arange(0, N2B)
+    c = tl.arange(0, 2 * N2B)
     live = r < n_rows
     m = live[:, None, None] & (i < HG)[None, :, None]
-    base = (r.to(tl.int64)[:, None, None] * HG + i[None, :, None]) * (2 * N2B) + j[None, None, :]
-    out = r.to(tl.int64)[:, None] * N + 2 * j[None, :]
-    m_e = live[:, None] & (2 * j < N)[None, :]
-    m_o = live[:, None] & (2 * j + 1 < N)[None, :]
-    _head_sum(DQH, DQ, base, m, out, m_e, m_o, N2B)
-    _head_sum(DKH, DK, base, m, out, m_e, m_o, N2B)
+    base = (r.to(tl.int64)[:, None, None] * HG + i[None, :, None]) * (2 * N2B) + c[None, None, :]
+    out = r.to(tl.int64)[:, None] * N + c[None, :]
+    m_out = live[:, None] & (c < N)[None, :]
+    _head_sum(DQH, DQ, base, m, out, m_out, ROWS, N2B)
+    _head_sum(DKH, DK, base, m, out, m_out, ROWS, N2B)
 
 
 # -- host side -------------------------------------------------------------------------------
