@@ -96,9 +96,10 @@ TUNING = {
     "max_chunk": 64,
     # chunks' phi per load of _final (one at a time it took 50 us at L 4096 on the H100)
     "final_chunks": 32,
-    # (token, group) rows per program of _group_sum: 8 rows, 203 us at L 4096 (2.6 TB/s;
-    # 2 or 4 rows 330-335, 4 rows at 8 warps 608; h100_s11 run 11)
-    "sum_rows": 8,
+    # (token, group) rows per program of _group_sum (whole head rows since session 15): 16 rows
+    # at 4 warps, 41 us at the nam56r step's shape (B 8, L 2048, 24 heads of d_state 64; the
+    # split-row kernel took 95) and 195 us at the bench's L 4096 (old 201; h100_s15 probe)
+    "sum_rows": 16,
     # the smallest headdim tile with 64-token chunks (a 32-wide one faulted on an H100)
     "min_bp": 64,
     # with a gate z: keep y before the gate (y_pre, [B, L, H, P] in v's dtype) from _out_fwd for
