@@ -7,6 +7,7 @@ through the Triton interpreter (skipped when triton is not importable, as in CI)
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from unittest import mock
 
@@ -103,6 +104,19 @@ def same_without_final_state(scan, inputs, reset, chunk_size) -> None:
         assert torch.equal(a, b), name
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_state_tiles_halve_until_the_grid_fills_the_device() -> None:
+    from megacpp.kernels.ops.mamba3_scan.triton import _state_pairs
+
+    # (B * H, pairs padded to a power of two, SMs) -> pairs per program; at least 2 programs
+    # per SM, never under 16 pairs, never over N2B
+    assert _state_pairs(8 * 24, 32, 132) == 16  # the nam56r step: 192 programs of 32 -> 384
+    assert _state_pairs(8 * 32, 64, 132) == 32  # the bench: 512 programs of 32
+    assert _state_pairs(2 * 4, 64, 132) == 16
+    assert _state_pairs(8 * 24, 16, 132) == 16
+    assert _state_pairs(4, 64, 1) == 32  # the interpreter's one "SM"
+
+
 # -- CPU: the Triton interpreter ---------------------------------------------------------------
 def _interpreter_check() -> list[dict[str, float]]:
     """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported)."""
@@ -166,6 +180,7 @@ GPU_CASES = [  # (batch, seqlen, groups, nheads, d_state, headdim, n_angles, chu
     (1, 130, 2, 4, 64, 32, 32, 32, BF16, True),  # every pair rotated, chunk 32
     (2, 300, 1, 4, 64, 64, 16, 64, BF16, True),  # the flagship's d_state 64 (32 pairs), chunk 64
     (1, 4096, 1, 32, 128, 64, 32, 64, BF16, True),  # the benchmark's row length and heads
+    (8, 256, 1, 32, 128, 64, 32, 64, BF16, True),  # enough heads for 32-pair state tiles
 ]
 
 

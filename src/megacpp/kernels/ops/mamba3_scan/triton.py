@@ -58,6 +58,7 @@ Backward scratch: G (as S_in), d(q, k) per head [B, L, H, 2, N2B], float32 per-t
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -75,12 +76,16 @@ CHUNK_SIZES = (16, 32, 64)
 # The kernels are latency-bound (ncu: long-scoreboard stalls after loads, one or two programs
 # per SM), so register caps (maxnreg) buy more programs per SM: _out_fwd 2 -> 3. With the
 # rotation table (session 11, L 4096): state tiles of 32 pairs, 437 -> 314 us (_state_fwd) and,
-# with _state_bwd capped at 128 registers (96 spilled 30), 630 -> 365 us (_state_bwd);
-# _state_fwd at num_stages 3 (loads two chunks ahead; 2: 379 us)
+# with _state_bwd capped at 128 registers (96 spilled 30), 630 -> 365 us (_state_bwd).
+# Session 15 swept them again at both the bench's shape (L 4096, 32 heads, d_state 128) and the
+# nam56r-350m training step's (B 8, L 2048, 24 heads, d_state 64; h100_s15/mamba3_step_sweep*):
+# _prep at 2 warps (119 -> 87 us, 27 -> 22), _state_fwd at num_stages 2 (315 -> 286, 98 -> 85;
+# session 11 had found 3 better), and for the narrow shape the entries of "narrow_launch" and
+# half-width state tiles (see "min_state_programs_per_sm")
 TUNING = {
     "launch": {
-        "prep": {"num_warps": 4, "num_stages": 1},
-        "state_fwd": {"num_warps": 4, "num_stages": 3},
+        "prep": {"num_warps": 2, "num_stages": 1},
+        "state_fwd": {"num_warps": 4, "num_stages": 2},
         "out_fwd": {"num_warps": 4, "num_stages": 1, "maxnreg": 168},
         "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 128},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
@@ -89,7 +94,16 @@ TUNING = {
         "final": {"num_warps": 4, "num_stages": 1},
         "group_sum": {"num_warps": 4, "num_stages": 1},
     },
+    # replacing "launch" entries when the pairs pad to at most 32 (N2B <= 32: d_state <= 64):
+    # the smaller [T, N2B] tiles of _out_fwd fit 128 registers (145 -> 130 us at the step's
+    # shape; at d_state 128 the cap spills: 474 -> 783)
+    "narrow_launch": {"out_fwd": {"maxnreg": 128}},
     "pairs": 32,  # state tile of the sequential kernels
+    # ... halved (down to 16) while their grid, B * H * N2B / pairs programs, would give an SM
+    # fewer than this many: at the step's shape 192 programs of 32 pairs on 132 SMs ran
+    # _state_fwd / _state_bwd in 98 / 180 us, 384 of 16 pairs in 86 / 123; at the bench's (512
+    # programs of 32) 16 pairs were slower (315 -> 432, 361 -> 489)
+    "min_state_programs_per_sm": 2,
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
@@ -831,12 +845,31 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
     if max(v.numel(), angles.numel(), B * L * H * N, B * H * NC * BP * 2 * N2B) >= 2**31:
         raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
                            "supported (32-bit offsets); split the batch")
-    return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B, RB, min(N2B, TUNING["pairs"]),
+    sms = _sm_count(v.device) if v.is_cuda else 1
+    return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B, RB, _state_pairs(B * H, N2B, sms),
                      N == 2 * N2B)
 
 
-def _launch(kernel: str) -> dict[str, int]:
-    return {k: v for k, v in TUNING["launch"][kernel].items() if v is not None}
+def _state_pairs(heads: int, n2b: int, sms: int) -> int:
+    """Pairs per program of the sequential state kernels (grid N2B / pairs x B * H) on a device
+    of ``sms`` multiprocessors."""
+    pairs = min(n2b, TUNING["pairs"])
+    while pairs > 16 and heads * (n2b // pairs) < TUNING["min_state_programs_per_sm"] * sms:
+        pairs //= 2
+    return pairs
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(kernel: str, geo: _Geometry) -> dict[str, int]:
+    """Triton launch options of ``kernel`` for this geometry (``TUNING``)."""
+    options = TUNING["launch"][kernel]
+    if geo.N2B <= 32:
+        options = {**options, **TUNING["narrow_launch"].get(kernel, {})}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _precision(v: Tensor) -> tuple[torch.dtype, tl.dtype, bool]:
@@ -875,7 +908,7 @@ def _prep_operands(geo: _Geometry, args: tuple, st: dict, cs_dtype: torch.dtype,
     phi = torch.empty(B, H, NC, RB, device=dev, dtype=torch.float32)
     _prep[(H, NC, B)](
         adt, dt, trap, angles, sc, phi, cs, *st["adt"], *st["dt"], *st["trap"], *st["ang"],
-        B, geo.L, H, NC, geo.R, T=T, RB=RB, FAST=fast, **_launch("prep"))
+        B, geo.L, H, NC, geo.R, T=T, RB=RB, FAST=fast, **_launch("prep", geo))
     return _Operands(cs, sc, phi)
 
 
@@ -893,7 +926,7 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
                             torch.empty(B, H, N, **f32), torch.empty(B, H, P, **f32))
     _final[(H, B)](s_fin, phi, k, k_bias, v, *state, *v.stride(), geo.L, H, geo.G, geo.NC, P,
                    N, R, BP=geo.BP, N2B=geo.N2B, RB=geo.RB, CB=TUNING["final_chunks"],
-                   **_launch("final"))
+                   **_launch("final", geo))
     return state
 
 
@@ -918,13 +951,13 @@ def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
     s_fin = torch.empty(B, H, P, 2, geo.N2B, device=dev, dtype=torch.float32)
     _state_fwd[(geo.N2B // geo.JB, H, B)](
         k, args[8], ops.cs, v, ops.sc, ops.phi, rst, s_in, s_fin, *st["v"], *dims,
-        JB=geo.JB, FAST=fast, **const, **_launch("state_fwd"))
+        JB=geo.JB, FAST=fast, **const, **_launch("state_fwd", geo))
     y = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     y_pre = torch.empty_like(y) if z is not None and TUNING["save_y_pre"] else None
     _out_fwd[(H, NC, B)](
         *_qk_args(args, ops), v, z, y, y_pre, ops.sc, D, rst, s_in, *st["v"], *st["z"], *dims,
         HAS_D=D is not None, HAS_Z=z is not None, STORE_YP=y_pre is not None, **const,
-        **_launch("out_fwd"))
+        **_launch("out_fwd", geo))
     return y, s_in, s_fin, y_pre
 
 
@@ -942,7 +975,7 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     g_st = torch.empty_like(s_in)
     _state_bwd[(geo.N2B // geo.JB, H, B)](
         q, q_bias, ops.cs, z, dy, ops.sc, ops.phi, rst, g_st, *st["z"], *dy.stride(), *dims,
-        JB=geo.JB, FAST=fast, **const, **_launch("state_bwd"))
+        JB=geo.JB, FAST=fast, **const, **_launch("state_bwd", geo))
 
     dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
@@ -950,7 +983,7 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     _bwd_dx[(H, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part,
         *strides, *dims, HAS_D=D is not None, LOAD_YP=y_pre is not None, **const,
-        **_launch("bwd_dx"))
+        **_launch("bwd_dx", geo))
 
     # d(q, k) per head, unrotated, in the operand dtype (summed over the group's heads below)
     dqh = torch.empty(B, L, H, 2 * geo.N2B, device=dev, dtype=_operand_dtype(v))
@@ -965,14 +998,14 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     d_sg = torch.empty(2, njd, B, H, NC * T, **f32)  # d scale, d gamma
     _bwd_dqk[(H * njd, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
-        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk"))
+        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk", geo))
     dadt = torch.empty(B, L, H, device=dev, dtype=adt.dtype)
     ddt = torch.empty(B, L, H, device=dev, dtype=dt.dtype)
     dtrap = torch.empty(B, L, H, device=dev, dtype=trap.dtype)
     _bwd_tokens[(H, NC, B)](
         d_ell, dadt_part, d_sg, dt, trap, angles, dang, dadt, ddt, dtrap, *st["dt"],
         *st["trap"], *st["ang"], B, L, H, NC, R, T=T, RB=geo.RB, NJD=njd,
-        **_launch("bwd_tokens"))
+        **_launch("bwd_tokens", geo))
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
 
     def interleaved(d: Tensor, like: Tensor) -> Tensor:  # [..., 2, N2B] -> [..., N]
@@ -984,7 +1017,7 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     rows = B * L * G
     _group_sum[(triton.cdiv(rows, TUNING["sum_rows"]),)](
         dqh, dkh, dq, dk, rows, H // G, N, ROWS=TUNING["sum_rows"],
-        HGP=triton.next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum"))
+        HGP=triton.next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum", geo))
     return (dq, dk, dv, dadt, ddt, dtrap, interleaved(dqb_part.sum((0, 1)), q_bias),
             interleaved(dkb_part.sum((0, 1)), k_bias), dang, dD, dz, None, None)
 
