@@ -6,9 +6,10 @@ For each kernel and setting: the kernel's own CUDA time per forward+backward (pr
 10 calls), one setting changed at a time from the tree's TUNING.
 
     PYTHONPATH=$PWD/src:$PWD python benchmarks/results/kernels/h100_s15/mamba3_step_sweep.py OUT
-        [combos [bench]]
-Run 5 swept one setting at a time (SWEEP); "combos" times COMBOS, each a list of changes made
-together, at the step's shape, or with "bench" at the bench's (BENCH_CASE).
+        [combos|chunk [bench]]
+Run 5 swept one setting at a time (SWEEP); "combos" times COMBOS (run 6) and "chunk"
+CHUNK_COMBOS (run 8), each a list of changes made together, at the step's shape, or with
+"bench" at the bench's (BENCH_CASE).
 """
 
 import copy
@@ -58,6 +59,12 @@ COMBOS = [
     [("state_fwd", {"num_stages": 2})],
     [("state_bwd", {"maxnreg": None})],
 ]
+CHUNK_COMBOS = [  # run 8, on the tree's new settings: 32-token chunks at the step's shape
+    [(None, {"max_chunk": 32})],
+    [(None, {"max_chunk": 32}), ("bwd_dqk", {"num_warps": 2})],
+    [(None, {"max_chunk": 32}), ("bwd_dx", {"num_warps": 2})],
+    [(None, {"max_chunk": 32}), ("out_fwd", {"maxnreg": None})],
+]
 NAMES = {"bwd_dqk": "_bwd_dqk", "bwd_dx": "_bwd_dx", "state_bwd": "_state_bwd",
          "out_fwd": "_out_fwd", "state_fwd": "_state_fwd", "prep": "_prep",
          "bwd_tokens": "_bwd_tokens", "group_sum": "_group_sum"}
@@ -66,7 +73,7 @@ NAMES = {"bwd_dqk": "_bwd_dqk", "bwd_dx": "_bwd_dx", "state_bwd": "_state_bwd",
 def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    combos = sys.argv[2:3] == ["combos"]
+    combos = {"combos": COMBOS, "chunk": CHUNK_COMBOS}.get(sys.argv[2] if sys.argv[2:] else "")
     inp = _mamba3_inputs(BENCH_CASE if sys.argv[3:4] == ["bench"] else CASE, torch.bfloat16,
                          dev, gen)
     cot = torch.randn(inp["v"].shape, device=dev, dtype=torch.bfloat16)
@@ -95,7 +102,7 @@ def main() -> None:
     rows.append({"setting": "tree", "us": base, "total_us": sum(base.values())})
     print(json.dumps(rows[-1]), flush=True)
     start = time.time()
-    for setting in COMBOS if combos else [[row] for row in SWEEP]:
+    for setting in combos or [[row] for row in SWEEP]:
         if time.time() - start > 420:
             break
         M.TUNING.clear()
