@@ -27,6 +27,19 @@ def rmsnorm_compiled(
     return _compiled_rmsnorm()(x, weight, residual, eps, out_dtype, skip)
 
 
+@functools.cache
+def _compiled_short_conv() -> Any:
+    from megacpp.kernels.ops.short_conv.reference import short_conv_reference
+
+    return torch.compile(short_conv_reference, dynamic=False)
+
+
+def short_conv_compiled(x: Tensor, weight: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    """torch.compile of the reference: what the R mixer ran under a compiled model before the
+    Triton kernel (Inductor fuses the taps, masks and SiLU into a few Triton kernels)."""
+    return _compiled_short_conv()(x, weight, doc_ids)
+
+
 def liger_linear_cross_entropy(
     h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
     accum_dtype: torch.dtype | None = torch.float32,

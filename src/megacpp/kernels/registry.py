@@ -27,6 +27,7 @@ from megacpp.kernels.ops.linear_ce.reference import (
 from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+from megacpp.kernels.ops.short_conv.reference import short_conv_reference
 
 FLOATS = ("float32", "bfloat16", "float16")
 HALF = ("bfloat16", "float16")
@@ -199,6 +200,23 @@ def _gated_delta_bytes(inp: dict[str, Any]) -> float:
     return B * L * H * (3 * qkv + 2 * o + 3 * gates)
 
 
+# -- short conv ---------------------------------------------------------------------------------
+def _short_conv_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    """x as the channel slice of a wider projection output (as the R mixer's in_proj split
+    gives it), a weight, packed documents of ~``doc_len`` tokens."""
+    b, length, c, w = case["batch"], case["seq"], case["channels"], case["taps"]
+    wide = _randn((b, length, c + case.get("pad", 0)), dtype, device, gen, grad=False)
+    starts = torch.rand(b, length, generator=gen, device=device) < 1 / case["doc_len"]
+    return {"x": wide[..., :c].requires_grad_(),
+            "weight": _randn((c, w), torch.float32, device, gen, scale=w**-0.5),
+            "doc_ids": starts.cumsum(1)}
+
+
+def _short_conv_bytes(inp: dict[str, Any]) -> float:
+    # fwd: read x, write y.  bwd: read x, dy; write dx (the weight and doc ids are small).
+    return 5 * inp["x"].numel() * inp["x"].element_size()
+
+
 def _surfaces() -> list[Surface]:
     return [
         Surface(
@@ -269,6 +287,21 @@ def _surfaces() -> list[Surface]:
                          "headdim": 64, "angles": 32, "chunk": 64, "final_state": 0}},
             ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z"),
             _mamba3_flops, _mamba3_bytes,
+        ),
+        Surface(
+            "short_conv",
+            "x [B, L, C] (unit channel stride: a column slice of a projection output is fine), "
+            "weight [C, W] (tap W-1 on the current token), doc_ids [B, L] int or None -> y "
+            "[B, L, C] in x.dtype = silu(causal depthwise conv) inside each document, from "
+            "zeros, fp32 sums (the R mixer's q | k | v conv without a cache; a cached step runs "
+            "the reference, which also returns the tail); triton saves x, weight and doc_ids "
+            "and recomputes the conv in backward",
+            short_conv_reference, _short_conv_inputs,
+            {"check": {"batch": 2, "seq": 77, "channels": 150, "taps": 4, "doc_len": 20,
+                       "pad": 9},
+             "nam56r": {"batch": 8, "seq": 2048, "channels": 1024, "taps": 4, "doc_len": 512,
+                        "pad": 520}},
+            ("x", "weight"), None, _short_conv_bytes,
         ),
         Surface(
             "gated_delta",
@@ -359,6 +392,15 @@ def _backends() -> list[Backend]:
         Backend("tilelang_mimo", "mamba3_scan", "deferred",
                 Requirements(devices=("cuda",), packages=("tilelang",)), None,
                 "TileLang MIMO variant: tilelang is not installable here and the model uses SISO"),
+        # short conv
+        Backend("triton", "short_conv", "chosen", triton_ok,
+                _lazy("megacpp.kernels.ops.short_conv.triton", "short_conv_triton")),
+        Backend("reference", "short_conv", "fallback", Requirements(), short_conv_reference),
+        Backend("torch_compile", "short_conv", "donor",
+                Requirements(devices=("cuda",), packages=("triton",), torch_ops=("compile",)),
+                _lazy("megacpp.kernels.peers", "short_conv_compiled"),
+                "peer: inductor's fusion of the reference, which a compiled model ran before "
+                "the Triton kernel; measured, not selected"),
         # gated delta rule
         Backend("triton_chunked", "gated_delta", "chosen",
                 Requirements(packages=("triton",), dtypes=("float32", "bfloat16"), **cuda_sm80),

@@ -30,6 +30,7 @@ from megacpp.kernels.ops.gated_delta import (
     flops_per_token as gated_delta_flops_per_token,
 )
 from megacpp.kernels.ops.gated_delta import gated_delta_rule_recurrent
+from megacpp.kernels.ops.short_conv.reference import short_causal_conv
 from megacpp.kernels.runtime import resolve
 
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon: x / sqrt(sum(x^2) + eps)
@@ -203,8 +204,11 @@ class GatedDeltaNetMixer(nn.Module):
         B, L, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
         qkv, gate, a, b = self.in_proj(x).split([self.conv_dim, self.value_dim, H, H], dim=-1)
-        conv_state = None if cache is None else cache.conv_state
-        qkv, conv_tail = short_causal_conv(qkv, self.conv_weight, conv_state, doc_ids)
+        conv_tail = None
+        if cache is None:  # the catalog's backend (reference unless MEGACPP_KERNELS says so)
+            qkv = resolve("short_conv", qkv).fn(qkv, self.conv_weight, doc_ids)
+        else:
+            qkv, conv_tail = short_causal_conv(qkv, self.conv_weight, cache.conv_state, doc_ids)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.view(B, L, H, K))  # [B, L, H, K]
         k = l2norm(k.view(B, L, H, K))
@@ -249,45 +253,6 @@ class GatedDeltaNetMixer(nn.Module):
                     raise ValueError(
                         f"cache.{name} must have shape {list(shape)} for batch {B}, got {list(got)}"
                     )
-
-
-def short_causal_conv(
-    x: Tensor, weight: Tensor, conv_state: Tensor | None, doc_ids: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """Depthwise causal conv + SiLU that never reads across a document boundary.
-
-    ``x`` [B, L, C]; ``weight`` [C, W] (tap W-1 multiplies the current token);
-    ``conv_state`` [B, C, W-1] the inputs before ``x`` (oldest first; None means zeros), taken
-    to belong to the first token's document; ``doc_ids`` [B, L] or None (one document).
-    Returns ``y`` [B, L, C] and the new tail [B, C, W-1]: the last W-1 inputs, zeroed where
-    they belong to an earlier document than the last token.
-    """
-    B, L, C = x.shape
-    W = weight.shape[1]
-    if conv_state is None:
-        history = x.new_zeros(B, W - 1, C)
-    else:
-        history = conv_state.transpose(1, 2).to(x.dtype)
-    padded = torch.cat([history, x], dim=1)  # [B, W-1+L, C]
-    same_doc = None
-    if doc_ids is not None:
-        docs = torch.cat([doc_ids[:, :1].expand(B, W - 1), doc_ids], dim=1)  # [B, W-1+L]
-        same_doc = docs.unfold(1, W, 1) == doc_ids[:, :, None]  # [B, L, W]
-    # one multiply-add per tap, float32 sums (an einsum over unfolded windows ran as a batched
-    # GEMV with K = W on the GPU: magma/gemv kernels, ~2 ms per layer fwd+bwd at 16k tokens)
-    compute = torch.promote_types(x.dtype, torch.float32)
-    w = weight.to(compute)
-    acc = None
-    for tap in range(W):
-        term = padded[:, tap : tap + L].to(compute) * w[:, tap]
-        if same_doc is not None:
-            term = term * same_doc[:, :, tap, None]
-        acc = term if acc is None else acc + term
-    y = F.silu(acc).to(x.dtype)
-    tail = padded[:, L:].transpose(1, 2)  # [B, C, W-1]: the last W-1 inputs
-    if same_doc is not None:
-        tail = tail * same_doc[:, -1, 1:][:, None, :].to(x.dtype)
-    return y, tail
 
 
 def l2norm(x: Tensor) -> Tensor:

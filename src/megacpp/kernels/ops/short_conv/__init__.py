@@ -1,0 +1,1 @@
+"""Short causal depthwise conv + SiLU (Gated DeltaNet's q | k | v conv)."""
