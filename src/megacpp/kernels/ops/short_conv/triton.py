@@ -10,12 +10,14 @@ Forward, one program per (BT tokens, BC channels, row)::
 
     y[t] = silu(acc[t]),   acc[t] = sum_{j < W} w[W-1-j] * x[t-j] * same_doc(t, t-j)
 
-Backward, same grid, recomputing acc (x is re-read through the cache, W loads per position)::
+Backward, same grid, in two passes through a float32 [B, L, C] scratch (one pass that formed
+dacc again at each of the W positions a token's dx reads took 218 us at the nam56r shape,
+session 15: W * W tap loads per token)::
 
-    dacc[u] = dy[u] * silu'(acc[u])
-    dx[t]   = sum_j w[W-1-j] * dacc[t+j] * same_doc(t+j, t)
-    dw[W-1-j] = sum_t dacc[t] * x[t-j] * same_doc(t, t-j)   (per-program float32 partials,
-                                                              summed in a fixed order)
+    _short_conv_dacc   dacc[t] = dy[t] * silu'(acc[t])      (acc recomputed from x)
+                       dw[W-1-j] = sum_t dacc[t] * x[t-j] * same_doc(t, t-j)  (per-program
+                       float32 partials, summed in a fixed order)
+    _short_conv_dx     dx[t] = sum_j w[W-1-j] * dacc[t+j] * same_doc(t+j, t)
 
 Saved for backward: x (a view of the caller's tensor), weight and doc_ids; nothing [B, L, C]
 of its own.
@@ -75,11 +77,34 @@ def _short_conv_fwd(X, W, DOC, Y, L, C, sx_b, sx_l, sd_b, KW: tl.constexpr, BT: 
 
 
 @triton.jit
-def _short_conv_bwd(X, W, DOC, DY, DX, DWP, L, C, sx_b, sx_l, sd_b, sy_b, sy_l,
-                    KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    HAS_DOC: tl.constexpr):
+def _short_conv_dacc(X, W, DOC, DY, DACC, DWP, L, C, sx_b, sx_l, sd_b, sy_b, sy_l,
+                     KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     HAS_DOC: tl.constexpr):
+    """Backward, first pass: dacc = dy * silu'(acc) at this program's tokens (float32, for
+    _short_conv_dx) and the weight's partials sum_t dacc[t] * x[t-j] of its tokens."""
     pid_t = tl.program_id(0)
     t = pid_t * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    b = tl.program_id(2)
+    live, cm = t < L, c < C
+    acc, d_t = _acc(X, W, DOC, b, t, live, c, cm, sx_b, sx_l, sd_b, KW, HAS_DOC)
+    dy = tl.load(DY + b * sy_b + t.to(tl.int64)[:, None] * sy_l + c[None, :],
+                 mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    sig = tl.sigmoid(acc)
+    dacc = dy * sig * (1.0 + acc * (1.0 - sig))
+    out = (b * L + t).to(tl.int64)[:, None] * C + c[None, :]
+    tl.store(DACC + out, dacc, mask=live[:, None] & cm[None, :])
+    part = ((b * tl.num_programs(0) + pid_t).to(tl.int64) * C + c) * KW
+    for j in tl.static_range(KW):  # x[t-j] again (cached): the taps are not kept in registers
+        xs = _tap(X, DOC, b, t - j, d_t, live, c, cm, sx_b, sx_l, sd_b, HAS_DOC)
+        tl.store(DWP + part + (KW - 1 - j), tl.sum(dacc * xs, axis=0), mask=cm)
+
+
+@triton.jit
+def _short_conv_dx(DACC, W, DOC, DX, L, C, sd_b, KW: tl.constexpr, BT: tl.constexpr,
+                   BC: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Backward, second pass: dx[t] = sum_j w[W-1-j] * dacc[t+j], inside t's document."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2)
     live, cm = t < L, c < C
@@ -87,29 +112,17 @@ def _short_conv_bwd(X, W, DOC, DY, DX, DWP, L, C, sx_b, sx_l, sd_b, sy_b, sy_l,
     if HAS_DOC:
         d_t = tl.load(DOC + b * sd_b + t, mask=live, other=-3)
     dx = tl.zeros([BT, BC], dtype=tl.float32)
-    dacc_t = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KW):  # dacc at t + j reaches x[t] through tap W-1-j
+    for j in tl.static_range(KW):
         u = t + j
-        u_live = u < L
-        acc, d_u = _acc(X, W, DOC, b, u, u_live, c, cm, sx_b, sx_l, sd_b, KW, HAS_DOC)
-        dy = tl.load(DY + b * sy_b + u.to(tl.int64)[:, None] * sy_l + c[None, :],
-                     mask=u_live[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        sig = tl.sigmoid(acc)
-        dacc = dy * sig * (1.0 + acc * (1.0 - sig))
-        if j == 0:
-            dacc_t = dacc
-        same = u_live & live
+        same = live & (u < L)
         if HAS_DOC:
-            same = same & (d_u == d_t)
+            same = same & (tl.load(DOC + b * sd_b + u, mask=same, other=-4) == d_t)
+        dacc = tl.load(DACC + (b * L + u).to(tl.int64)[:, None] * C + c[None, :],
+                       mask=same[:, None] & cm[None, :], other=0.0)
         w = tl.load(W + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
-        dx += tl.where(same[:, None], dacc, 0.0) * w[None, :]
+        dx += dacc * w[None, :]
     out = (b * L + t).to(tl.int64)[:, None] * C + c[None, :]
     tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=live[:, None] & cm[None, :])
-    # the weight's partials: this program's tokens, every tap
-    part = ((b * tl.num_programs(0) + pid_t).to(tl.int64) * C + c) * KW
-    for j in tl.static_range(KW):
-        xs = _tap(X, DOC, b, t - j, d_t, live, c, cm, sx_b, sx_l, sd_b, HAS_DOC)
-        tl.store(DWP + part + (KW - 1 - j), tl.sum(dacc_t * xs, axis=0), mask=cm)
 
 
 def _checked(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor | None:
@@ -153,12 +166,14 @@ class _ShortConvFn(torch.autograd.Function):
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         B, L, C = x.shape
         grid = _grid(x)
-        dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
+        meta = {"KW": w.shape[1], "BT": BLOCK_T, "BC": BLOCK_C, "HAS_DOC": doc is not None,
+                "num_warps": NUM_WARPS}
+        dacc = torch.empty(B, L, C, device=x.device, dtype=torch.float32)
         parts = torch.empty(B * grid[0], C, w.shape[1], device=x.device, dtype=torch.float32)
-        _short_conv_bwd[grid](
-            x, w, doc, dy, dx, parts, L, C, x.stride(0), x.stride(1), L, dy.stride(0),
-            dy.stride(1), KW=w.shape[1], BT=BLOCK_T, BC=BLOCK_C, HAS_DOC=doc is not None,
-            num_warps=NUM_WARPS)
+        _short_conv_dacc[grid](x, w, doc, dy, dacc, parts, L, C, x.stride(0), x.stride(1), L,
+                               dy.stride(0), dy.stride(1), **meta)
+        dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
+        _short_conv_dx[grid](dacc, w, doc, dx, L, C, L, **meta)
         return dx, parts.sum(0).to(ctx.weight_dtype), None
 
 
