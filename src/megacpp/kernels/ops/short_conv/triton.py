@@ -35,6 +35,7 @@ from megacpp.errors import MegaCppError
 BLOCK_T = 32  # tokens per program
 BLOCK_C = 128  # channels per program
 NUM_WARPS = 4
+DACC_BLOCKS = 4  # token blocks per program of _short_conv_dacc (one weight partial each)
 MAX_TAPS = 8
 
 
@@ -78,26 +79,38 @@ def _short_conv_fwd(X, W, DOC, Y, L, C, sx_b, sx_l, sd_b, KW: tl.constexpr, BT: 
 
 @triton.jit
 def _short_conv_dacc(X, W, DOC, DY, DACC, DWP, L, C, sx_b, sx_l, sd_b, sy_b, sy_l,
-                     KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     HAS_DOC: tl.constexpr):
-    """Backward, first pass: dacc = dy * silu'(acc) at this program's tokens (float32, for
-    _short_conv_dx) and the weight's partials sum_t dacc[t] * x[t-j] of its tokens."""
-    pid_t = tl.program_id(0)
-    t = pid_t * BT + tl.arange(0, BT)
+                     KW: tl.constexpr, KWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     TPP: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Backward, first pass, over TPP blocks of BT tokens: dacc = dy * silu'(acc) (float32,
+    for _short_conv_dx) and the weight's partials sum_t dacc[t] * x[t-j], accumulated
+    elementwise in a [KWP taps, BT, BC] tile and reduced over the tokens once at the end."""
+    pid_g = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2)
-    live, cm = t < L, c < C
-    acc, d_t = _acc(X, W, DOC, b, t, live, c, cm, sx_b, sx_l, sd_b, KW, HAS_DOC)
-    dy = tl.load(DY + b * sy_b + t.to(tl.int64)[:, None] * sy_l + c[None, :],
-                 mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
-    sig = tl.sigmoid(acc)
-    dacc = dy * sig * (1.0 + acc * (1.0 - sig))
-    out = (b * L + t).to(tl.int64)[:, None] * C + c[None, :]
-    tl.store(DACC + out, dacc, mask=live[:, None] & cm[None, :])
-    part = ((b * tl.num_programs(0) + pid_t).to(tl.int64) * C + c) * KW
-    for j in tl.static_range(KW):  # x[t-j] again (cached): the taps are not kept in registers
-        xs = _tap(X, DOC, b, t - j, d_t, live, c, cm, sx_b, sx_l, sd_b, HAS_DOC)
-        tl.store(DWP + part + (KW - 1 - j), tl.sum(dacc * xs, axis=0), mask=cm)
+    cm = c < C
+    lag = tl.arange(0, KWP)
+    dw = tl.zeros([KWP, BT, BC], dtype=tl.float32)
+    for it in range(TPP):
+        t = (pid_g * TPP + it) * BT + tl.arange(0, BT)
+        live = t < L
+        acc, d_t = _acc(X, W, DOC, b, t, live, c, cm, sx_b, sx_l, sd_b, KW, HAS_DOC)
+        dy = tl.load(DY + b * sy_b + t.to(tl.int64)[:, None] * sy_l + c[None, :],
+                     mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        sig = tl.sigmoid(acc)
+        dacc = dy * sig * (1.0 + acc * (1.0 - sig))
+        out = (b * L + t).to(tl.int64)[:, None] * C + c[None, :]
+        tl.store(DACC + out, dacc, mask=live[:, None] & cm[None, :])
+        # x[t - lag] for every lag as one [KWP, BT, BC] tile (cached rows), same document
+        pos = t[None, :] - lag[:, None]  # [KWP, BT]
+        m = live[None, :] & (pos >= 0) & (lag < KW)[:, None]
+        if HAS_DOC:
+            m = m & (tl.load(DOC + b * sd_b + pos, mask=m, other=-1) == d_t[None, :])
+        xs = tl.load(X + b * sx_b + pos.to(tl.int64)[:, :, None] * sx_l + c[None, None, :],
+                     mask=m[:, :, None] & cm[None, None, :], other=0.0).to(tl.float32)
+        dw += dacc[None, :, :] * xs
+    part = ((b * tl.num_programs(0) + pid_g).to(tl.int64) * C + c[None, :]) * KW
+    tl.store(DWP + part + (KW - 1 - lag)[:, None], tl.sum(dw, axis=1),
+             mask=(lag < KW)[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -168,10 +181,12 @@ class _ShortConvFn(torch.autograd.Function):
         grid = _grid(x)
         meta = {"KW": w.shape[1], "BT": BLOCK_T, "BC": BLOCK_C, "HAS_DOC": doc is not None,
                 "num_warps": NUM_WARPS}
+        groups = triton.cdiv(grid[0], DACC_BLOCKS)
         dacc = torch.empty(B, L, C, device=x.device, dtype=torch.float32)
-        parts = torch.empty(B * grid[0], C, w.shape[1], device=x.device, dtype=torch.float32)
-        _short_conv_dacc[grid](x, w, doc, dy, dacc, parts, L, C, x.stride(0), x.stride(1), L,
-                               dy.stride(0), dy.stride(1), **meta)
+        parts = torch.empty(B * groups, C, w.shape[1], device=x.device, dtype=torch.float32)
+        _short_conv_dacc[(groups, grid[1], B)](
+            x, w, doc, dy, dacc, parts, L, C, x.stride(0), x.stride(1), L, dy.stride(0),
+            dy.stride(1), KWP=triton.next_power_of_2(w.shape[1]), TPP=DACC_BLOCKS, **meta)
         dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
         _short_conv_dx[grid](dacc, w, doc, dx, L, C, L, **meta)
         return dx, parts.sum(0).to(ctx.weight_dtype), None
