@@ -45,28 +45,38 @@ def say(row: dict) -> None:
     (OUT / "moe_host_probe.json").write_text(json.dumps(rows, indent=1))
 
 
-def host_us(fn, reps: int = 30) -> float:
-    """Median host time (us) of ``fn`` while the GPU is busy with a long sleep."""
+def host_stats(fn, reps: int = 30, sleep_cycles: int = 50_000_000) -> dict[str, float]:
+    """Host time (us: min, median, max of ``reps``) of ``fn`` while the GPU is busy with a long
+    sleep (run 1: 50M cycles, ~25-35 ms; run 2: 20M), so no launch below waits."""
     samples = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)  # ~25-35 ms of GPU time: no launch below waits
+        torch.cuda._sleep(sleep_cycles)
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(samples)
+    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
+
+
+def host_us(fn) -> float:
+    return host_stats(fn)["median"]
+
+
+def bench_case(case: str):
+    """The grouped_mm backend and fresh bench inputs of one moe_experts case (seed 0)."""
+    catalog, dev = default_catalog(), torch.device("cuda")
+    surface = catalog.surface("moe_experts")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    inp = surface.make_inputs(surface.cases[case], torch.bfloat16, dev, gen)
+    return catalog.backend("moe_experts", "grouped_mm"), inp, surface.grad_args
 
 
 def probe(case: str) -> None:
-    catalog, dev = default_catalog(), torch.device("cuda")
-    surface = catalog.surface("moe_experts")
-    backend = catalog.backend("moe_experts", "grouped_mm")
     from megacpp.kernels.ops.moe import triton as K
 
-    gen = torch.Generator(device=dev).manual_seed(0)
-    inp = surface.make_inputs(surface.cases[case], torch.bfloat16, dev, gen)
-    grads = surface.grad_args
+    dev = torch.device("cuda")
+    backend, inp, grads = bench_case(case)
     t = time_fwd_bwd(backend.fn, inp, grads, dev, repeats=20)
     g = time_fwd_bwd_graphed(backend.fn, inp, grads, dev, repeats=20)
     cot = _cotangents(backend.fn, inp)

@@ -2,6 +2,7 @@
 forward+backward with the GPU kept busy, and per-launch host costs (min / median / max of 50).
 
     PYTHONPATH=$PWD/src:$PWD python benchmarks/results/kernels/h100_s15/moe_host_probe2.py OUT
+(The case setup and host timer were merged into moe_host_probe.py after the run; same measure.)
 """
 
 import cProfile
@@ -9,42 +10,30 @@ import functools
 import io
 import json
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from moe_host_probe import bench_case, host_stats  # the sibling record (run 1)
 
 from megacpp.kernels.ops.moe import grouped as G
-from megacpp.kernels.registry import _lazy, default_catalog
+from megacpp.kernels.registry import _lazy
 from megacpp.kernels.timing import _cotangents, _fwd_bwd
 
 OUT = Path(sys.argv[1])
 CASE = sys.argv[2] if len(sys.argv) > 2 else "e64_k8"
 
 
-def host_stats(fn, reps: int = 50) -> dict:
-    samples = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
+def host_stats_run2(fn) -> dict:
+    return host_stats(fn, reps=50, sleep_cycles=20_000_000)
 
 
 def main() -> None:
-    catalog, dev = default_catalog(), torch.device("cuda")
-    surface = catalog.surface("moe_experts")
-    backend = catalog.backend("moe_experts", "grouped_mm")
     from megacpp.kernels.ops.moe import triton as K
 
-    gen = torch.Generator(device=dev).manual_seed(0)
-    inp = surface.make_inputs(surface.cases[CASE], torch.bfloat16, dev, gen)
-    grads = surface.grad_args
+    dev = torch.device("cuda")
+    backend, inp, grads = bench_case(CASE)
     cot = _cotangents(backend.fn, inp)
     x, idx, w, w_in = inp["x"], inp["expert_idx"], inp["weights"], inp["w_in"]
     plan = G.dispatch_plan(idx, w_in.shape[0], w)
@@ -63,7 +52,7 @@ def main() -> None:
         "x.detach()": lambda: x.detach(),
         "torch.empty 256 MB": lambda: torch.empty(xs.shape, device=dev, dtype=xs.dtype),
     }.items():
-        res[name] = host_stats(fn)
+        res[name] = host_stats_run2(fn)
         print(name, res[name], flush=True)
     # back-to-back launches of one kernel (no sleep between): the steady launch cost
     for name, fn in {"swiglu x20": lambda: K.swiglu_weighted_triton(gu, plan.w_sorted),
