@@ -10,14 +10,20 @@ Forward, one program per (BT tokens, BC channels, row)::
 
     y[t] = silu(acc[t]),   acc[t] = sum_{j < W} w[W-1-j] * x[t-j] * same_doc(t, t-j)
 
-Backward, same grid, in two passes through a float32 [B, L, C] scratch (one pass that formed
-dacc again at each of the W positions a token's dx reads took 218 us at the nam56r shape,
-session 15: W * W tap loads per token)::
+Backward, in two passes through a float32 [B, L, C] scratch::
 
     _short_conv_dacc   dacc[t] = dy[t] * silu'(acc[t])      (acc recomputed from x)
-                       dw[W-1-j] = sum_t dacc[t] * x[t-j] * same_doc(t, t-j)  (per-program
-                       float32 partials, summed in a fixed order)
+                       dw[W-1-j] = sum_t dacc[t] * x[t-j] * same_doc(t, t-j): each program
+                       runs DACC_BLOCKS token blocks, accumulates dacc * x[t - lag] for every
+                       lag elementwise in one [taps, tokens, channels] tile and reduces it once
+                       (float32 partials per program, summed in a fixed order)
     _short_conv_dx     dx[t] = sum_j w[W-1-j] * dacc[t+j] * same_doc(t+j, t)
+
+H100, nam56r shape, fwd+bwd CUDA-graph replay (benchmarks/results/kernels/h100_s15): one pass
+that formed dacc again at each of the W positions a token's dx reads, 0.484 ms (its backward
+218 us: W * W tap loads per token); two passes with per-block reductions over the tokens,
+0.318; the [taps, tokens, channels] tile, 0.226-0.231 (DACC_BLOCKS 1, 4, 8 within 2%); Inductor's
+compile of the reference 0.33.
 
 Saved for backward: x (a view of the caller's tensor), weight and doc_ids; nothing [B, L, C]
 of its own.
@@ -69,7 +75,7 @@ def _short_conv_fwd(X, W, DOC, Y, L, C, sx_b, sx_l, sd_b, KW: tl.constexpr, BT: 
                     BC: tl.constexpr, HAS_DOC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)  # row offsets past 2**31 elements stay exact
     live, cm = t < L, c < C
     acc, _d = _acc(X, W, DOC, b, t, live, c, cm, sx_b, sx_l, sd_b, KW, HAS_DOC)
     y = acc * tl.sigmoid(acc)
@@ -86,7 +92,7 @@ def _short_conv_dacc(X, W, DOC, DY, DACC, DWP, L, C, sx_b, sx_l, sd_b, sy_b, sy_
     elementwise in a [KWP taps, BT, BC] tile and reduced over the tokens once at the end."""
     pid_g = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)  # row offsets past 2**31 elements stay exact
     cm = c < C
     lag = tl.arange(0, KWP)
     dw = tl.zeros([KWP, BT, BC], dtype=tl.float32)
@@ -119,7 +125,7 @@ def _short_conv_dx(DACC, W, DOC, DX, L, C, sd_b, KW: tl.constexpr, BT: tl.conste
     """Backward, second pass: dx[t] = sum_j w[W-1-j] * dacc[t+j], inside t's document."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)  # row offsets past 2**31 elements stay exact
     live, cm = t < L, c < C
     d_t = t
     if HAS_DOC:
