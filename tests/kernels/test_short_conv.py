@@ -60,6 +60,16 @@ def test_reference_is_the_mixers_conv_from_zeros() -> None:
                        short_causal_conv(x, weight, None, doc_ids)[0])
 
 
+def test_refuses_tensors_past_32_bit_offsets() -> None:
+    pytest.importorskip("triton")
+    from megacpp.errors import MegaCppError
+    from megacpp.kernels.ops.short_conv.triton import short_conv_triton
+
+    big = torch.zeros(4).expand(2**29 + 1, 1, 4)  # 2**31 + 4 elements, no memory behind them
+    with pytest.raises(MegaCppError, match=r"2\*\*31"):
+        short_conv_triton(big, torch.zeros(4, 4))
+
+
 # -- CPU: the Triton interpreter ---------------------------------------------------------------
 def _interpreter_check() -> list[dict[str, float]]:
     from megacpp.kernels.ops.short_conv import triton as K

@@ -75,7 +75,7 @@ def _short_conv_fwd(X, W, DOC, Y, L, C, sx_b, sx_l, sd_b, KW: tl.constexpr, BT: 
                     BC: tl.constexpr, HAS_DOC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2).to(tl.int64)  # row offsets past 2**31 elements stay exact
+    b = tl.program_id(2)
     live, cm = t < L, c < C
     acc, _d = _acc(X, W, DOC, b, t, live, c, cm, sx_b, sx_l, sd_b, KW, HAS_DOC)
     y = acc * tl.sigmoid(acc)
@@ -92,7 +92,7 @@ def _short_conv_dacc(X, W, DOC, DY, DACC, DWP, L, C, sx_b, sx_l, sd_b, sy_b, sy_
     elementwise in a [KWP taps, BT, BC] tile and reduced over the tokens once at the end."""
     pid_g = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2).to(tl.int64)  # row offsets past 2**31 elements stay exact
+    b = tl.program_id(2)
     cm = c < C
     lag = tl.arange(0, KWP)
     dw = tl.zeros([KWP, BT, BC], dtype=tl.float32)
@@ -125,7 +125,7 @@ def _short_conv_dx(DACC, W, DOC, DX, L, C, sd_b, KW: tl.constexpr, BT: tl.conste
     """Backward, second pass: dx[t] = sum_j w[W-1-j] * dacc[t+j], inside t's document."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2).to(tl.int64)  # row offsets past 2**31 elements stay exact
+    b = tl.program_id(2)
     live, cm = t < L, c < C
     d_t = t
     if HAS_DOC:
@@ -153,6 +153,10 @@ def _checked(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor | None
                            f"got {tuple(weight.shape)}")
     if x.dtype == torch.float64:
         raise MegaCppError("short_conv triton: float64 is not supported (use the reference)")
+    B, L, C = x.shape
+    if max(B * L * C, (B - 1) * x.stride(0) + (L - 1) * x.stride(1) + C) >= 2**31:
+        raise MegaCppError("short_conv triton: tensors of 2**31 elements or more are not "
+                           "supported (32-bit row offsets); split the batch")
     if doc_ids is None:
         return None
     if tuple(doc_ids.shape) != tuple(x.shape[:2]) or doc_ids.is_floating_point():
