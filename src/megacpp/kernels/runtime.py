@@ -70,14 +70,22 @@ def resolve(surface: str, like: torch.Tensor) -> Backend:
         mode = "reference"
     key = (surface, str(like.device), dtype_name(effective_dtype(like)), mode)
     if key not in _resolved:
-        catalog = default_catalog()
-        if mode == "reference":
-            fallback = catalog.of(surface, "fallback")[0]
-            _resolved[key] = Selection(surface, fallback, key[2], device_facts(like.device))
-        else:
-            _resolved[key] = select(catalog, surface, device_facts(like.device), key[2],
-                                    allow_reference=mode == "auto")
+        _resolved[key] = _select(surface, like.device, key[2], mode)
     return _resolved[key].backend
+
+
+@torch.compiler.disable
+def _select(surface: str, device: torch.device, dtype: str, mode: str) -> Selection:
+    """A selection not made before. Opaque to torch.compile: a first call under tracing is one
+    graph break here, instead of dynamo tracing the catalog's construction (it ignores
+    ``functools.cache``), which broke the graph at every backend's ``torch.compiler.disable``
+    and compiled each lazily imported callable as a frame of its own (session 15: the
+    recompile limit for ``_lazy`` was hit once the catalog had more than 8 such rows)."""
+    catalog = default_catalog()
+    if mode == "reference":
+        fallback = catalog.of(surface, "fallback")[0]
+        return Selection(surface, fallback, dtype, device_facts(device))
+    return select(catalog, surface, device_facts(device), dtype, allow_reference=mode == "auto")
 
 
 def chosen_kernels() -> dict[str, str]:
