@@ -4,7 +4,8 @@ surface's training path: every row starts from zeros, no cache).
 Under torch.compile the plain-PyTorch form (one multiply-add per tap over shifted slices of a
 zero-padded copy, document masks, float32 sums) becomes several Inductor kernels per layer: at
 the nam56r-350m step's shape (B 8, L 2048, 1024 channels, 4 taps) about 325 us of forward and
-backward per layer on an H100 (session 15's profile), for ~130 MB of unavoidable bytes.
+backward per layer on an H100 (session 15's profile), for ~170 MB of unavoidable bytes (x and
+y forward; x, dy and dx backward).
 
 Forward, one program per (BT tokens, BC channels, row)::
 
