@@ -54,10 +54,15 @@ def compare(conv, x, weight, doc_ids, tol) -> dict[str, float]:
     return errors
 
 
-def test_reference_is_the_mixers_conv_from_zeros() -> None:
-    x, weight, doc_ids = make_inputs(2, 40, 6, 4, torch.float64, "cpu", seed=0)
-    assert torch.equal(short_conv_reference(x, weight, doc_ids),
-                       short_causal_conv(x, weight, None, doc_ids)[0])
+def test_reference_packs_documents_as_if_each_ran_alone() -> None:
+    """The surface's reference on a packed row equals the conv of each document from zeros
+    (the contract the kernels are checked against), in float64."""
+    x, weight, _ = make_inputs(1, 40, 6, 4, torch.float64, "cpu", seed=0, docs=False)
+    doc_ids = torch.tensor([[0] * 3 + [1] * 20 + [2] * 17])
+    y = short_conv_reference(x, weight, doc_ids)
+    for start, end in ((0, 3), (3, 23), (23, 40)):
+        alone = short_causal_conv(x[:, start:end], weight, None, None)[0]
+        torch.testing.assert_close(y[:, start:end], alone, rtol=0, atol=0)
 
 
 def test_refuses_tensors_past_32_bit_offsets() -> None:

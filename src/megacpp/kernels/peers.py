@@ -12,11 +12,13 @@ import torch
 from torch import Tensor
 
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+from megacpp.kernels.ops.short_conv.reference import short_conv_reference
 
 
 @functools.cache
-def _compiled_rmsnorm():
-    return torch.compile(rmsnorm_reference, dynamic=False)
+def _compiled(reference: Any) -> Any:
+    """torch.compile of a surface's reference, built once per reference."""
+    return torch.compile(reference, dynamic=False)
 
 
 def rmsnorm_compiled(
@@ -24,20 +26,13 @@ def rmsnorm_compiled(
     out_dtype: torch.dtype | None = None, skip: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """torch.compile of the reference (inductor generates one fused Triton kernel each way)."""
-    return _compiled_rmsnorm()(x, weight, residual, eps, out_dtype, skip)
-
-
-@functools.cache
-def _compiled_short_conv() -> Any:
-    from megacpp.kernels.ops.short_conv.reference import short_conv_reference
-
-    return torch.compile(short_conv_reference, dynamic=False)
+    return _compiled(rmsnorm_reference)(x, weight, residual, eps, out_dtype, skip)
 
 
 def short_conv_compiled(x: Tensor, weight: Tensor, doc_ids: Tensor | None = None) -> Tensor:
     """torch.compile of the reference: what the R mixer ran under a compiled model before the
     Triton kernel (Inductor fuses the taps, masks and SiLU into a few Triton kernels)."""
-    return _compiled_short_conv()(x, weight, doc_ids)
+    return _compiled(short_conv_reference)(x, weight, doc_ids)
 
 
 def liger_linear_cross_entropy(
