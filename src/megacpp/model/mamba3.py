@@ -203,7 +203,7 @@ class Mamba3Mixer(nn.Module):
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
         H, P, G, N = self.nheads, self.headdim, self.ngroups, self.d_state
-        z, xs, b, c, dd_dt, dd_a, trap, angles = self.in_proj(x).split(self._split, dim=-1)
+        z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x)
         adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
         return dict(
             q=self.C_norm(c.unflatten(-1, (G, N))),  # [B, L, G, N]
@@ -218,6 +218,10 @@ class Mamba3Mixer(nn.Module):
             D=self.D,
             z=z.unflatten(-1, (H, P)),
         )
+
+    def _project(self, x: Tensor) -> tuple[Tensor, ...]:
+        """in_proj(x) split into ``[z, x, B, C, dd_dt, dd_A, trap, angles]``."""
+        return self.in_proj(x).split(self._split, dim=-1)
 
     def init_cache(
         self, batch_size: int, device: torch.device | str | None = None,
