@@ -46,6 +46,29 @@ def test_moe_weights_normalized_and_gradients_flow():
     assert moe.last_load.sum().item() == 2 * 10 * 2  # dropless: every token reaches k experts
 
 
+def test_forward_is_router_plus_experts_plus_shared_swiglu_with_its_gradients():
+    """The one GEMM over the stacked router / shared in_proj weights is the two modules run
+    apart (the definition): same output, same gradient for every parameter and the input."""
+    torch.manual_seed(0)
+    moe = MoE(d_model=24, n_experts=6, top_k=2, expert_ffn=8, n_shared_experts=2).double()
+    moe.eval()  # no load statistics
+    x = torch.randn(3, 7, 24, dtype=torch.float64, requires_grad=True)
+    (moe(x) * torch.linspace(-1, 1, 24, dtype=torch.float64)).sum().backward()
+    got = [x.grad] + [p.grad for p in moe.parameters()]
+
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    tokens = x.reshape(-1, 24)
+    logits = moe.router(tokens)  # the router and the shared SwiGLU as separate modules
+    _, idx, w = moe.choose(logits)
+    want_y = moe_experts_reference(tokens, idx, w, moe.w_in, moe.out_proj) + moe.shared(tokens)
+    (want_y.view(3, 7, 24) * torch.linspace(-1, 1, 24, dtype=torch.float64)).sum().backward()
+    want = [x.grad] + [p.grad for p in moe.parameters()]
+    assert moe.shared.in_proj.weight.grad.abs().sum() > 0 and moe.router.weight.grad.abs().sum() > 0
+    for (name, _), a, b in zip([("x", None), *moe.named_parameters()], got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_bias_balancing_moves_skewed_load_toward_uniform():
     """A router skewed toward expert 0..1 becomes balanced by the selection bias alone."""
     torch.manual_seed(0)

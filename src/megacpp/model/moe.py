@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megacpp.kernels.runtime import resolve
@@ -57,12 +58,13 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         B, L, D = x.shape
         tokens = x.reshape(-1, D)  # [T, D]
-        scores, expert_idx, weights = self.route(tokens)
+        logits, shared_gate_up = self.project(tokens)
+        scores, expert_idx, weights = self.choose(logits)
 
         experts = resolve("moe_experts", tokens).fn  # reference unless MEGACPP_KERNELS says so
         out = experts(tokens, expert_idx, weights, self.w_in, self.out_proj)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + self.shared.down(shared_gate_up)
 
         with torch.no_grad():
             flat = expert_idx.reshape(-1)  # bincount would sync the host on CUDA
@@ -78,8 +80,28 @@ class MoE(nn.Module):
         )
         return out.view(B, L, D)
 
+    def project(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [T, D] -> (router logits [T, E], the shared experts' gate|up [T, 2F] or None).
+
+        One GEMM over the router's and the shared in_proj's weights stacked: the input's
+        gradient is then one product with K = E + 2F instead of a K = E product (a [T, D]
+        output written for 16 columns of work) added to the shared experts' by a kernel of its
+        own (nam56r-350m on an H100: the router's three GEMMs and that add took 1.5 ms of an
+        86 ms step; benchmarks/results/train_step_h100_s16). The parameters stay apart."""
+        if self.shared is None:
+            return self.router(tokens), None
+        weight = torch.cat([self.router.weight, self.shared.in_proj.weight])
+        logits, gate_up = F.linear(tokens, weight).split(
+            [self.n_experts, weight.shape[0] - self.n_experts], dim=-1)
+        return logits, gate_up
+
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens [T, D] -> (sigmoid router scores [T, E] in at least float32, the chosen
+        """tokens [T, D] -> :meth:`choose` of the router's logits (computed by :meth:`project`,
+        as in the forward)."""
+        return self.choose(self.project(tokens)[0])
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (sigmoid router scores [T, E] in at least float32, the chosen
         experts [T, k], their combine weights [T, k]).
 
         The chosen experts are the k largest of ``scores + expert_bias``, in descending order,
@@ -88,7 +110,6 @@ class MoE(nn.Module):
         order is unspecified). Under torch.compile Inductor fuses that sort with the sigmoid
         into one kernel (3.6 us at 16384 x 16 on an H100, where topk took 45 us;
         benchmarks/results/train_step_h100_s14, router_sort_dcbaa14)."""
-        logits = self.router(tokens)
         scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         ranked = torch.sort(scores + self.expert_bias, dim=-1, descending=True, stable=True)
         expert_idx = ranked.indices[..., : self.top_k]  # [T, k]
