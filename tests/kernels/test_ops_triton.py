@@ -117,7 +117,7 @@ def _rmsnorm_interpreter_check() -> dict:
     rows (the multi-row tiles of QK-norm widths). Run in a fresh process with
     TRITON_INTERPRET=1."""
     from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
-    from megacpp.kernels.ops.rmsnorm.triton import rmsnorm_triton
+    from megacpp.kernels.ops.rmsnorm.triton import _strided_rows, rmsnorm_triton
 
     g = torch.Generator().manual_seed(0)
     errors, tolerance = {}, {}
@@ -147,6 +147,29 @@ def _rmsnorm_interpreter_check() -> dict:
             # a bf16 y or residual gradient is rounded once (2^-8 relative); the rest is fp32
             rounded = (out_dtype is not None and name == "y") or a.dtype == torch.bfloat16
             tolerance[key] = 1e-2 if rounded else 1e-5
+    # rows read in place from strided views (no residual): a head-transposed q, a k sliced out
+    # of a fused kv projection, B sliced out of a wider projection (one row stride), and a
+    # view whose dims do not merge into three (copied first); y / dx come back contiguous
+    base = torch.randn(2, 5, 3 * 4 * 64, generator=g)
+    views = {"q": lambda t: t[..., :192].view(2, 5, 3, 64).transpose(1, 2),
+             "k": lambda t: t[..., 192:448].view(2, 5, 2, 2, 64).unbind(2)[0].transpose(1, 2),
+             "b": lambda t: t[..., 64:128].unflatten(-1, (1, 64)),
+             "copied": lambda t: t.view(2, 5, 3, 4, 64).permute(3, 1, 0, 2, 4)}
+    for name, view in views.items():
+        assert (_strided_rows(view(base)) is None) == (name == "copied"), name
+        w = 1 + 0.1 * torch.randn(64, generator=g)
+        got = []
+        for fn in (rmsnorm_triton, rmsnorm_reference):
+            leaves = [base.clone().requires_grad_(), w.clone().requires_grad_()]
+            x = view(leaves[0])
+            y, _ = fn(x, leaves[1])
+            assert y.shape == x.shape
+            cot = torch.linspace(-1, 1, y.numel()).view(y.shape)
+            got.append([y.detach(), *torch.autograd.grad((y * cot).sum(), leaves)])
+        for part, a, b in zip(("y", "dx", "dw"), *got):
+            key = f"strided_{name}/{part}"
+            errors[key] = float((a.double() - b.double()).norm() / b.double().norm())
+            tolerance[key] = 1e-5
     assert all(errors[k] < tolerance[k] for k in errors), errors  # NaN fails
     return errors
 

@@ -25,14 +25,28 @@ from torch import Tensor
 
 
 @triton.jit
-def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_rows, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """ROWS rows per program as one [ROWS, BLOCK] tile."""
+def _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED: tl.constexpr):
+    """Offsets of the first element of each row: ``rows * n_cols`` in a contiguous [T, D], or
+    (STRIDED) rows r = (i0 * n1 + i1) * n2 + i2 of a [n0, n1, n2, D] view with strides
+    (s0, s1, s2, 1) -- a head-transposed q, a k sliced out of a fused kv projection."""
+    r = rows.to(tl.int64)
+    if STRIDED:
+        return (r // (n1 * n2)) * s0 + ((r // n2) % n1) * s1 + (r % n2) * s2
+    return r * n_cols
+
+
+@triton.jit
+def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_rows, n_cols, eps, n1, n2, s0, s1, s2,
+                 HAS_RESIDUAL: tl.constexpr, STRIDED: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """ROWS rows per program as one [ROWS, BLOCK] tile. X's rows where _row_starts says (a
+    STRIDED X has no residual); R, H, Y are contiguous [T, D]."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x_offs = _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED)[:, None] + cols[None, :]
+    h = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         h += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
@@ -43,12 +57,13 @@ def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_rows, n_cols, eps, HAS_RESIDUAL: tl.cons
 
 
 @triton.jit
-def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, ROWS: tl.constexpr,
-                 HAS_DH_OUT: tl.constexpr, WRITE_DR: tl.constexpr, TILE: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, n1, n2, s0, s1, s2,
+                 ROWS: tl.constexpr, HAS_DH_OUT: tl.constexpr, WRITE_DR: tl.constexpr,
+                 STRIDED: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Rows [pid * ROWS, (pid + 1) * ROWS) in [TILE, BLOCK] tiles; one float32 dw partial.
     WRITE_DR: also store dh in DR's dtype (the residual's gradient when it is narrower than
-    h's, so autograd needs no cast kernel)."""
+    h's, so autograd needs no cast kernel). STRIDED: H is the strided input x (_row_starts);
+    the other tensors are contiguous [T, D]."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
@@ -60,7 +75,8 @@ def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, ROW
         row_ok = (rows < n_rows) & (rows < first + ROWS)
         mask = row_ok[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+        h_offs = _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED)[:, None] + cols[None, :]
+        h = tl.load(H + h_offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         h_hat = h * rstd
@@ -114,25 +130,56 @@ def _max_programs(device: torch.device, per_sm: int) -> int:
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_CONTIGUOUS_ROWS = (1, 1, 0, 0, 0)  # _row_starts' (n1, n2, s0, s1, s2), unused when contiguous
+
+
+def _strided_rows(x: Tensor) -> tuple[int, int, int, int, int] | None:
+    """(n1, n2, s0, s1, s2) of x's rows seen as a [n0, n1, n2, D] view with strides
+    (s0, s1, s2, 1), for :func:`_row_starts`; None unless x's last dim is unit-stride and its
+    leading dims merge into at most three (then x is copied). A head-transposed q
+    [B, H, L, hd] of a [B, L, H * hd] projection, or B / C sliced out of Mamba-3's in_proj
+    output, are read in place: their copies took 0.9 ms of the nam56r-350m step on an H100
+    (benchmarks/results/train_step_h100_s16)."""
+    if x.stride(-1) != 1:
+        return None
+    dims: list[tuple[int, int]] = []
+    for n, st in zip(x.shape[:-1], x.stride()[:-1], strict=True):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == n * st:  # the previous dim steps over this one whole
+            dims[-1] = (dims[-1][0] * n, st)
+        else:
+            dims.append((n, st))
+    if len(dims) > 3:
+        return None
+    (_, s0), (n1, s1), (n2, s2) = [(1, 0)] * (3 - len(dims)) + dims
+    return n1, n2, s0, s1, s2
+
+
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, residual: Tensor | None, eps: float,
                 out_dtype: torch.dtype | None, skip: bool):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()  # [T, D]
-        n_rows, n_cols = x2.shape
+        n_cols = shape[-1]
+        n_rows = x.numel() // n_cols if n_cols else 0
         has_residual = residual is not None
+        # no residual, no skip: x's rows are read where they lie (no copy) when _strided_rows
+        # can address them
+        rows_at = None if has_residual or skip or x.is_contiguous() else _strided_rows(x)
+        x2 = x if rows_at is not None else x.reshape(-1, n_cols).contiguous()  # [T, D]
         r2 = residual.reshape(-1, n_cols).contiguous() if has_residual else x2
-        y = torch.empty(x2.shape, device=x.device, dtype=out_dtype or x.dtype)
+        y = torch.empty(n_rows, n_cols, device=x.device, dtype=out_dtype or x.dtype)
         h = torch.empty_like(x2) if has_residual else x2  # no residual: h is x itself
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         block, warps = _block(n_cols)
         rows = _fwd_rows(block)
         _rmsnorm_fwd[(triton.cdiv(n_rows, rows),)](
-            x2, r2, weight, y, h, rstd, n_rows, n_cols, eps, HAS_RESIDUAL=has_residual,
-            ROWS=rows, BLOCK=block, num_warps=warps)
+            x2, r2, weight, y, h, rstd, n_rows, n_cols, eps, *(rows_at or _CONTIGUOUS_ROWS),
+            HAS_RESIDUAL=has_residual, STRIDED=rows_at is not None, ROWS=rows, BLOCK=block,
+            num_warps=warps)
         ctx.save_for_backward(h, weight, rstd)
-        ctx.has_residual, ctx.shape = has_residual, shape
+        ctx.has_residual, ctx.shape, ctx.rows_at = has_residual, shape, rows_at
         ctx.residual_dtype = residual.dtype if has_residual else None
         # with skip and no residual, h is a view of x: its gradient comes back as dh_out
         return (y.view(shape), h.view(shape)) if has_residual or skip else y.view(shape)
@@ -140,11 +187,12 @@ class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor, dh_out: Tensor | None = None):
         h, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = h.shape
+        n_cols = h.shape[-1]
+        n_rows = rstd.shape[0]
         dy2 = dy.reshape(n_rows, n_cols).contiguous()
         has_dh_out = dh_out is not None
         dh_out2 = dh_out.reshape(n_rows, n_cols).contiguous() if has_dh_out else dy2
-        dh = torch.empty_like(h)
+        dh = torch.empty(n_rows, n_cols, device=h.device, dtype=h.dtype)
         block, warps = _block(n_cols)
         tile, per_sm, warps = _bwd_launch(block, warps)
         n_programs = min(n_rows, _max_programs(h.device, per_sm))
@@ -156,8 +204,10 @@ class _FusedRMSNorm(torch.autograd.Function):
         write_dr = ctx.has_residual and ctx.residual_dtype != h.dtype
         dr = torch.empty_like(h, dtype=ctx.residual_dtype) if write_dr else dh
         _rmsnorm_bwd[(n_programs,)](dy2, dh_out2, h, weight, rstd, dh, dr, dw_partial, n_rows,
-                                    n_cols, ROWS=rows_per_program, HAS_DH_OUT=has_dh_out,
-                                    WRITE_DR=write_dr, TILE=tile, BLOCK=block, num_warps=warps)
+                                    n_cols, *(ctx.rows_at or _CONTIGUOUS_ROWS),
+                                    ROWS=rows_per_program, HAS_DH_OUT=has_dh_out,
+                                    WRITE_DR=write_dr, STRIDED=ctx.rows_at is not None,
+                                    TILE=tile, BLOCK=block, num_warps=warps)
         dw = dw_partial.sum(0).to(weight.dtype)
         dh = dh.view(ctx.shape)
         return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None)
