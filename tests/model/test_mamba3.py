@@ -159,6 +159,23 @@ def test_every_parameter_gets_a_gradient():
         assert p.grad.abs().max() > 0, name
 
 
+def test_projection_is_in_proj_split_with_its_gradients():
+    """The three GEMMs over row slices of in_proj's weight are in_proj(x) split (the
+    definition), values and the gradients of x and the weight."""
+    mixer = make_mixer()
+    cots = [torch.randn(2, 21, n, dtype=F64) for n in mixer._split]
+    got, want = [], []
+    for out, project in ((got, mixer._project),
+                         (want, lambda t: mixer.in_proj(t).split(mixer._split, dim=-1))):
+        x = make_x().requires_grad_()
+        pieces = project(x)
+        loss = sum((p * c).sum() for p, c in zip(pieces, cots, strict=True))
+        out.extend([*pieces, *torch.autograd.grad(loss, [x, mixer.in_proj.weight])])
+    assert len(got) == len(want) == 10
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("seqlen", [64, 40])
 def test_flops_per_token_matches_flop_counter(seqlen):
     mixer = make_mixer(torch.float32)
