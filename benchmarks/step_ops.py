@@ -11,9 +11,9 @@ a GPU::
         --kernels fast --out DIR
 
 writes DIR/step_ops.txt (the table) and DIR/step_ops.json (every row). A row is one
-(op, input shapes, call site): its self GPU time per step, kernels per step, and the innermost
-``megacpp`` frames of its Python stack. Compiled regions show as their graph's op
-(``CompiledFunction`` / ``CompiledFunctionBackward``), their kernels summed under it.
+(op, input shapes, call site): its self GPU time per step, calls per step, its kernels, and
+the innermost repository frames of its Python stack (forward ops only: backward ones run on
+autograd's thread). Inductor's kernels show under their own names.
 """
 
 from __future__ import annotations
@@ -34,10 +34,18 @@ from train_step import build_hybrid, compile_regions
 from megacpp.kernels.runtime import clear_resolutions, set_kernel_mode
 
 
-def call_site(stack: list[str], depth: int = 3) -> str:
-    """The innermost ``depth`` frames of ``stack`` inside this repository (``file:line``)."""
-    ours = [f for f in stack if "megacpp" in f or "benchmarks" in f]
-    return " < ".join(f.split("/")[-1].replace(".py(", ":").split(")")[0] for f in ours[:depth])
+def call_site(evt, depth: int = 3) -> str:
+    """The innermost ``depth`` Python frames of this repository above ``evt`` (``file:line``).
+    With ``with_stack`` the profiler records Python calls as events of their own, the parents
+    of the ops they run (named ``path(line): function``); ops run by autograd's backward
+    thread have none."""
+    frames, parent = [], evt.cpu_parent
+    while parent is not None and len(frames) < depth:
+        name = parent.name
+        if ("megacpp" in name or "benchmarks" in name) and ".py(" in name:
+            frames.append(name.split("/")[-1].replace(".py(", ":").split(")")[0])
+        parent = parent.cpu_parent
+    return " < ".join(frames)
 
 
 def attribute(prof, steps: int) -> list[dict]:
@@ -47,7 +55,7 @@ def attribute(prof, steps: int) -> list[dict]:
         own = getattr(evt, "self_device_time_total", 0.0)
         if own <= 0 or evt.device_type != torch.autograd.DeviceType.CPU:
             continue
-        key = (evt.name, str(evt.input_shapes), call_site(evt.stack or []))
+        key = (evt.name, str(evt.input_shapes), call_site(evt))
         row = rows.setdefault(key, {"op": evt.name, "shapes": str(evt.input_shapes),
                                     "site": key[2], "ms_per_step": 0.0, "calls_per_step": 0.0,
                                     "kernels": set()})
