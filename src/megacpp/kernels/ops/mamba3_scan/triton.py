@@ -69,6 +69,7 @@ from torch import Tensor
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs
+from megacpp.kernels.ops.sum_rows import sum_rows
 
 CHUNK_SIZES = (16, 32, 64)
 # launch settings per kernel (Triton launch options) and tile sizes, chosen by H100 sweeps
@@ -1018,8 +1019,10 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     _group_sum[(triton.cdiv(rows, TUNING["sum_rows"]),)](
         dqh, dkh, dq, dk, rows, H // G, N, ROWS=TUNING["sum_rows"],
         HGP=triton.next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum", geo))
-    return (dq, dk, dv, dadt, ddt, dtrap, interleaved(dqb_part.sum((0, 1)), q_bias),
-            interleaved(dkb_part.sum((0, 1)), k_bias), dang, dD, dz, None, None)
+    dqb, dkb = (sum_rows(part.flatten(0, 1).flatten(1)).view(H, 2 * geo.N2B)
+                for part in (dqb_part, dkb_part))  # [B, C, H, 2 N2B] summed over (B, C)
+    return (dq, dk, dv, dadt, ddt, dtrap, interleaved(dqb, q_bias), interleaved(dkb, k_bias),
+            dang, dD, dz, None, None)
 
 
 class _Mamba3ScanFn(torch.autograd.Function):

@@ -4,7 +4,7 @@ Forward: one program per block of FWD_ROWS rows reads x (and residual) once, wri
 h = x + residual, and saves rstd [T] (float32). Backward recomputes h_hat from the saved h and rstd:
 
     dh = rstd * (dy*w - h_hat * mean(dy*w*h_hat)) + dh_out        (dh_out: grad of h output)
-    dw = sum_rows dy * h_hat     (per-program float32 partials, summed once at the end)
+    dw = sum_rows dy * h_hat     (per-program float32 partials, summed by ops.sum_rows)
 
 Saved for backward: h [T, D] (x.dtype), weight, rstd [T] float32. The residual's gradient
 (dh) is stored by the backward kernel in the residual's dtype when that differs from x's.
@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from megacpp.kernels.ops.sum_rows import sum_rows
 
 
 @triton.jit
@@ -208,7 +210,7 @@ class _FusedRMSNorm(torch.autograd.Function):
                                     ROWS=rows_per_program, HAS_DH_OUT=has_dh_out,
                                     WRITE_DR=write_dr, STRIDED=ctx.rows_at is not None,
                                     TILE=tile, BLOCK=block, num_warps=warps)
-        dw = dw_partial.sum(0).to(weight.dtype)
+        dw = sum_rows(dw_partial).to(weight.dtype)
         dh = dh.view(ctx.shape)
         return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None)
 
