@@ -147,6 +147,25 @@ def _rmsnorm_interpreter_check() -> dict:
             # a bf16 y or residual gradient is rounded once (2^-8 relative); the rest is fp32
             rounded = (out_dtype is not None and name == "y") or a.dtype == torch.bfloat16
             tolerance[key] = 1e-2 if rounded else 1e-5
+    # fanout 2 (the MoE's pre-norm): y twice, each copy with its own gradient, summed by the
+    # backward kernel; with a bf16 residual and h as the skip branch, and with neither
+    for mode in ("residual", "none"):
+        x = torch.randn(45, 384, generator=g)
+        r = torch.randn(45, 384, generator=g).bfloat16() if mode == "residual" else None
+        w = 1 + 0.1 * torch.randn(384, generator=g)
+        cot = [torch.randn(45, 384, generator=g) for _ in range(3)]
+        got = []
+        for fn in (rmsnorm_triton, rmsnorm_reference):
+            leaves = [t.clone().requires_grad_() for t in (x, w) + ((r,) if r is not None else ())]
+            y, y2, h = fn(leaves[0], leaves[1], leaves[2] if r is not None else None,
+                          skip=True, fanout=2)
+            assert y2 is not y and torch.equal(y, y2)
+            loss = sum((t.float() * c).sum() for t, c in zip((y, y2, h), cot, strict=True))
+            got.append(torch.autograd.grad(loss, leaves))
+        for name, a, b in zip(("dx", "dw", "dres"), *got):
+            key = f"fanout2_{mode}/{name}"
+            errors[key] = float((a.double() - b.double()).norm() / b.double().norm())
+            tolerance[key] = 1e-2 if a.dtype == torch.bfloat16 else 1e-5
     # rows read in place from strided views (no residual): a head-transposed q, a k sliced out
     # of a fused kv projection, B sliced out of a wider projection (one row stride), and a
     # view whose dims do not merge into three (copied first); y / dx come back contiguous

@@ -223,6 +223,7 @@ def _surfaces() -> list[Surface]:
             "rmsnorm",
             "x, residual [T, D] (any float dtype), weight [D] -> (y, h) [T, D] in x.dtype; "
             "h = x + residual (fp32 sum), y = h * rsqrt(mean(h^2) + eps) * weight; "
+            "fanout=2: (y, y again, h), each copy with its own gradient, summed by the backward; "
             "saves h, weight, rstd [T] fp32",
             rmsnorm_reference, _rmsnorm_inputs,
             # bench: 262144 rows (4 GiB moved); at 16384 rows the ~0.1 ms of kernels hide

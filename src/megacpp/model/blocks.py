@@ -116,11 +116,16 @@ class Block(nn.Module):
         yet added (its add then runs in this block's norm kernel). ``defer``: return
         (s, mixer output) and leave that add to the next block's norm; HybridLM chains its
         blocks this way."""
-        h, skip = self.norm.with_skip(x, pending)  # skip: s (its gradient summed in the norm)
+        # skip: s (its gradient summed in the norm); a mixer with INPUT_FANOUT 2 (the MoE) gets
+        # the normed input twice, as two tensors whose gradients the norm's backward sums
+        fanout = getattr(self.mixer, "INPUT_FANOUT", 1)
+        *hs, skip = self.norm.with_skip(x, pending, fanout=fanout)
         if cache is not None and x.shape[1] == 1 and hasattr(self.mixer, "step"):
-            out = self.mixer.step(h, cache)  # recurrent decode (M, R)
+            out = self.mixer.step(hs[0], cache)  # recurrent decode (M, R)
+        elif fanout == 2:
+            out = self.mixer(hs[0], doc_ids=doc_ids, cache=cache, again=hs[1])
         else:
-            out = self.mixer(h, doc_ids=doc_ids, cache=cache)
+            out = self.mixer(hs[0], doc_ids=doc_ids, cache=cache)
         return (skip, out) if defer else skip + out
 
     @property

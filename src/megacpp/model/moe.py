@@ -53,16 +53,26 @@ class MoE(nn.Module):
         nn.init.normal_(self.w_in, std=init_std)
         nn.init.normal_(self.out_proj, std=init_std)
 
+    # the pre-norm block may hand x in twice (Block, RMSNorm.with_skip's fanout): ``again`` for
+    # the routed experts, x for the router / shared projection; the norm's backward kernel then
+    # sums the two gradients (autograd's add of them took 26 us per layer at the nam56r-350m
+    # step's shape on an H100; benchmarks/results/train_step_h100_s16)
+    INPUT_FANOUT = 2
+
     def forward(
-        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: None = None
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: None = None,
+        again: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x [B, L, D] -> [B, L, D]. ``again``: the same values as x, as a tensor of its own
+        (the routed experts read it); default x."""
         B, L, D = x.shape
         tokens = x.reshape(-1, D)  # [T, D]
         logits, shared_gate_up = self.project(tokens)
         scores, expert_idx, weights = self.choose(logits)
 
+        routed = tokens if again is None else again.reshape(-1, D)
         experts = resolve("moe_experts", tokens).fn  # reference unless MEGACPP_KERNELS says so
-        out = experts(tokens, expert_idx, weights, self.w_in, self.out_proj)
+        out = experts(routed, expert_idx, weights, self.w_in, self.out_proj)
         if self.shared is not None:
             out = out + self.shared.down(shared_gate_up)
 

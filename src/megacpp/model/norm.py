@@ -30,24 +30,26 @@ class RMSNorm(nn.Module):
         return self._norm(x, skip=False)[0]
 
     def with_skip(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fanout: int = 1
+    ) -> tuple[torch.Tensor, ...]:
         """(norm(s), s) with s = x + residual (or x) in x's dtype, for a pre-norm residual block
         ``s + mixer(norm(s))``. A fused backend adds the residual in the norm's own kernel and
         routes s through it, so its backward also sums the skip branch's gradient into ds
         (without it, autograd adds the two float32 gradients of the residual stream in a kernel
-        of its own)."""
-        return self._norm(x, skip=True, residual=residual)
+        of its own). ``fanout=2``: (norm(s), norm(s) again, s), for a mixer that uses its input
+        in two places (the MoE): a fused backend sums the two gradients in its backward kernel
+        too."""
+        return self._norm(x, skip=True, residual=residual, fanout=fanout)
 
     def _norm(
-        self, x: torch.Tensor, skip: bool, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, skip: bool, residual: torch.Tensor | None = None, fanout: int = 1
+    ) -> tuple[torch.Tensor, ...]:
         out_dtype = effective_dtype(x)
         backend = resolve("rmsnorm", x)  # the reference unless MEGACPP_KERNELS picks a kernel
         if backend.role != "fallback":
-            return backend.fn(x, self.weight, residual, self.eps, out_dtype, skip)
+            return backend.fn(x, self.weight, residual, self.eps, out_dtype, skip, fanout)
         if residual is not None:
             x = (x + residual).to(x.dtype)
         dtype = torch.promote_types(x.dtype, torch.float32)
-        y = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps)
-        return y.to(out_dtype), x
+        y = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps).to(out_dtype)
+        return (y, y, x) if fanout == 2 else (y, x)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.kernels.ops.rmsnorm.reference import check_fanout
 from megacpp.kernels.ops.sum_rows import sum_rows
 
 
@@ -59,10 +60,12 @@ def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_rows, n_cols, eps, n1, n2, s0, s1, s2,
 
 
 @triton.jit
-def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, n1, n2, s0, s1, s2,
-                 ROWS: tl.constexpr, HAS_DH_OUT: tl.constexpr, WRITE_DR: tl.constexpr,
-                 STRIDED: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, n1, n2, s0, s1,
+                 s2, ROWS: tl.constexpr, HAS_DY2: tl.constexpr, HAS_DH_OUT: tl.constexpr,
+                 WRITE_DR: tl.constexpr, STRIDED: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Rows [pid * ROWS, (pid + 1) * ROWS) in [TILE, BLOCK] tiles; one float32 dw partial.
+    HAS_DY2: y's second copy (fanout 2) has its own gradient DY2, added to DY here.
     WRITE_DR: also store dh in DR's dtype (the residual's gradient when it is narrower than
     h's, so autograd needs no cast kernel). STRIDED: H is the strided input x (_row_starts);
     the other tensors are contiguous [T, D]."""
@@ -80,6 +83,8 @@ def _rmsnorm_bwd(DY, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, n1,
         h_offs = _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED)[:, None] + cols[None, :]
         h = tl.load(H + h_offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DY2:
+            dy += tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         h_hat = h * rstd
         dyw = dy * w[None, :]
@@ -161,7 +166,7 @@ def _strided_rows(x: Tensor) -> tuple[int, int, int, int, int] | None:
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, residual: Tensor | None, eps: float,
-                out_dtype: torch.dtype | None, skip: bool):
+                out_dtype: torch.dtype | None, skip: bool, fanout: int):
         shape = x.shape
         n_cols = shape[-1]
         n_rows = x.numel() // n_cols if n_cols else 0
@@ -183,15 +188,21 @@ class _FusedRMSNorm(torch.autograd.Function):
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_residual, ctx.shape, ctx.rows_at = has_residual, shape, rows_at
         ctx.residual_dtype = residual.dtype if has_residual else None
+        ctx.fanout = fanout
+        ys = (y.view(shape), y.view(shape))[:fanout]  # fanout 2: two tensors, two gradients
         # with skip and no residual, h is a view of x: its gradient comes back as dh_out
-        return (y.view(shape), h.view(shape)) if has_residual or skip else y.view(shape)
+        return (*ys, h.view(shape)) if has_residual or skip else ys
 
     @staticmethod
-    def backward(ctx, dy: Tensor, dh_out: Tensor | None = None):
+    def backward(ctx, dy: Tensor, *grads: Tensor | None):
         h, weight, rstd = ctx.saved_tensors
         n_cols = h.shape[-1]
         n_rows = rstd.shape[0]
+        dy_again = grads[0] if ctx.fanout == 2 else None
+        dh_out = grads[ctx.fanout - 1] if len(grads) >= ctx.fanout else None
         dy2 = dy.reshape(n_rows, n_cols).contiguous()
+        has_dy2 = dy_again is not None
+        dy_again = dy_again.reshape(n_rows, n_cols).contiguous() if has_dy2 else dy2
         has_dh_out = dh_out is not None
         dh_out2 = dh_out.reshape(n_rows, n_cols).contiguous() if has_dh_out else dy2
         dh = torch.empty(n_rows, n_cols, device=h.device, dtype=h.dtype)
@@ -205,23 +216,26 @@ class _FusedRMSNorm(torch.autograd.Function):
         # its gradient written by the kernel in that dtype
         write_dr = ctx.has_residual and ctx.residual_dtype != h.dtype
         dr = torch.empty_like(h, dtype=ctx.residual_dtype) if write_dr else dh
-        _rmsnorm_bwd[(n_programs,)](dy2, dh_out2, h, weight, rstd, dh, dr, dw_partial, n_rows,
-                                    n_cols, *(ctx.rows_at or _CONTIGUOUS_ROWS),
-                                    ROWS=rows_per_program, HAS_DH_OUT=has_dh_out,
+        _rmsnorm_bwd[(n_programs,)](dy2, dy_again, dh_out2, h, weight, rstd, dh, dr, dw_partial,
+                                    n_rows, n_cols, *(ctx.rows_at or _CONTIGUOUS_ROWS),
+                                    ROWS=rows_per_program, HAS_DY2=has_dy2, HAS_DH_OUT=has_dh_out,
                                     WRITE_DR=write_dr, STRIDED=ctx.rows_at is not None,
                                     TILE=tile, BLOCK=block, num_warps=warps)
         dw = sum_rows(dw_partial).to(weight.dtype)
         dh = dh.view(ctx.shape)
-        return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None)
+        return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None,
+                None)
 
 
 def rmsnorm_triton(
     x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
-    out_dtype: torch.dtype | None = None, skip: bool = False,
-) -> tuple[Tensor, Tensor]:
+    out_dtype: torch.dtype | None = None, skip: bool = False, fanout: int = 1,
+) -> tuple[Tensor, ...]:
     """Same contract as :func:`megacpp.kernels.ops.rmsnorm.reference.rmsnorm_reference`.
     Without a residual, h is x itself unless ``skip`` routes it through the op (its gradient
-    is then added by the backward kernel: use it when h is the block's skip branch)."""
+    is then added by the backward kernel: use it when h is the block's skip branch). With
+    ``fanout=2`` the backward kernel reads both copies' gradients."""
+    check_fanout(fanout)
     if residual is None and not skip:
-        return _FusedRMSNorm.apply(x, weight, None, eps, out_dtype, False), x
-    return _FusedRMSNorm.apply(x, weight, residual, eps, out_dtype, skip)
+        return (*_FusedRMSNorm.apply(x, weight, None, eps, out_dtype, False, fanout), x)
+    return _FusedRMSNorm.apply(x, weight, residual, eps, out_dtype, skip, fanout)
