@@ -1,5 +1,5 @@
-"""Which host op launched each kernel of a training step: GPU time per (op, input shapes,
-call site), for the glue kernels the family breakdown of ``train_step.py --profile`` cannot
+"""Which host op launched each kernel of a training step: GPU time per (op, input shapes),
+for the glue kernels the family breakdown of ``train_step.py --profile`` cannot
 place (copies, casts, eager adds and sums between compiled regions and opaque kernels).
 
 Runs the hybrid's step compiled (regional torch.compile, as ``train_step.py``) but *not*
@@ -11,9 +11,10 @@ a GPU::
         --kernels fast --out DIR
 
 writes DIR/step_ops.txt (the table) and DIR/step_ops.json (every row). A row is one
-(op, input shapes, call site): its self GPU time per step, calls per step, its kernels, and
-the innermost repository frames of its Python stack (forward ops only: backward ones run on
-autograd's thread). Inductor's kernels show under their own names.
+(op, input shapes): its self GPU time per step, calls per step and its kernels. Inductor's
+kernels show under their own names, our Triton ops under their autograd Function's. (The
+profiler's Python stacks came back empty for these ops under torch 2.11 on the H100, so no
+call sites: the shapes place them.)
 """
 
 from __future__ import annotations
@@ -34,31 +35,16 @@ from train_step import build_hybrid, compile_regions
 from megacpp.kernels.runtime import clear_resolutions, set_kernel_mode
 
 
-def call_site(evt, depth: int = 3) -> str:
-    """The innermost ``depth`` Python frames of this repository above ``evt`` (``file:line``).
-    With ``with_stack`` the profiler records Python calls as events of their own, the parents
-    of the ops they run (named ``path(line): function``); ops run by autograd's backward
-    thread have none."""
-    frames, parent = [], evt.cpu_parent
-    while parent is not None and len(frames) < depth:
-        name = parent.name
-        if ("megacpp" in name or "benchmarks" in name) and ".py(" in name:
-            frames.append(name.split("/")[-1].replace(".py(", ":").split(")")[0])
-        parent = parent.cpu_parent
-    return " < ".join(frames)
-
-
 def attribute(prof, steps: int) -> list[dict]:
-    """One row per (op, input shapes, call site) with self device time, innermost op only."""
+    """One row per (op, input shapes) with self device time, innermost op only."""
     rows: dict[tuple, dict] = {}
     for evt in prof.events():
         own = getattr(evt, "self_device_time_total", 0.0)
         if own <= 0 or evt.device_type != torch.autograd.DeviceType.CPU:
             continue
-        key = (evt.name, str(evt.input_shapes), call_site(evt))
-        row = rows.setdefault(key, {"op": evt.name, "shapes": str(evt.input_shapes),
-                                    "site": key[2], "ms_per_step": 0.0, "calls_per_step": 0.0,
-                                    "kernels": set()})
+        key = (evt.name, str(evt.input_shapes))
+        row = rows.setdefault(key, {"op": evt.name, "shapes": key[1], "ms_per_step": 0.0,
+                                    "calls_per_step": 0.0, "kernels": set()})
         row["ms_per_step"] += own / steps / 1e3
         row["calls_per_step"] += 1 / steps
         row["kernels"].update(k.name[:60] for k in evt.kernels)
@@ -104,7 +90,7 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
-                 with_stack=True) as prof:
+                 with_stack=False) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
@@ -112,10 +98,10 @@ def main() -> None:
     total = sum(r["ms_per_step"] for r in rows)
     head = (f"{args.preset}+{args.kernels} L={args.seq_len} B={batch}, compiled (not graphed), "
             f"{args.steps} steps: {total:.2f} ms of GPU time per step attributed to host ops")
-    lines = [head, f"{'ms/step':>8} {'calls':>6}  op  [input shapes]  <- call site  {{kernels}}"]
+    lines = [head, f"{'ms/step':>8} {'calls':>6}  op  [input shapes]  {{kernels}}"]
     for r in rows[: args.rows]:
         lines.append(f"{r['ms_per_step']:8.3f} {r['calls_per_step']:6.1f}  {r['op']}  "
-                     f"{r['shapes'][:140]}  <- {r['site']}  {{{', '.join(r['kernels'])[:160]}}}")
+                     f"{r['shapes'][:140]}  {{{', '.join(r['kernels'])[:160]}}}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_ops.txt").write_text("\n".join(lines) + "\n")
     (args.out / "step_ops.json").write_text(json.dumps(rows, indent=1) + "\n")
