@@ -42,6 +42,7 @@ def test_our_kernels_come_from_the_ops_modules():
 
     ours = our_kernels()
     assert ours["_bwd_dqk"] == "mamba3_scan" and ours["_ce_rows"] == "linear_ce"
+    assert ours["_sum_rows"] == "sum_rows"  # a shared kernel module beside the surfaces
     assert "_last" not in ours  # defined in two modules: either could own it
 
 

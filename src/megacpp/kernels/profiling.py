@@ -40,8 +40,9 @@ def device_rows(averages: Iterable) -> list:
 @functools.cache
 def our_kernels() -> dict[str, str]:
     """Triton kernel name -> ops module (``mamba3_scan``, ``linear_ce``, ...) for every JIT
-    function of ``megacpp.kernels.ops.<module>.triton`` (a name defined in two modules is left
-    out: it could be either). Empty without triton."""
+    function of ``megacpp.kernels.ops.<surface>.triton`` and of the shared kernel modules
+    beside them (``megacpp.kernels.ops.sum_rows``); a name defined in two modules is left out:
+    it could be either. Empty without triton."""
     try:
         import triton
     except ImportError:
@@ -50,8 +51,9 @@ def our_kernels() -> dict[str, str]:
 
     owners: dict[str, set[str]] = {}
     for info in pkgutil.iter_modules(ops.__path__):
+        path = f"megacpp.kernels.ops.{info.name}" + (".triton" if info.ispkg else "")
         try:
-            module = importlib.import_module(f"megacpp.kernels.ops.{info.name}.triton")
+            module = importlib.import_module(path)
         except ImportError:  # a surface without Triton kernels (attention: SDPA)
             continue
         for name, obj in vars(module).items():
