@@ -96,7 +96,7 @@ class MoE(nn.Module):
         One GEMM over the router's and the shared in_proj's weights stacked: the input's
         gradient is then one product with K = E + 2F instead of a K = E product (a [T, D]
         output written for 16 columns of work) added to the shared experts' by a kernel of its
-        own (nam56r-350m on an H100: the router's three GEMMs and that add took 1.5 ms of an
+        own (nam56r-350m on an H100: the router's three GEMMs and that add took 1.4 ms of an
         86 ms step; benchmarks/results/train_step_h100_s16). The parameters stay apart."""
         if self.shared is None:
             return self.router(tokens), None

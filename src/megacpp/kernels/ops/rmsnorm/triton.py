@@ -145,7 +145,7 @@ def _strided_rows(x: Tensor) -> tuple[int, int, int, int, int] | None:
     (s0, s1, s2, 1), for :func:`_row_starts`; None unless x's last dim is unit-stride and its
     leading dims merge into at most three (then x is copied). A head-transposed q
     [B, H, L, hd] of a [B, L, H * hd] projection, or B / C sliced out of Mamba-3's in_proj
-    output, are read in place: their copies took 0.9 ms of the nam56r-350m step on an H100
+    output, are read in place: their copies took 0.8 ms of the nam56r-350m step on an H100
     (benchmarks/results/train_step_h100_s16)."""
     if x.stride(-1) != 1:
         return None
