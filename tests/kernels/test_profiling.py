@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from megacpp.kernels.profiling import family_breakdown, format_breakdown, kernel_family
 
@@ -56,3 +61,28 @@ def test_device_rows_drop_the_cpu_ops_that_repeat_their_kernels_time():
 
     rows = [row("aten::mm", "CPU"), row("nvjet_a", "CUDA"), row("Memset (Device)", "CUDA")]
     assert [r.key for r in device_rows(rows)] == ["nvjet_a", "Memset (Device)"]
+
+
+def test_step_ops_sums_each_ops_own_device_time_per_op_and_input_shapes():
+    """benchmarks/step_ops.py's aggregation: self device time and calls per (op, shapes), per
+    step, with the kernels' names; device-side rows and ops with no GPU time are skipped."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import step_ops
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, shapes, us, kernels=(), device=cpu):
+        return SimpleNamespace(name=name, input_shapes=shapes, self_device_time_total=us,
+                               device_type=device,
+                               kernels=[SimpleNamespace(name=k) for k in kernels])
+
+    events = [event("aten::copy_", [[2, 3]], 10.0, ["k1"]),
+              event("aten::copy_", [[2, 3]], 30.0, ["k2"]), event("aten::copy_", [[4]], 5.0, ["k1"]),
+              event("aten::add", [[2, 3]], 0.0), event("k1", [], 99.0, device=cuda)]
+    rows = step_ops.attribute(SimpleNamespace(events=lambda: events), steps=2)
+    assert rows == [
+        {"op": "aten::copy_", "shapes": "[[2, 3]]", "ms_per_step": 0.02, "calls_per_step": 1.0,
+         "kernels": ["k1", "k2"]},
+        {"op": "aten::copy_", "shapes": "[[4]]", "ms_per_step": 0.0025, "calls_per_step": 0.5,
+         "kernels": ["k1"]},
+    ]
