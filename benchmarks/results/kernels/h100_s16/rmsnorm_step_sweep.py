@@ -3,7 +3,9 @@ of d_model 768, a float32 stream x plus a bf16 mixer output as the residual, y i
 through the op (skip) -- the kernels' launch settings were swept at 1024 columns in session 14.
 Times the forward alone and forward+backward as CUDA-graph replays, per setting, one process.
 
-    PYTHONPATH=$PWD/src:$PWD python benchmarks/results/kernels/h100_s16/rmsnorm_step_sweep.py OUT
+    PYTHONPATH=$PWD/src:$PWD python benchmarks/results/kernels/h100_s16/rmsnorm_step_sweep.py OUT [D]
+
+(D: the row width, 768 by default; run 6 swept 768 at 77c02ff.)
 """
 
 import itertools
@@ -16,7 +18,7 @@ import torch
 from megacpp.kernels.ops.rmsnorm import triton as K
 from megacpp.kernels.timing import capture_graph, cuda_times_ms
 
-T, D = 16384, 768
+T, D = 16384, int(sys.argv[2]) if len(sys.argv) > 2 else 768
 DEFAULT = (K.FWD_ROWS, K.BWD_TILE, K.BWD_PROGRAMS_PER_SM, K._block(D)[1])
 
 

@@ -99,8 +99,11 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols
 
 
 # launch shape (H100 sweeps pick these): rows per forward program, rows per backward tile,
-# backward programs per SM -- for rows of 512 columns or more (moe_ce_notes.md: 1024 columns).
-FWD_ROWS, BWD_TILE, BWD_PROGRAMS_PER_SM = 2, 2, 8
+# backward programs per SM -- for rows of 512 columns or more. Session 14 swept 1024 columns
+# (moe_ce_notes.md: 2, 2, 8); session 16 swept the nam56r-350m pre-norm (768 columns, float32
+# stream, bf16 residual and y, h routed through the op; h100_s16/run6): 4-row tiles at 2
+# programs per SM took its fwd+bwd from 223.5 to 215.9 us (with fanout 2: 231.6 -> 225.6)
+FWD_ROWS, BWD_TILE, BWD_PROGRAMS_PER_SM = 2, 4, 2
 # Narrow rows (QK-norm, Mamba-3's B/C norms: 64 columns) would give 2-row tiles of 128
 # elements, too little work per program: their tiles hold at least this many elements, with
 # fewer backward programs (session 14 sweep at 64 columns: q-norm fwd 61.5 -> 17.4 us,
