@@ -102,7 +102,8 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols
 # backward programs per SM -- for rows of 512 columns or more. Session 14 swept 1024 columns
 # (moe_ce_notes.md: 2, 2, 8); session 16 swept the nam56r-350m pre-norm (768 columns, float32
 # stream, bf16 residual and y, h routed through the op; h100_s16/run6): 4-row tiles at 2
-# programs per SM took its fwd+bwd from 223.5 to 215.9 us (with fanout 2: 231.6 -> 225.6)
+# programs per SM took its fwd+bwd from 223.5 to 215.9 us (with fanout 2: 231.6 -> 225.6),
+# and were the fastest at 1024 columns too (288.0 -> 276.0, run7)
 FWD_ROWS, BWD_TILE, BWD_PROGRAMS_PER_SM = 2, 4, 2
 # Narrow rows (QK-norm, Mamba-3's B/C norms: 64 columns) would give 2-row tiles of 128
 # elements, too little work per program: their tiles hold at least this many elements, with
