@@ -38,8 +38,14 @@ def _inputs(tokens, dim, experts, k, ffn, dtype, device, seed, skip_experts=()):
     return x, idx, w, w_in, w_out
 
 
-def _grads(fn, x, idx, w, w_in, w_out, cot):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w_in, w_out)]
+NAMES = ("out", "dx", "dw", "dw_in", "dw_out", "daddend")
+
+
+def _grads(fn, x, idx, w, w_in, w_out, cot, addend=None):
+    """out and the gradients of x, w, w_in, w_out (and the addend, when one is given: the
+    shared experts' output, added in the combine)."""
+    extra = () if addend is None else (addend,)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w_in, w_out, *extra)]
     out = fn(leaves[0], idx, *leaves[1:])
     return [out, *torch.autograd.grad((out.float() * cot).sum(), leaves)]
 
@@ -101,9 +107,11 @@ def test_scatter_rows_puts_each_token_at_its_sorted_rows():
 def test_grouped_matches_reference_forward_and_backward_cpu(skip):
     x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
     cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(3))
-    got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
-    ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot)
-    for name, a, b in zip(("out", "dx", "dw", "dw_in", "dw_out"), got, ref):
+    addend = torch.randn(53, 32, generator=torch.Generator().manual_seed(4)) if skip else None
+    got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot, addend)
+    ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot, addend)
+    assert len(got) == (6 if skip else 5)
+    for name, a, b in zip(NAMES, got, ref):
         assert _rel(a, b) < 1e-5, name
     for e in skip:  # experts without tokens get exactly zero weight gradients
         assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
@@ -133,9 +141,12 @@ def _interpreter_check() -> dict:
     for skip in ((), (1, 5)):  # forward and backward of the whole path vs the loop reference
         x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
         cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(3))
-        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
-        ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot)
-        for name, a, b in zip(("out", "dx", "dw", "dw_in", "dw_out"), got, ref):
+        # with skipped experts, an addend too (added by the gather-sum kernel)
+        addend = torch.randn(53, 32, generator=torch.Generator().manual_seed(4)) if skip else None
+        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot, addend)
+        ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot, addend)
+        assert len(got) == len(ref) == (6 if skip else 5)
+        for name, a, b in zip(NAMES, got, ref):
             result[f"skip{len(skip)}/{name}"] = _rel(a, b)
             assert _rel(a, b) < 1e-5, (skip, name, _rel(a, b))
         for e in skip:
@@ -176,6 +187,8 @@ def test_moe_triton_kernels_match_torch_steps():
     src = torch.randn(600, 3000, generator=g, device="cuda").bfloat16()
     inv = torch.randperm(600, generator=g, device="cuda").view(200, 3)
     assert _rel(kernels.gather_sum_triton(src, inv), gather_sum_torch(src, inv)) < 1e-2
+    add = torch.randn(200, 3000, generator=g, device="cuda").bfloat16()
+    assert _rel(kernels.gather_sum_triton(src, inv, add), gather_sum_torch(src, inv, add)) < 1e-2
     for tokens, cols, k in ((1003, 1000, 8), (700, 3000, 2), (16, 1024, 3)):
         # the row scatter is a copy: exact, ragged token and column tails included
         src, inv, want = _scatter_case(tokens, cols, 64, k, "cuda", cols, (5,), torch.bfloat16)

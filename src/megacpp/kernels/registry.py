@@ -248,7 +248,8 @@ def _surfaces() -> list[Surface]:
         Surface(
             "moe_experts",
             "x [T, D], expert_idx [T, k] int64, weights [T, k], w_in [E, 2F, D] (gate|up), "
-            "w_out [E, D, F] -> [T, D] = sum_j w[t,j] * SwiGLU_e(x[t]); dropless; grouped "
+            "w_out [E, D, F], optional addend [T, D] -> [T, D] = sum_j w[t,j] * SwiGLU_e(x[t]) "
+            "(+ addend[t], summed in the combine); dropless; grouped "
             "backend: no host sync (device offsets), routing weight folded into the SwiGLU "
             "output, fp32 gather-sum combine; saves permuted x, gate|up, weighted SwiGLU "
             "output and the dispatch plan",

@@ -71,10 +71,11 @@ class MoE(nn.Module):
         scores, expert_idx, weights = self.choose(logits)
 
         routed = tokens if again is None else again.reshape(-1, D)
+        # the shared experts' output goes into the routed combine's kernel (an Inductor addmm
+        # added it after the experts' graph break, copying the routed output first)
+        shared = None if self.shared is None else self.shared.down(shared_gate_up)
         experts = resolve("moe_experts", tokens).fn  # reference unless MEGACPP_KERNELS says so
-        out = experts(routed, expert_idx, weights, self.w_in, self.out_proj)
-        if self.shared is not None:
-            out = out + self.shared.down(shared_gate_up)
+        out = experts(routed, expert_idx, weights, self.w_in, self.out_proj, shared)
 
         with torch.no_grad():
             flat = expert_idx.reshape(-1)  # bincount would sync the host on CUDA

@@ -77,11 +77,12 @@ def dispatch_plan_torch(expert_idx: Tensor, n_experts: int, weights: Tensor | No
 
 
 # -- the plain-PyTorch elementwise steps (CPU path and the Triton kernels' truth) ---------------
-def gather_sum_torch(src: Tensor, inv: Tensor) -> Tensor:
-    """src [N, D], inv [T, k] -> [T, D] = sum_j src[inv[t, j]] (float32 sums)."""
+def gather_sum_torch(src: Tensor, inv: Tensor, addend: Tensor | None = None) -> Tensor:
+    """src [N, D], inv [T, k] -> [T, D] = sum_j src[inv[t, j]] (+ addend[t]), float32 sums."""
     n_tokens, k = inv.shape
     rows = src.index_select(0, inv.reshape(-1)).view(n_tokens, k, -1)
-    return rows.sum(1, dtype=torch.promote_types(src.dtype, torch.float32)).to(src.dtype)
+    acc = rows.sum(1, dtype=torch.promote_types(src.dtype, torch.float32))
+    return (acc if addend is None else acc + addend).to(src.dtype)
 
 
 def swiglu_weighted_torch(gate_up: Tensor, w: Tensor) -> Tensor:
@@ -143,7 +144,8 @@ def _ops(device: torch.device) -> _Ops:
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
-                order: Tensor, inv: Tensor, offs: Tensor, w_sorted: Tensor) -> Tensor:
+                order: Tensor, inv: Tensor, offs: Tensor, w_sorted: Tensor,
+                addend: Tensor | None) -> Tensor:
         ops = _ops(x.device)
         x_sorted = ops.scatter_rows(x, inv)  # [N, D]
         gate_up = torch._grouped_mm(x_sorted, w_in.transpose(-2, -1), offs=offs)  # [N, 2F]
@@ -152,7 +154,8 @@ class _GroupedExperts(torch.autograd.Function):
         ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
                               offs)
         ctx.weights_dtype = weights.dtype
-        return ops.gather_sum(y_sorted, inv)  # [T, D]
+        ctx.addend_dtype = None if addend is None else addend.dtype
+        return ops.gather_sum(y_sorted, inv, addend)  # [T, D], + addend in the same kernel
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -172,15 +175,18 @@ class _GroupedExperts(torch.autograd.Function):
         if need_in:
             dw_in = torch._grouped_mm(dgate_up.t(), x_sorted, offs=offs)  # [E, 2F, D]
         dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
-        return dx, dweights, dw_in, dw_out, None, None, None, None
+        # the addend's gradient is the output's
+        daddend = dout.to(ctx.addend_dtype) if ctx.needs_input_grad[8] else None
+        return dx, dweights, dw_in, dw_out, None, None, None, None, daddend
 
 
 def moe_experts_grouped(
-    x: Tensor, expert_idx: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor
+    x: Tensor, expert_idx: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
+    addend: Tensor | None = None,
 ) -> Tensor:
-    """x [T, D]; expert_idx, weights [T, k]; w_in [E, 2F, D]; w_out [E, D, F] -> [T, D].
-    Under autocast, float32 x / w_in / w_out run in the autocast dtype, as the reference's
-    matmuls do."""
+    """x [T, D]; expert_idx, weights [T, k]; w_in [E, 2F, D]; w_out [E, D, F] -> [T, D],
+    plus ``addend`` [T, D] (added in the combine kernel). Under autocast, float32 x / w_in /
+    w_out run in the autocast dtype, as the reference's matmuls do."""
     x, w_in, w_out = autocast_operands(x, w_in, w_out)
     plan = dispatch_plan(expert_idx, w_in.shape[0], weights)
-    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan)
+    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan, addend)

@@ -16,8 +16,9 @@ def moe_experts_reference(
     weights: torch.Tensor,
     w_in: torch.Tensor,
     w_out: torch.Tensor,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dropless top-k expert FFN.
+    """Dropless top-k expert FFN, plus ``addend`` when given.
 
     Args:
         x: [T, D] tokens.
@@ -25,8 +26,10 @@ def moe_experts_reference(
         weights: [T, k] combine weights per (token, choice).
         w_in: [E, 2F, D] fused gate/up projections of each SwiGLU expert.
         w_out: [E, D, F] down projections.
+        addend: [T, D] added to the combine (the shared experts' output: a fused backend adds
+            it in its combine kernel instead of a kernel of its own).
     Returns:
-        [T, D]: sum_j weights[t, j] * expert_{idx[t, j]}(x[t]).
+        [T, D]: sum_j weights[t, j] * expert_{idx[t, j]}(x[t]) (+ addend[t]).
     """
     k = expert_idx.shape[1]
     n_experts = w_in.shape[0]
@@ -47,4 +50,5 @@ def moe_experts_reference(
         start += n
 
     y_sorted = y_sorted * weights.reshape(-1)[order, None].to(y_sorted.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, y_sorted)
+    out = torch.zeros_like(x).index_add_(0, token_of, y_sorted)
+    return out if addend is None else out + addend.to(out.dtype)

@@ -158,27 +158,34 @@ def scatter_rows_triton(src: Tensor, inv: Tensor) -> Tensor:
 
 
 @triton.jit
-def _gather_sum_kernel(SRC, INV, OUT, n_cols, K: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_sum_kernel(SRC, INV, ADD, OUT, n_cols, K: tl.constexpr, BLOCK: tl.constexpr,
+                       HAS_ADD: tl.constexpr):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    acc = tl.zeros((BLOCK,), tl.float32)
+    if HAS_ADD:  # the addend's row starts the float32 sum
+        acc = tl.load(ADD + token.to(tl.int64) * n_cols + cols, mask=mask, other=0.0)
+        acc = acc.to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK,), tl.float32)
     for j in tl.static_range(K):
         row = tl.load(INV + token * K + j).to(tl.int64)
         acc += tl.load(SRC + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + token.to(tl.int64) * n_cols + cols, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
-def gather_sum_triton(src: Tensor, inv: Tensor) -> Tensor:
+def gather_sum_triton(src: Tensor, inv: Tensor, addend: Tensor | None = None) -> Tensor:
     """src [N, D] (N = T*k rows in expert order), inv [T, k] row of each (token, choice)
-    -> [T, D] = sum_j src[inv[t, j]], float32 sums."""
+    -> [T, D] = sum_j src[inv[t, j]] (+ addend[t], [T, D] any float dtype), float32 sums."""
     n_tokens, k = inv.shape
     n_cols = src.shape[1]
     out = torch.empty(n_tokens, n_cols, device=src.device, dtype=src.dtype)
     block = min(triton.next_power_of_2(n_cols), 2048)
     grid = (n_tokens, triton.cdiv(n_cols, block))
-    _gather_sum_kernel[grid](src.contiguous(), inv.contiguous(), out, n_cols, K=k, BLOCK=block,
-                             num_warps=4)
+    has_add = addend is not None
+    add = addend.reshape(n_tokens, n_cols).contiguous() if has_add else out
+    _gather_sum_kernel[grid](src.contiguous(), inv.contiguous(), add, out, n_cols, K=k,
+                             BLOCK=block, HAS_ADD=has_add, num_warps=4)
     return out
 
 
