@@ -17,7 +17,7 @@ Backward, in two passes through a float32 [B, L, C] scratch::
                        dw[W-1-j] = sum_t dacc[t] * x[t-j] * same_doc(t, t-j): each program
                        runs DACC_BLOCKS token blocks, accumulates dacc * x[t - lag] for every
                        lag elementwise in one [taps, tokens, channels] tile and reduces it once
-                       (float32 partials per program, summed in a fixed order)
+                       (float32 partials per program, summed by ops.sum_rows in a fixed order)
     _short_conv_dx     dx[t] = sum_j w[W-1-j] * dacc[t+j] * same_doc(t+j, t)
 
 H100, nam56r shape, fwd+bwd CUDA-graph replay (benchmarks/results/kernels/h100_s15): one pass
@@ -38,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
+from megacpp.kernels.ops.sum_rows import sum_rows
 
 BLOCK_T = 32  # tokens per program
 BLOCK_C = 128  # channels per program
@@ -200,7 +201,8 @@ class _ShortConvFn(torch.autograd.Function):
             dy.stride(1), KWP=triton.next_power_of_2(w.shape[1]), TPP=DACC_BLOCKS, **meta)
         dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
         _short_conv_dx[grid](dacc, w, doc, dx, L, C, L, **meta)
-        return dx, parts.sum(0).to(ctx.weight_dtype), None
+        dw = sum_rows(parts.view(parts.shape[0], -1)).view(C, w.shape[1])
+        return dx, dw.to(ctx.weight_dtype), None
 
 
 def short_conv_triton(x: Tensor, weight: Tensor, doc_ids: Tensor | None = None) -> Tensor:
