@@ -168,7 +168,9 @@ def _rmsnorm_interpreter_check() -> dict:
             tolerance[key] = 1e-2 if a.dtype == torch.bfloat16 else 1e-5
     # rows read in place from strided views (no residual): a head-transposed q, a k sliced out
     # of a fused kv projection, B sliced out of a wider projection (one row stride), and a
-    # view whose dims do not merge into three (copied first); y / dx come back contiguous
+    # view whose dims do not merge into three (copied first); y comes back contiguous, dx with
+    # x's strides when x's rows were read in place (a compiled caller's backward then needs no
+    # copy to its own layout), else contiguous
     base = torch.randn(2, 5, 3 * 4 * 64, generator=g)
     views = {"q": lambda t: t[..., :192].view(2, 5, 3, 64).transpose(1, 2),
              "k": lambda t: t[..., 192:448].view(2, 5, 2, 2, 64).unbind(2)[0].transpose(1, 2),
@@ -182,8 +184,12 @@ def _rmsnorm_interpreter_check() -> dict:
             leaves = [base.clone().requires_grad_(), w.clone().requires_grad_()]
             x = view(leaves[0])
             y, _ = fn(x, leaves[1])
-            assert y.shape == x.shape
+            assert y.shape == x.shape and y.is_contiguous()
             cot = torch.linspace(-1, 1, y.numel()).view(y.shape)
+            if fn is rmsnorm_triton:
+                (dx,) = torch.autograd.grad((y * cot).sum(), x, retain_graph=True)
+                want = x.stride() if name != "copied" else dx.contiguous().stride()
+                assert dx.stride() == want, (name, dx.stride(), want)
             got.append([y.detach(), *torch.autograd.grad((y * cot).sum(), leaves)])
         for part, a, b in zip(("y", "dx", "dw"), *got):
             key = f"strided_{name}/{part}"

@@ -68,7 +68,7 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols
     HAS_DY2: y's second copy (fanout 2) has its own gradient DY2, added to DY here.
     WRITE_DR: also store dh in DR's dtype (the residual's gradient when it is narrower than
     h's, so autograd needs no cast kernel). STRIDED: H is the strided input x (_row_starts);
-    the other tensors are contiguous [T, D]."""
+    the other tensors are contiguous [T, D] except DH, laid out as H."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
@@ -91,7 +91,8 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols
         dh = rstd * (dyw - h_hat * (tl.sum(dyw * h_hat, axis=1) / n_cols)[:, None])
         if HAS_DH_OUT:
             dh += tl.load(DH_OUT + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DH + offs, dh.to(DH.dtype.element_ty), mask=mask)
+        # STRIDED: dx is laid out as x (h_offs; see _FusedRMSNorm.backward)
+        tl.store(DH + h_offs, dh.to(DH.dtype.element_ty), mask=mask)
         if WRITE_DR:
             tl.store(DR + offs, dh.to(DR.dtype.element_ty), mask=mask)
         dw += dy * h_hat
@@ -209,7 +210,13 @@ class _FusedRMSNorm(torch.autograd.Function):
         dy_again = dy_again.reshape(n_rows, n_cols).contiguous() if has_dy2 else dy2
         has_dh_out = dh_out is not None
         dh_out2 = dh_out.reshape(n_rows, n_cols).contiguous() if has_dh_out else dy2
-        dh = torch.empty(n_rows, n_cols, device=h.device, dtype=h.dtype)
+        if ctx.rows_at is None:
+            dh = torch.empty(n_rows, n_cols, device=h.device, dtype=h.dtype)
+        else:  # dx with x's strides (h is x here): a compiled caller that made x as a view
+            # (a head-transposed q, a k sliced out of the kv projection) expects its gradient
+            # in that layout, and copied a contiguous one there first (AOTAutograd's tangent
+            # coercion; benchmarks/results/train_step_h100_s17)
+            dh = torch.empty_strided(h.shape, h.stride(), device=h.device, dtype=h.dtype)
         block, warps = _block(n_cols)
         tile, per_sm, warps = _bwd_launch(block, warps)
         n_programs = min(n_rows, _max_programs(h.device, per_sm))
@@ -226,7 +233,7 @@ class _FusedRMSNorm(torch.autograd.Function):
                                     WRITE_DR=write_dr, STRIDED=ctx.rows_at is not None,
                                     TILE=tile, BLOCK=block, num_warps=warps)
         dw = sum_rows(dw_partial).to(weight.dtype)
-        dh = dh.view(ctx.shape)
+        dh = dh.view(ctx.shape) if ctx.rows_at is None else dh
         return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None,
                 None)
 
