@@ -36,6 +36,42 @@ def test_backend_matches_reference(surface: str, backend: str, dtype: str, seed:
 
 
 @gpu
+@pytest.mark.parametrize("part", ["q", "k"])
+def test_rmsnorm_rope_bf16_views_against_float64(part: str) -> None:
+    """The attention's QK-norm at the nam56r-350m shape: bf16 q / k read in place from the
+    projections (a head-transposed view, a slice of the kv projection), RoPE in both kernels,
+    y in bf16 and dx with the view's strides, against the reference in float64."""
+    from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+    from megacpp.kernels.ops.rmsnorm.triton import rmsnorm_triton
+    from megacpp.model.rope import rope_range
+
+    gen = torch.Generator("cuda").manual_seed(7)
+    batch, seq, dim = 4, 2048, 64
+    base = torch.randn(batch, seq, 16 * dim, device="cuda", generator=gen).bfloat16()
+    view = {"q": lambda t: t[..., :12 * dim].view(batch, seq, 12, dim).transpose(1, 2),
+            "k": lambda t: t[..., 12 * dim:].view(batch, seq, 2, 2, dim).unbind(2)[0]
+            .transpose(1, 2)}[part]
+    w = 1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)
+    cos, sin = rope_range(0, seq, dim, 10000.0, torch.float32, torch.device("cuda"))
+    cot = torch.randn(view(base).shape, device="cuda", generator=gen)
+    got = []
+    # (bf16 x, float32 weight and tables, as in the model under autocast) vs float64
+    for fn, dtype, wide in ((rmsnorm_triton, torch.bfloat16, torch.float32),
+                            (rmsnorm_reference, torch.float64, torch.float64)):
+        leaves = [base.to(dtype).requires_grad_(), w.to(wide).requires_grad_()]
+        x = view(leaves[0])
+        y, _ = fn(x, leaves[1], out_dtype=dtype, rope=(cos.to(wide), sin.to(wide)))
+        (dx,) = torch.autograd.grad((y.double() * cot).sum(), x, retain_graph=True)
+        if fn is rmsnorm_triton:
+            assert dx.stride() == x.stride(), (dx.stride(), x.stride())
+        got.append([y, dx, *torch.autograd.grad((y.double() * cot).sum(), leaves)])
+    for name, a, b in zip(("y", "dx", "dbase", "dw"), *got):
+        err = ((a.double() - b).norm() / b.norm()).item()
+        print(part, name, err)
+        assert err < (1e-2 if a.dtype == torch.bfloat16 else 1e-4), (name, err)
+
+
+@gpu
 def test_rmsnorm_bf16_residual_into_float32_stream() -> None:
     """The pre-norm block's fused add: float32 stream x, bf16 mixer output as the residual, y
     in bf16. The kernel writes the residual's gradient in bf16 itself: it must be exactly x's
@@ -195,6 +231,32 @@ def _rmsnorm_interpreter_check() -> dict:
             key = f"strided_{name}/{part}"
             errors[key] = float((a.double() - b.double()).norm() / b.double().norm())
             tolerance[key] = 1e-5
+    # rope (QK-norm): rotated in both kernels; x in place (q, k views), contiguous, a width
+    # that is not a power of two (partner columns under the tile's mask), bf16 y; q's dy
+    # arrives head-transposed (as SDPA's dq may), read in place
+    for name, dim, out_dtype in (("q", 64, None), ("k", 64, torch.bfloat16),
+                                 ("contiguous", 40, None)):
+        base = torch.randn(2, 5, 3 * 4 * dim, generator=g)
+        view = {"q": lambda t, d=dim: t[..., :3 * d].view(2, 5, 3, d).transpose(1, 2),
+                "k": lambda t, d=dim: t[..., 3 * d:7 * d].view(2, 5, 2, 2, d).unbind(2)[0]
+                .transpose(1, 2),
+                "contiguous": lambda t, d=dim: t.view(2, 5, 12, d)}[name]
+        angles = torch.rand(view(base).shape[-2], dim // 2, generator=g) * 6.3
+        rope = (angles.cos(), angles.sin())
+        w = 1 + 0.1 * torch.randn(dim, generator=g)
+        got = []
+        for fn in (rmsnorm_triton, rmsnorm_reference):
+            leaves = [base.clone().requires_grad_(), w.clone().requires_grad_()]
+            y, _ = fn(view(leaves[0]), leaves[1], out_dtype=out_dtype, rope=rope)
+            cot = torch.linspace(-1, 1, y.numel()).view(y.shape)
+            out = y.float()
+            if name == "q":  # y's gradient: a transposed view of a contiguous [2, 5, 3, dim]
+                out, cot = out.transpose(1, 2).contiguous(), cot.transpose(1, 2).contiguous()
+            got.append([y.float(), *torch.autograd.grad((out * cot).sum(), leaves)])
+        for part, a, b in zip(("y", "dx", "dw"), *got):
+            key = f"rope_{name}/{part}"
+            errors[key] = float((a.double() - b.double()).norm() / b.double().norm())
+            tolerance[key] = 1e-2 if out_dtype is not None and part == "y" else 1e-5
     assert all(errors[k] < tolerance[k] for k in errors), errors  # NaN fails
     return errors
 

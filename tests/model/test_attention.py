@@ -59,3 +59,26 @@ def test_compiled_attention_reads_rope_tables_it_does_not_recompute():
         trig = [line for code in codes for line in code.splitlines()
                 if re.search(r"\b(cos|sin)\b", line)]
         assert not trig, trig[:3]
+
+
+def test_qk_norm_with_rope_equals_norm_then_rotation():
+    """The QK-norm rotates inside the norm op (one op, one kernel each way when fused): the
+    same values as RMSNorm followed by apply_rope, on a head-transposed view, in float64."""
+    import pytest
+
+    from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+    from megacpp.model.rope import apply_rope, rope_range
+
+    attn = _attn()
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+    q = torch.randn(2, 7, 4 * 8, dtype=torch.float64).view(2, 7, 4, 8).transpose(1, 2)
+    cos, sin = rope_range(3, 7, 8, 10000.0, torch.float64, q.device)
+    want = apply_rope(attn.q_norm(q), cos, sin)
+    torch.testing.assert_close(attn.q_norm(q, rope=(cos, sin)), want, rtol=1e-12, atol=1e-12)
+    y, _ = rmsnorm_reference(q, attn.q_norm.weight, eps=attn.q_norm.eps, rope=(cos, sin))
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="must be \\[7, 4\\]"):  # tables of another length
+        attn.q_norm(q, rope=(cos[:6], sin[:6]))
+    with pytest.raises(ValueError, match="QK-norm"):
+        rmsnorm_reference(q, attn.q_norm.weight, residual=q, rope=(cos, sin))

@@ -24,9 +24,10 @@ def _compiled(reference: Any) -> Any:
 def rmsnorm_compiled(
     x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
     out_dtype: torch.dtype | None = None, skip: bool = False, fanout: int = 1,
+    rope: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
     """torch.compile of the reference (inductor generates one fused Triton kernel each way)."""
-    return _compiled(rmsnorm_reference)(x, weight, residual, eps, out_dtype, skip, fanout)
+    return _compiled(rmsnorm_reference)(x, weight, residual, eps, out_dtype, skip, fanout, rope)
 
 
 def short_conv_compiled(x: Tensor, weight: Tensor, doc_ids: Tensor | None = None) -> Tensor:

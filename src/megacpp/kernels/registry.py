@@ -224,7 +224,10 @@ def _surfaces() -> list[Surface]:
             "x, residual [T, D] (any float dtype), weight [D] -> (y, h) [T, D] in x.dtype; "
             "h = x + residual (fp32 sum), y = h * rsqrt(mean(h^2) + eps) * weight; "
             "fanout=2: (y, y again, h), each copy with its own gradient, summed by the backward; "
-            "saves h, weight, rstd [T] fp32",
+            "rope=(cos, sin) [L, D/2] (a QK-norm of x [..., L, D]; no residual, fanout 1): y "
+            "rotated (half-split pairs, as apply_rope) before its one rounding; x may be a "
+            "strided view (read in place, dx with its strides); saves h, weight, rstd [T] fp32 "
+            "(and the tables)",
             rmsnorm_reference, _rmsnorm_inputs,
             # bench: 262144 rows (4 GiB moved); at 16384 rows the ~0.1 ms of kernels hide
             # under ~0.8 ms of host launch time and every backend measures the host

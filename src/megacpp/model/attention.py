@@ -78,15 +78,18 @@ class GroupedQueryAttention(nn.Module):
         q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv_proj(x).view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, hd]
-        q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(cache, PagedView):
-            return self._forward_paged(q, k, v, cache)
+            return self._forward_paged(self.q_norm(q), self.k_norm(k), v, cache)
 
         offset = cache.length if cache is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device)
         table_dtype = torch.promote_types(x.dtype, torch.float32)
         cos, sin = rope_range(offset, L, self.head_dim, self.rope_base, table_dtype, x.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(self.q_norm, RMSNorm):  # QK-norm and RoPE in one op (one kernel each way
+            # with the fused backend: no rotation kernels, no extra pass over q and k)
+            q, k = self.q_norm(q, rope=(cos, sin)), self.k_norm(k, rope=(cos, sin))
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         mask, is_causal = None, True
         if cache is not None:

@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp.kernels.amp import effective_dtype
+from megacpp.kernels.ops.rmsnorm.reference import check_rope
 from megacpp.kernels.runtime import resolve
+from megacpp.model.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +28,13 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x, skip=False)[0]
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """norm(x); with ``rope=(cos, sin)`` ([L, D/2] tables for x [..., L, D]), rotated by
+        :func:`megacpp.model.rope.apply_rope`'s rule in the same op (a QK-norm: a fused
+        backend then runs no rotation kernels, forward or backward)."""
+        return self._norm(x, skip=False, rope=rope)[0]
 
     def with_skip(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, fanout: int = 1
@@ -42,14 +49,19 @@ class RMSNorm(nn.Module):
         return self._norm(x, skip=True, residual=residual, fanout=fanout)
 
     def _norm(
-        self, x: torch.Tensor, skip: bool, residual: torch.Tensor | None = None, fanout: int = 1
+        self, x: torch.Tensor, skip: bool, residual: torch.Tensor | None = None, fanout: int = 1,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         out_dtype = effective_dtype(x)
         backend = resolve("rmsnorm", x)  # the reference unless MEGACPP_KERNELS picks a kernel
         if backend.role != "fallback":
-            return backend.fn(x, self.weight, residual, self.eps, out_dtype, skip, fanout)
+            return backend.fn(x, self.weight, residual, self.eps, out_dtype, skip, fanout, rope)
+        check_rope(x, residual, fanout, rope)
         if residual is not None:
             x = (x + residual).to(x.dtype)
         dtype = torch.promote_types(x.dtype, torch.float32)
-        y = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps).to(out_dtype)
+        y = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps)
+        if rope is not None:
+            y = apply_rope(y, *rope)
+        y = y.to(out_dtype)
         return (y, y, x) if fanout == 2 else (y, x)

@@ -14,6 +14,10 @@ under autocast, while the float32 residual stream keeps its dtype). ``skip=True`
 residual returns h = x through the op as well: in a pre-norm block ``h + mixer(y)`` the skip
 branch's gradient then reaches the backward kernel as dh_out and is summed into dx there,
 instead of autograd adding two float32 [T, D] gradients in a kernel of its own.
+
+``rope`` (a QK-norm of x [..., L, D]): the forward rotates y by the position's cos / sin before
+storing it, the backward rotates dy back before the norm's gradient; each element's partner
+(column i +- D/2) is a second load of the same row. Saved for backward with the tables.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megacpp.kernels.ops.rmsnorm.reference import check_fanout
+from megacpp.kernels.ops.rmsnorm.reference import check_fanout, check_rope
 from megacpp.kernels.ops.sum_rows import sum_rows
 
 
@@ -39,36 +43,62 @@ def _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_fwd(X, R, W, Y, H, RSTD, n_rows, n_cols, eps, n1, n2, s0, s1, s2,
-                 HAS_RESIDUAL: tl.constexpr, STRIDED: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _rope_cols(rows, cols, n_cols, seq_len, COS, SIN):
+    """For RoPE's half-split pairs (i, i + D/2): each column's partner, its cos and its signed
+    sin (-sin on the first half: out = y cos + sign * y_partner sin), from [L, D/2] tables at
+    the row's position (rows are x's logical rows, so the position is ``row % L``)."""
+    half = n_cols // 2
+    first = cols < half
+    partner = tl.where(first, cols + half, cols - half)  # [BLOCK]
+    pair = tl.where(first, cols, cols - half)
+    at = (rows % seq_len).to(tl.int64)[:, None] * half + pair[None, :]
+    mask = (cols < n_cols)[None, :]
+    cos = tl.load(COS + at, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + at, mask=mask, other=0.0).to(tl.float32)
+    return partner, cos, tl.where(first[None, :], -sin, sin)
+
+
+@triton.jit
+def _rmsnorm_fwd(X, R, W, Y, H, RSTD, COS, SIN, n_rows, n_cols, eps, n1, n2, s0, s1, s2, seq_len,
+                 HAS_RESIDUAL: tl.constexpr, STRIDED: tl.constexpr, ROPE: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """ROWS rows per program as one [ROWS, BLOCK] tile. X's rows where _row_starts says (a
-    STRIDED X has no residual); R, H, Y are contiguous [T, D]."""
+    STRIDED X has no residual); R, H, Y are contiguous [T, D]. ROPE: y rotated by the
+    [seq_len, D/2] tables COS / SIN (no residual), each element's partner read again (L1)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    x_offs = _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED)[:, None] + cols[None, :]
-    h = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
+    starts = _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED)[:, None]
+    h = tl.load(X + starts + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         h += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / n_cols + eps)  # [ROWS]
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    tl.store(Y + offs, (h * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    y = h * rstd[:, None] * w[None, :]
+    if ROPE:
+        partner, cos, ssin = _rope_cols(rows, cols, n_cols, seq_len, COS, SIN)
+        hp = tl.load(X + starts + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(W + partner, mask=cols < n_cols, other=0.0).to(tl.float32)
+        y = y * cos + hp * rstd[:, None] * wp[None, :] * ssin
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=rows < n_rows)
 
 
 @triton.jit
-def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols, n1, n2, s0, s1,
-                 s2, ROWS: tl.constexpr, HAS_DY2: tl.constexpr, HAS_DH_OUT: tl.constexpr,
-                 WRITE_DR: tl.constexpr, STRIDED: tl.constexpr, TILE: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, COS, SIN, n_rows, n_cols, n1,
+                 n2, s0, s1, s2, dn1, dn2, ds0, ds1, ds2, seq_len, ROWS: tl.constexpr,
+                 HAS_DY2: tl.constexpr, HAS_DH_OUT: tl.constexpr, WRITE_DR: tl.constexpr,
+                 STRIDED: tl.constexpr, DY_STRIDED: tl.constexpr, ROPE: tl.constexpr,
+                 TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Rows [pid * ROWS, (pid + 1) * ROWS) in [TILE, BLOCK] tiles; one float32 dw partial.
     HAS_DY2: y's second copy (fanout 2) has its own gradient DY2, added to DY here.
     WRITE_DR: also store dh in DR's dtype (the residual's gradient when it is narrower than
     h's, so autograd needs no cast kernel). STRIDED: H is the strided input x (_row_starts);
-    the other tensors are contiguous [T, D] except DH, laid out as H."""
+    the other tensors are contiguous [T, D] except DH, laid out as H, and (DY_STRIDED) DY, read
+    where its own _row_starts say. ROPE: DY is the rotated y's gradient, rotated back first
+    (the transpose of the forward's rotation)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
@@ -82,7 +112,12 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, n_rows, n_cols
         offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
         h_offs = _row_starts(rows, n_cols, n1, n2, s0, s1, s2, STRIDED)[:, None] + cols[None, :]
         h = tl.load(H + h_offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        dy_starts = _row_starts(rows, n_cols, dn1, dn2, ds0, ds1, ds2, DY_STRIDED)[:, None]
+        dy = tl.load(DY + dy_starts + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ROPE:  # d y = d out cos - sign * d out_partner sin
+            partner, cos, ssin = _rope_cols(rows, cols, n_cols, seq_len, COS, SIN)
+            dyp = tl.load(DY + dy_starts + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = dy * cos - dyp * ssin
         if HAS_DY2:
             dy += tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
@@ -171,7 +206,8 @@ def _strided_rows(x: Tensor) -> tuple[int, int, int, int, int] | None:
 class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, residual: Tensor | None, eps: float,
-                out_dtype: torch.dtype | None, skip: bool, fanout: int):
+                out_dtype: torch.dtype | None, skip: bool, fanout: int, cos: Tensor | None,
+                sin: Tensor | None):
         shape = x.shape
         n_cols = shape[-1]
         n_rows = x.numel() // n_cols if n_cols else 0
@@ -184,13 +220,17 @@ class _FusedRMSNorm(torch.autograd.Function):
         y = torch.empty(n_rows, n_cols, device=x.device, dtype=out_dtype or x.dtype)
         h = torch.empty_like(x2) if has_residual else x2  # no residual: h is x itself
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+        rope = cos is not None
+        cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (rstd, rstd)
+        seq_len = shape[-2] if rope else 1
         block, warps = _block(n_cols)
         rows = _fwd_rows(block)
         _rmsnorm_fwd[(triton.cdiv(n_rows, rows),)](
-            x2, r2, weight, y, h, rstd, n_rows, n_cols, eps, *(rows_at or _CONTIGUOUS_ROWS),
-            HAS_RESIDUAL=has_residual, STRIDED=rows_at is not None, ROWS=rows, BLOCK=block,
-            num_warps=warps)
-        ctx.save_for_backward(h, weight, rstd)
+            x2, r2, weight, y, h, rstd, cos, sin, n_rows, n_cols, eps,
+            *(rows_at or _CONTIGUOUS_ROWS), seq_len, HAS_RESIDUAL=has_residual,
+            STRIDED=rows_at is not None, ROPE=rope, ROWS=rows, BLOCK=block, num_warps=warps)
+        ctx.save_for_backward(h, weight, rstd, cos, sin)
+        ctx.rope, ctx.seq_len = rope, seq_len
         ctx.has_residual, ctx.shape, ctx.rows_at = has_residual, shape, rows_at
         ctx.residual_dtype = residual.dtype if has_residual else None
         ctx.fanout = fanout
@@ -200,12 +240,15 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor, *grads: Tensor | None):
-        h, weight, rstd = ctx.saved_tensors
+        h, weight, rstd, cos, sin = ctx.saved_tensors
         n_cols = h.shape[-1]
         n_rows = rstd.shape[0]
         dy_again = grads[0] if ctx.fanout == 2 else None
         dh_out = grads[ctx.fanout - 1] if len(grads) >= ctx.fanout else None
-        dy2 = dy.reshape(n_rows, n_cols).contiguous()
+        # dy read where it lies when its rows can be addressed (SDPA's dq / dk come back in
+        # their own layouts once no rotation kernel stands between it and this norm)
+        dy_at = None if dy.is_contiguous() else _strided_rows(dy)
+        dy2 = dy if dy_at is not None else dy.reshape(n_rows, n_cols).contiguous()
         has_dy2 = dy_again is not None
         dy_again = dy_again.reshape(n_rows, n_cols).contiguous() if has_dy2 else dy2
         has_dh_out = dh_out is not None
@@ -228,25 +271,32 @@ class _FusedRMSNorm(torch.autograd.Function):
         write_dr = ctx.has_residual and ctx.residual_dtype != h.dtype
         dr = torch.empty_like(h, dtype=ctx.residual_dtype) if write_dr else dh
         _rmsnorm_bwd[(n_programs,)](dy2, dy_again, dh_out2, h, weight, rstd, dh, dr, dw_partial,
-                                    n_rows, n_cols, *(ctx.rows_at or _CONTIGUOUS_ROWS),
-                                    ROWS=rows_per_program, HAS_DY2=has_dy2, HAS_DH_OUT=has_dh_out,
-                                    WRITE_DR=write_dr, STRIDED=ctx.rows_at is not None,
-                                    TILE=tile, BLOCK=block, num_warps=warps)
+                                    cos, sin, n_rows, n_cols, *(ctx.rows_at or _CONTIGUOUS_ROWS),
+                                    *(dy_at or _CONTIGUOUS_ROWS), ctx.seq_len,
+                                    ROWS=rows_per_program, HAS_DY2=has_dy2,
+                                    HAS_DH_OUT=has_dh_out, WRITE_DR=write_dr,
+                                    STRIDED=ctx.rows_at is not None, DY_STRIDED=dy_at is not None,
+                                    ROPE=ctx.rope, TILE=tile, BLOCK=block, num_warps=warps)
         dw = sum_rows(dw_partial).to(weight.dtype)
         dh = dh.view(ctx.shape) if ctx.rows_at is None else dh
         return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None,
-                None)
+                None, None, None)
 
 
 def rmsnorm_triton(
     x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
     out_dtype: torch.dtype | None = None, skip: bool = False, fanout: int = 1,
+    rope: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
     """Same contract as :func:`megacpp.kernels.ops.rmsnorm.reference.rmsnorm_reference`.
     Without a residual, h is x itself unless ``skip`` routes it through the op (its gradient
     is then added by the backward kernel: use it when h is the block's skip branch). With
-    ``fanout=2`` the backward kernel reads both copies' gradients."""
+    ``fanout=2`` the backward kernel reads both copies' gradients. ``rope``: both kernels
+    rotate (the forward y, the backward its gradient) in registers."""
     check_fanout(fanout)
+    check_rope(x, residual, fanout, rope)
+    cos, sin = rope if rope is not None else (None, None)
     if residual is None and not skip:
-        return (*_FusedRMSNorm.apply(x, weight, None, eps, out_dtype, False, fanout), x)
-    return _FusedRMSNorm.apply(x, weight, residual, eps, out_dtype, skip, fanout)
+        return (*_FusedRMSNorm.apply(x, weight, None, eps, out_dtype, False, fanout, cos, sin),
+                x)
+    return _FusedRMSNorm.apply(x, weight, residual, eps, out_dtype, skip, fanout, cos, sin)
