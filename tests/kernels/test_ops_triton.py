@@ -53,7 +53,8 @@ def test_rmsnorm_rope_bf16_views_against_float64(part: str) -> None:
             .transpose(1, 2)}[part]
     w = 1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)
     cos, sin = rope_range(0, seq, dim, 10000.0, torch.float32, torch.device("cuda"))
-    cot = torch.randn(view(base).shape, device="cuda", generator=gen)
+    # a cotangent bf16 can hold: y's bf16 gradient is then exact, and dw's error is its sums'
+    cot = torch.randn(view(base).shape, device="cuda", generator=gen).bfloat16().double()
     got = []
     # (bf16 x, float32 weight and tables, as in the model under autocast) vs float64
     for fn, dtype, wide in ((rmsnorm_triton, torch.bfloat16, torch.float32),

@@ -12,7 +12,7 @@ TREES=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do TREES+=("$1"); shift; done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:$PWD:/tmp/site
 mkdir -p "$D"
-[ $# -gt 0 ] && python3 -m pytest -q "$@" 2>&1 | tail -4 | tee "$D/gpu_tests.log"
+[ $# -gt 0 ] && python3 -m pytest -q -rf "$@" > "$D/gpu_tests.log" 2>&1; tail -4 "$D/gpu_tests.log"
 ARGS="--preset nam56r-350m --seq-len 2048 --kernels fast --models hybrid --modes compiled-graphed"
 i=0
 for T in "${TREES[@]}"; do
