@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
-from megacpp.model.moe import MoE, expert_load
+from megacpp.model.moe import MoE
 
 
 def _dense_loop(x, idx, w, w_in, w_out):
@@ -115,11 +115,3 @@ def test_router_picks_topk_and_breaks_ties_toward_the_lower_expert():
     for n in (1, 7, 300):  # ... except through the bias
         _, idx, _ = moe.route(torch.randn(n, 16))
         assert idx.tolist() == [[1, 5, 3]] * n
-
-
-def test_expert_load_counts_every_choice():
-    """The load statistic (no atomics, no host sync) is bincount's, idle experts included."""
-    idx = torch.randint(0, 5, (37, 3), generator=torch.Generator().manual_seed(1))  # 7 idle
-    load = expert_load(idx, 12)
-    assert load.dtype == torch.float32 and load.shape == (12,)
-    assert torch.equal(load, torch.bincount(idx.reshape(-1), minlength=12).float())

@@ -18,10 +18,11 @@ class SwiGLU(nn.Module):
     def forward(
         self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: None = None
     ) -> torch.Tensor:
-        return self.down(*self.in_proj(x).chunk(2, dim=-1))
+        return self.down(self.in_proj(x))
 
-    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """out_proj(silu(gate) * up) from the two halves of in_proj's output, [..., F] each."""
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """out_proj(silu(gate) * up) from in_proj's output [..., 2F] (gate first)."""
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.out_proj(F.silu(gate) * up)
 
     def flops_per_token(self, seq_len: int = 0) -> int:

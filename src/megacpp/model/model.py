@@ -296,14 +296,14 @@ def moe_all_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     updated (serving does not balance)."""
     B, L, D = x.shape
     tokens = x.reshape(-1, D)  # [T, D]
-    logits, shared_in = moe.project(tokens)
+    logits, shared_gate_up = moe.project(tokens)
     scores, expert_idx, weights = moe.choose(logits)
     dense = torch.zeros_like(scores).scatter_(-1, expert_idx, weights)  # [T, E]
     gate, up = torch.einsum("td,efd->etf", tokens, moe.w_in).chunk(2, dim=-1)  # [E, T, F]
     y = torch.bmm(F.silu(gate) * up, moe.out_proj.transpose(1, 2))  # [E, T, D]
     out = (y * dense.t()[..., None].to(y.dtype)).sum(0)  # [T, D]
-    if shared_in is not None:
-        out = out + moe.shared.down(*shared_in)
+    if moe.shared is not None:
+        out = out + moe.shared.down(shared_gate_up)
     return out.view(B, L, D)
 
 

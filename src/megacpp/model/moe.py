@@ -67,18 +67,20 @@ class MoE(nn.Module):
         (the routed experts read it); default x."""
         B, L, D = x.shape
         tokens = x.reshape(-1, D)  # [T, D]
-        logits, shared_in = self.project(tokens)
+        logits, shared_gate_up = self.project(tokens)
         scores, expert_idx, weights = self.choose(logits)
 
         routed = tokens if again is None else again.reshape(-1, D)
         # the shared experts' output goes into the routed combine's kernel (an Inductor addmm
         # added it after the experts' graph break, copying the routed output first)
-        shared = None if shared_in is None else self.shared.down(*shared_in)
+        shared = None if self.shared is None else self.shared.down(shared_gate_up)
         experts = resolve("moe_experts", tokens).fn  # reference unless MEGACPP_KERNELS says so
         out = experts(routed, expert_idx, weights, self.w_in, self.out_proj, shared)
 
         with torch.no_grad():
-            load = expert_load(expert_idx, self.n_experts)
+            flat = expert_idx.reshape(-1)  # bincount would sync the host on CUDA
+            load = torch.zeros(self.n_experts, device=flat.device).index_add_(
+                0, flat, torch.ones(flat.shape, device=flat.device))
             self.last_load.copy_(load)
             if self.training:
                 self.routed_tokens += load
@@ -89,26 +91,20 @@ class MoE(nn.Module):
         )
         return out.view(B, L, D)
 
-    def project(
-        self, tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """tokens [T, D] -> (router logits [T, E], the shared experts' (gate, up) [T, F] each,
-        or None).
+    def project(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [T, D] -> (router logits [T, E], the shared experts' gate|up [T, 2F] or None).
 
         One GEMM over the router's and the shared in_proj's weights stacked: the input's
         gradient is then one product with K = E + 2F instead of a K = E product (a [T, D]
         output written for 16 columns of work) added to the shared experts' by a kernel of its
         own (nam56r-350m on an H100: the router's three GEMMs and that add took 1.4 ms of an
-        86 ms step; benchmarks/results/train_step_h100_s16). The parameters stay apart. The
-        output is split three ways at once (not logits | gate_up, then gate_up in two): the
-        gradient is then one concatenation, which Inductor can form in the kernel of the
-        sigmoid's and SwiGLU's backward, where two nested ones took a kernel each."""
+        86 ms step; benchmarks/results/train_step_h100_s16). The parameters stay apart."""
         if self.shared is None:
             return self.router(tokens), None
         weight = torch.cat([self.router.weight, self.shared.in_proj.weight])
-        ffn = self.shared.out_proj.in_features
-        logits, gate, up = F.linear(tokens, weight).split([self.n_experts, ffn, ffn], dim=-1)
-        return logits, (gate, up)
+        logits, gate_up = F.linear(tokens, weight).split(
+            [self.n_experts, weight.shape[0] - self.n_experts], dim=-1)
+        return logits, gate_up
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens [T, D] -> :meth:`choose` of the router's logits (computed by :meth:`project`,
@@ -168,12 +164,3 @@ class MoE(nn.Module):
         """max/mean of the last forward's per-expert token counts (1.0 is perfectly even)."""
         mean = self.last_load.mean().item()
         return self.last_load.max().item() / mean if mean > 0 else math.nan
-
-
-def expert_load(expert_idx: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert, [E] float32, from the chosen experts [..., k]: a compare
-    and a column sum, no host sync (``bincount`` syncs on CUDA) and no atomics (an
-    ``index_add_`` of ones puts T * k atomic adds on E addresses: 14 us per layer at 16384 x 2
-    onto 16 in the nam56r-350m step on an H100; benchmarks/results/train_step_h100_s16)."""
-    experts = torch.arange(n_experts, device=expert_idx.device)
-    return (expert_idx.reshape(-1, 1) == experts).sum(0, dtype=torch.float32)
