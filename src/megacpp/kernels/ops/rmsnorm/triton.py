@@ -96,8 +96,8 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, COS, SIN, n_ro
     HAS_DY2: y's second copy (fanout 2) has its own gradient DY2, added to DY here.
     WRITE_DR: also store dh in DR's dtype (the residual's gradient when it is narrower than
     h's, so autograd needs no cast kernel). STRIDED: H is the strided input x (_row_starts);
-    the other tensors are contiguous [T, D] except DH, laid out as H, and (DY_STRIDED) DY, read
-    where its own _row_starts say. ROPE: DY is the rotated y's gradient, rotated back first
+    the other tensors are contiguous [T, D] except (DY_STRIDED) DY, read where its own
+    _row_starts say. ROPE: DY is the rotated y's gradient, rotated back first
     (the transpose of the forward's rotation)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -126,8 +126,7 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, COS, SIN, n_ro
         dh = rstd * (dyw - h_hat * (tl.sum(dyw * h_hat, axis=1) / n_cols)[:, None])
         if HAS_DH_OUT:
             dh += tl.load(DH_OUT + offs, mask=mask, other=0.0).to(tl.float32)
-        # STRIDED: dx is laid out as x (h_offs; see _FusedRMSNorm.backward)
-        tl.store(DH + h_offs, dh.to(DH.dtype.element_ty), mask=mask)
+        tl.store(DH + offs, dh.to(DH.dtype.element_ty), mask=mask)
         if WRITE_DR:
             tl.store(DR + offs, dh.to(DR.dtype.element_ty), mask=mask)
         dw += dy * h_hat
@@ -253,13 +252,10 @@ class _FusedRMSNorm(torch.autograd.Function):
         dy_again = dy_again.reshape(n_rows, n_cols).contiguous() if has_dy2 else dy2
         has_dh_out = dh_out is not None
         dh_out2 = dh_out.reshape(n_rows, n_cols).contiguous() if has_dh_out else dy2
-        if ctx.rows_at is None:
-            dh = torch.empty(n_rows, n_cols, device=h.device, dtype=h.dtype)
-        else:  # dx with x's strides (h is x here): a compiled caller that made x as a view
-            # (a head-transposed q, a k sliced out of the kv projection) expects its gradient
-            # in that layout, and copied a contiguous one there first (AOTAutograd's tangent
-            # coercion; benchmarks/results/train_step_h100_s17)
-            dh = torch.empty_strided(h.shape, h.stride(), device=h.device, dtype=h.dtype)
+        # dx is contiguous even for a strided x: dx laid out as x (as a compiled caller's
+        # backward may expect its tangent) made the nam56r-350m step 0.8-1.0 ms slower on an
+        # H100 (benchmarks/results/train_step_h100_s17)
+        dh = torch.empty(n_rows, n_cols, device=h.device, dtype=h.dtype)
         block, warps = _block(n_cols)
         tile, per_sm, warps = _bwd_launch(block, warps)
         n_programs = min(n_rows, _max_programs(h.device, per_sm))
@@ -278,7 +274,7 @@ class _FusedRMSNorm(torch.autograd.Function):
                                     STRIDED=ctx.rows_at is not None, DY_STRIDED=dy_at is not None,
                                     ROPE=ctx.rope, TILE=tile, BLOCK=block, num_warps=warps)
         dw = sum_rows(dw_partial).to(weight.dtype)
-        dh = dh.view(ctx.shape) if ctx.rows_at is None else dh
+        dh = dh.view(ctx.shape)
         return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None,
                 None, None, None)
 
