@@ -2,6 +2,7 @@
 # benchmarks/step_ops.py (per-op GPU time of the compiled, not graphed, nam56r-350m step) for
 # each tree, in order, each in its own process; trees as in chain.sh (a commit unpacked under
 # .device-carry/s17/C with its benchmarks/step_ops.py, or "." for the working tree).
+# Results go to DIR, tar'ed into $OUT.
 #   usage: ops_chain.sh DIR TREE...
 set -u
 D=$1; shift
@@ -16,3 +17,4 @@ for T in "$@"; do
         > "$D/$name.log" 2>&1)
     echo "$name $(head -1 "$D/$name/step_ops.txt" 2>/dev/null)"
 done
+tar czf "$OUT/$(basename "$D").tgz" -C "$(dirname "$D")" "$(basename "$D")"
