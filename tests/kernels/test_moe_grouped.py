@@ -15,6 +15,7 @@ from megacpp.kernels.ops.moe.grouped import (
     dispatch_plan,
     dispatch_plan_torch,
     gather_sum_torch,
+    grouped_wgrad_torch,
     moe_experts_grouped,
     scatter_rows_torch,
     swiglu_weighted_backward_torch,
@@ -117,6 +118,29 @@ def test_grouped_matches_reference_forward_and_backward_cpu(skip):
         assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
 
 
+def _wgrad_case(rows, m, n, counts, dtype, device, seed):
+    """a [R, m], b [R, n], group ends for ``counts`` rows per expert (R = their sum), and
+    the per-expert products a[rows_e]^T b[rows_e] in float64 [E, m, n]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(rows, m, generator=g, device=device).to(dtype)
+    b = torch.randn(rows, n, generator=g, device=device).to(dtype)
+    ends = torch.tensor(counts, device=device).cumsum(0)
+    assert int(ends[-1]) == rows
+    starts = [0, *ends.tolist()[:-1]]
+    want = torch.stack([a[s:e].double().T @ b[s:e].double()
+                        for s, e in zip(starts, ends.tolist(), strict=True)])
+    return a, b, ends.to(torch.int32), want
+
+
+def test_grouped_wgrad_torch_matches_the_loop():
+    a, b, offs, want = _wgrad_case(90, 16, 24, [10, 0, 55, 25], torch.float32, "cpu", 0)
+    got = grouped_wgrad_torch(a, b, offs, torch.float64)
+    assert got.dtype == torch.float64 and _rel(got, want) < 1e-6
+    got_t = grouped_wgrad_torch(b, a, offs, torch.float32, transpose_out=True)  # [E, 16, 24]
+    assert _rel(got_t, want) < 1e-6
+    assert torch.equal(got[1], torch.zeros(16, 24, dtype=torch.float64))  # no rows: zeros
+
+
 # -- CPU: the Triton kernels under the interpreter ----------------------------------------------
 def _plan_cases():  # (tokens, experts, k, experts that get no token)
     return ((53, 8, 3, ()), (41, 5, 2, (1, 3)), (300, 256, 2, (0, 7, 255)), (20, 64, 8, ()))
@@ -151,6 +175,45 @@ def _interpreter_check() -> dict:
             assert _rel(a, b) < 1e-5, (skip, name, _rel(a, b))
         for e in skip:
             assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
+    result.update(_interpreter_wgrad(kernels))
+    return result
+
+
+def _interpreter_wgrad(kernels) -> dict:
+    """The wgrad kernel with small tiles (16 x 32, K blocks of 16): experts without rows, one
+    shorter than a K block, ragged K tails, M and N tails, both output dtypes and layouts;
+    then the whole float16 path (which takes it) against the float32 loop reference. float16:
+    the interpreter's bf16 descriptor loads are wrong (wgrad_triton_ok keeps bf16 off the
+    kernel here; the GPU test runs it in bf16)."""
+    kernels.WGRAD_CONFIG = {**kernels.WGRAD_CONFIG, "BLOCK_M": 16, "BLOCK_N": 32,
+                            "BLOCK_K": 16}
+    result = {}
+    counts = [0, 7, 48, 0, 37, 16]  # R = 108
+    a, b, offs, want = _wgrad_case(108, 40, 24, counts, torch.float16, "cpu", 5)
+    assert kernels.wgrad_triton_ok(a, b)
+    assert not kernels.wgrad_triton_ok(a.bfloat16(), b.bfloat16())
+    for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype)
+        got_t = kernels.grouped_wgrad_triton(b, a, offs, out_dtype, transpose_out=True)
+        assert got.dtype == got_t.dtype == out_dtype
+        assert got.shape == got_t.shape == want.shape
+        for name, x in (("", got), ("_t", got_t)):
+            err = _rel(x, want)
+            result[f"wgrad_{str(out_dtype)[6:]}{name}"] = err
+            assert err < tol, (out_dtype, name, err)
+            assert x[0].abs().max() == 0 and x[3].abs().max() == 0  # experts without rows
+    x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 6, (2,))
+    cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(7))
+    kernel, calls = kernels.grouped_wgrad_triton, []
+    kernels.grouped_wgrad_triton = lambda *args: calls.append(args[-1]) or kernel(*args)
+    got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+    kernels.grouped_wgrad_triton = kernel
+    assert sorted(calls) == [False, True]  # dw_in, and dw_out stored transposed
+    ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
+    for name, a_, b_ in zip(NAMES, got, ref):
+        result[f"fp16_path/{name}"] = _rel(a_, b_)
+        assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
+    assert got[3][2].abs().max() == 0 and got[4][2].abs().max() == 0
     return result
 
 
@@ -196,6 +259,32 @@ def test_moe_triton_kernels_match_torch_steps():
         poison = torch.full_like(want, float("nan"))
         del poison  # the caching allocator hands this block to the scatter's output
         assert torch.equal(kernels.scatter_rows_triton(src, inv), want)  # every row written
+
+
+@pytest.mark.gpu
+def test_grouped_wgrad_triton_against_float64():
+    """The step's shapes (d 768, ffn 272, 16 experts) with an expert without rows and one
+    shorter than a K block; every element checked (the output's memory held NaN before)."""
+    from megacpp.kernels.ops.moe import triton as kernels
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the wgrad kernel's tensor-memory loads need sm90+")
+    counts = [700, 0, 3, 1500, *([300] * 12), 797]
+    rows = sum(counts)
+    for m, n, transpose_out in ((544, 768, False), (272, 768, True)):
+        a, b, offs, want = _wgrad_case(rows, m, n, counts, torch.bfloat16, "cuda", m)
+        for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+            shape = (len(counts), n, m) if transpose_out else (len(counts), m, n)
+            poison = torch.full(shape, float("nan"), device="cuda", dtype=out_dtype)
+            del poison  # the caching allocator hands this block to the kernel's output
+            if transpose_out:
+                got = kernels.grouped_wgrad_triton(b, a, offs, out_dtype, transpose_out=True)
+            else:
+                got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype)
+            assert got.shape == want.shape and got.dtype == out_dtype
+            assert not got.isnan().any()
+            assert _rel(got, want) < tol, (m, transpose_out, out_dtype, _rel(got, want))
+            assert got[1].abs().max() == 0
 
 
 @pytest.mark.gpu

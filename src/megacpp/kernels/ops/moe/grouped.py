@@ -15,7 +15,11 @@ Backward: the combine's gradient is dout permuted as x was (dy_sorted); two grou
 give d hidden and dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass
 gives d(gate|up) and the routing weights' gradient (written to each row's (token, choice)
 slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
-x_sorted, gate|up, hidden and the plan.
+x_sorted, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
+the compute dtype inside, so the two K-grouped weight-gradient GEMMs ("wgrad": on sm90+ a
+Triton kernel, :func:`megacpp.kernels.ops.moe.triton.grouped_wgrad_triton`) write the float32
+masters' gradients directly from their float32 accumulators: no bf16 rounding of dW and no
+cast kernel after it.
 
 ``torch._grouped_mm(a [N, K], b [E, K, M], offs)`` multiplies each expert's rows by its
 matrix; ``torch._grouped_mm(a [M, N], b [N, K], offs)`` sums each expert's rows into [E, M, K].
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megacpp.kernels.amp import autocast_operands
+from megacpp.kernels.amp import autocast_operands, effective_dtype
 
 
 class DispatchPlan(NamedTuple):
@@ -118,6 +122,16 @@ def scatter_rows_torch(src: Tensor, inv: Tensor) -> Tensor:
     return out.index_copy_(0, inv.reshape(-1), src.repeat_interleave(k, dim=0))
 
 
+def grouped_wgrad_torch(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
+                        transpose_out: bool = False) -> Tensor:
+    """a [R, M], b [R, N] (rows grouped by expert), offs [E] group ends -> [E, M, N] in
+    ``out_dtype`` = a[rows_e]^T @ b[rows_e] per expert (a K-grouped ``torch._grouped_mm`` in
+    the operands' dtype, then cast); ``transpose_out``: [E, N, M]."""
+    if transpose_out:
+        a, b = b, a
+    return torch._grouped_mm(a.t(), b, offs=offs).to(out_dtype)
+
+
 def _use_triton(device: torch.device) -> bool:
     """The Triton kernels run on CUDA, and on CPU tensors under the Triton interpreter."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -128,25 +142,37 @@ class _Ops(NamedTuple):
     gather_sum: Callable[..., Tensor]
     swiglu: Callable[..., Tensor]
     swiglu_backward: Callable[..., tuple[Tensor, Tensor]]
+    wgrad: Callable[..., Tensor]
 
 
 def _ops(device: torch.device) -> _Ops:
-    """The elementwise steps for this device."""
+    """The elementwise steps and the weight-gradient GEMMs for this device."""
     if _use_triton(device):
         from megacpp.kernels.ops.moe import triton as kernels
 
+        def wgrad(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
+                  transpose_out: bool = False) -> Tensor:
+            fn = (kernels.grouped_wgrad_triton if kernels.wgrad_triton_ok(a, b)
+                  else grouped_wgrad_torch)
+            return fn(a, b, offs, out_dtype, transpose_out)
+
         return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton,
-                    kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton)
+                    kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton,
+                    wgrad)
     return _Ops(scatter_rows_torch, gather_sum_torch, swiglu_weighted_torch,
-                swiglu_weighted_backward_torch)
+                swiglu_weighted_backward_torch, grouped_wgrad_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
                 order: Tensor, inv: Tensor, offs: Tensor, w_sorted: Tensor,
-                addend: Tensor | None) -> Tensor:
+                addend: Tensor | None, compute_dtype: torch.dtype) -> Tensor:
         ops = _ops(x.device)
+        # the weights arrive in their own dtype (float32 masters under autocast) and are cast
+        # here, so that their gradients can be returned in that dtype by the wgrad GEMMs
+        ctx.w_dtypes = (w_in.dtype, w_out.dtype)
+        w_in, w_out = w_in.to(compute_dtype), w_out.to(compute_dtype)
         x_sorted = ops.scatter_rows(x, inv)  # [N, D]
         gate_up = torch._grouped_mm(x_sorted, w_in.transpose(-2, -1), offs=offs)  # [N, 2F]
         hidden = ops.swiglu(gate_up, w_sorted)  # [N, F], weight folded in
@@ -165,7 +191,9 @@ class _GroupedExperts(torch.autograd.Function):
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
         dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
         dhidden = torch._grouped_mm(dy_sorted, w_out, offs=offs)  # [N, F]
-        dw_out = torch._grouped_mm(dy_sorted.t(), hidden, offs=offs) if need_out else None
+        # [E, D, F] computed as hidden^T dy per expert: F (often narrow) on the tile's M
+        dw_out = (ops.wgrad(hidden, dy_sorted, offs, ctx.w_dtypes[1], transpose_out=True)
+                  if need_out else None)
         dgate_up, dweights = ops.swiglu_backward(gate_up, w_sorted, dhidden, order,
                                                  ctx.weights_dtype)  # [N, 2F], [N] slot order
         dx = dw_in = None
@@ -173,11 +201,11 @@ class _GroupedExperts(torch.autograd.Function):
             dx_sorted = torch._grouped_mm(dgate_up, w_in, offs=offs)  # [N, D]
             dx = ops.gather_sum(dx_sorted, inv)
         if need_in:
-            dw_in = torch._grouped_mm(dgate_up.t(), x_sorted, offs=offs)  # [E, 2F, D]
+            dw_in = ops.wgrad(dgate_up, x_sorted, offs, ctx.w_dtypes[0])  # [E, 2F, D]
         dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
         # the addend's gradient is the output's
         daddend = dout.to(ctx.addend_dtype) if ctx.needs_input_grad[8] else None
-        return dx, dweights, dw_in, dw_out, None, None, None, None, daddend
+        return dx, dweights, dw_in, dw_out, None, None, None, None, daddend, None
 
 
 def moe_experts_grouped(
@@ -186,7 +214,12 @@ def moe_experts_grouped(
 ) -> Tensor:
     """x [T, D]; expert_idx, weights [T, k]; w_in [E, 2F, D]; w_out [E, D, F] -> [T, D],
     plus ``addend`` [T, D] (added in the combine kernel). Under autocast, float32 x / w_in /
-    w_out run in the autocast dtype, as the reference's matmuls do."""
-    x, w_in, w_out = autocast_operands(x, w_in, w_out)
+    w_out run in the autocast dtype, as the reference's matmuls do; the weights are cast
+    inside (their gradients come back in their own dtype from the wgrad GEMMs)."""
+    (x,) = autocast_operands(x)
+    compute = effective_dtype(w_in)
+    if effective_dtype(w_out) != compute:
+        raise TypeError(f"moe_experts: w_in and w_out compute in {compute} and "
+                        f"{effective_dtype(w_out)}; give both in one dtype")
     plan = dispatch_plan(expert_idx, w_in.shape[0], weights)
-    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan, addend)
+    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan, addend, compute)

@@ -16,6 +16,8 @@
 * :func:`swiglu_weighted_backward_triton` -- d(gate|up) and the routing weight's gradient
   (a row reduction, written straight to its (token, choice) slot) in one pass, recomputing
   the activation from gate|up.
+* :func:`grouped_wgrad_triton` -- the expert weight gradients, ``a[rows_e]^T b[rows_e]`` per
+  expert (a GEMM whose K is each expert's row count), written in the master weights' dtype.
 
 Same contracts as the plain-PyTorch versions in :mod:`megacpp.kernels.ops.moe.grouped`, which
 are the truth these are tested against.
@@ -262,3 +264,83 @@ def swiglu_weighted_backward_triton(gate_up: Tensor, w: Tensor, dh: Tensor, orde
         gate_up.contiguous(), w.contiguous(), dh.contiguous(), order, dgate_up, dweights, n_rows,
         ffn, BLOCK_R=block_r, BLOCK_F=block_f, F_CONST=_const(ffn), num_warps=8)
     return dgate_up, dweights
+
+
+# -- the expert weight gradients: grouped GEMMs over each expert's rows (ragged K) --------------
+# dW_e = A[rows_e]^T B[rows_e] for every expert e: K is each expert's row count, known only on
+# the device. torch._grouped_mm does it in bf16 (its only output dtype) with CUTLASS 128x256
+# tiles; under autocast autograd then casts dW to the float32 master weights' dtype in a kernel
+# of its own. This kernel writes dW in the master weights' dtype straight from its float32
+# accumulator (no bf16 rounding of the gradient, no cast), and lets the caller put the narrow
+# side of the product on the tile's M (transpose_out). Launch settings: WGRAD_CONFIG.
+WGRAD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+
+@triton.jit
+def _wgrad_kernel(A, B, C, OFFS, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of C[e] = A[rows_e]^T B[rows_e] (grid: (tiles, experts);
+    a tile's m index runs fastest, so neighbouring programs share the expert's rows in L2).
+    A, B: tensor descriptors over the [R, M] / [R, N] row-major operands, [BLOCK_K, BLOCK_*]
+    blocks; rows_e = [OFFS[e - 1], OFFS[e]). Full K blocks go straight from the loads to the
+    product; the last, partial one is masked (its rows past the expert's end belong to the
+    next expert). An expert without rows stores zeros."""
+    tile, e = tl.program_id(0), tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    m0 = (tile % tiles_m) * BLOCK_M
+    n0 = (tile // tiles_m) * BLOCK_N
+    start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+    end = tl.load(OFFS + e)
+    full = (end - start) // BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(full):
+        k0 = start + i * BLOCK_K
+        acc = tl.dot(A.load([k0, m0]).T, B.load([k0, n0]), acc)
+    k0 = start + full * BLOCK_K
+    if k0 < end:
+        live = (k0 + tl.arange(0, BLOCK_K) < end)[:, None]
+        a = A.load([k0, m0])
+        b = B.load([k0, n0])
+        acc = tl.dot(tl.where(live, a, tl.zeros_like(a)).T, tl.where(live, b, tl.zeros_like(b)),
+                     acc)
+    om = m0 + tl.arange(0, BLOCK_M)
+    on = n0 + tl.arange(0, BLOCK_N)
+    ptr = C + e.to(tl.int64) * s_ce + om[:, None] * s_cm + on[None, :] * s_cn
+    tl.store(ptr, acc.to(C.dtype.element_ty), mask=(om < M)[:, None] & (on < N)[None, :])
+
+
+def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`grouped_wgrad_triton` takes these operands: 16-bit, same dtype, on a
+    GPU with tensor-memory loads (sm90+) or under the interpreter, rows of whole 16 bytes."""
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if a.shape[-1] % 8 or b.shape[-1] % 8:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # Triton 3.6's CPU interpreter loads bf16 through a tensor descriptor wrongly (values
+        # off by ~1e9 where float16 and float32 are exact); the torch path serves it there
+        return a.dtype == torch.float16
+    return a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+
+
+def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
+                         transpose_out: bool = False) -> Tensor:
+    """a [R, M], b [R, N] (rows grouped by expert), offs [E] int32 group ends -> [E, M, N] in
+    ``out_dtype``: a[rows_e]^T @ b[rows_e] per expert, float32 accumulation (zeros for an
+    expert without rows). ``transpose_out``: the same products stored as [E, N, M].
+    Operands must pass :func:`wgrad_triton_ok`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a, b = a.contiguous(), b.contiguous()
+    (_, m), n, experts = a.shape, b.shape[1], offs.numel()
+    out = torch.empty((experts, n, m) if transpose_out else (experts, m, n), device=a.device,
+                      dtype=out_dtype)
+    s_m, s_n = (1, m) if transpose_out else (n, 1)
+    cfg = WGRAD_CONFIG
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), experts)
+    _wgrad_kernel[grid](
+        TensorDescriptor.from_tensor(a, [bk, bm]), TensorDescriptor.from_tensor(b, [bk, bn]),
+        out, offs, m, n, out.stride(0), s_m, s_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
