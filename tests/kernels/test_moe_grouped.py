@@ -288,10 +288,20 @@ def test_grouped_wgrad_triton_against_float64():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgrad_triton", [False, True])
 @pytest.mark.parametrize("skip", [(), (0, 3, 7)])
-def test_grouped_cuda_matches_reference_without_host_sync(skip):
+def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, monkeypatch):
+    """The whole path, with the weight gradients from torch._grouped_mm or (wgrad_triton) the
+    Triton kernel; and under autocast with float32 weights, whose gradients come back float32."""
+    from megacpp.kernels.ops.moe import triton as kernels
+
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm needs sm90+")
+    monkeypatch.setattr(kernels, "WGRAD_ON_GPU", wgrad_triton)
+    calls = []
+    kernel = kernels.grouped_wgrad_triton
+    monkeypatch.setattr(kernels, "grouped_wgrad_triton",
+                        lambda *args: calls.append(args[-1]) or kernel(*args))
     x, idx, w, w_in, w_out = _inputs(1000, 256, 16, 4, 192, torch.bfloat16, "cuda", 4, skip)
     cot = torch.randn(1000, 256, device="cuda")
     ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot)
@@ -306,3 +316,10 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip):
         assert _rel(a, b) < 1e-2, name
     for e in skip:
         assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
+    assert len(calls) == (4 if wgrad_triton else 0)  # dw_in and dw_out, warm-up and run
+    masters = [t.float() for t in (x, w_in, w_out)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _grads(moe_experts_grouped, masters[0], idx, w, *masters[1:], cot)
+    assert got[3].dtype == got[4].dtype == torch.float32
+    for name, a, b in zip(("out", "dx", "dw", "dw_in", "dw_out"), got, ref):
+        assert _rel(a, b) < 1e-2, ("autocast", name)

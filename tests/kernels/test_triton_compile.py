@@ -72,9 +72,12 @@ def test_moe_kernels_compile_for_hopper():
     _compile(moe._scatter_rows_kernel,
              {"SRC": "*bf16", "INV": "*i64", "OUT": "*bf16", "n_tokens": "i32", "n_cols": "i32",
               **dict.fromkeys(scatter, "constexpr")}, scatter, num_warps=moe.SCATTER_WARPS)
-    _compile(moe._gather_sum_kernel,
-             {"SRC": "*bf16", "INV": "*i64", "OUT": "*bf16", "n_cols": "i32", "K": "constexpr",
-              "BLOCK": "constexpr"}, {"K": 8, "BLOCK": 1024}, num_warps=4)
+    for has_add in (False, True):  # with the shared experts' output as the addend
+        _compile(moe._gather_sum_kernel,
+                 {"SRC": "*bf16", "INV": "*i64", "ADD": "*bf16", "OUT": "*bf16",
+                  "n_cols": "i32", "K": "constexpr", "BLOCK": "constexpr",
+                  "HAS_ADD": "constexpr"}, {"K": 8, "BLOCK": 1024, "HAS_ADD": has_add},
+                 num_warps=4)
     rows = {"BLOCK_R": 8, "BLOCK_F": 512, "F_CONST": 0}
     _compile(moe._swiglu_fwd_kernel,
              {"GU": "*bf16", "W": "*fp32", "H": "*bf16", "n_rows": "i32", "ffn": "i32",

@@ -273,7 +273,14 @@ def swiglu_weighted_backward_triton(gate_up: Tensor, w: Tensor, dh: Tensor, orde
 # of its own. This kernel writes dW in the master weights' dtype straight from its float32
 # accumulator (no bf16 rounding of the gradient, no cast), and lets the caller put the narrow
 # side of the product on the tile's M (transpose_out). Launch settings: WGRAD_CONFIG.
+# (128 x 256 x 64 at 8 warps and 4 stages: Inductor's Triton grouped-GEMM template picked that
+# tile for the step's dw_in on an H200 and ran it 21% faster than CUTLASS's 128x256x64;
+# benchmarks/results/kernels/s18). Off on the GPU until it has run there: session 18 lost its
+# device before the kernel's first GPU run, so CUDA tensors keep torch._grouped_mm (and a cast)
+# until tests/kernels/test_moe_grouped.py's GPU tests and s18/wgrad_probe.py have passed and
+# measured it (WGRAD_ON_GPU = True then). The interpreter runs it (float16) in CPU tests.
 WGRAD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+WGRAD_ON_GPU = False
 
 
 @triton.jit
@@ -310,8 +317,9 @@ def _wgrad_kernel(A, B, C, OFFS, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
 
 
 def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
-    """Whether :func:`grouped_wgrad_triton` takes these operands: 16-bit, same dtype, on a
-    GPU with tensor-memory loads (sm90+) or under the interpreter, rows of whole 16 bytes."""
+    """Whether the MoE backward hands these operands to :func:`grouped_wgrad_triton`: 16-bit,
+    same dtype, rows of whole 16 bytes, on a GPU with tensor-memory loads (sm90+, and only
+    with ``WGRAD_ON_GPU``) or under the interpreter (float16)."""
     if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     if a.shape[-1] % 8 or b.shape[-1] % 8:
@@ -320,7 +328,8 @@ def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
         # Triton 3.6's CPU interpreter loads bf16 through a tensor descriptor wrongly (values
         # off by ~1e9 where float16 and float32 are exact); the torch path serves it there
         return a.dtype == torch.float16
-    return a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+    return (WGRAD_ON_GPU and a.is_cuda
+            and torch.cuda.get_device_capability(a.device) >= (9, 0))
 
 
 def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
