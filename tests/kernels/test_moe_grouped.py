@@ -141,6 +141,12 @@ def test_grouped_wgrad_torch_matches_the_loop():
     assert torch.equal(got[1], torch.zeros(16, 24, dtype=torch.float64))  # no rows: zeros
 
 
+def test_grouped_refuses_weights_of_two_compute_dtypes():
+    x, idx, w, w_in, w_out = _inputs(8, 16, 4, 2, 8, torch.float32, "cpu", 0)
+    with pytest.raises(TypeError, match="w_in and w_out compute in"):
+        moe_experts_grouped(x, idx, w, w_in, w_out.to(torch.bfloat16))
+
+
 # -- CPU: the Triton kernels under the interpreter ----------------------------------------------
 def _plan_cases():  # (tokens, experts, k, experts that get no token)
     return ((53, 8, 3, ()), (41, 5, 2, (1, 3)), (300, 256, 2, (0, 7, 255)), (20, 64, 8, ()))
