@@ -277,16 +277,15 @@ def test_grouped_wgrad_triton_against_float64():
         pytest.skip("the wgrad kernel's tensor-memory loads need sm90+")
     counts = [700, 0, 3, 1500, *([300] * 12), 797]
     rows = sum(counts)
+    # dw_in [E, 2F, D] as the MoE asks it; dw_out [E, D, F] = (hidden^T dy)^T, F on the M side
     for m, n, transpose_out in ((544, 768, False), (272, 768, True)):
         a, b, offs, want = _wgrad_case(rows, m, n, counts, torch.bfloat16, "cuda", m)
+        if transpose_out:
+            want = want.transpose(1, 2)
         for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
-            shape = (len(counts), n, m) if transpose_out else (len(counts), m, n)
-            poison = torch.full(shape, float("nan"), device="cuda", dtype=out_dtype)
+            poison = torch.full(want.shape, float("nan"), device="cuda", dtype=out_dtype)
             del poison  # the caching allocator hands this block to the kernel's output
-            if transpose_out:
-                got = kernels.grouped_wgrad_triton(b, a, offs, out_dtype, transpose_out=True)
-            else:
-                got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype)
+            got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype, transpose_out)
             assert got.shape == want.shape and got.dtype == out_dtype
             assert not got.isnan().any()
             assert _rel(got, want) < tol, (m, transpose_out, out_dtype, _rel(got, want))
