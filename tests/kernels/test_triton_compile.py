@@ -24,6 +24,26 @@ def _compile(fn, signature: dict, constexprs: dict, **options):
         raise
 
 
+def _ptxas_spills(kernel) -> tuple[int, int]:
+    """(registers, spill store bytes) of a compiled kernel, from Triton's bundled ptxas -v."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("no bundled ptxas in this Triton install")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        run = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", run.stderr).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", run.stderr).group(1))
+    return regs, spills
+
+
 def test_linear_ce_kernels_compile_for_hopper():
     from megacpp.kernels.ops.linear_ce import triton as lce
 
@@ -98,3 +118,5 @@ def test_moe_kernels_compile_for_hopper():
              "s_cn": "i32", **dict.fromkeys(tiles, "constexpr")},
             tiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         assert "wgmma" in kernel.asm["ptx"]  # operands straight from the tensor-memory loads
+        regs, spills = _ptxas_spills(kernel)
+        assert spills == 0 and regs <= 255, (out, regs, spills)  # 205 registers (session 18)
