@@ -186,28 +186,34 @@ def _interpreter_check() -> dict:
 
 
 def _interpreter_wgrad(kernels) -> dict:
-    """The wgrad kernel with small tiles (16 x 32, K blocks of 16): experts without rows, one
-    shorter than a K block, ragged K tails, M and N tails, both output dtypes and layouts;
-    then the whole float16 path (which takes it) against the float32 loop reference. float16:
-    the interpreter's bf16 descriptor loads are wrong (wgrad_triton_ok keeps bf16 off the
-    kernel here; the GPU test runs it in bf16)."""
-    kernels.WGRAD_CONFIG = {**kernels.WGRAD_CONFIG, "BLOCK_M": 16, "BLOCK_N": 32,
-                            "BLOCK_K": 16}
+    """The wgrad kernel with small tiles (16 x 32 and 8 x 32, K blocks of 16): experts without
+    rows, one shorter than a K block, ragged K tails, M and N tails, both output dtypes and
+    layouts; then the whole float16 path (which takes it) against the float32 loop reference.
+    float16: the interpreter's bf16 descriptor loads are wrong (wgrad_triton_ok keeps bf16 off
+    the kernel here; the GPU test runs it in bf16). And the launch-setting choice."""
+    configs = kernels.WGRAD_CONFIGS
+    big, small = configs
+    assert kernels._wgrad_config(272, 768, 16, 132) is small  # 144 tiles of 128: 2 waves
+    assert kernels._wgrad_config(544, 768, 16, 132) is big  # 240 vs 432 tiles: 2 vs 4 waves
+    assert kernels._wgrad_config(1024, 1024, 64, 132) is big  # a tie keeps the larger tile
+    assert kernels._wgrad_config(272, 768, 16, 1000) is small  # one wave each: the smaller
     result = {}
     counts = [0, 7, 48, 0, 37, 16]  # R = 108
     a, b, offs, want = _wgrad_case(108, 40, 24, counts, torch.float16, "cpu", 5)
     assert kernels.wgrad_triton_ok(a, b)
     assert not kernels.wgrad_triton_ok(a.bfloat16(), b.bfloat16())
-    for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
-        got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype)
-        got_t = kernels.grouped_wgrad_triton(b, a, offs, out_dtype, transpose_out=True)
-        assert got.dtype == got_t.dtype == out_dtype
-        assert got.shape == got_t.shape == want.shape
-        for name, x in (("", got), ("_t", got_t)):
-            err = _rel(x, want)
-            result[f"wgrad_{str(out_dtype)[6:]}{name}"] = err
-            assert err < tol, (out_dtype, name, err)
-            assert x[0].abs().max() == 0 and x[3].abs().max() == 0  # experts without rows
+    for bm in (16, 8):
+        kernels.WGRAD_CONFIGS = ({**big, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 16},)
+        for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+            got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype)
+            got_t = kernels.grouped_wgrad_triton(b, a, offs, out_dtype, transpose_out=True)
+            assert got.dtype == got_t.dtype == out_dtype
+            assert got.shape == got_t.shape == want.shape
+            for name, x in (("", got), ("_t", got_t)):
+                err = _rel(x, want)
+                result[f"wgrad_m{bm}_{str(out_dtype)[6:]}{name}"] = err
+                assert err < tol, (bm, out_dtype, name, err)
+                assert x[0].abs().max() == 0 and x[3].abs().max() == 0  # experts without rows
     x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 6, (2,))
     cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(7))
     kernel, calls = kernels.grouped_wgrad_triton, []

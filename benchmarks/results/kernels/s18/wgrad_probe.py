@@ -14,8 +14,8 @@ timed by CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median):
   ours fp32     grouped_wgrad_triton writing float32 (the path under autocast now)
   ours bf16     grouped_wgrad_triton writing bf16 (bf16 weights, as in the kernel benchmark)
 
-over a few launch settings (WGRAD_CONFIG), each checked against the float32 cast of the
-CUTLASS result (relative error).
+over a few launch settings (each set as the only one in WGRAD_CONFIGS), each checked against
+the float32 cast of the CUTLASS result (relative error).
 
     PYTHONPATH=src python benchmarks/results/kernels/s18/wgrad_probe.py [OUT]
 """
@@ -80,8 +80,8 @@ def main() -> None:
                    "cutlass_us": bench(cutlass) * 1e3,
                    "cutlass_cast_us": bench(lambda c=cutlass: c().float()) * 1e3}
             for cfg in CONFIGS:
-                K.WGRAD_CONFIG = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
-                                           "num_stages"), cfg, strict=True))
+                K.WGRAD_CONFIGS = (dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                                            "num_stages"), cfg, strict=True)),)
                 key = "x".join(map(str, cfg))
                 try:
                     for dt, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):

@@ -25,6 +25,7 @@ are the truth these are tested against.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -272,15 +273,35 @@ def swiglu_weighted_backward_triton(gate_up: Tensor, w: Tensor, dh: Tensor, orde
 # tiles; under autocast autograd then casts dW to the float32 master weights' dtype in a kernel
 # of its own. This kernel writes dW in the master weights' dtype straight from its float32
 # accumulator (no bf16 rounding of the gradient, no cast), and lets the caller put the narrow
-# side of the product on the tile's M (transpose_out). Launch settings: WGRAD_CONFIG.
-# (128 x 256 x 64 at 8 warps and 4 stages: Inductor's Triton grouped-GEMM template picked that
-# tile for the step's dw_in on an H200 and ran it 21% faster than CUTLASS's 128x256x64;
-# benchmarks/results/kernels/s18). Off on the GPU until it has run there: session 18 lost its
-# device before the kernel's first GPU run, so CUDA tensors keep torch._grouped_mm (and a cast)
-# until tests/kernels/test_moe_grouped.py's GPU tests and s18/wgrad_probe.py have passed and
-# measured it (WGRAD_ON_GPU = True then). The interpreter runs it (float16) in CPU tests.
-WGRAD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-WGRAD_ON_GPU = False
+# side of the product on the tile's M (transpose_out). Launch settings: _wgrad_config.
+# On an H100 (benchmarks/results/kernels/s18/call_a_h100) it beats torch._grouped_mm + cast at
+# every shape measured: the step's dw_in 64.9 vs 102.8 us, e64/e16 dw_in 534/525 vs 666/648.
+WGRAD_CONFIGS = (  # the first is the default; the second only where it fills the waves better
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+)
+WGRAD_ON_GPU = True
+
+
+def _wgrad_config(m: int, n: int, experts: int, sms: int) -> dict:
+    """The launch setting whose tiles cover the output in the fewest waves of area: the cost of
+    a setting is ceil(tiles / SMs) * tile area (each wave takes as long as its largest tile);
+    ties keep the larger tile, which runs its wgmma at a better rate. On an H100 (132 SMs) the
+    step's dw_out (M 272, N 768, 16 experts) takes 2 waves of 128x256 tiles, the second one
+    nearly empty (144 tiles), or 2 waves of 64x256 ones: 45.1 vs 57.7 us; where the waves tie
+    (dw_in, the e64 / e16 cases) 128x256 was 6-9% faster (s18/call_a_h100)."""
+    def cost(cfg: dict) -> int:
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        tiles = -(-m // bm) * -(-n // bn) * experts
+        return -(-tiles // sms) * bm * bn
+    return min(WGRAD_CONFIGS, key=cost)  # min keeps the first of equals
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: one program at a time
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -345,7 +366,7 @@ def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dt
     out = torch.empty((experts, n, m) if transpose_out else (experts, m, n), device=a.device,
                       dtype=out_dtype)
     s_m, s_n = (1, m) if transpose_out else (n, 1)
-    cfg = WGRAD_CONFIG
+    cfg = _wgrad_config(m, n, experts, _sm_count(a.device))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), experts)
     _wgrad_kernel[grid](
