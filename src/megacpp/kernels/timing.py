@@ -262,10 +262,20 @@ def cuda_times_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> li
     return times
 
 
-def matmul_peak_tflops(n: int = 8192, iters: int = 30) -> float:
+def matmul_peak_tflops(n: int = 8192, iters: int = 100, settle_s: float = 2.0) -> float:
     """The bf16 matmul rate (TFLOP/s) of an ``n``^3 GEMM on random data: the MFU denominator.
-    Measure it in the same run as what it divides (the card's clock drops under power limits)."""
+    Measure it in the same run as what it divides (the card's clock drops under power limits).
+    The GEMM first runs back to back for ``settle_s`` seconds, so that the card reaches the
+    power-limited clock it keeps under sustained work (a training step's) before it is timed:
+    with 10 warm-up calls the same H100 gave 726-786 TFLOP/s in four processes of one call
+    (benchmarks/results/train_step_h100_s19), MFU moving by 8% with the step's time still."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = statistics.median(cuda_times_ms(lambda: a @ b, warmup=10, iters=iters))
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < settle_s:
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize()
+    ms = statistics.median(cuda_times_ms(lambda: a @ b, warmup=0, iters=iters))
     return 2 * n**3 / (ms * 1e-3) / 1e12
