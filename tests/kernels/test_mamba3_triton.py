@@ -150,11 +150,6 @@ def _interpreter_check() -> list[dict[str, float]]:
                                 n_angles=2, dtype=torch.float32, device="cpu", seed=3)
     errors = [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
     same_without_final_state(mamba3_scan_triton, inputs, reset, chunk_size=32)
-    # one pair tile per head: dx, dz, dD in _bwd_dqk at its start (fuse_dx 1, the cases above)
-    # and at its end (2), in _bwd_dx (0), and fused with y before the gate formed again
-    for setting in ({"fuse_dx": 2}, {"fuse_dx": 0}, {"save_y_pre": False}):
-        with mock.patch.dict(TUNING, setting):
-            errors.append(compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5))
     # two state tiles of pairs (d_state 40 -> 32 padded pairs, strided pair loads), two
     # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), and y before the
     # gate formed again for dz

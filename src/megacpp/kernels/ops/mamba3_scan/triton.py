@@ -91,7 +91,6 @@ TUNING = {
         "state_bwd": {"num_warps": 4, "num_stages": 2, "maxnreg": 128},
         "bwd_dx": {"num_warps": 4, "num_stages": 1},
         "bwd_dqk": {"num_warps": 4, "num_stages": 1},
-        "bwd_dqk_dx": {"num_warps": 4, "num_stages": 1},  # _bwd_dqk with FUSE_DX
         "bwd_tokens": {"num_warps": 4, "num_stages": 1},
         "final": {"num_warps": 4, "num_stages": 1},
         "group_sum": {"num_warps": 4, "num_stages": 1},
@@ -122,10 +121,6 @@ TUNING = {
     # dz, instead of _bwd_dx forming it again from S_in (a [T, N] x [N, P] and a [T, T] x [T, P]
     # product and S_in's read per chunk)
     "save_y_pre": True,
-    # one pair tile per head (d_state <= 2 * dqk_pairs): _bwd_dqk also forms dx, dz, dD from the
-    # scores it has (1: at its start; 2: at its end), and _bwd_dx (which formed them again,
-    # with a second read of q, k, x, dy, z) is not launched
-    "fuse_dx": 1,
 }
 MAX_HEADDIM = 64
 MAX_D_STATE = 128
@@ -584,13 +579,23 @@ def _state_bwd(Q, QBIAS, CS, Z, DY, SC, PHI, RESET, GST,
 
 
 @triton.jit
-def _dx_dz(SIN, GST, YP, DSKIP, DV, DZ, DDP, scores, x, do, dy, z, sig, q_e, q_o, k_e, k_o,
-           carry, w_state, b, h, tok, p, mask, bhc, L, H, P, N2B: tl.constexpr,
-           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, LOAD_YP: tl.constexpr, DOT: tl.constexpr):
-    """A chunk's dx (intra, skip, and x's use in the chunk state), dz and dD part, from its
-    scores over all pairs; LOAD_YP: dz from the forward's y before the gate (YP) instead of
-    forming it again."""
+def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
+            sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
+            B, L, H, G, NC, P, N, R,
+            T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+            HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
+            DOT: tl.constexpr, LOAD_YP: tl.constexpr, PAIRED: tl.constexpr):
+    """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD;
+    LOAD_YP: dz from the forward's y before the gate (YP) instead of forming it again."""
+    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     mp = p < P
+    q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
+                                   tok < L, L, G, N, R, N2B, RB, DOT, PAIRED)
+    scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
+    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
+    do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
+                                 sz_b, sz_l, sz_h, sz_p, HAS_Z)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(DSKIP + h).to(tl.float32)
@@ -606,27 +611,6 @@ def _dx_dz(SIN, GST, YP, DSKIP, DV, DZ, DDP, scores, x, do, dy, z, sig, q_e, q_o
     dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
           + w_state[:, None] * _state_dot(k_e, k_o, GST, bhc, p, mp, P, N2B, DOT))
     tl.store(DV + out, dx.to(DV.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
-            sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-            B, L, H, G, NC, P, N, R,
-            T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
-            HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
-            DOT: tl.constexpr, LOAD_YP: tl.constexpr, PAIRED: tl.constexpr):
-    """One chunk of one head: dx, dz, dD (_dx_dz), when _bwd_dqk runs more than one pair tile
-    per head (d_state > 64; else _bwd_dqk does this with the scores it forms anyway)."""
-    h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
-        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
-    q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
-                                   tok < L, L, G, N, R, N2B, RB, DOT, PAIRED)
-    scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
-    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
-    do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
-                                 sz_b, sz_l, sz_h, sz_p, HAS_Z)
-    _dx_dz(SIN, GST, YP, DSKIP, DV, DZ, DDP, scores, x, do, dy, z, sig, q_e, q_o, k_e, k_o,
-           carry, w_state, b, h, tok, p, mask, bhc, L, H, P, N2B, HAS_D, HAS_Z, LOAD_YP, DOT)
 
 
 @triton.jit
@@ -691,13 +675,12 @@ def _store_unrotated(DH, DB, hrow, brow, live, j, d_e, d_o, cos, sin, N2B: tl.co
 
 @triton.jit
 def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-             DQH, DKH, DQB, DKB, DELL, DADT, DSG, DSKIP, YP, DV, DZ, DDP,
+             DQH, DKH, DQB, DKB, DELL, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
              B, L, H, G, NC, P, N, R,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             JD: tl.constexpr, PAIRED: tl.constexpr, FUSE_DX: tl.constexpr,
-             HAS_D: tl.constexpr, LOAD_YP: tl.constexpr):
+             JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H * N2B / JD, C, B): a head's pair tiles
     run next to each other and share its x, dy, z in L2, 2.10 -> 2.02 ms at L 4096 on the H100
     against tiles a grid apart; h100_s12): d(q, k) of those pairs, rotated back and stored per
@@ -712,9 +695,7 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     A loop over a group's heads adding up d(q, k) in the program (no per-head copies, no
     _group_sum) spilled: 3.8 ms with 8 heads, 3.9 with 2. Split into a dq and a dk launch
     (4-16 bytes spilled offline, against 212) both took 4.3 ms, and the dq side at 4 warps was
-    miscompiled on the H100 in bf16 with 64-token chunks (right at 8 warps; h100_s12).
-    FUSE_DX (one tile per head, JD = N2B): also dx, dz and dD (_dx_dz, what _bwd_dx does
-    otherwise) from the scores this program forms anyway, so _bwd_dx is not launched."""
+    miscompiled on the H100 in bf16 with 64-token chunks (right at 8 warps; h100_s12)."""
     h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
     jt = tl.program_id(0) % (N2B // JD)
@@ -731,17 +712,14 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
     k_e, k_o = _rotated(K, xrow, live, j, jt * JD, N, kb_e, kb_o, cos, sin, DOT, PAIRED)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
-    do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
-                                 sz_b, sz_l, sz_h, sz_p, HAS_Z)
+    do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
+                                    sz_b, sz_l, sz_h, sz_p, HAS_Z)
     hrow = ((b * L + tok).to(tl.int64) * H + h) * (2 * N2B)  # rows of DQH, DKH
     brow = ((b * NC + c) * H + h) * (2 * N2B)  # the bias grads' parts
 
     # the [T, T] work first, reduced at once to [T] vectors (d_w, W and the decays are then
     # dead: the kernel runs at the register limit)
     qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
-    if FUSE_DX == 1:
-        _dx_dz(SIN, GST, YP, DSKIP, DV, DZ, DDP, qk * w, x, do, dy, z, sig, q_e, q_o, k_e, k_o,
-               carry, w_state, b, h, tok, p, mask, bhc, L, H, P, N2B, HAS_D, HAS_Z, LOAD_YP, DOT)
     d_scores = _mm(do, tl.trans(x), DOT)
     d_qk = d_scores * w
     d_w = d_scores * qk
@@ -801,14 +779,6 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True))
     tl.store(DSG + sc, d_scale)
     tl.store(DSG + (N2B // JD) * B * H * NC * T + sc, d_gamma + d_scale)
-    if FUSE_DX == 2:  # at the end, where fewer values are live: the scores formed again
-        w2, _decay_tt2 = _intra_weights(a, scale, gamma, seg, T)
-        qk2 = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)
-        do2, dy2, z2, sig2 = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
-                                         sz_b, sz_l, sz_h, sz_p, HAS_Z)
-        _dx_dz(SIN, GST, YP, DSKIP, DV, DZ, DDP, qk2 * w2, x, do2, dy2, z2, sig2, q_e, q_o, k_e,
-               k_o, carry, w_state, b, h, tok, p, mask, bhc, L, H, P, N2B, HAS_D, HAS_Z,
-               LOAD_YP, DOT)
 
 
 @triton.jit
@@ -1011,15 +981,10 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
     dd_part = torch.empty(B, H, NC, **f32)
-    jd = min(geo.N2B, TUNING["dqk_pairs"])
-    njd = geo.N2B // jd
-    fuse_dx = TUNING["fuse_dx"] if njd == 1 else 0
-    dx_args = (D, y_pre, dv, dz, dd_part)
-    dx_const = {"HAS_D": D is not None, "LOAD_YP": y_pre is not None}
-    if not fuse_dx:
-        _bwd_dx[(H, NC, B)](
-            *_qk_args(args, ops), v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part,
-            *strides, *dims, **dx_const, **const, **_launch("bwd_dx", geo))
+    _bwd_dx[(H, NC, B)](
+        *_qk_args(args, ops), v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part,
+        *strides, *dims, HAS_D=D is not None, LOAD_YP=y_pre is not None, **const,
+        **_launch("bwd_dx", geo))
 
     # d(q, k) per head, unrotated, in the operand dtype (summed over the group's heads below)
     dqh = torch.empty(B, L, H, 2 * geo.N2B, device=dev, dtype=_operand_dtype(v))
@@ -1027,14 +992,14 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dqb_part = torch.empty(B, NC, H, 2 * geo.N2B, **f32)
     dkb_part = torch.empty_like(dqb_part)
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
+    jd = min(geo.N2B, TUNING["dqk_pairs"])
+    njd = geo.N2B // jd
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
     dadt_part = torch.empty(njd, B, H, NC * T, **f32)  # shares of _bwd_dqk's pair tiles
     d_sg = torch.empty(2, njd, B, H, NC * T, **f32)  # d scale, d gamma
     _bwd_dqk[(H * njd, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
-        d_ell, dadt_part, d_sg, *(dx_args if fuse_dx else (None,) * 5), *strides, *dims,
-        JD=jd, FUSE_DX=fuse_dx, **dx_const, **const,
-        **_launch("bwd_dqk_dx" if fuse_dx else "bwd_dqk", geo))
+        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk", geo))
     dadt = torch.empty(B, L, H, device=dev, dtype=adt.dtype)
     ddt = torch.empty(B, L, H, device=dev, dtype=dt.dtype)
     dtrap = torch.empty(B, L, H, device=dev, dtype=trap.dtype)
