@@ -182,6 +182,7 @@ def _interpreter_check() -> dict:
         for e in skip:
             assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
     result.update(_interpreter_wgrad(kernels))
+    result.update(_interpreter_grouped_mm(kernels))
     return result
 
 
@@ -226,6 +227,64 @@ def _interpreter_wgrad(kernels) -> dict:
         result[f"fp16_path/{name}"] = _rel(a_, b_)
         assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
     assert got[3][2].abs().max() == 0 and got[4][2].abs().max() == 0
+    return result
+
+
+def _grouped_mm_case(counts, k, n, trans_b, dtype, device, seed):
+    """a [R, k], w [E, n, k] (trans_b) or [E, k, n], group ends, and the per-expert products
+    a[rows_e] @ w[e] (w[e]^T) in float64 [R, n]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows, experts = sum(counts), len(counts)
+    a = torch.randn(rows, k, generator=g, device=device).to(dtype)
+    w = torch.randn(experts, *((n, k) if trans_b else (k, n)), generator=g, device=device)
+    w = w.to(dtype)
+    ends = torch.tensor(counts, device=device).cumsum(0)
+    starts = [0, *ends.tolist()[:-1]]
+    want = torch.cat([a[s:e].double() @ (w[i].double().T if trans_b else w[i].double())
+                      for i, (s, e) in enumerate(zip(starts, ends.tolist(), strict=True))])
+    return a, w, ends.to(torch.int32), want
+
+
+def _interpreter_grouped_mm(kernels) -> dict:
+    """The expert-GEMM kernel with small tiles (16 x 32, K blocks of 16) in float16 (see
+    _interpreter_wgrad): experts without rows, one of a single row, row blocks that run into
+    the next expert, ragged K (a block past the weights' K reads zeros, not the next expert's
+    rows) and N tails, both layouts of W; which shapes it serves; then the whole float16 path
+    with all four expert GEMMs on it."""
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
+    saved = dict(kernels.GROUPED_CONFIGS)
+    result = {}
+    counts = [0, 21, 1, 0, 40, 17]  # R = 79
+    for k, n in ((40, 24), (24, 72)):
+        for trans_b in (True, False):
+            a, w, offs, want = _grouped_mm_case(counts, k, n, trans_b, torch.float16, "cpu", k)
+            if trans_b:
+                assert not kernels.grouped_mm_ok(a, w, trans_b)  # no setting for (n, k) yet
+            kernels.GROUPED_CONFIGS[(n, k)] = tile
+            assert kernels.grouped_mm_ok(a, w, trans_b)
+            assert not kernels.grouped_mm_ok(a.bfloat16(), w.bfloat16(), trans_b)
+            got = kernels.grouped_mm_triton(a, w, offs, trans_b)
+            err = _rel(got, want)
+            result[f"grouped_mm_k{k}_n{n}_t{int(trans_b)}"] = err
+            assert got.shape == want.shape and err < 2e-3, (k, n, trans_b, err)
+    # the MoE's shapes at d 32, ffn 24: gate|up (48, 32), down (32, 24), d hidden (24, 32),
+    # dx (32, 48), each (N, K)
+    kernels.GROUPED_CONFIGS.update(dict.fromkeys([(48, 32), (32, 24), (24, 32), (32, 48)], tile))
+    x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 8, (2,))
+    cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(9))
+    kernel, calls = kernels.grouped_mm_triton, []
+    kernels.grouped_mm_triton = lambda *args: calls.append(args[-1]) or kernel(*args)
+    try:
+        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+    finally:
+        kernels.grouped_mm_triton = kernel
+        kernels.GROUPED_CONFIGS.clear()
+        kernels.GROUPED_CONFIGS.update(saved)
+    assert sorted(calls) == [False, False, True, True]  # gate|up, down; d hidden, dx
+    ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
+    for name, a_, b_ in zip(NAMES, got, ref):
+        result[f"fp16_mm_path/{name}"] = _rel(a_, b_)
+        assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
     return result
 
 
@@ -299,16 +358,51 @@ def test_grouped_wgrad_triton_against_float64():
 
 
 @pytest.mark.gpu
+def test_grouped_mm_triton_against_float64():
+    """The expert GEMMs at the step's shapes it serves (gate|up: N 544, K 768, W^T; d hidden:
+    N 272, K 768) and at every other shape of the step with the same launch setting; an expert
+    without rows and one of a single row; every element of the output checked (its memory held
+    NaN before)."""
+    from megacpp.kernels.ops.moe import triton as kernels
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the kernel's tensor-memory loads need sm90+")
+    counts = [700, 0, 1, 1500, *([2000] * 12), 797]
+    for k, n, trans_b in ((768, 544, True), (768, 272, False), (272, 768, True),
+                          (544, 768, False)):
+        a, w, offs, want = _grouped_mm_case(counts, k, n, trans_b, torch.bfloat16, "cuda", n)
+        cfg = kernels.GROUPED_CONFIGS.get((n, k), kernels.GROUPED_CONFIGS[(544, 768)])
+        kernels.GROUPED_CONFIGS[(n, k)] = cfg
+        try:
+            assert kernels.grouped_mm_ok(a, w, trans_b)
+            poison = torch.full(want.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            del poison  # the caching allocator hands this block to the kernel's output
+            got = kernels.grouped_mm_triton(a, w, offs, trans_b)
+        finally:
+            if (n, k) not in ((544, 768), (272, 768)):
+                del kernels.GROUPED_CONFIGS[(n, k)]
+        assert got.shape == want.shape and not got.isnan().any()
+        assert _rel(got, want) < 8e-3, (k, n, trans_b, _rel(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped_triton", [False, True])
 @pytest.mark.parametrize("wgrad_triton", [False, True])
 @pytest.mark.parametrize("skip", [(), (0, 3, 7)])
-def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, monkeypatch):
+def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, grouped_triton,
+                                                          monkeypatch):
     """The whole path, with the weight gradients from torch._grouped_mm or (wgrad_triton) the
-    Triton kernel; and under autocast with float32 weights, whose gradients come back float32."""
+    Triton kernel, and (grouped_triton) all four expert GEMMs on the Triton kernel; and under
+    autocast with float32 weights, whose gradients come back float32."""
     from megacpp.kernels.ops.moe import triton as kernels
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm needs sm90+")
     monkeypatch.setattr(kernels, "WGRAD_ON_GPU", wgrad_triton)
+    # d 256, ffn 192: gate|up (384, 256), down (256, 192), d hidden (192, 256), dx (256, 384)
+    shapes = [(384, 256), (256, 192), (192, 256), (256, 384)]
+    monkeypatch.setattr(kernels, "GROUPED_CONFIGS", dict.fromkeys(
+        shapes if grouped_triton else [], kernels.GROUPED_CONFIGS[(544, 768)]))
     calls = []
     kernel = kernels.grouped_wgrad_triton
     monkeypatch.setattr(kernels, "grouped_wgrad_triton",

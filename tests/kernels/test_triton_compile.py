@@ -120,3 +120,26 @@ def test_moe_kernels_compile_for_hopper():
             assert "wgmma" in kernel.asm["ptx"]  # operands straight from tensor-memory loads
             regs, spills = _ptxas_spills(kernel)
             assert spills == 0 and regs <= 255, (cfg, out, regs, spills)  # 205 at 128x256
+
+
+def test_moe_grouped_mm_kernel_compiles_for_hopper():
+    """Every launch setting the expert-GEMM kernel ships with, both layouts of W: wgmma from
+    the tensor-memory loads, no register spills (per-element 64-bit output offsets of a 128 x
+    256 tile spilled 180 bytes)."""
+    from megacpp.kernels.ops.moe import triton as moe
+
+    for (n, k), cfg in moe.GROUPED_CONFIGS.items():
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        for trans_b in (True, False):
+            w_block = f"[1, {bn}, {bk}]" if trans_b else f"[1, {bk}, {bn}]"
+            kernel = _compile(
+                moe._grouped_mm_kernel,
+                {"A": f"tensordesc<bf16[{bm}, {bk}]>", "B": f"tensordesc<bf16{w_block}>",
+                 "C": "*bf16", "OFFS": "*i32", "E": "i32", "N": "i32", "K": "i32",
+                 "s_cm": "i32", "TRANS_B": "constexpr", "BLOCK_M": "constexpr",
+                 "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "E_PAD": "constexpr"},
+                {"TRANS_B": trans_b, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "E_PAD": 16},
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            assert "wgmma" in kernel.asm["ptx"], ((n, k), trans_b)
+            regs, spills = _ptxas_spills(kernel)
+            assert spills == 0 and regs <= 255, ((n, k), trans_b, regs, spills)

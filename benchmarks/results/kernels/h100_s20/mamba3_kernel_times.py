@@ -32,7 +32,7 @@ def main() -> None:
         inp = _mamba3_inputs(case, torch.bfloat16, dev, gen)
         cot = torch.randn(inp["v"].shape, device=dev, dtype=torch.bfloat16, generator=gen)
 
-        def fwd_bwd():
+        def fwd_bwd(inp=inp, cot=cot):
             y, _ = M.mamba3_scan_triton(**inp)
             return y, torch.autograd.grad(y, [inp[n] for n in GRADS], cot)
 

@@ -23,6 +23,9 @@ cast kernel after it.
 
 ``torch._grouped_mm(a [N, K], b [E, K, M], offs)`` multiplies each expert's rows by its
 matrix; ``torch._grouped_mm(a [M, N], b [N, K], offs)`` sums each expert's rows into [E, M, K].
+The four expert GEMMs go through ``_Ops.mm``: on sm90+ a Triton kernel
+(:func:`megacpp.kernels.ops.moe.triton.grouped_mm_triton`) at the shapes where it measured
+faster than ``torch._grouped_mm``, which serves the rest.
 On CUDA the elementwise steps run as Triton kernels (:mod:`.triton`); elsewhere the plain
 PyTorch functions below (the truth those kernels are tested against). Same contract as
 :func:`megacpp.kernels.ops.moe.reference.moe_experts_reference`.
@@ -132,6 +135,12 @@ def grouped_wgrad_torch(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dty
     return torch._grouped_mm(a.t(), b, offs=offs).to(out_dtype)
 
 
+def grouped_mm_torch(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+    """a [R, K] (rows grouped by expert), w [E, K, N] (``trans_b``: [E, N, K]), offs [E] group
+    ends -> [R, N]: a[rows_e] @ w[e] (w[e]^T) per expert (``torch._grouped_mm``)."""
+    return torch._grouped_mm(a, w.transpose(-2, -1) if trans_b else w, offs=offs)
+
+
 def _use_triton(device: torch.device) -> bool:
     """The Triton kernels run on CUDA, and on CPU tensors under the Triton interpreter."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -143,10 +152,11 @@ class _Ops(NamedTuple):
     swiglu: Callable[..., Tensor]
     swiglu_backward: Callable[..., tuple[Tensor, Tensor]]
     wgrad: Callable[..., Tensor]
+    mm: Callable[..., Tensor]
 
 
 def _ops(device: torch.device) -> _Ops:
-    """The elementwise steps and the weight-gradient GEMMs for this device."""
+    """The elementwise steps and the grouped GEMMs for this device."""
     if _use_triton(device):
         from megacpp.kernels.ops.moe import triton as kernels
 
@@ -156,11 +166,16 @@ def _ops(device: torch.device) -> _Ops:
                   else grouped_wgrad_torch)
             return fn(a, b, offs, out_dtype, transpose_out)
 
+        def mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+            fn = (kernels.grouped_mm_triton if kernels.grouped_mm_ok(a, w, trans_b)
+                  else grouped_mm_torch)
+            return fn(a, w, offs, trans_b)
+
         return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton,
                     kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton,
-                    wgrad)
+                    wgrad, mm)
     return _Ops(scatter_rows_torch, gather_sum_torch, swiglu_weighted_torch,
-                swiglu_weighted_backward_torch, grouped_wgrad_torch)
+                swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -174,9 +189,9 @@ class _GroupedExperts(torch.autograd.Function):
         ctx.w_dtypes = (w_in.dtype, w_out.dtype)
         w_in, w_out = w_in.to(compute_dtype), w_out.to(compute_dtype)
         x_sorted = ops.scatter_rows(x, inv)  # [N, D]
-        gate_up = torch._grouped_mm(x_sorted, w_in.transpose(-2, -1), offs=offs)  # [N, 2F]
+        gate_up = ops.mm(x_sorted, w_in, offs, True)  # [N, 2F]
         hidden = ops.swiglu(gate_up, w_sorted)  # [N, F], weight folded in
-        y_sorted = torch._grouped_mm(hidden, w_out.transpose(-2, -1), offs=offs)  # [N, D]
+        y_sorted = ops.mm(hidden, w_out, offs, True)  # [N, D]
         ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
                               offs)
         ctx.weights_dtype = weights.dtype
@@ -190,7 +205,7 @@ class _GroupedExperts(torch.autograd.Function):
         ops = _ops(dout.device)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
         dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
-        dhidden = torch._grouped_mm(dy_sorted, w_out, offs=offs)  # [N, F]
+        dhidden = ops.mm(dy_sorted, w_out, offs, False)  # [N, F]
         # [E, D, F] computed as hidden^T dy per expert: F (often narrow) on the tile's M
         dw_out = (ops.wgrad(hidden, dy_sorted, offs, ctx.w_dtypes[1], transpose_out=True)
                   if need_out else None)
@@ -198,7 +213,7 @@ class _GroupedExperts(torch.autograd.Function):
                                                  ctx.weights_dtype)  # [N, 2F], [N] slot order
         dx = dw_in = None
         if need_x:
-            dx_sorted = torch._grouped_mm(dgate_up, w_in, offs=offs)  # [N, D]
+            dx_sorted = ops.mm(dgate_up, w_in, offs, False)  # [N, D]
             dx = ops.gather_sum(dx_sorted, inv)
         if need_in:
             dw_in = ops.wgrad(dgate_up, x_sorted, offs, ctx.w_dtypes[0])  # [E, 2F, D]

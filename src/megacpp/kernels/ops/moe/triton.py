@@ -18,6 +18,8 @@
   the activation from gate|up.
 * :func:`grouped_wgrad_triton` -- the expert weight gradients, ``a[rows_e]^T b[rows_e]`` per
   expert (a GEMM whose K is each expert's row count), written in the master weights' dtype.
+* :func:`grouped_mm_triton` -- the expert GEMMs ``a[rows_e] @ W_e`` (or ``W_e^T``) at the
+  shapes where it measured faster than ``torch._grouped_mm``.
 
 Same contracts as the plain-PyTorch versions in :mod:`megacpp.kernels.ops.moe.grouped`, which
 are the truth these are tested against.
@@ -372,5 +374,109 @@ def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dt
     _wgrad_kernel[grid](
         TensorDescriptor.from_tensor(a, [bk, bm]), TensorDescriptor.from_tensor(b, [bk, bn]),
         out, offs, m, n, out.stride(0), s_m, s_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# -- the expert GEMMs: grouped over each expert's rows (ragged M) ---------------------------------
+# out[rows_e] = a[rows_e] @ W_e (or W_e^T) for every expert e: the forward's gate|up and down
+# projections and their input gradients. M is each expert's row count, known only on the device:
+# each program finds its expert and row block from the group ends (no host sync; the grid is
+# the upper bound cdiv(rows, BLOCK_M) + experts, programs past the last tile return). The
+# operands are tensor descriptors: a's [rows, K] (columns past K read as zeros), W's [E, *, *]
+# (rows past its K read as zeros: a block never reads the next expert's weights); a row block
+# that runs past its expert's end computes rows it does not store.
+# It serves only the (N, K) shapes where an H100 probe measured it faster than torch._grouped_mm
+# (CUTLASS) in the same process (benchmarks/results/kernels/h100_s20, grouped_mm_probe run 1 and
+# 2); every other shape stays on torch._grouped_mm. At the nam56r step's 32768 rows (16
+# experts): gate|up (N 544, K 768) 72.5 vs 82.2 us, d hidden (N 272, K 768) 51.3 vs 62.8; at
+# the e64_k8 bench case's d hidden (N 512, K 1024, 131072 rows) 241.5 vs 268.0. Where it lost or
+# tied (down with K 272: 63.4 vs 56.2; dx, N 768 K 544: 67.7 vs 70.0, run 1 72.1 vs 71.6; the
+# e16_k2 shapes) it is not used. Two programs of 4 warps per SM (3 stages of 128 x 128 x 64,
+# 96 KiB of shared memory) beat one of 8 warps or 4 stages at the step's shapes.
+_TILE_4W = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+GROUPED_CONFIGS = {  # (N, K) -> launch setting
+    (544, 768): _TILE_4W,
+    (272, 768): _TILE_4W,
+    (512, 1024): {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+}
+GROUPED_ON_GPU = True
+
+
+@triton.jit
+def _grouped_mm_kernel(A, B, C, OFFS, E, N, K, s_cm, TRANS_B: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       E_PAD: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of C[rows_e] = A[rows_e] @ W_e (TRANS_B: W_e^T), grid
+    (n tiles * row-block bound): the n index runs fastest, so neighbouring programs share the
+    row block in L2. A: descriptor over [rows, K], [BLOCK_M, BLOCK_K] blocks; B: over W
+    [E, K, N] ([1, BLOCK_K, BLOCK_N]) or, TRANS_B, [E, N, K] ([1, BLOCK_N, BLOCK_K]);
+    rows_e = [OFFS[e - 1], OFFS[e])."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // tiles_n
+    n0 = (tl.program_id(0) % tiles_n) * BLOCK_N
+    e = tl.arange(0, E_PAD)
+    ends = tl.load(OFFS + e, mask=e < E, other=0)
+    starts = tl.load(OFFS + e - 1, mask=(e > 0) & (e < E), other=0)
+    blocks = tl.where(e < E, tl.cdiv(ends - starts, BLOCK_M), 0)
+    last = tl.cumsum(blocks, axis=0)  # row blocks up to and including expert e
+    if pid_m < tl.sum(blocks, axis=0):
+        expert = tl.sum((last <= pid_m).to(tl.int32), axis=0)
+        mine = e == expert
+        first = tl.sum(tl.where(mine, last - blocks, 0), axis=0)
+        end = tl.sum(tl.where(mine, ends, 0), axis=0)
+        m0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (pid_m - first) * BLOCK_M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = A.load([m0, k0])
+            if TRANS_B:
+                b = B.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+                acc = tl.dot(a, b.T, acc)
+            else:
+                b = B.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc)
+        rm = tl.arange(0, BLOCK_M)
+        on = n0 + tl.arange(0, BLOCK_N)
+        # 64-bit only in the tile's base: per-element 64-bit offsets of a 128 x 256 tile spill
+        tl.store(C + m0.to(tl.int64) * s_cm + (rm[:, None] * s_cm + on[None, :]),
+                 acc.to(C.dtype.element_ty), mask=(m0 + rm < end)[:, None] & (on < N)[None, :])
+
+
+def grouped_mm_ok(a: Tensor, w: Tensor, trans_b: bool) -> bool:
+    """Whether the MoE hands ``a @ w[e]`` (``trans_b``: w[e]^T) to :func:`grouped_mm_triton`: a
+    launch setting for its (N, K) in ``GROUPED_CONFIGS``; 16-bit operands of one dtype, rows of
+    whole 16 bytes; on a GPU with tensor-memory loads (sm90+, with ``GROUPED_ON_GPU``) or under
+    the interpreter (float16 only, as for the wgrad kernel)."""
+    if a.dtype != w.dtype or a.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 3:
+        return False
+    if a.shape[-1] % 8 or w.shape[-1] % 8:
+        return False
+    if (w.shape[1] if trans_b else w.shape[2], a.shape[1]) not in GROUPED_CONFIGS:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return a.dtype == torch.float16
+    return (GROUPED_ON_GPU and a.is_cuda
+            and torch.cuda.get_device_capability(a.device) >= (9, 0))
+
+
+def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+    """a [R, K] (rows grouped by expert), w [E, K, N] (``trans_b``: [E, N, K]), offs [E] int32
+    group ends -> [R, N] in a's dtype: a[rows_e] @ w[e] (w[e]^T), float32 accumulation; rows
+    past offs[-1] are left unwritten. Operands must pass :func:`grouped_mm_ok`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a, w = a.contiguous(), w.contiguous()
+    rows, k = a.shape
+    experts = w.shape[0]
+    n = w.shape[1] if trans_b else w.shape[2]
+    out = torch.empty(rows, n, device=a.device, dtype=a.dtype)
+    cfg = GROUPED_CONFIGS[(n, k)]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    w_block = [1, bn, bk] if trans_b else [1, bk, bn]
+    grid = (triton.cdiv(n, bn) * (triton.cdiv(rows, bm) + experts),)
+    _grouped_mm_kernel[grid](
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
+        out, offs, experts, n, k, out.stride(0), TRANS_B=trans_b, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
