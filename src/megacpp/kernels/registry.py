@@ -367,8 +367,10 @@ def _backends() -> list[Backend]:
         Backend("reference", "moe_experts", "fallback", Requirements(), moe_experts_reference),
         Backend("triton_grouped", "moe_experts", "deferred",
                 Requirements(devices=("cuda",), packages=("triton",), dtypes=HALF), None,
-                "Triton grouped GEMM for devices whose torch lacks a CUDA _grouped_mm "
-                "(pre-Hopper): not written yet; such devices use the reference"),
+                "the whole expert path in Triton for devices whose torch lacks a CUDA "
+                "_grouped_mm (pre-Hopper): not written yet (grouped_mm_triton and "
+                "grouped_wgrad_triton, inside the chosen backend, load through tensor "
+                "descriptors: sm90+); such devices use the reference"),
         # attention
         Backend("sdpa_flash", "attention", "chosen",
                 Requirements(dtypes=HALF, **cuda_sm80), causal_attention_sdpa_flash),
