@@ -56,7 +56,6 @@ K > 128) is computed by the reference for that call (one warning per process).
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -65,6 +64,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.kernels.device import sm_count
 from megacpp.kernels.ops.gated_delta.reference import _check_inputs, gated_delta_rule_chunked
 
 CHUNK = 64  # tokens per chunk (the tile side of A and T)
@@ -668,13 +668,10 @@ SMALL_GRID: dict[str, dict[str, int]] = {
 }
 
 
-@functools.cache
 def _sm_count(device: torch.device) -> int:
     """The device's SM count; for the CPU interpreter an H100's 132, so it follows the choices
     an H100 makes."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device) if device.type == "cuda" else 132
 
 
 def _dot_mode(q: Tensor) -> int:

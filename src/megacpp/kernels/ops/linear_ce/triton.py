@@ -35,6 +35,7 @@ from torch import Tensor
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.amp import autocast_operands
+from megacpp.kernels.device import sm_count
 from megacpp.kernels.ops.linear_ce.reference import IGNORE_INDEX
 
 DEFAULT_CHUNK_BYTES = 128 * 2**20  # one chunk of logits at most this big (H100 sweep: notes)
@@ -181,8 +182,7 @@ def _ce_programs(n_rows: int, device: torch.device, programs: int | None) -> int
         return max(1, min(n_rows, programs))
     if device.type != "cuda":
         return n_rows
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_rows, CE_CONFIG["programs_per_sm"] * sms))
+    return max(1, min(n_rows, CE_CONFIG["programs_per_sm"] * sm_count(device)))
 
 
 def accumulate_weight_grad(hi: Tensor, lo: Tensor, grad_logits: Tensor, h_chunk: Tensor,

@@ -58,7 +58,6 @@ Backward scratch: G (as S_in), d(q, k) per head [B, L, H, 2, N2B], float32 per-t
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -68,6 +67,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
+from megacpp.kernels.device import sm_count
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs
 from megacpp.kernels.ops.sum_rows import sum_rows
 
@@ -848,7 +848,7 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
     if max(v.numel(), angles.numel(), B * L * H * N, B * H * NC * BP * 2 * N2B) >= 2**31:
         raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
                            "supported (32-bit offsets); split the batch")
-    sms = _sm_count(v.device) if v.is_cuda else 1
+    sms = sm_count(v.device) if v.is_cuda else 1
     return _Geometry(B, L, H, G, P, N, R, T, NC, BP, N2B, RB, _state_pairs(B * H, N2B, sms),
                      N == 2 * N2B)
 
@@ -860,11 +860,6 @@ def _state_pairs(heads: int, n2b: int, sms: int) -> int:
     while pairs > 16 and heads * (n2b // pairs) < TUNING["min_state_programs_per_sm"] * sms:
         pairs //= 2
     return pairs
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(kernel: str, geo: _Geometry) -> dict[str, int]:

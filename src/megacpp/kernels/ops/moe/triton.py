@@ -27,13 +27,14 @@ are the truth these are tested against.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from megacpp.kernels.device import sm_count
 
 MAX_PLAN_EXPERTS = 256  # the counting sort keeps one [rows, experts] one-hot tile in registers
 PLAN_BLOCK = 1024  # (token, choice) pairs per program of the two plan kernels
@@ -299,11 +300,6 @@ def _wgrad_config(m: int, n: int, experts: int, sms: int) -> dict:
     return min(WGRAD_CONFIGS, key=cost)  # min keeps the first of equals
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: one program at a time
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -339,20 +335,25 @@ def _wgrad_kernel(A, B, C, OFFS, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
     tl.store(ptr, acc.to(C.dtype.element_ty), mask=(om < M)[:, None] & (on < N)[None, :])
 
 
-def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
-    """Whether the MoE backward hands these operands to :func:`grouped_wgrad_triton`: 16-bit,
-    same dtype, rows of whole 16 bytes, on a GPU with tensor-memory loads (sm90+, and only
-    with ``WGRAD_ON_GPU``) or under the interpreter (float16)."""
+def _descriptor_operands_ok(a: Tensor, b: Tensor, on_gpu: bool) -> bool:
+    """What both expert-GEMM kernels need of their operands: 16-bit, one dtype, rows of whole
+    16 bytes; a GPU with tensor-memory loads (sm90+, and ``on_gpu``, the kernel's switch) or
+    the interpreter in float16 (Triton 3.6's CPU interpreter loads bf16 through a tensor
+    descriptor wrongly: values off by ~1e9 where float16 and float32 are exact; the torch path
+    serves bf16 there)."""
     if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     if a.shape[-1] % 8 or b.shape[-1] % 8:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
-        # Triton 3.6's CPU interpreter loads bf16 through a tensor descriptor wrongly (values
-        # off by ~1e9 where float16 and float32 are exact); the torch path serves it there
         return a.dtype == torch.float16
-    return (WGRAD_ON_GPU and a.is_cuda
-            and torch.cuda.get_device_capability(a.device) >= (9, 0))
+    return on_gpu and a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+
+
+def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
+    """Whether the MoE backward hands these operands to :func:`grouped_wgrad_triton`
+    (:func:`_descriptor_operands_ok`, switched by ``WGRAD_ON_GPU``)."""
+    return _descriptor_operands_ok(a, b, WGRAD_ON_GPU)
 
 
 def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
@@ -368,7 +369,8 @@ def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dt
     out = torch.empty((experts, n, m) if transpose_out else (experts, m, n), device=a.device,
                       dtype=out_dtype)
     s_m, s_n = (1, m) if transpose_out else (n, 1)
-    cfg = _wgrad_config(m, n, experts, _sm_count(a.device))
+    sms = sm_count(a.device) if a.is_cuda else 1  # the interpreter: one program at a time
+    cfg = _wgrad_config(m, n, experts, sms)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), experts)
     _wgrad_kernel[grid](
@@ -444,19 +446,11 @@ def _grouped_mm_kernel(A, B, C, OFFS, E, N, K, s_cm, TRANS_B: tl.constexpr,
 
 def grouped_mm_ok(a: Tensor, w: Tensor, trans_b: bool) -> bool:
     """Whether the MoE hands ``a @ w[e]`` (``trans_b``: w[e]^T) to :func:`grouped_mm_triton`: a
-    launch setting for its (N, K) in ``GROUPED_CONFIGS``; 16-bit operands of one dtype, rows of
-    whole 16 bytes; on a GPU with tensor-memory loads (sm90+, with ``GROUPED_ON_GPU``) or under
-    the interpreter (float16 only, as for the wgrad kernel)."""
-    if a.dtype != w.dtype or a.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 3:
+    launch setting for its (N, K) in ``GROUPED_CONFIGS``, a 3-D w, and
+    :func:`_descriptor_operands_ok` (switched by ``GROUPED_ON_GPU``)."""
+    if w.dim() != 3 or (w.shape[1] if trans_b else w.shape[2], a.shape[1]) not in GROUPED_CONFIGS:
         return False
-    if a.shape[-1] % 8 or w.shape[-1] % 8:
-        return False
-    if (w.shape[1] if trans_b else w.shape[2], a.shape[1]) not in GROUPED_CONFIGS:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return a.dtype == torch.float16
-    return (GROUPED_ON_GPU and a.is_cuda
-            and torch.cuda.get_device_capability(a.device) >= (9, 0))
+    return _descriptor_operands_ok(a, w, GROUPED_ON_GPU)
 
 
 def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:

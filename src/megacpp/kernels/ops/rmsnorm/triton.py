@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.kernels.device import sm_count
 from megacpp.kernels.ops.rmsnorm.reference import check_fanout, check_rope
 from megacpp.kernels.ops.sum_rows import sum_rows
 
@@ -173,7 +174,7 @@ def _max_programs(device: torch.device, per_sm: int) -> int:
     """Backward grid: ``per_sm`` programs per SM (each sums its rows' dw partial)."""
     if device.type != "cuda":
         return 8  # the Triton interpreter (CPU) -- correctness runs only
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * sm_count(device)
 
 
 _CONTIGUOUS_ROWS = (1, 1, 0, 0, 0)  # _row_starts' (n1, n2, s0, s1, s2), unused when contiguous
