@@ -108,10 +108,6 @@ TUNING = {
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
-    # _bwd_dqk as a persistent loop over its tiles, this many programs per SM (0: one
-    # program per tile), software-pipelined over "dqk_loop_stages" (experiment, session 21)
-    "dqk_loop": 0,
-    "dqk_loop_stages": 2,
     "max_chunk": 64,
     # chunks' phi per load of _final (one at a time it took 50 us at L 4096 on the H100)
     "final_chunks": 32,
@@ -434,15 +430,7 @@ def _chunk_program(SC, RESET, B, L, H, NC, P, T: tl.constexpr, BP: tl.constexpr,
     """The chunk kernels' common start, grid (H * SPLIT, C, B): the head, chunk and row, the
     chunk's tokens and [T, BP] mask, its rows of the padded per-head buffers, a / scale /
     gamma, and the document segments."""
-    return _chunk_program_at(tl.program_id(0), tl.program_id(1), tl.program_id(2), SC, RESET,
-                             B, L, H, NC, P, T, BP, HAS_RESET, SPLIT)
-
-
-@triton.jit
-def _chunk_program_at(pid0, c, b, SC, RESET, B, L, H, NC, P, T: tl.constexpr,
-                      BP: tl.constexpr, HAS_RESET: tl.constexpr, SPLIT: tl.constexpr):
-    """:func:`_chunk_program` of the program at (pid0, c, b) of that grid."""
-    h = pid0 // SPLIT
+    h, c, b = tl.program_id(0) // SPLIT, tl.program_id(1), tl.program_id(2)
     tok = c * T + tl.arange(0, T)
     p = tl.arange(0, BP)
     mask = (tok < L)[:, None] & (p < P)[None, :]
@@ -686,13 +674,13 @@ def _store_unrotated(DH, DB, hrow, brow, live, j, d_e, d_o, cos, sin, N2B: tl.co
 
 
 @triton.jit
-def _bwd_dqk_tile(pid0, c, b, Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-                  DQH, DKH, DQB, DKB, DELL, DADT, DSG,
-                  sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-                  B, L, H, G, NC, P, N, R,
-                  T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
-                  HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-                  JD: tl.constexpr, PAIRED: tl.constexpr):
+def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
+             DQH, DKH, DQB, DKB, DELL, DADT, DSG,
+             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
+             B, L, H, G, NC, P, N, R,
+             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
+             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
+             JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H * N2B / JD, C, B): a head's pair tiles
     run next to each other and share its x, dy, z in L2, 2.10 -> 2.02 ms at L 4096 on the H100
     against tiles a grid apart; h100_s12): d(q, k) of those pairs, rotated back and stored per
@@ -708,9 +696,9 @@ def _bwd_dqk_tile(pid0, c, b, Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, 
     _group_sum) spilled: 3.8 ms with 8 heads, 3.9 with 2. Split into a dq and a dk launch
     (4-16 bytes spilled offline, against 212) both took 4.3 ms, and the dq side at 4 warps was
     miscompiled on the H100 in bf16 with 64-token chunks (right at 8 warps; h100_s12)."""
-    h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program_at(
-        pid0, c, b, SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
-    jt = pid0 % (N2B // JD)
+    h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
+        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
+    jt = tl.program_id(0) % (N2B // JD)
     t = tl.arange(0, T)
     live = tok < L
     mp = p < P
@@ -793,36 +781,6 @@ def _bwd_dqk_tile(pid0, c, b, Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, 
     tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True))
     tl.store(DSG + sc, d_scale)
     tl.store(DSG + (N2B // JD) * B * H * NC * T + sc, d_gamma + d_scale)
-
-
-@triton.jit
-def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-             DQH, DKH, DQB, DKB, DELL, DADT, DSG,
-             sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-             B, L, H, G, NC, P, N, R,
-             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
-             HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             JD: tl.constexpr, PAIRED: tl.constexpr, LOOP: tl.constexpr, STAGES: tl.constexpr):
-    """_bwd_dqk_tile over the grid (H * N2B / JD, C, B); LOOP: a persistent grid of
-    (programs, 1, 1) walking those tiles (head tiles fastest, as the grid would) with the
-    loop software-pipelined over STAGES (the next tile's loads issued under this one's work)."""
-    if LOOP:
-        n0 = H * (N2B // JD)
-        for tile in tl.range(tl.program_id(0), n0 * NC * B, tl.num_programs(0),
-                             num_stages=STAGES):
-            _bwd_dqk_tile(tile % n0, (tile // n0) % NC, tile // (n0 * NC),
-                          Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-                          DQH, DKH, DQB, DKB, DELL, DADT, DSG,
-                          sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-                          B, L, H, G, NC, P, N, R, T, BP, N2B, RB, HAS_Z, HAS_RESET, DOT, JD,
-                          PAIRED)
-    else:
-        _bwd_dqk_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                      Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-                      DQH, DKH, DQB, DKB, DELL, DADT, DSG,
-                      sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-                      B, L, H, G, NC, P, N, R, T, BP, N2B, RB, HAS_Z, HAS_RESET, DOT, JD,
-                      PAIRED)
 
 
 @triton.jit
@@ -1036,15 +994,9 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
     dadt_part = torch.empty(njd, B, H, NC * T, **f32)  # shares of _bwd_dqk's pair tiles
     d_sg = torch.empty(2, njd, B, H, NC * T, **f32)  # d scale, d gamma
-    loop = TUNING["dqk_loop"]
-    grid = (H * njd, NC, B)
-    if loop:
-        tiles = H * njd * NC * B
-        grid = (min(tiles, loop * (sm_count(dev) if v.is_cuda else 1)), 1, 1)
-    _bwd_dqk[grid](
+    _bwd_dqk[(H * njd, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
-        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, LOOP=bool(loop),
-        STAGES=TUNING["dqk_loop_stages"], **const, **_launch("bwd_dqk", geo))
+        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk", geo))
     dadt = torch.empty(B, L, H, device=dev, dtype=adt.dtype)
     ddt = torch.empty(B, L, H, device=dev, dtype=dt.dtype)
     dtrap = torch.empty(B, L, H, device=dev, dtype=trap.dtype)
