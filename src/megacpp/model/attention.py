@@ -68,15 +68,25 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
 
+    # the pre-norm block hands x in twice (Block, RMSNorm.with_skip's fanout, as for the MoE):
+    # q_proj reads x, kv_proj ``again``, and the norm's backward kernel sums their two input
+    # gradients (autograd's add of them was an Inductor kernel of its own: 0.32 ms of the
+    # nam56r-350m step on an H100, 14 layers; benchmarks/results/train_step_h100_s20/ops_s20)
+    INPUT_FANOUT = 2
+
     def forward(
         self,
         x: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         cache: KVCache | PagedView | None = None,
+        again: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x [B, L, D] -> [B, L, D]. ``again``: the same values as x, as a tensor of its own
+        (kv_proj reads it); default x."""
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv_proj(x).view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
+        kv = self.kv_proj(x if again is None else again)
+        k, v = kv.view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, hd]
         if isinstance(cache, PagedView):
             return self._forward_paged(self.q_norm(q), self.k_norm(k), v, cache)
