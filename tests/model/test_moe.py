@@ -44,6 +44,11 @@ def test_moe_weights_normalized_and_gradients_flow():
     for name, p in moe.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert moe.last_load.sum().item() == 2 * 10 * 2  # dropless: every token reaches k experts
+    # the per-expert load is the chosen experts' histogram (experts chosen by no token: 0)
+    _, idx, _ = moe.route(x.detach().reshape(-1, 32))
+    torch.testing.assert_close(moe.last_load, torch.bincount(idx.reshape(-1), minlength=8).float(),
+                               rtol=0, atol=0)
+    assert moe._load(torch.tensor([[7, 7], [7, 0]])).tolist() == [1, 0, 0, 0, 0, 0, 0, 3]
 
 
 def test_forward_is_router_plus_experts_plus_shared_swiglu_with_its_gradients():
