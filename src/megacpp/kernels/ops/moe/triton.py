@@ -300,8 +300,6 @@ def _wgrad_config(m: int, n: int, experts: int, sms: int) -> dict:
     return min(WGRAD_CONFIGS, key=cost)  # min keeps the first of equals
 
 
-
-
 @triton.jit
 def _wgrad_kernel(A, B, C, OFFS, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
