@@ -6,7 +6,8 @@ multiples of 16 carry tt.divisibility 16, and G and the unit strides are constex
 real launches (without those hints the grid kernel spills ~900 bytes instead of ~20).
 
     git worktree add /tmp/f418 f418ed6   # then copy this file into it
-    cd /tmp/f418 && PYTHONPATH=TRITON:src:. python benchmarks/results/kernels/h100_s21/dqk_loop_compile.py
+    cd /tmp/f418
+    PYTHONPATH=TRITON:src:. python benchmarks/results/kernels/h100_s21/dqk_loop_compile.py
 (TRITON: a Triton 3.6 with its bundled ptxas, e.g. ``pip install --no-deps --target /tmp/triton-cpu
 triton==3.6.0`` on a machine without CUDA.)
 """
@@ -25,8 +26,8 @@ PTRS = {"Q": "*bf16", "K": "*bf16", "QBIAS": "*fp32", "KBIAS": "*fp32", "CS": "*
         "V": "*bf16", "Z": "*bf16", "DY": "*bf16", "SC": "*fp32", "RESET": "*i8", "SIN": "*bf16",
         "GST": "*bf16", "DQH": "*bf16", "DKH": "*bf16", "DQB": "*fp32", "DKB": "*fp32",
         "DELL": "*fp32", "DADT": "*fp32", "DSG": "*fp32"}
-INTS = "sv_b sv_l sv_h sz_b sz_l sz_h sy_b sy_l sy_h B L H NC P N R".split()
-DIV16 = "sv_b sv_l sv_h sz_b sz_l sz_h sy_b sy_l sy_h L NC P N R".split()
+INTS = ["sv_b", "sv_l", "sv_h", "sz_b", "sz_l", "sz_h", "sy_b", "sy_l", "sy_h", "B", "L", "H", "NC", "P", "N", "R"]
+DIV16 = ["sv_b", "sv_l", "sv_h", "sz_b", "sz_l", "sz_h", "sy_b", "sy_l", "sy_h", "L", "NC", "P", "N", "R"]
 
 
 def compile_one(n2b: int, rb: int, loop: bool, stages: int) -> str:
