@@ -26,8 +26,9 @@ PTRS = {"Q": "*bf16", "K": "*bf16", "QBIAS": "*fp32", "KBIAS": "*fp32", "CS": "*
         "V": "*bf16", "Z": "*bf16", "DY": "*bf16", "SC": "*fp32", "RESET": "*i8", "SIN": "*bf16",
         "GST": "*bf16", "DQH": "*bf16", "DKH": "*bf16", "DQB": "*fp32", "DKB": "*fp32",
         "DELL": "*fp32", "DADT": "*fp32", "DSG": "*fp32"}
-INTS = ["sv_b", "sv_l", "sv_h", "sz_b", "sz_l", "sz_h", "sy_b", "sy_l", "sy_h", "B", "L", "H", "NC", "P", "N", "R"]
-DIV16 = ["sv_b", "sv_l", "sv_h", "sz_b", "sz_l", "sz_h", "sy_b", "sy_l", "sy_h", "L", "NC", "P", "N", "R"]
+STRIDES = ["sv_b", "sv_l", "sv_h", "sz_b", "sz_l", "sz_h", "sy_b", "sy_l", "sy_h"]
+INTS = [*STRIDES, "B", "L", "H", "NC", "P", "N", "R"]
+DIV16 = [*STRIDES, "L", "NC", "P", "N", "R"]
 
 
 def compile_one(n2b: int, rb: int, loop: bool, stages: int) -> str:
