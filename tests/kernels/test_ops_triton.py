@@ -3,6 +3,7 @@ CPU: the RMSNorm kernels under the Triton interpreter."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -182,23 +183,25 @@ def _rmsnorm_interpreter_check() -> dict:
             # a bf16 y or residual gradient is rounded once (2^-8 relative); the rest is fp32
             rounded = (out_dtype is not None and name == "y") or a.dtype == torch.bfloat16
             tolerance[key] = 1e-2 if rounded else 1e-5
-    # fanout 2 (the MoE's pre-norm): y twice, each copy with its own gradient, summed by the
-    # backward kernel; with a bf16 residual and h as the skip branch, and with neither
-    for mode in ("residual", "none"):
+    # fanout 2 and 3 (the pre-norms of attention / the MoE and of Mamba-3): y two or three
+    # times, each copy with its own gradient, summed by the backward kernel; with a bf16
+    # residual and h as the skip branch, and with neither
+    for fanout, mode in itertools.product((2, 3), ("residual", "none")):
         x = torch.randn(45, 384, generator=g)
         r = torch.randn(45, 384, generator=g).bfloat16() if mode == "residual" else None
         w = 1 + 0.1 * torch.randn(384, generator=g)
-        cot = [torch.randn(45, 384, generator=g) for _ in range(3)]
+        cot = [torch.randn(45, 384, generator=g) for _ in range(fanout + 1)]
         got = []
         for fn in (rmsnorm_triton, rmsnorm_reference):
             leaves = [t.clone().requires_grad_() for t in (x, w) + ((r,) if r is not None else ())]
-            y, y2, h = fn(leaves[0], leaves[1], leaves[2] if r is not None else None,
-                          skip=True, fanout=2)
-            assert y2 is not y and torch.equal(y, y2)
-            loss = sum((t.float() * c).sum() for t, c in zip((y, y2, h), cot, strict=True))
+            *ys, h = fn(leaves[0], leaves[1], leaves[2] if r is not None else None,
+                        skip=True, fanout=fanout)
+            assert len(ys) == fanout and len({id(t) for t in ys}) == fanout
+            assert all(torch.equal(ys[0], t) for t in ys)
+            loss = sum((t.float() * c).sum() for t, c in zip((*ys, h), cot, strict=True))
             got.append(torch.autograd.grad(loss, leaves))
         for name, a, b in zip(("dx", "dw", "dres"), *got):
-            key = f"fanout2_{mode}/{name}"
+            key = f"fanout{fanout}_{mode}/{name}"
             errors[key] = float((a.double() - b.double()).norm() / b.double().norm())
             tolerance[key] = 1e-2 if a.dtype == torch.bfloat16 else 1e-5
     # rows read in place from strided views (no residual): a head-transposed q, a k sliced out

@@ -223,7 +223,8 @@ def _surfaces() -> list[Surface]:
             "rmsnorm",
             "x, residual [T, D] (any float dtype), weight [D] -> (y, h) [T, D] in x.dtype; "
             "h = x + residual (fp32 sum), y = h * rsqrt(mean(h^2) + eps) * weight; "
-            "fanout=2: (y, y again, h), each copy with its own gradient, summed by the backward; "
+            "fanout=n (<= 3): y n times then h, each copy with its own gradient, summed by the "
+            "backward; "
             "rope=(cos, sin) [L, D/2] (a QK-norm of x [..., L, D]; no residual, fanout 1): y "
             "rotated (half-split pairs, as apply_rope) before its one rounding; x may be a "
             "strided view (read in place, dx with its strides); saves h, weight, rstd [T] fp32 "

@@ -79,13 +79,13 @@ class GroupedQueryAttention(nn.Module):
         x: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         cache: KVCache | PagedView | None = None,
-        again: torch.Tensor | None = None,
+        again: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
-        """x [B, L, D] -> [B, L, D]. ``again``: the same values as x, as a tensor of its own
-        (kv_proj reads it); default x."""
+        """x [B, L, D] -> [B, L, D]. ``again``: (the same values as x, as a tensor of its own)
+        for kv_proj to read; default x."""
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        kv = self.kv_proj(x if again is None else again)
+        kv = self.kv_proj(again[0] if again else x)
         k, v = kv.view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, hd]
         if isinstance(cache, PagedView):

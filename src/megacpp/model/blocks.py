@@ -116,14 +116,15 @@ class Block(nn.Module):
         yet added (its add then runs in this block's norm kernel). ``defer``: return
         (s, mixer output) and leave that add to the next block's norm; HybridLM chains its
         blocks this way."""
-        # skip: s (its gradient summed in the norm); a mixer with INPUT_FANOUT 2 (the MoE) gets
-        # the normed input twice, as two tensors whose gradients the norm's backward sums
+        # skip: s (its gradient summed in the norm); a mixer with INPUT_FANOUT n > 1 (attention,
+        # the MoE, Mamba-3) gets the normed input n times, as tensors of their own (``again``:
+        # the copies after the first) whose gradients the norm's backward sums
         fanout = getattr(self.mixer, "INPUT_FANOUT", 1)
         *hs, skip = self.norm.with_skip(x, pending, fanout=fanout)
         if cache is not None and x.shape[1] == 1 and hasattr(self.mixer, "step"):
             out = self.mixer.step(hs[0], cache)  # recurrent decode (M, R)
-        elif fanout == 2:
-            out = self.mixer(hs[0], doc_ids=doc_ids, cache=cache, again=hs[1])
+        elif fanout > 1:
+            out = self.mixer(hs[0], doc_ids=doc_ids, cache=cache, again=tuple(hs[1:]))
         else:
             out = self.mixer(hs[0], doc_ids=doc_ids, cache=cache)
         return (skip, out) if defer else skip + out

@@ -167,8 +167,16 @@ class Mamba3Mixer(nn.Module):
         self.B_norm.reset_parameters()
         self.C_norm.reset_parameters()
 
+    # the pre-norm block hands x in three times (Block, RMSNorm.with_skip's fanout): in_proj's
+    # three GEMMs (see _project) read one copy each, and the norm's backward kernel sums their
+    # three input gradients (autograd's add of them was an Inductor kernel of its own reading
+    # three [T, d_model] products: 0.47 ms of the nam56r-350m step on an H100, 14 layers;
+    # benchmarks/results/train_step_h100_s20/ops_s20)
+    INPUT_FANOUT = 3
+
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: Mamba3Cache | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: Mamba3Cache | None = None,
+        again: tuple[Tensor, ...] = (),
     ) -> Tensor:
         """Chunked scan over x [B, L, d_model] -> [B, L, d_model].
 
@@ -176,9 +184,11 @@ class Mamba3Mixer(nn.Module):
             t-1 to t starts a new document at t (state and trapezoid term are dropped).
         cache: continue from its state and write the final state back into it (prefill). The
             first token continues the cached sequence (no reset at t = 0).
+        again: up to two more tensors with x's values, read by in_proj's second and third
+            GEMMs (default x).
         """
         reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
-        inputs = self._scan_inputs(x)
+        inputs = self._scan_inputs(x, again)
         # the catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
         # continues a non-zero cache runs the reference, the only form that takes an initial
         # state (an all-zero cache -- a first prefill chunk -- is the same as none)
@@ -198,12 +208,13 @@ class Mamba3Mixer(nn.Module):
         cache.update_(final)
         return self.out_proj(y.flatten(2))
 
-    def _scan_inputs(self, x: Tensor) -> dict[str, Tensor]:
-        """Project x [B, L, d_model] into the scan's keyword arguments."""
+    def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
+        """Project x [B, L, d_model] (and its copies ``again``) into the scan's keyword
+        arguments."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
         H, P, G, N = self.nheads, self.headdim, self.ngroups, self.d_state
-        z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x)
+        z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x, *again)
         adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
         return dict(
             q=self.C_norm(c.unflatten(-1, (G, N))),  # [B, L, G, N]
@@ -219,16 +230,20 @@ class Mamba3Mixer(nn.Module):
             z=z.unflatten(-1, (H, P)),
         )
 
-    def _project(self, x: Tensor) -> tuple[Tensor, ...]:
+    def _project(self, x: Tensor, x2: Tensor | None = None, x3: Tensor | None = None
+                 ) -> tuple[Tensor, ...]:
         """in_proj(x) as ``[z, x, B, C, dd_dt, dd_A, trap, angles]``: three GEMMs over row
-        slices of its weight (z, x, the rest). The input's gradient is then three [T, d_model]
-        products summed; one GEMM split eight ways needs the eight gradients concatenated into
-        a [T, 3288] tensor first, which Inductor does in one masked kernel: 1.90 -> 1.86 ms per
-        compiled mixer fwd+bwd at the nam56r-350m shape on an H100
-        (benchmarks/results/kernels/h100_s16/mamba3_inproj_probe.py)."""
+        slices of its weight (z from x, x from x2, the rest from x3; x2, x3: copies of x,
+        default x). The input's gradient is then three [T, d_model] products summed (by the
+        pre-norm's backward kernel when they are its copies); one GEMM split eight ways needs
+        the eight gradients concatenated into a [T, 3288] tensor first, which Inductor does in
+        one masked kernel: 1.90 -> 1.86 ms per compiled mixer fwd+bwd at the nam56r-350m shape
+        on an H100 (benchmarks/results/kernels/h100_s16/mamba3_inproj_probe.py)."""
+        x2 = x if x2 is None else x2
+        x3 = x if x3 is None else x3
         w, d = self.in_proj.weight, self.d_inner
-        rest = F.linear(x, w[2 * d:]).split(self._split[2:], dim=-1)
-        return (F.linear(x, w[:d]), F.linear(x, w[d: 2 * d]), *rest)
+        rest = F.linear(x3, w[2 * d:]).split(self._split[2:], dim=-1)
+        return (F.linear(x, w[:d]), F.linear(x2, w[d: 2 * d]), *rest)
 
     def init_cache(
         self, batch_size: int, device: torch.device | str | None = None,

@@ -61,16 +61,16 @@ class MoE(nn.Module):
 
     def forward(
         self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: None = None,
-        again: torch.Tensor | None = None,
+        again: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
-        """x [B, L, D] -> [B, L, D]. ``again``: the same values as x, as a tensor of its own
-        (the routed experts read it); default x."""
+        """x [B, L, D] -> [B, L, D]. ``again``: (the same values as x, as a tensor of its own)
+        for the routed experts to read; default x."""
         B, L, D = x.shape
         tokens = x.reshape(-1, D)  # [T, D]
         logits, shared_gate_up = self.project(tokens)
         scores, expert_idx, weights = self.choose(logits)
 
-        routed = tokens if again is None else again.reshape(-1, D)
+        routed = again[0].reshape(-1, D) if again else tokens
         # the shared experts' output goes into the routed combine's kernel (an Inductor addmm
         # added it after the experts' graph break, copying the routed output first)
         shared = None if self.shared is None else self.shared.down(shared_gate_up)

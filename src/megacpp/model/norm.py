@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp.kernels.amp import effective_dtype
-from megacpp.kernels.ops.rmsnorm.reference import check_rope
+from megacpp.kernels.ops.rmsnorm.reference import check_rope, copies
 from megacpp.kernels.runtime import resolve
 from megacpp.model.rope import apply_rope
 
@@ -43,9 +43,9 @@ class RMSNorm(nn.Module):
         ``s + mixer(norm(s))``. A fused backend adds the residual in the norm's own kernel and
         routes s through it, so its backward also sums the skip branch's gradient into ds
         (without it, autograd adds the two float32 gradients of the residual stream in a kernel
-        of its own). ``fanout=2``: (norm(s), norm(s) again, s), for a mixer that uses its input
-        in two places (the MoE): a fused backend sums the two gradients in its backward kernel
-        too."""
+        of its own). ``fanout=n`` (2 or 3): norm(s) n times, then s, for a mixer that uses its
+        input in n places (``INPUT_FANOUT``): a fused backend sums their gradients in its
+        backward kernel too."""
         return self._norm(x, skip=True, residual=residual, fanout=fanout)
 
     def _norm(
@@ -64,4 +64,4 @@ class RMSNorm(nn.Module):
         if rope is not None:
             y = apply_rope(y, *rope)
         y = y.to(out_dtype)
-        return (y, y, x) if fanout == 2 else (y, x)
+        return (*copies(y, fanout), x)

@@ -7,9 +7,9 @@ The normalisation uses the float32 sum, not the rounded ``h``; the fused kernel 
 ``out_dtype`` lets y leave in the dtype its consumers compute in (bf16 matmuls under autocast)
 while h, the residual stream, keeps x's. ``skip`` changes only how a backend computes the
 gradient (see the fused kernel), never a value: the reference accepts and ignores it.
-``fanout=2`` returns y twice, as two tensors (the second a view of the first), for a mixer
-that uses its input in two places: each gets its own gradient, and a fused backend sums them
-in its backward kernel instead of autograd adding them in a kernel of its own.
+``fanout=2`` (or 3) returns y twice (three times), as tensors of their own (views of the first),
+for a mixer that uses its input in two (three) places: each gets its own gradient, and a fused
+backend sums them in its backward kernel instead of autograd adding them in a kernel of its own.
 ``rope=(cos, sin)`` (QK-norm; no residual, ``fanout=1``) rotates y before its one rounding, as
 :func:`megacpp.model.rope.apply_rope` does (half-split pairs ``(i, i + D/2)``): ``cos`` and
 ``sin`` are [L, D/2] float tables of the positions along x's second-to-last dim, which has L
@@ -30,7 +30,7 @@ def rmsnorm_reference(
     rope: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
     """x, residual: [..., D]; weight: [D]. Returns (y, h), both [..., D]: y in ``out_dtype``
-    (default x.dtype), h in x.dtype; with ``fanout=2``, (y, y again, h); with ``rope``, y
+    (default x.dtype), h in x.dtype; with ``fanout=n``, y n times then h; with ``rope``, y
     rotated (x [..., L, D], cos / sin [L, D/2])."""
     del skip  # a gradient-path choice of the fused kernel; same values
     check_fanout(fanout)
@@ -43,12 +43,20 @@ def rmsnorm_reference(
         y1, y2 = y.chunk(2, dim=-1)
         y = torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1)
     y = y.to(out_dtype or x.dtype)
-    return (y, y.view_as(y), h.to(x.dtype)) if fanout == 2 else (y, h.to(x.dtype))
+    return (*copies(y, fanout), h.to(x.dtype))
+
+
+MAX_FANOUT = 3
 
 
 def check_fanout(fanout: int) -> None:
-    if fanout not in (1, 2):
-        raise ValueError(f"rmsnorm: fanout must be 1 or 2, got {fanout!r}")
+    if fanout not in range(1, MAX_FANOUT + 1):
+        raise ValueError(f"rmsnorm: fanout must be 1 to {MAX_FANOUT}, got {fanout!r}")
+
+
+def copies(y: Tensor, fanout: int) -> tuple[Tensor, ...]:
+    """y and ``fanout - 1`` views of it: tensors of their own, each with its own gradient."""
+    return (y, *(y.view_as(y) for _ in range(fanout - 1)))
 
 
 def check_rope(x: Tensor, residual: Tensor | None, fanout: int,

@@ -88,13 +88,13 @@ def _rmsnorm_fwd(X, R, W, Y, H, RSTD, COS, SIN, n_rows, n_cols, eps, n1, n2, s0,
 
 
 @triton.jit
-def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, COS, SIN, n_rows, n_cols, n1,
-                 n2, s0, s1, s2, dn1, dn2, ds0, ds1, ds2, seq_len, ROWS: tl.constexpr,
-                 HAS_DY2: tl.constexpr, HAS_DH_OUT: tl.constexpr, WRITE_DR: tl.constexpr,
+def _rmsnorm_bwd(DY, DY2, DY3, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, COS, SIN, n_rows, n_cols,
+                 n1, n2, s0, s1, s2, dn1, dn2, ds0, ds1, ds2, seq_len, ROWS: tl.constexpr,
+                 FANOUT: tl.constexpr, HAS_DH_OUT: tl.constexpr, WRITE_DR: tl.constexpr,
                  STRIDED: tl.constexpr, DY_STRIDED: tl.constexpr, ROPE: tl.constexpr,
                  TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Rows [pid * ROWS, (pid + 1) * ROWS) in [TILE, BLOCK] tiles; one float32 dw partial.
-    HAS_DY2: y's second copy (fanout 2) has its own gradient DY2, added to DY here.
+    FANOUT: y's second (and third) copy has its own gradient DY2 (DY3), added to DY here.
     WRITE_DR: also store dh in DR's dtype (the residual's gradient when it is narrower than
     h's, so autograd needs no cast kernel). STRIDED: H is the strided input x (_row_starts);
     the other tensors are contiguous [T, D] except (DY_STRIDED) DY, read where its own
@@ -119,8 +119,10 @@ def _rmsnorm_bwd(DY, DY2, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, COS, SIN, n_ro
             partner, cos, ssin = _rope_cols(rows, cols, n_cols, seq_len, COS, SIN)
             dyp = tl.load(DY + dy_starts + partner[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = dy * cos - dyp * ssin
-        if HAS_DY2:
+        if FANOUT >= 2:
             dy += tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
+        if FANOUT >= 3:
+            dy += tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         h_hat = h * rstd
         dyw = dy * w[None, :]
@@ -234,7 +236,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         ctx.has_residual, ctx.shape, ctx.rows_at = has_residual, shape, rows_at
         ctx.residual_dtype = residual.dtype if has_residual else None
         ctx.fanout = fanout
-        ys = (y.view(shape), y.view(shape))[:fanout]  # fanout 2: two tensors, two gradients
+        ys = tuple(y.view(shape) for _ in range(fanout))  # fanout n: n tensors, n gradients
         # with skip and no residual, h is a view of x: its gradient comes back as dh_out
         return (*ys, h.view(shape)) if has_residual or skip else ys
 
@@ -243,14 +245,14 @@ class _FusedRMSNorm(torch.autograd.Function):
         h, weight, rstd, cos, sin = ctx.saved_tensors
         n_cols = h.shape[-1]
         n_rows = rstd.shape[0]
-        dy_again = grads[0] if ctx.fanout == 2 else None
+        # the other copies' gradients (fanout 2, 3), then h's (when it is an output)
+        again = [g.reshape(n_rows, n_cols).contiguous() for g in grads[:ctx.fanout - 1]]
         dh_out = grads[ctx.fanout - 1] if len(grads) >= ctx.fanout else None
         # dy read where it lies when its rows can be addressed (SDPA's dq / dk come back in
         # their own layouts once no rotation kernel stands between it and this norm)
         dy_at = None if dy.is_contiguous() else _strided_rows(dy)
         dy2 = dy if dy_at is not None else dy.reshape(n_rows, n_cols).contiguous()
-        has_dy2 = dy_again is not None
-        dy_again = dy_again.reshape(n_rows, n_cols).contiguous() if has_dy2 else dy2
+        dy_2, dy_3 = (again + [dy2, dy2])[:2]  # (unread past the fanout)
         has_dh_out = dh_out is not None
         dh_out2 = dh_out.reshape(n_rows, n_cols).contiguous() if has_dh_out else dy2
         # dx is contiguous even for a strided x: dx laid out as x (as a compiled caller's
@@ -267,10 +269,11 @@ class _FusedRMSNorm(torch.autograd.Function):
         # its gradient written by the kernel in that dtype
         write_dr = ctx.has_residual and ctx.residual_dtype != h.dtype
         dr = torch.empty_like(h, dtype=ctx.residual_dtype) if write_dr else dh
-        _rmsnorm_bwd[(n_programs,)](dy2, dy_again, dh_out2, h, weight, rstd, dh, dr, dw_partial,
-                                    cos, sin, n_rows, n_cols, *(ctx.rows_at or _CONTIGUOUS_ROWS),
+        _rmsnorm_bwd[(n_programs,)](dy2, dy_2, dy_3, dh_out2, h, weight, rstd, dh, dr,
+                                    dw_partial, cos, sin, n_rows, n_cols,
+                                    *(ctx.rows_at or _CONTIGUOUS_ROWS),
                                     *(dy_at or _CONTIGUOUS_ROWS), ctx.seq_len,
-                                    ROWS=rows_per_program, HAS_DY2=has_dy2,
+                                    ROWS=rows_per_program, FANOUT=ctx.fanout,
                                     HAS_DH_OUT=has_dh_out, WRITE_DR=write_dr,
                                     STRIDED=ctx.rows_at is not None, DY_STRIDED=dy_at is not None,
                                     ROPE=ctx.rope, TILE=tile, BLOCK=block, num_warps=warps)
@@ -288,7 +291,7 @@ def rmsnorm_triton(
     """Same contract as :func:`megacpp.kernels.ops.rmsnorm.reference.rmsnorm_reference`.
     Without a residual, h is x itself unless ``skip`` routes it through the op (its gradient
     is then added by the backward kernel: use it when h is the block's skip branch). With
-    ``fanout=2`` the backward kernel reads both copies' gradients. ``rope``: both kernels
+    ``fanout=2`` or 3 the backward kernel reads every copy's gradient. ``rope``: both kernels
     rotate (the forward y, the backward its gradient) in registers."""
     check_fanout(fanout)
     check_rope(x, residual, fanout, rope)
