@@ -124,16 +124,12 @@ def _wgrad_case(rows, m, n, counts, dtype, device, seed):
     g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(rows, m, generator=g, device=device).to(dtype)
     b = torch.randn(rows, n, generator=g, device=device).to(dtype)
-    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-    assert int(offs[-1]) == rows
-    return a, b, offs, _wgrad_products(a, b, offs)
-
-
-def _wgrad_products(a, b, offs):
-    """a[rows_e]^T b[rows_e] per expert, float64 [E, m, n]."""
-    ends = offs.tolist()
-    return torch.stack([a[s:e].double().T @ b[s:e].double()
-                        for s, e in zip([0, *ends[:-1]], ends, strict=True)])
+    ends = torch.tensor(counts, device=device).cumsum(0)
+    assert int(ends[-1]) == rows
+    starts = [0, *ends.tolist()[:-1]]
+    want = torch.stack([a[s:e].double().T @ b[s:e].double()
+                        for s, e in zip(starts, ends.tolist(), strict=True)])
+    return a, b, ends.to(torch.int32), want
 
 
 def test_grouped_wgrad_torch_matches_the_loop():
@@ -219,43 +215,19 @@ def _interpreter_wgrad(kernels) -> dict:
                 result[f"wgrad_m{bm}_{str(out_dtype)[6:]}{name}"] = err
                 assert err < tol, (bm, out_dtype, name, err)
                 assert x[0].abs().max() == 0 and x[3].abs().max() == 0  # experts without rows
-    # b read through a plan: b's rows are tokens of a [T, N] source, sorted row r = b[order // k]
-    src, order, k = _plan_source(counts, 24, torch.float16)
-    b_sorted = src[order // k]
-    for transpose_out in (False, True):
-        got = kernels.grouped_wgrad_triton(a, src, offs, torch.float32, transpose_out,
-                                           order=order, top_k=k)
-        want_p = _wgrad_products(a, b_sorted, offs)
-        want_p = want_p.transpose(1, 2) if transpose_out else want_p
-        err = _rel(got, want_p)
-        result[f"wgrad_plan_t{int(transpose_out)}"] = err
-        assert got.shape == want_p.shape and err < 1e-6, (transpose_out, err)
-    kernels.WGRAD_CONFIGS = configs
     x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 6, (2,))
     cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(7))
     kernel, calls = kernels.grouped_wgrad_triton, []
-    kernels.grouped_wgrad_triton = (
-        lambda *args, **kw: calls.append((args[4], "order" in kw)) or kernel(*args, **kw))
+    kernels.grouped_wgrad_triton = lambda *args: calls.append(args[-1]) or kernel(*args)
     got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
     kernels.grouped_wgrad_triton = kernel
-    # dw_in, and dw_out stored transposed; both read x / dout through the plan
-    assert sorted(calls) == [(False, True), (True, True)]
+    assert sorted(calls) == [False, True]  # dw_in, and dw_out stored transposed
     ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
     for name, a_, b_ in zip(NAMES, got, ref):
         result[f"fp16_path/{name}"] = _rel(a_, b_)
         assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
     assert got[3][2].abs().max() == 0 and got[4][2].abs().max() == 0
     return result
-
-
-def _plan_source(counts, cols, dtype, device="cpu", top_k=3, seed=11):
-    """A [T, cols] source and the order of a plan of T * top_k sorted rows grouped as
-    ``counts`` (its sum a multiple of top_k): each token's k rows spread over the groups."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    rows = sum(counts)
-    order = torch.randperm(rows, generator=g, device=device)  # sorted row -> (token, choice)
-    src = torch.randn(rows // top_k, cols, generator=g, device=device).to(dtype)
-    return src, order, top_k
 
 
 def _grouped_mm_case(counts, k, n, trans_b, dtype, device, seed):
@@ -266,15 +238,11 @@ def _grouped_mm_case(counts, k, n, trans_b, dtype, device, seed):
     a = torch.randn(rows, k, generator=g, device=device).to(dtype)
     w = torch.randn(experts, *((n, k) if trans_b else (k, n)), generator=g, device=device)
     w = w.to(dtype)
-    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-    return a, w, offs, _expert_products(a, w, offs, trans_b)
-
-
-def _expert_products(a, w, offs, trans_b):
-    """a[rows_e] @ w[e] (w[e]^T) per expert, float64 [R, n]."""
-    ends = offs.tolist()
-    return torch.cat([a[s:e].double() @ (w[i].double().T if trans_b else w[i].double())
-                      for i, (s, e) in enumerate(zip([0, *ends[:-1]], ends, strict=True))])
+    ends = torch.tensor(counts, device=device).cumsum(0)
+    starts = [0, *ends.tolist()[:-1]]
+    want = torch.cat([a[s:e].double() @ (w[i].double().T if trans_b else w[i].double())
+                      for i, (s, e) in enumerate(zip(starts, ends.tolist(), strict=True))])
+    return a, w, ends.to(torch.int32), want
 
 
 def _interpreter_grouped_mm(kernels) -> dict:
@@ -299,33 +267,20 @@ def _interpreter_grouped_mm(kernels) -> dict:
             err = _rel(got, want)
             result[f"grouped_mm_k{k}_n{n}_t{int(trans_b)}"] = err
             assert got.shape == want.shape and err < 2e-3, (k, n, trans_b, err)
-            # a read through a plan: its rows are tokens of a [T, K] source, sorted row r
-            # being src[order[r] // k] (R = 81: 27 tokens of 3 choices)
-            plan_counts = [0, 21, 1, 0, 40, 19]
-            src, order, top_k = _plan_source(plan_counts, k, torch.float16)
-            plan_offs = torch.tensor(plan_counts).cumsum(0).to(torch.int32)
-            want_p = _expert_products(src[order // top_k], w, plan_offs, trans_b)
-            got = kernels.grouped_mm_triton(src, w, plan_offs, trans_b, order=order,
-                                            top_k=top_k)
-            err = _rel(got, want_p)
-            result[f"grouped_mm_plan_k{k}_n{n}_t{int(trans_b)}"] = err
-            assert got.shape == want_p.shape and err < 2e-3, (k, n, trans_b, err)
     # the MoE's shapes at d 32, ffn 24: gate|up (48, 32), down (32, 24), d hidden (24, 32),
     # dx (32, 48), each (N, K)
     kernels.GROUPED_CONFIGS.update(dict.fromkeys([(48, 32), (32, 24), (24, 32), (32, 48)], tile))
     x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 8, (2,))
     cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(9))
     kernel, calls = kernels.grouped_mm_triton, []
-    kernels.grouped_mm_triton = (
-        lambda *args, **kw: calls.append((args[3], "order" in kw)) or kernel(*args, **kw))
+    kernels.grouped_mm_triton = lambda *args: calls.append(args[-1]) or kernel(*args)
     try:
         got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
     finally:
         kernels.grouped_mm_triton = kernel
         kernels.GROUPED_CONFIGS.clear()
         kernels.GROUPED_CONFIGS.update(saved)
-    # d hidden (dout through the plan), dx; down, gate|up (x through the plan)
-    assert sorted(calls) == [(False, False), (False, True), (True, False), (True, True)]
+    assert sorted(calls) == [False, False, True, True]  # gate|up, down; d hidden, dx
     ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
     for name, a_, b_ in zip(NAMES, got, ref):
         result[f"fp16_mm_path/{name}"] = _rel(a_, b_)
@@ -400,13 +355,6 @@ def test_grouped_wgrad_triton_against_float64():
             assert not got.isnan().any()
             assert _rel(got, want) < tol, (m, transpose_out, out_dtype, _rel(got, want))
             assert got[1].abs().max() == 0
-        # b read through a plan (the MoE's x and dout: 16384 tokens of 2 choices)
-        src, order, top_k = _plan_source(counts, n, torch.bfloat16, "cuda", top_k=2)
-        want = _wgrad_products(a, src[order // top_k], offs)
-        want = want.transpose(1, 2) if transpose_out else want
-        got = kernels.grouped_wgrad_triton(a, src, offs, torch.float32, transpose_out,
-                                           order=order, top_k=top_k)
-        assert _rel(got, want) < 1e-5 and got[1].abs().max() == 0, (m, _rel(got, want))
 
 
 @pytest.mark.gpu
@@ -432,12 +380,6 @@ def test_grouped_mm_triton_against_float64(monkeypatch):
         got = kernels.grouped_mm_triton(a, w, offs, trans_b)
         assert got.shape == want.shape and not got.isnan().any()
         assert _rel(got, want) < 8e-3, (k, n, trans_b, _rel(got, want))
-        # a read through a plan (as the MoE's gate|up and d hidden read x and dout)
-        src, order, top_k = _plan_source(counts, k, torch.bfloat16, "cuda", top_k=2)
-        want = _expert_products(src[order // top_k], w, offs, trans_b)
-        got = kernels.grouped_mm_triton(src, w, offs, trans_b, order=order, top_k=top_k)
-        assert got.shape == want.shape and not got.isnan().any()
-        assert _rel(got, want) < 8e-3, (k, n, trans_b, _rel(got, want))
 
 
 @pytest.mark.gpu
@@ -461,7 +403,7 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
     calls = []
     kernel = kernels.grouped_wgrad_triton
     monkeypatch.setattr(kernels, "grouped_wgrad_triton",
-                        lambda *args, **kw: calls.append(args[4]) or kernel(*args, **kw))
+                        lambda *args: calls.append(args[-1]) or kernel(*args))
     x, idx, w, w_in, w_out = _inputs(1000, 256, 16, 4, 192, torch.bfloat16, "cuda", 4, skip)
     cot = torch.randn(1000, 256, device="cuda")
     ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot)

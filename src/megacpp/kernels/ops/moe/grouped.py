@@ -5,8 +5,7 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
     plan       stable sort of the flat expert ids -> order [N], inverse inv [T, k], offs [E],
                routing weights in sorted order w_sorted [N] (on CUDA, E <= 256: a two-launch
                Triton counting sort; else torch.sort + searchsorted)
-    permute    x_sorted[r] = x[order[r] // k]   (not materialized where its consumer reads
-               x through the plan: see :class:`Permuted`)                        [N, D]
+    permute    x_sorted[inv[t, j]] = x[t]   (a row scatter: each row of x read once)  [N, D]
     gate|up    grouped GEMM x_sorted @ w_in[e]^T                        [N, 2F]
     SwiGLU     hidden = silu(gate) * up * w     (routing weight folded in here)   [N, F]
     down       grouped GEMM hidden @ w_out[e]^T                         [N, D]
@@ -16,7 +15,7 @@ Backward: the combine's gradient is dout permuted as x was (dy_sorted); two grou
 give d hidden and dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass
 gives d(gate|up) and the routing weights' gradient (written to each row's (token, choice)
 slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
-x, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
+x_sorted, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
 the compute dtype inside, so the two K-grouped weight-gradient GEMMs ("wgrad": on sm90+ a
 Triton kernel, :func:`megacpp.kernels.ops.moe.triton.grouped_wgrad_triton`) write the float32
 masters' gradients directly from their float32 accumulators: no bf16 rounding of dW and no
@@ -82,25 +81,6 @@ def dispatch_plan_torch(expert_idx: Tensor, n_experts: int, weights: Tensor | No
                                                                   device=order.device))
     w_sorted = None if weights is None else weights.detach().reshape(-1).index_select(0, order)
     return DispatchPlan(order, inv.view_as(expert_idx), offs, w_sorted)
-
-
-class Permuted:
-    """The rows of ``src`` [T, D] in expert order, ``src[order[r] // k]`` [N, D], without the
-    copy: the Triton expert GEMMs (:func:`_ops`) read ``src`` through the plan; any other
-    consumer gets :meth:`rows`, the permute materialized once (the row scatter). At the
-    nam56r-350m step's shape the two permutes (x forward, dout backward) were 25 us each per
-    layer on an H100, and x_sorted, saved for the backward, k times x's memory."""
-
-    def __init__(self, src: Tensor, plan: DispatchPlan, scatter: Callable[..., Tensor]) -> None:
-        self.src, self.order, self.inv = src.contiguous(), plan.order, plan.inv
-        self.k = plan.inv.shape[1]
-        self._scatter, self._rows = scatter, None
-
-    def rows(self) -> Tensor:
-        """The permute materialized, [N, D] (once)."""
-        if self._rows is None:
-            self._rows = self._scatter(self.src, self.inv)
-        return self._rows
 
 
 # -- the plain-PyTorch elementwise steps (CPU path and the Triton kernels' truth) ---------------
@@ -176,48 +156,26 @@ class _Ops(NamedTuple):
 
 
 def _ops(device: torch.device) -> _Ops:
-    """The elementwise steps and the grouped GEMMs for this device. The GEMMs take their
-    expert-sorted operand (mm's a, wgrad's b) as a tensor or as :class:`Permuted` rows: the
-    Triton kernels read those through the plan, the torch ones get them materialized."""
+    """The elementwise steps and the grouped GEMMs for this device."""
     if _use_triton(device):
         from megacpp.kernels.ops.moe import triton as kernels
 
-        def wgrad(a: Tensor, b: Tensor | Permuted, offs: Tensor, out_dtype: torch.dtype,
+        def wgrad(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
                   transpose_out: bool = False) -> Tensor:
-            src = b.src if isinstance(b, Permuted) else b
-            if not kernels.wgrad_triton_ok(a, src):
-                return grouped_wgrad_torch(a, _rows(b), offs, out_dtype, transpose_out)
-            if isinstance(b, Permuted):
-                return kernels.grouped_wgrad_triton(a, b.src, offs, out_dtype, transpose_out,
-                                                    order=b.order, top_k=b.k)
-            return kernels.grouped_wgrad_triton(a, b, offs, out_dtype, transpose_out)
+            fn = (kernels.grouped_wgrad_triton if kernels.wgrad_triton_ok(a, b)
+                  else grouped_wgrad_torch)
+            return fn(a, b, offs, out_dtype, transpose_out)
 
-        def mm(a: Tensor | Permuted, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
-            src = a.src if isinstance(a, Permuted) else a
-            if not kernels.grouped_mm_ok(src, w, trans_b):
-                return grouped_mm_torch(_rows(a), w, offs, trans_b)
-            if isinstance(a, Permuted):
-                return kernels.grouped_mm_triton(a.src, w, offs, trans_b, order=a.order,
-                                                 top_k=a.k)
-            return kernels.grouped_mm_triton(a, w, offs, trans_b)
+        def mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+            fn = (kernels.grouped_mm_triton if kernels.grouped_mm_ok(a, w, trans_b)
+                  else grouped_mm_torch)
+            return fn(a, w, offs, trans_b)
 
         return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton,
                     kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton,
                     wgrad, mm)
-
-    def wgrad_torch(a: Tensor, b: Tensor | Permuted, offs: Tensor, out_dtype: torch.dtype,
-                    transpose_out: bool = False) -> Tensor:
-        return grouped_wgrad_torch(a, _rows(b), offs, out_dtype, transpose_out)
-
-    def mm_torch(a: Tensor | Permuted, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
-        return grouped_mm_torch(_rows(a), w, offs, trans_b)
-
     return _Ops(scatter_rows_torch, gather_sum_torch, swiglu_weighted_torch,
-                swiglu_weighted_backward_torch, wgrad_torch, mm_torch)
-
-
-def _rows(t: Tensor | Permuted) -> Tensor:
-    return t.rows() if isinstance(t, Permuted) else t
+                swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -230,22 +188,23 @@ class _GroupedExperts(torch.autograd.Function):
         # here, so that their gradients can be returned in that dtype by the wgrad GEMMs
         ctx.w_dtypes = (w_in.dtype, w_out.dtype)
         w_in, w_out = w_in.to(compute_dtype), w_out.to(compute_dtype)
-        plan = DispatchPlan(order, inv, offs, w_sorted)
-        gate_up = ops.mm(Permuted(x, plan, ops.scatter_rows), w_in, offs, True)  # [N, 2F]
+        x_sorted = ops.scatter_rows(x, inv)  # [N, D]
+        gate_up = ops.mm(x_sorted, w_in, offs, True)  # [N, 2F]
         hidden = ops.swiglu(gate_up, w_sorted)  # [N, F], weight folded in
         y_sorted = ops.mm(hidden, w_out, offs, True)  # [N, D]
-        ctx.save_for_backward(x, gate_up, hidden, w_sorted, w_in, w_out, order, inv, offs)
+        ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
+                              offs)
         ctx.weights_dtype = weights.dtype
         ctx.addend_dtype = None if addend is None else addend.dtype
         return ops.gather_sum(y_sorted, inv, addend)  # [T, D], + addend in the same kernel
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        x, gate_up, hidden, w_sorted, w_in, w_out, order, inv, offs = ctx.saved_tensors
+        (x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
+         offs) = ctx.saved_tensors
         ops = _ops(dout.device)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
-        plan = DispatchPlan(order, inv, offs, w_sorted)
-        dy_sorted = Permuted(dout, plan, ops.scatter_rows)  # [N, D]
+        dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
         dhidden = ops.mm(dy_sorted, w_out, offs, False)  # [N, F]
         # [E, D, F] computed as hidden^T dy per expert: F (often narrow) on the tile's M
         dw_out = (ops.wgrad(hidden, dy_sorted, offs, ctx.w_dtypes[1], transpose_out=True)
@@ -257,8 +216,7 @@ class _GroupedExperts(torch.autograd.Function):
             dx_sorted = ops.mm(dgate_up, w_in, offs, False)  # [N, D]
             dx = ops.gather_sum(dx_sorted, inv)
         if need_in:
-            dw_in = ops.wgrad(dgate_up, Permuted(x, plan, ops.scatter_rows), offs,
-                              ctx.w_dtypes[0])  # [E, 2F, D]
+            dw_in = ops.wgrad(dgate_up, x_sorted, offs, ctx.w_dtypes[0])  # [E, 2F, D]
         dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
         # the addend's gradient is the output's
         daddend = dout.to(ctx.addend_dtype) if ctx.needs_input_grad[8] else None

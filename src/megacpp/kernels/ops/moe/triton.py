@@ -301,26 +301,14 @@ def _wgrad_config(m: int, n: int, experts: int, sms: int) -> dict:
 
 
 @triton.jit
-def _plan_rows(B, ORDER, r, live, cols, n_cols, TOP_K: tl.constexpr):
-    """[len(r), len(cols)] of the expert-sorted rows r of a [tokens, n_cols] B read through the
-    plan: sorted row r holds token ORDER[r] // TOP_K's row (the permute, without its copy);
-    rows not ``live`` and columns past n_cols read as zeros."""
-    token = tl.load(ORDER + r, mask=live, other=0) // TOP_K
-    ptr = B + token.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    return tl.load(ptr, mask=live[:, None] & (cols < n_cols)[None, :], other=0.0)
-
-
-@triton.jit
-def _wgrad_kernel(A, B, C, OFFS, ORDER, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER_B: tl.constexpr,
-                  TOP_K: tl.constexpr):
+def _wgrad_kernel(A, B, C, OFFS, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of C[e] = A[rows_e]^T B[rows_e] (grid: (tiles, experts);
     a tile's m index runs fastest, so neighbouring programs share the expert's rows in L2).
     A, B: tensor descriptors over the [R, M] / [R, N] row-major operands, [BLOCK_K, BLOCK_*]
-    blocks; rows_e = [OFFS[e - 1], OFFS[e]). GATHER_B: B is a pointer to the [tokens, N]
-    rows the sorted rows are permuted from, read through the plan (_plan_rows). Full K blocks
-    go straight from the loads to the product; the last, partial one is masked (its rows past
-    the expert's end belong to the next expert). An expert without rows stores zeros."""
+    blocks; rows_e = [OFFS[e - 1], OFFS[e]). Full K blocks go straight from the loads to the
+    product; the last, partial one is masked (its rows past the expert's end belong to the
+    next expert). An expert without rows stores zeros."""
     tile, e = tl.program_id(0), tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
     m0 = (tile % tiles_m) * BLOCK_M
@@ -328,26 +316,17 @@ def _wgrad_kernel(A, B, C, OFFS, ORDER, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.cons
     start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
     end = tl.load(OFFS + e)
     full = (end - start) // BLOCK_K
-    kk = tl.arange(0, BLOCK_K)
-    cols = n0 + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(full):
         k0 = start + i * BLOCK_K
-        if GATHER_B:
-            b = _plan_rows(B, ORDER, k0 + kk, kk >= 0, cols, N, TOP_K)
-        else:
-            b = B.load([k0, n0])
-        acc = tl.dot(A.load([k0, m0]).T, b, acc)
+        acc = tl.dot(A.load([k0, m0]).T, B.load([k0, n0]), acc)
     k0 = start + full * BLOCK_K
     if k0 < end:
-        live = k0 + kk < end
+        live = (k0 + tl.arange(0, BLOCK_K) < end)[:, None]
         a = A.load([k0, m0])
-        if GATHER_B:
-            b = _plan_rows(B, ORDER, k0 + kk, live, cols, N, TOP_K)
-        else:
-            b = B.load([k0, n0])
-            b = tl.where(live[:, None], b, tl.zeros_like(b))
-        acc = tl.dot(tl.where(live[:, None], a, tl.zeros_like(a)).T, b, acc)
+        b = B.load([k0, n0])
+        acc = tl.dot(tl.where(live, a, tl.zeros_like(a)).T, tl.where(live, b, tl.zeros_like(b)),
+                     acc)
     om = m0 + tl.arange(0, BLOCK_M)
     on = n0 + tl.arange(0, BLOCK_N)
     ptr = C + e.to(tl.int64) * s_ce + om[:, None] * s_cm + on[None, :] * s_cn
@@ -376,13 +355,10 @@ def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
 
 
 def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
-                         transpose_out: bool = False, order: Tensor | None = None,
-                         top_k: int = 1) -> Tensor:
+                         transpose_out: bool = False) -> Tensor:
     """a [R, M], b [R, N] (rows grouped by expert), offs [E] int32 group ends -> [E, M, N] in
     ``out_dtype``: a[rows_e]^T @ b[rows_e] per expert, float32 accumulation (zeros for an
     expert without rows). ``transpose_out``: the same products stored as [E, N, M].
-    ``order`` (the plan's, [R]): b is the [T, N] source of the permute instead, sorted row r
-    being b[order[r] // top_k] (read through the plan, no permuted copy).
     Operands must pass :func:`wgrad_triton_ok`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -395,13 +371,10 @@ def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dt
     cfg = _wgrad_config(m, n, experts, sms)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), experts)
-    gather = order is not None
     _wgrad_kernel[grid](
-        TensorDescriptor.from_tensor(a, [bk, bm]),
-        b if gather else TensorDescriptor.from_tensor(b, [bk, bn]), out, offs,
-        order if gather else offs, m, n, out.stride(0), s_m, s_n, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GATHER_B=gather, TOP_K=top_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        TensorDescriptor.from_tensor(a, [bk, bm]), TensorDescriptor.from_tensor(b, [bk, bn]),
+        out, offs, m, n, out.stride(0), s_m, s_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -431,15 +404,14 @@ GROUPED_ON_GPU = True
 
 
 @triton.jit
-def _grouped_mm_kernel(A, B, C, OFFS, ORDER, E, N, K, rows, s_cm, TRANS_B: tl.constexpr,
+def _grouped_mm_kernel(A, B, C, OFFS, E, N, K, s_cm, TRANS_B: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       E_PAD: tl.constexpr, GATHER_A: tl.constexpr, TOP_K: tl.constexpr):
+                       E_PAD: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of C[rows_e] = A[rows_e] @ W_e (TRANS_B: W_e^T), grid
     (n tiles * row-block bound): the n index runs fastest, so neighbouring programs share the
-    row block in L2. A: descriptor over [rows, K], [BLOCK_M, BLOCK_K] blocks, or (GATHER_A) a
-    pointer to the [tokens, K] rows the sorted rows are permuted from, read through the plan
-    (_plan_rows); B: over W [E, K, N] ([1, BLOCK_K, BLOCK_N]) or, TRANS_B, [E, N, K]
-    ([1, BLOCK_N, BLOCK_K]); rows_e = [OFFS[e - 1], OFFS[e])."""
+    row block in L2. A: descriptor over [rows, K], [BLOCK_M, BLOCK_K] blocks; B: over W
+    [E, K, N] ([1, BLOCK_K, BLOCK_N]) or, TRANS_B, [E, N, K] ([1, BLOCK_N, BLOCK_K]);
+    rows_e = [OFFS[e - 1], OFFS[e])."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // tiles_n
     n0 = (tl.program_id(0) % tiles_n) * BLOCK_N
@@ -455,16 +427,8 @@ def _grouped_mm_kernel(A, B, C, OFFS, ORDER, E, N, K, rows, s_cm, TRANS_B: tl.co
         end = tl.sum(tl.where(mine, ends, 0), axis=0)
         m0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (pid_m - first) * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATHER_A:  # the row block's source rows, found once
-            r = m0 + tl.arange(0, BLOCK_M)
-            token = tl.load(ORDER + r, mask=r < rows, other=0) // TOP_K
-            a_rows = A + token.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):
-            if GATHER_A:
-                kk = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-            else:
-                a = A.load([m0, k0])
+            a = A.load([m0, k0])
             if TRANS_B:
                 b = B.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, b.T, acc)
@@ -487,18 +451,14 @@ def grouped_mm_ok(a: Tensor, w: Tensor, trans_b: bool) -> bool:
     return _descriptor_operands_ok(a, w, GROUPED_ON_GPU)
 
 
-def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool,
-                      order: Tensor | None = None, top_k: int = 1) -> Tensor:
+def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
     """a [R, K] (rows grouped by expert), w [E, K, N] (``trans_b``: [E, N, K]), offs [E] int32
     group ends -> [R, N] in a's dtype: a[rows_e] @ w[e] (w[e]^T), float32 accumulation; rows
-    past offs[-1] are left unwritten. ``order`` (the plan's, [R]): a is the [T, K] source of
-    the permute instead, sorted row r being a[order[r] // top_k] (read through the plan, no
-    permuted copy). Operands must pass :func:`grouped_mm_ok`."""
+    past offs[-1] are left unwritten. Operands must pass :func:`grouped_mm_ok`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a, w = a.contiguous(), w.contiguous()
-    gather = order is not None
-    rows, k = (order.numel(), a.shape[1]) if gather else a.shape
+    rows, k = a.shape
     experts = w.shape[0]
     n = w.shape[1] if trans_b else w.shape[2]
     out = torch.empty(rows, n, device=a.device, dtype=a.dtype)
@@ -507,9 +467,8 @@ def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool,
     w_block = [1, bn, bk] if trans_b else [1, bk, bn]
     grid = (triton.cdiv(n, bn) * (triton.cdiv(rows, bm) + experts),)
     _grouped_mm_kernel[grid](
-        a if gather else TensorDescriptor.from_tensor(a, [bm, bk]),
-        TensorDescriptor.from_tensor(w, w_block), out, offs, order if gather else offs,
-        experts, n, k, rows, out.stride(0), TRANS_B=trans_b, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)), GATHER_A=gather,
-        TOP_K=top_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
+        out, offs, experts, n, k, out.stride(0), TRANS_B=trans_b, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
