@@ -285,6 +285,48 @@ def _interpreter_grouped_mm(kernels) -> dict:
     for name, a_, b_ in zip(NAMES, got, ref):
         result[f"fp16_mm_path/{name}"] = _rel(a_, b_)
         assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
+    result.update(_interpreter_swiglu(kernels, tile))
+    return result
+
+
+def _interpreter_swiglu(kernels, tile) -> dict:
+    """gate|up with the SwiGLU in the epilogue (16 hidden columns per program: F = 24 takes
+    a ragged second tile): gate|up against float64, hidden against the SwiGLU of the stored
+    gate|up; then the whole float16 path taking it."""
+    result = {}
+    counts = [0, 21, 1, 0, 40, 17]
+    a, w, offs, want = _grouped_mm_case(counts, 40, 48, True, torch.float16, "cpu", 3)
+    w_sorted = torch.rand(a.shape[0], generator=torch.Generator().manual_seed(5)) + 0.1
+    assert not kernels.grouped_swiglu_ok(a, w)  # no setting for (48, 40)
+    kernels.SWIGLU_CONFIGS[(48, 40)] = {**tile, "BLOCK_N": 16}
+    try:
+        assert kernels.grouped_swiglu_ok(a, w)
+        gate_up, hidden = kernels.grouped_swiglu_triton(a, w, offs, w_sorted)
+    finally:
+        del kernels.SWIGLU_CONFIGS[(48, 40)]
+    result["swiglu_gate_up"] = _rel(gate_up, want)
+    result["swiglu_hidden"] = _rel(hidden, swiglu_weighted_torch(gate_up, w_sorted))
+    assert gate_up.shape == want.shape and result["swiglu_gate_up"] < 2e-3, result
+    assert hidden.shape == (79, 24) and result["swiglu_hidden"] < 1e-3, result
+    saved = dict(kernels.GROUPED_CONFIGS)
+    kernels.GROUPED_CONFIGS.update(dict.fromkeys([(32, 24), (24, 32), (32, 48)], tile))
+    kernels.SWIGLU_CONFIGS[(48, 32)] = {**tile, "BLOCK_N": 16}
+    x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 8, (2,))
+    cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(9))
+    kernel, calls = kernels.grouped_swiglu_triton, []
+    kernels.grouped_swiglu_triton = lambda *args: calls.append(1) or kernel(*args)
+    try:
+        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+    finally:
+        kernels.grouped_swiglu_triton = kernel
+        kernels.GROUPED_CONFIGS.clear()
+        kernels.GROUPED_CONFIGS.update(saved)
+        del kernels.SWIGLU_CONFIGS[(48, 32)]
+    assert calls == [1]
+    ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
+    for name, a_, b_ in zip(NAMES, got, ref):
+        result[f"fp16_swiglu_path/{name}"] = _rel(a_, b_)
+        assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
     return result
 
 
@@ -380,6 +422,17 @@ def test_grouped_mm_triton_against_float64(monkeypatch):
         got = kernels.grouped_mm_triton(a, w, offs, trans_b)
         assert got.shape == want.shape and not got.isnan().any()
         assert _rel(got, want) < 8e-3, (k, n, trans_b, _rel(got, want))
+    # gate|up with the SwiGLU in the epilogue, as the step runs it: gate|up against float64,
+    # hidden against the separate SwiGLU kernel on the stored gate|up
+    a, w, offs, want = _grouped_mm_case(counts, 768, 544, True, torch.bfloat16, "cuda", 544)
+    assert kernels.grouped_swiglu_ok(a, w)
+    w_sorted = torch.rand(a.shape[0], device="cuda") + 0.1
+    poison = torch.full((a.shape[0], 544 + 272), float("nan"), device="cuda")
+    del poison
+    gate_up, hidden = kernels.grouped_swiglu_triton(a, w, offs, w_sorted)
+    assert not gate_up.isnan().any() and not hidden.isnan().any()
+    assert _rel(gate_up, want) < 8e-3, _rel(gate_up, want)
+    assert _rel(hidden, kernels.swiglu_weighted_triton(gate_up, w_sorted)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -389,8 +442,9 @@ def test_grouped_mm_triton_against_float64(monkeypatch):
 def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, grouped_triton,
                                                           monkeypatch):
     """The whole path, with the weight gradients from torch._grouped_mm or (wgrad_triton) the
-    Triton kernel, and (grouped_triton) all four expert GEMMs on the Triton kernel; and under
-    autocast with float32 weights, whose gradients come back float32."""
+    Triton kernel, and (grouped_triton) all four expert GEMMs on the Triton kernel (gate|up with
+    the SwiGLU in its epilogue); and under autocast with float32 weights, whose gradients come
+    back float32."""
     from megacpp.kernels.ops.moe import triton as kernels
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -400,6 +454,8 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
     shapes = [(384, 256), (256, 192), (192, 256), (256, 384)]
     monkeypatch.setattr(kernels, "GROUPED_CONFIGS", dict.fromkeys(
         shapes if grouped_triton else [], kernels.GROUPED_CONFIGS[(544, 768)]))
+    monkeypatch.setattr(kernels, "SWIGLU_CONFIGS", dict.fromkeys(  # gate|up's epilogue SwiGLU
+        shapes[:1] if grouped_triton else [], kernels.SWIGLU_CONFIGS[(544, 768)]))
     calls = []
     kernel = kernels.grouped_wgrad_triton
     monkeypatch.setattr(kernels, "grouped_wgrad_triton",

@@ -123,23 +123,25 @@ def test_moe_kernels_compile_for_hopper():
 
 
 def test_moe_grouped_mm_kernel_compiles_for_hopper():
-    """Every launch setting the expert-GEMM kernel ships with, both layouts of W: wgmma from
-    the tensor-memory loads, no register spills (per-element 64-bit output offsets of a 128 x
-    256 tile spilled 180 bytes)."""
+    """Every launch setting the expert-GEMM kernel ships with, both layouts of W, and gate|up
+    with the SwiGLU in its epilogue: wgmma from the tensor-memory loads, no register spills
+    (per-element 64-bit output offsets of a 128 x 256 tile spilled 180 bytes)."""
     from megacpp.kernels.ops.moe import triton as moe
 
-    for (n, k), cfg in moe.GROUPED_CONFIGS.items():
+    settings = [(cfg, trans_b, False) for cfg in moe.GROUPED_CONFIGS.values()
+                for trans_b in (True, False)]
+    settings += [(cfg, True, True) for cfg in moe.SWIGLU_CONFIGS.values()]  # gate|up + SwiGLU
+    for cfg, trans_b, swiglu in settings:
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        for trans_b in (True, False):
-            w_block = f"[1, {bn}, {bk}]" if trans_b else f"[1, {bk}, {bn}]"
-            kernel = _compile(
-                moe._grouped_mm_kernel,
-                {"A": f"tensordesc<bf16[{bm}, {bk}]>", "B": f"tensordesc<bf16{w_block}>",
-                 "C": "*bf16", "OFFS": "*i32", "E": "i32", "N": "i32", "K": "i32",
-                 "s_cm": "i32", "TRANS_B": "constexpr", "BLOCK_M": "constexpr",
-                 "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "E_PAD": "constexpr"},
-                {"TRANS_B": trans_b, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "E_PAD": 16},
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-            assert "wgmma" in kernel.asm["ptx"], ((n, k), trans_b)
-            regs, spills = _ptxas_spills(kernel)
-            assert spills == 0 and regs <= 255, ((n, k), trans_b, regs, spills)
+        w_block = f"[1, {bn}, {bk}]" if trans_b else f"[1, {bk}, {bn}]"
+        const = {"TRANS_B": trans_b, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "E_PAD": 16,
+                 "SWIGLU": swiglu}
+        kernel = _compile(
+            moe._grouped_mm_kernel,
+            {"A": f"tensordesc<bf16[{bm}, {bk}]>", "B": f"tensordesc<bf16{w_block}>",
+             "C": "*bf16", "OFFS": "*i32", "WS": "*fp32", "H": "*bf16", "E": "i32", "N": "i32",
+             "K": "i32", "s_cm": "i32", "s_hm": "i32", **dict.fromkeys(const, "constexpr")},
+            const, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        assert "wgmma" in kernel.asm["ptx"], (cfg, trans_b, swiglu)
+        regs, spills = _ptxas_spills(kernel)
+        assert spills == 0 and regs <= 255, (cfg, trans_b, swiglu, regs, spills)

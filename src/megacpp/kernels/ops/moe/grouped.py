@@ -8,6 +8,7 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
     permute    x_sorted[inv[t, j]] = x[t]   (a row scatter: each row of x read once)  [N, D]
     gate|up    grouped GEMM x_sorted @ w_in[e]^T                        [N, 2F]
     SwiGLU     hidden = silu(gate) * up * w     (routing weight folded in here)   [N, F]
+               (in the gate|up GEMM's epilogue where the Triton kernel serves it)
     down       grouped GEMM hidden @ w_out[e]^T                         [N, D]
     combine    out[t] = sum_j y_sorted[inv[t, j]]      (gather-sum, float32)      [T, D]
 
@@ -149,7 +150,7 @@ def _use_triton(device: torch.device) -> bool:
 class _Ops(NamedTuple):
     scatter_rows: Callable[..., Tensor]
     gather_sum: Callable[..., Tensor]
-    swiglu: Callable[..., Tensor]
+    gate_up_swiglu: Callable[..., tuple[Tensor, Tensor]]  # (x_sorted, w_in, offs, w_sorted)
     swiglu_backward: Callable[..., tuple[Tensor, Tensor]]
     wgrad: Callable[..., Tensor]
     mm: Callable[..., Tensor]
@@ -171,10 +172,22 @@ def _ops(device: torch.device) -> _Ops:
                   else grouped_mm_torch)
             return fn(a, w, offs, trans_b)
 
-        return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton,
-                    kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton,
-                    wgrad, mm)
-    return _Ops(scatter_rows_torch, gather_sum_torch, swiglu_weighted_torch,
+        def gate_up_swiglu(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
+                           ) -> tuple[Tensor, Tensor]:
+            if kernels.grouped_swiglu_ok(a, w_in):
+                return kernels.grouped_swiglu_triton(a, w_in, offs, w_sorted)
+            gate_up = mm(a, w_in, offs, True)
+            return gate_up, kernels.swiglu_weighted_triton(gate_up, w_sorted)
+
+        return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton, gate_up_swiglu,
+                    kernels.swiglu_weighted_backward_triton, wgrad, mm)
+
+    def gate_up_swiglu_torch(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
+                             ) -> tuple[Tensor, Tensor]:
+        gate_up = grouped_mm_torch(a, w_in, offs, True)
+        return gate_up, swiglu_weighted_torch(gate_up, w_sorted)
+
+    return _Ops(scatter_rows_torch, gather_sum_torch, gate_up_swiglu_torch,
                 swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
 
 
@@ -189,8 +202,8 @@ class _GroupedExperts(torch.autograd.Function):
         ctx.w_dtypes = (w_in.dtype, w_out.dtype)
         w_in, w_out = w_in.to(compute_dtype), w_out.to(compute_dtype)
         x_sorted = ops.scatter_rows(x, inv)  # [N, D]
-        gate_up = ops.mm(x_sorted, w_in, offs, True)  # [N, 2F]
-        hidden = ops.swiglu(gate_up, w_sorted)  # [N, F], weight folded in
+        # [N, 2F], and [N, F] = silu(gate) * up * w (the routing weight folded in)
+        gate_up, hidden = ops.gate_up_swiglu(x_sorted, w_in, offs, w_sorted)
         y_sorted = ops.mm(hidden, w_out, offs, True)  # [N, D]
         ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
                               offs)

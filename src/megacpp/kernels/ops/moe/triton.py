@@ -400,19 +400,29 @@ GROUPED_CONFIGS = {  # (N, K) -> launch setting
     (272, 768): _TILE_4W,
     (512, 1024): {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
 }
+# gate|up with the SwiGLU in the epilogue (grouped_swiglu_triton), (2F, K) -> launch setting:
+# BLOCK_N hidden columns per program, i.e. BLOCK_N gate and BLOCK_N up columns, two
+# accumulators (the registers and shared memory of the plain kernel's 128-column tile)
+SWIGLU_CONFIGS = {
+    (544, 768): {**_TILE_4W, "BLOCK_N": 64},
+}
 GROUPED_ON_GPU = True
 
 
 @triton.jit
-def _grouped_mm_kernel(A, B, C, OFFS, E, N, K, s_cm, TRANS_B: tl.constexpr,
+def _grouped_mm_kernel(A, B, C, OFFS, WS, H, E, N, K, s_cm, s_hm, TRANS_B: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       E_PAD: tl.constexpr):
+                       E_PAD: tl.constexpr, SWIGLU: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of C[rows_e] = A[rows_e] @ W_e (TRANS_B: W_e^T), grid
     (n tiles * row-block bound): the n index runs fastest, so neighbouring programs share the
     row block in L2. A: descriptor over [rows, K], [BLOCK_M, BLOCK_K] blocks; B: over W
     [E, K, N] ([1, BLOCK_K, BLOCK_N]) or, TRANS_B, [E, N, K] ([1, BLOCK_N, BLOCK_K]);
-    rows_e = [OFFS[e - 1], OFFS[e])."""
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    rows_e = [OFFS[e - 1], OFFS[e]).
+    SWIGLU (TRANS_B; W_e = [gate; up], F = N / 2 rows each): the tile is BLOCK_N hidden
+    columns j, gate columns j and up columns F + j in two accumulators; both are stored in C
+    (gate|up, as without) and H[:, j] = silu(gate) * up * WS[row] from their rounded values,
+    as _swiglu_fwd_kernel reads them back (the same hidden, without that pass over gate|up)."""
+    tiles_n = tl.cdiv(N // 2 if SWIGLU else N, BLOCK_N)
     pid_m = tl.program_id(0) // tiles_n
     n0 = (tl.program_id(0) % tiles_n) * BLOCK_N
     e = tl.arange(0, E_PAD)
@@ -427,19 +437,37 @@ def _grouped_mm_kernel(A, B, C, OFFS, E, N, K, s_cm, TRANS_B: tl.constexpr,
         end = tl.sum(tl.where(mine, ends, 0), axis=0)
         m0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (pid_m - first) * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (SWIGLU only)
         for k0 in range(0, K, BLOCK_K):
             a = A.load([m0, k0])
             if TRANS_B:
                 b = B.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, b.T, acc)
+                if SWIGLU:
+                    b_up = B.load([expert, N // 2 + n0, k0]).reshape(BLOCK_N, BLOCK_K)
+                    acc_up = tl.dot(a, b_up.T, acc_up)
             else:
                 b = B.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
                 acc = tl.dot(a, b, acc)
         rm = tl.arange(0, BLOCK_M)
         on = n0 + tl.arange(0, BLOCK_N)
+        row_ok = m0 + rm < end
         # 64-bit only in the tile's base: per-element 64-bit offsets of a 128 x 256 tile spill
-        tl.store(C + m0.to(tl.int64) * s_cm + (rm[:, None] * s_cm + on[None, :]),
-                 acc.to(C.dtype.element_ty), mask=(m0 + rm < end)[:, None] & (on < N)[None, :])
+        c_tile = C + m0.to(tl.int64) * s_cm + (rm[:, None] * s_cm + on[None, :])
+        if SWIGLU:
+            mask = row_ok[:, None] & (on < N // 2)[None, :]
+            gate = acc.to(C.dtype.element_ty)
+            up = acc_up.to(C.dtype.element_ty)
+            tl.store(c_tile, gate, mask=mask)
+            tl.store(c_tile + N // 2, up, mask=mask)
+            w = tl.load(WS + m0 + rm, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            g = gate.to(tl.float32)
+            hidden = g * tl.sigmoid(g) * up.to(tl.float32) * w
+            tl.store(H + m0.to(tl.int64) * s_hm + (rm[:, None] * s_hm + on[None, :]),
+                     hidden.to(H.dtype.element_ty), mask=mask)
+        else:
+            tl.store(c_tile, acc.to(C.dtype.element_ty),
+                     mask=row_ok[:, None] & (on < N)[None, :])
 
 
 def grouped_mm_ok(a: Tensor, w: Tensor, trans_b: bool) -> bool:
@@ -455,6 +483,35 @@ def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tens
     """a [R, K] (rows grouped by expert), w [E, K, N] (``trans_b``: [E, N, K]), offs [E] int32
     group ends -> [R, N] in a's dtype: a[rows_e] @ w[e] (w[e]^T), float32 accumulation; rows
     past offs[-1] are left unwritten. Operands must pass :func:`grouped_mm_ok`."""
+    n = w.shape[1] if trans_b else w.shape[2]
+    return _grouped_mm(a, w, offs, trans_b, GROUPED_CONFIGS[(n, a.shape[1])])[0]
+
+
+def grouped_swiglu_ok(a: Tensor, w_in: Tensor) -> bool:
+    """Whether the MoE's gate|up GEMM ``a @ w_in[e]^T`` takes the SwiGLU in its epilogue
+    (:func:`grouped_swiglu_triton`): a setting for its (2F, K) in ``SWIGLU_CONFIGS`` and the
+    plain kernel's conditions."""
+    if w_in.dim() != 3 or (w_in.shape[1], a.shape[1]) not in SWIGLU_CONFIGS:
+        return False
+    return _descriptor_operands_ok(a, w_in, GROUPED_ON_GPU)
+
+
+def grouped_swiglu_triton(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
+                          ) -> tuple[Tensor, Tensor]:
+    """The gate|up GEMM and the weighted SwiGLU in one kernel: a [R, K] (rows grouped by
+    expert), w_in [E, 2F, K] (gate rows, then up rows), offs [E] int32 group ends, w_sorted
+    [R] routing weights -> gate|up [R, 2F] = a[rows_e] @ w_in[e]^T (float32 accumulation,
+    stored in a's dtype) and hidden [R, F] = silu(gate) * up * w_sorted of those stored
+    values: what :func:`grouped_mm_triton` then :func:`swiglu_weighted_triton` return.
+    Operands must pass :func:`grouped_swiglu_ok`."""
+    cfg = SWIGLU_CONFIGS[(w_in.shape[1], a.shape[1])]
+    return _grouped_mm(a, w_in, offs, True, cfg, w_sorted.contiguous())
+
+
+def _grouped_mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool, cfg: dict,
+                w_sorted: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Launch _grouped_mm_kernel: the product, and with ``w_sorted`` (trans_b) the SwiGLU's
+    hidden."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a, w = a.contiguous(), w.contiguous()
@@ -462,13 +519,15 @@ def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tens
     experts = w.shape[0]
     n = w.shape[1] if trans_b else w.shape[2]
     out = torch.empty(rows, n, device=a.device, dtype=a.dtype)
-    cfg = GROUPED_CONFIGS[(n, k)]
+    swiglu = w_sorted is not None
+    hidden = torch.empty(rows, n // 2, device=a.device, dtype=a.dtype) if swiglu else None
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     w_block = [1, bn, bk] if trans_b else [1, bk, bn]
-    grid = (triton.cdiv(n, bn) * (triton.cdiv(rows, bm) + experts),)
+    grid = (triton.cdiv(n // 2 if swiglu else n, bn) * (triton.cdiv(rows, bm) + experts),)
     _grouped_mm_kernel[grid](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
-        out, offs, experts, n, k, out.stride(0), TRANS_B=trans_b, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)),
+        out, offs, w_sorted if swiglu else offs, hidden if swiglu else out, experts, n, k,
+        out.stride(0), hidden.stride(0) if swiglu else 0, TRANS_B=trans_b, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)), SWIGLU=swiglu,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
+    return out, hidden
