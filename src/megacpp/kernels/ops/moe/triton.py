@@ -401,10 +401,13 @@ GROUPED_CONFIGS = {  # (N, K) -> launch setting
     (512, 1024): {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
 }
 # gate|up with the SwiGLU in the epilogue (grouped_swiglu_triton), (2F, K) -> launch setting:
-# BLOCK_N hidden columns per program, i.e. BLOCK_N gate and BLOCK_N up columns, two
-# accumulators (the registers and shared memory of the plain kernel's 128-column tile)
+# BLOCK_N hidden columns per program, i.e. BLOCK_N gate and BLOCK_N up columns in two
+# accumulators. At the nam56r step's shape on an H100 (benchmarks/results/kernels/h100_s22,
+# swiglu_epilogue_probe): 78.5 us at 8 warps, 83.7 at 4, against 76.7 + 38.7 for the plain
+# GEMM and the SwiGLU kernel (115.4), with the same results bit for bit; 4 stages or 32 / 128
+# columns per program were slower (85-108)
 SWIGLU_CONFIGS = {
-    (544, 768): {**_TILE_4W, "BLOCK_N": 64},
+    (544, 768): {**_TILE_4W, "BLOCK_N": 64, "num_warps": 8},
 }
 GROUPED_ON_GPU = True
 
