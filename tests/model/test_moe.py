@@ -49,6 +49,11 @@ def test_moe_weights_normalized_and_gradients_flow():
     torch.testing.assert_close(moe.last_load, torch.bincount(idx.reshape(-1), minlength=8).float(),
                                rtol=0, atol=0)
     assert moe._load(torch.tensor([[7, 7], [7, 0]])).tolist() == [1, 0, 0, 0, 0, 0, 0, 3]
+    # summed over 64 row chunks (T * k a multiple of 64), else in one
+    for tokens, k in ((4096, 2), (21, 3), (1, 1)):
+        ids = torch.randint(0, 8, (tokens, k))
+        want = torch.bincount(ids.reshape(-1), minlength=8).float()
+        torch.testing.assert_close(moe._load(ids), want, rtol=0, atol=0)
 
 
 def test_forward_is_router_plus_experts_plus_shared_swiglu_with_its_gradients():

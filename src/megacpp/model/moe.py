@@ -22,6 +22,8 @@ from torch import nn
 from megacpp.kernels.runtime import resolve
 from megacpp.model.mlp import SwiGLU
 
+LOAD_CHUNKS = 64  # row chunks of the per-expert load's first reduction (MoE._load)
+
 
 class MoE(nn.Module):
     def __init__(
@@ -90,12 +92,19 @@ class MoE(nn.Module):
         return out.view(B, L, D)
 
     def _load(self, expert_idx: torch.Tensor) -> torch.Tensor:
-        """Tokens routed to each expert [E] (float32) from the chosen experts [T, k]: a
-        column sum of the one-hot comparison (bincount would sync the host on CUDA; an
-        index_add of ones was a 14 us kernel of 16-address atomics per layer under
-        torch.compile on an H100, nam56r-350m; benchmarks/results/train_step_h100_s20/ops_s20)."""
-        experts = torch.arange(self.n_experts, device=expert_idx.device)
-        return (expert_idx.reshape(-1, 1) == experts).sum(0, dtype=torch.float32)
+        """Tokens routed to each expert [E] (float32) from the chosen experts [T, k]: the
+        one-hot comparison summed per chunk of rows, then over the chunks (bincount would sync
+        the host on CUDA; an index_add of ones was a 14 us kernel of 16-address atomics per
+        layer under torch.compile on an H100, nam56r-350m, train_step_h100_s20/ops_s20). In
+        one column sum (E outputs over T * k rows) Inductor's single reduction kernel took
+        606 us per layer on one H100 host (13.9 ms of its 92.7 ms step; too little to show on
+        another): 64 chunks give its first reduction 64 * E outputs of T * k / 64 rows each
+        (benchmarks/results/train_step_h100_s22)."""
+        ids = expert_idx.reshape(-1)
+        chunks = LOAD_CHUNKS if ids.numel() % LOAD_CHUNKS == 0 else 1
+        experts = torch.arange(self.n_experts, device=ids.device)
+        hits = ids.view(chunks, -1, 1) == experts  # [chunks, rows per chunk, E]
+        return hits.sum(1, dtype=torch.float32).sum(0)
 
     def project(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [T, D] -> (router logits [T, E], the shared experts' gate|up [T, 2F] or None).
