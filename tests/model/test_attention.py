@@ -104,29 +104,3 @@ def test_kv_projection_reads_the_second_copy_of_the_input():
     torch.testing.assert_close(dx + d_again, d_ref, rtol=1e-10, atol=1e-12)
     # each copy feeds one projection, so neither carries the whole gradient
     assert not torch.allclose(dx, d_ref) and not torch.allclose(d_again, d_ref)
-
-
-def test_block_hands_attention_the_normed_input_twice():
-    """Block gives a mixer with INPUT_FANOUT 2 the norm's second copy as ``again`` (with the
-    fused norm a tensor of its own, whose gradient the norm's backward kernel adds), and the
-    block computes what it computes when the mixer reads one copy."""
-    from megacpp.model.blocks import Block
-    from megacpp.model.config import AttentionConfig, ModelConfig
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8))
-    block = Block("A", "gqa", cfg).double()
-    seen = []
-    block.mixer.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(kwargs.get("again")), with_kwargs=True)
-    x = torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True)
-    out = block(x)
-    (dx,) = torch.autograd.grad(out.sum(), [x])
-    assert len(seen[0]) == 1 and torch.equal(seen[0][0], block.norm(x))
-    block.mixer.INPUT_FANOUT = 1  # one copy: same values, same gradient
-    ref = x.detach().clone().requires_grad_()
-    want = block(ref)
-    (d_ref,) = torch.autograd.grad(want.sum(), [ref])
-    assert seen[1] is None
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
-    torch.testing.assert_close(dx, d_ref, rtol=1e-12, atol=1e-12)

@@ -198,31 +198,6 @@ def test_in_proj_reads_the_three_copies_of_the_input():
         assert g.abs().max() > 0 and not torch.allclose(g, d_ref)
 
 
-def test_block_hands_mamba3_the_normed_input_three_times():
-    """Block gives the mixer the norm's two further copies as ``again`` and computes what it
-    computes when the mixer reads one copy."""
-    from megacpp.model.blocks import Block
-    from megacpp.model.config import MambaConfig, ModelConfig
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, mamba=MambaConfig(d_state=16, headdim=8, chunk_size=8))
-    block = Block("M", "siso", cfg).double()
-    seen = []
-    block.mixer.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(kwargs.get("again")), with_kwargs=True)
-    x = make_x(seqlen=10).requires_grad_()
-    out = block(x)
-    (dx,) = torch.autograd.grad(out.sum(), [x])
-    assert len(seen[0]) == 2 and all(torch.equal(t, block.norm(x)) for t in seen[0])
-    block.mixer.INPUT_FANOUT = 1
-    ref = x.detach().clone().requires_grad_()
-    want = block(ref)
-    (d_ref,) = torch.autograd.grad(want.sum(), [ref])
-    assert seen[1] is None
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
-    torch.testing.assert_close(dx, d_ref, rtol=1e-12, atol=1e-12)
-
-
 @pytest.mark.parametrize("seqlen", [64, 40])
 def test_flops_per_token_matches_flop_counter(seqlen):
     mixer = make_mixer(torch.float32)
