@@ -215,19 +215,29 @@ def _interpreter_wgrad(kernels) -> dict:
                 result[f"wgrad_m{bm}_{str(out_dtype)[6:]}{name}"] = err
                 assert err < tol, (bm, out_dtype, name, err)
                 assert x[0].abs().max() == 0 and x[3].abs().max() == 0  # experts without rows
-    x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 6, (2,))
-    cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(7))
-    kernel, calls = kernels.grouped_wgrad_triton, []
-    kernels.grouped_wgrad_triton = lambda *args: calls.append(args[-1]) or kernel(*args)
-    got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
-    kernels.grouped_wgrad_triton = kernel
+    got, calls = _fp16_path(kernels, "grouped_wgrad_triton", 6, "fp16_path", result)
     assert sorted(calls) == [False, True]  # dw_in, and dw_out stored transposed
-    ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
-    for name, a_, b_ in zip(NAMES, got, ref):
-        result[f"fp16_path/{name}"] = _rel(a_, b_)
-        assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
     assert got[3][2].abs().max() == 0 and got[4][2].abs().max() == 0
     return result
+
+
+def _fp16_path(kernels, name, seed, label, result):
+    """The whole float16 MoE path (53 tokens, 8 experts top-3, expert 2 without rows) with
+    ``kernels.<name>`` wrapped to record its calls (their last positional argument), against
+    the float32 loop reference; the errors go to ``result[label/...]``. (got, calls)."""
+    x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", seed, (2,))
+    cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(seed + 1))
+    kernel, calls = getattr(kernels, name), []
+    setattr(kernels, name, lambda *args: calls.append(args[-1]) or kernel(*args))
+    try:
+        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+    finally:
+        setattr(kernels, name, kernel)
+    ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
+    for part, a_, b_ in zip(NAMES, got, ref):
+        result[f"{label}/{part}"] = _rel(a_, b_)
+        assert _rel(a_, b_) < 3e-2, (label, part, _rel(a_, b_))
+    return got, calls
 
 
 def _grouped_mm_case(counts, k, n, trans_b, dtype, device, seed):
@@ -270,21 +280,12 @@ def _interpreter_grouped_mm(kernels) -> dict:
     # the MoE's shapes at d 32, ffn 24: gate|up (48, 32), down (32, 24), d hidden (24, 32),
     # dx (32, 48), each (N, K)
     kernels.GROUPED_CONFIGS.update(dict.fromkeys([(48, 32), (32, 24), (24, 32), (32, 48)], tile))
-    x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 8, (2,))
-    cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(9))
-    kernel, calls = kernels.grouped_mm_triton, []
-    kernels.grouped_mm_triton = lambda *args: calls.append(args[-1]) or kernel(*args)
     try:
-        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+        _, calls = _fp16_path(kernels, "grouped_mm_triton", 8, "fp16_mm_path", result)
     finally:
-        kernels.grouped_mm_triton = kernel
         kernels.GROUPED_CONFIGS.clear()
         kernels.GROUPED_CONFIGS.update(saved)
     assert sorted(calls) == [False, False, True, True]  # gate|up, down; d hidden, dx
-    ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
-    for name, a_, b_ in zip(NAMES, got, ref):
-        result[f"fp16_mm_path/{name}"] = _rel(a_, b_)
-        assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
     result.update(_interpreter_swiglu(kernels, tile))
     return result
 
@@ -311,22 +312,13 @@ def _interpreter_swiglu(kernels, tile) -> dict:
     saved = dict(kernels.GROUPED_CONFIGS)
     kernels.GROUPED_CONFIGS.update(dict.fromkeys([(32, 24), (24, 32), (32, 48)], tile))
     kernels.SWIGLU_CONFIGS[(48, 32)] = {**tile, "BLOCK_N": 16}
-    x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", 8, (2,))
-    cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(9))
-    kernel, calls = kernels.grouped_swiglu_triton, []
-    kernels.grouped_swiglu_triton = lambda *args: calls.append(1) or kernel(*args)
     try:
-        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+        _, calls = _fp16_path(kernels, "grouped_swiglu_triton", 8, "fp16_swiglu_path", result)
     finally:
-        kernels.grouped_swiglu_triton = kernel
         kernels.GROUPED_CONFIGS.clear()
         kernels.GROUPED_CONFIGS.update(saved)
         del kernels.SWIGLU_CONFIGS[(48, 32)]
-    assert calls == [1]
-    ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
-    for name, a_, b_ in zip(NAMES, got, ref):
-        result[f"fp16_swiglu_path/{name}"] = _rel(a_, b_)
-        assert _rel(a_, b_) < 3e-2, (name, _rel(a_, b_))
+    assert len(calls) == 1  # gate|up with the SwiGLU, once
     return result
 
 
