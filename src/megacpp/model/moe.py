@@ -97,9 +97,9 @@ class MoE(nn.Module):
         the host on CUDA; an index_add of ones was a 14 us kernel of 16-address atomics per
         layer under torch.compile on an H100, nam56r-350m, train_step_h100_s20/ops_s20). In
         one column sum (E outputs over T * k rows) Inductor's single reduction kernel took
-        606 us per layer on one H100 host (13.9 ms of its 92.7 ms step; too little to show on
-        another): 64 chunks give its first reduction 64 * E outputs of T * k / 64 rows each
-        (benchmarks/results/train_step_h100_s22)."""
+        606 us per layer on one H100 host (13.9 ms of its 92.7 ms step, profiled); another
+        host ran the whole step in 78.9 ms. 64 chunks give the first reduction 64 * E outputs
+        of T * k / 64 rows each (78.7 ms there; benchmarks/results/train_step_h100_s22)."""
         ids = expert_idx.reshape(-1)
         chunks = LOAD_CHUNKS if ids.numel() % LOAD_CHUNKS == 0 else 1
         experts = torch.arange(self.n_experts, device=ids.device)

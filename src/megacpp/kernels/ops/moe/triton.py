@@ -196,6 +196,14 @@ def gather_sum_triton(src: Tensor, inv: Tensor, addend: Tensor | None = None) ->
 
 
 @triton.jit
+def _weighted_swiglu(gate, up, w):
+    """silu(gate) * up * w in float32 (the forward kernel's and the gate|up epilogue's one
+    formula, so the two give the same hidden bit for bit)."""
+    gate = gate.to(tl.float32)
+    return gate * tl.sigmoid(gate) * up.to(tl.float32) * w
+
+
+@triton.jit
 def _swiglu_fwd_kernel(GU, W, H, n_rows, ffn, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
                        F_CONST: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -206,9 +214,9 @@ def _swiglu_fwd_kernel(GU, W, H, n_rows, ffn, BLOCK_R: tl.constexpr, BLOCK_F: tl
     for start in range(0, _bound(ffn, F_CONST), BLOCK_F):
         cols = start + tl.arange(0, BLOCK_F)[None, :]
         mask = row_ok[:, None] & (cols < ffn)
-        gate = tl.load(gu_row + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu_row + ffn + cols, mask=mask, other=0.0).to(tl.float32)
-        act = gate * tl.sigmoid(gate) * up * w
+        gate = tl.load(gu_row + cols, mask=mask, other=0.0)
+        up = tl.load(gu_row + ffn + cols, mask=mask, other=0.0)
+        act = _weighted_swiglu(gate, up, w)
         tl.store(h_row + cols, act.to(H.dtype.element_ty), mask=mask)
 
 
@@ -464,8 +472,7 @@ def _grouped_mm_kernel(A, B, C, OFFS, WS, H, E, N, K, s_cm, s_hm, TRANS_B: tl.co
             tl.store(c_tile, gate, mask=mask)
             tl.store(c_tile + N // 2, up, mask=mask)
             w = tl.load(WS + m0 + rm, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            g = gate.to(tl.float32)
-            hidden = g * tl.sigmoid(g) * up.to(tl.float32) * w
+            hidden = _weighted_swiglu(gate, up, w)
             tl.store(H + m0.to(tl.int64) * s_hm + (rm[:, None] * s_hm + on[None, :]),
                      hidden.to(H.dtype.element_ty), mask=mask)
         else:
@@ -477,9 +484,7 @@ def grouped_mm_ok(a: Tensor, w: Tensor, trans_b: bool) -> bool:
     """Whether the MoE hands ``a @ w[e]`` (``trans_b``: w[e]^T) to :func:`grouped_mm_triton`: a
     launch setting for its (N, K) in ``GROUPED_CONFIGS``, a 3-D w, and
     :func:`_descriptor_operands_ok` (switched by ``GROUPED_ON_GPU``)."""
-    if w.dim() != 3 or (w.shape[1] if trans_b else w.shape[2], a.shape[1]) not in GROUPED_CONFIGS:
-        return False
-    return _descriptor_operands_ok(a, w, GROUPED_ON_GPU)
+    return _serves(GROUPED_CONFIGS, a, w, 1 if trans_b else 2)
 
 
 def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
@@ -494,9 +499,15 @@ def grouped_swiglu_ok(a: Tensor, w_in: Tensor) -> bool:
     """Whether the MoE's gate|up GEMM ``a @ w_in[e]^T`` takes the SwiGLU in its epilogue
     (:func:`grouped_swiglu_triton`): a setting for its (2F, K) in ``SWIGLU_CONFIGS`` and the
     plain kernel's conditions."""
-    if w_in.dim() != 3 or (w_in.shape[1], a.shape[1]) not in SWIGLU_CONFIGS:
+    return _serves(SWIGLU_CONFIGS, a, w_in, 1)
+
+
+def _serves(configs: dict, a: Tensor, w: Tensor, n_dim: int) -> bool:
+    """A 3-D w, a launch setting in ``configs`` for (N, K) = (w's dim ``n_dim``, a's
+    columns), and :func:`_descriptor_operands_ok` (switched by ``GROUPED_ON_GPU``)."""
+    if w.dim() != 3 or (w.shape[n_dim], a.shape[1]) not in configs:
         return False
-    return _descriptor_operands_ok(a, w_in, GROUPED_ON_GPU)
+    return _descriptor_operands_ok(a, w, GROUPED_ON_GPU)
 
 
 def grouped_swiglu_triton(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
