@@ -319,54 +319,6 @@ def _interpreter_swiglu(kernels, tile) -> dict:
         kernels.GROUPED_CONFIGS.update(saved)
         del kernels.SWIGLU_CONFIGS[(48, 32)]
     assert len(calls) == 1  # gate|up with the SwiGLU, once
-    result.update(_interpreter_dswiglu(kernels, tile))
-    return result
-
-
-def _interpreter_dswiglu(kernels, tile) -> dict:
-    """The d-hidden GEMM with the SwiGLU's backward in its epilogue, with one column tile
-    (F = 24 in 32) and two (16 each, the second ragged, whose shares of dweights are summed):
-    d gate|up equal to the plain GEMM then the SwiGLU backward kernel at the same tile, bit
-    for bit; dweights against float64; then the whole float16 path taking it."""
-    result = {}
-    counts = [0, 21, 1, 0, 40, 17]
-    dy, w_out, offs, dh64 = _grouped_mm_case(counts, 40, 24, False, torch.float16, "cpu", 4)
-    g = torch.Generator().manual_seed(6)
-    gate_up = torch.randn(dy.shape[0], 48, generator=g).half()
-    w_sorted = torch.rand(dy.shape[0], generator=g) + 0.1
-    order = torch.randperm(dy.shape[0], generator=g)
-    _, want_dw = swiglu_weighted_backward_torch(gate_up.double(), w_sorted.double(), dh64, order,
-                                                torch.float64)
-    assert not kernels.grouped_dswiglu_ok(dy, w_out)  # no setting for (24, 40)
-    saved = dict(kernels.GROUPED_CONFIGS)
-    try:
-        for bn in (32, 16):
-            kernels.GROUPED_CONFIGS[(24, 40)] = kernels.DSWIGLU_CONFIGS[(24, 40)] = {
-                **tile, "BLOCK_N": bn}
-            assert kernels.grouped_dswiglu_ok(dy, w_out)
-            assert not kernels.grouped_dswiglu_ok(dy.bfloat16(), w_out.bfloat16())
-            dgu, dw = kernels.grouped_dswiglu_triton(dy, w_out, offs, gate_up, w_sorted, order,
-                                                     torch.float32)
-            dh = kernels.grouped_mm_triton(dy, w_out, offs, False)
-            want_dgu, _ = kernels.swiglu_weighted_backward_triton(gate_up, w_sorted, dh, order,
-                                                                  torch.float32)
-            assert dgu.shape == (79, 48) and dw.shape == (79,) and dw.dtype == torch.float32
-            assert torch.equal(dgu, want_dgu), bn
-            result[f"dswiglu_n{bn}_dweights"] = _rel(dw, want_dw)
-            assert _rel(dw, want_dw) < 2e-3, (bn, _rel(dw, want_dw))
-    finally:
-        kernels.GROUPED_CONFIGS.clear()
-        kernels.GROUPED_CONFIGS.update(saved)
-        del kernels.DSWIGLU_CONFIGS[(24, 40)]
-    kernels.GROUPED_CONFIGS.update(dict.fromkeys([(48, 32), (32, 24), (32, 48)], tile))
-    kernels.DSWIGLU_CONFIGS[(24, 32)] = {**tile, "BLOCK_N": 16}
-    try:
-        _, calls = _fp16_path(kernels, "grouped_dswiglu_triton", 8, "fp16_dswiglu_path", result)
-    finally:
-        kernels.GROUPED_CONFIGS.clear()
-        kernels.GROUPED_CONFIGS.update(saved)
-        del kernels.DSWIGLU_CONFIGS[(24, 32)]
-    assert len(calls) == 1  # d hidden with the SwiGLU's backward, once
     return result
 
 
@@ -474,26 +426,6 @@ def test_grouped_mm_triton_against_float64(monkeypatch):
     assert not gate_up.isnan().any() and not hidden.isnan().any()
     assert _rel(gate_up, want) < 8e-3, _rel(gate_up, want)
     assert _rel(hidden, kernels.swiglu_weighted_triton(gate_up, w_sorted)) < 1e-2
-    # d hidden with the SwiGLU's backward in the epilogue, as the step runs it: d gate|up and
-    # dweights against float64 (from the float64 d hidden), and d gate|up against the GEMM
-    # then the separate kernel
-    dy, w_out, offs, dh64 = _grouped_mm_case(counts, 768, 272, False, torch.bfloat16, "cuda", 9)
-    assert kernels.grouped_dswiglu_ok(dy, w_out)
-    order = torch.randperm(dy.shape[0], device="cuda")
-    want_dgu, want_dw = swiglu_weighted_backward_torch(gate_up.double(), w_sorted.double(), dh64,
-                                                       order, torch.float64)
-    poison = [torch.full((dy.shape[0], 544), float("nan"), device="cuda", dtype=torch.bfloat16),
-              torch.full((5, dy.shape[0]), float("nan"), device="cuda")]
-    del poison  # the caching allocator hands these blocks to d gate|up and the dw shares
-    dgu, dw = kernels.grouped_dswiglu_triton(dy, w_out, offs, gate_up, w_sorted, order,
-                                             torch.float32)
-    assert not dgu.isnan().any() and not dw.isnan().any()
-    assert _rel(dgu, want_dgu) < 8e-3 and _rel(dw, want_dw) < 8e-3, (_rel(dgu, want_dgu),
-                                                                      _rel(dw, want_dw))
-    dh = kernels.grouped_mm_triton(dy, w_out, offs, False)
-    sep_dgu, sep_dw = kernels.swiglu_weighted_backward_triton(gate_up, w_sorted, dh, order,
-                                                              torch.float32)
-    assert _rel(dgu, sep_dgu) < 1e-2 and _rel(dw, sep_dw) < 1e-2
 
 
 @pytest.mark.gpu
@@ -504,7 +436,7 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
                                                           monkeypatch):
     """The whole path, with the weight gradients from torch._grouped_mm or (wgrad_triton) the
     Triton kernel, and (grouped_triton) all four expert GEMMs on the Triton kernel (gate|up with
-    the SwiGLU in its epilogue, d hidden with the SwiGLU's backward in its); and under autocast with float32 weights, whose gradients come
+    the SwiGLU in its epilogue); and under autocast with float32 weights, whose gradients come
     back float32."""
     from megacpp.kernels.ops.moe import triton as kernels
 
@@ -517,8 +449,6 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
         shapes if grouped_triton else [], kernels.GROUPED_CONFIGS[(544, 768)]))
     monkeypatch.setattr(kernels, "SWIGLU_CONFIGS", dict.fromkeys(  # gate|up's epilogue SwiGLU
         shapes[:1] if grouped_triton else [], kernels.SWIGLU_CONFIGS[(544, 768)]))
-    monkeypatch.setattr(kernels, "DSWIGLU_CONFIGS", dict.fromkeys(  # and d hidden's backward
-        shapes[2:3] if grouped_triton else [], kernels.DSWIGLU_CONFIGS[(272, 768)]))
     calls = []
     kernel = kernels.grouped_wgrad_triton
     monkeypatch.setattr(kernels, "grouped_wgrad_triton",

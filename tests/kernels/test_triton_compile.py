@@ -11,17 +11,11 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _compile(fn, signature: dict, constexprs: dict, div16: tuple[str, ...] = (), **options):
-    """``div16``: the arguments a launch at the shapes in question specializes as multiples of
-    16 (pointers, sizes, strides), as Triton's launcher marks them (tt.divisibility): without
-    the hints address arithmetic is not vectorized and the register counts are not the
-    launch's."""
+def _compile(fn, signature: dict, constexprs: dict, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except RuntimeError as exc:  # no ptxas / backend in this Triton install
@@ -129,41 +123,25 @@ def test_moe_kernels_compile_for_hopper():
 
 
 def test_moe_grouped_mm_kernel_compiles_for_hopper():
-    """Every launch setting the expert-GEMM kernel ships with, both layouts of W, gate|up with
-    the SwiGLU in its epilogue and d hidden with the SwiGLU's backward in its epilogue: wgmma
-    from the tensor-memory loads, no register spills (per-element 64-bit output offsets of a
-    128 x 256 tile spilled 180 bytes)."""
+    """Every launch setting the expert-GEMM kernel ships with, both layouts of W, and gate|up
+    with the SwiGLU in its epilogue: wgmma from the tensor-memory loads, no register spills
+    (per-element 64-bit output offsets of a 128 x 256 tile spilled 180 bytes)."""
     from megacpp.kernels.ops.moe import triton as moe
 
-    for cfg, trans_b, epilogue in _grouped_mm_settings(moe):
-        regs, spills = _compile_grouped_mm(moe, cfg, trans_b, epilogue)
-        assert spills == 0 and regs <= 255, (cfg, trans_b, epilogue, regs, spills)
-
-
-def _grouped_mm_settings(moe) -> list[tuple[dict, bool, str]]:
-    """(launch setting, trans_b, epilogue) of every shipped use of _grouped_mm_kernel."""
-    settings = [(cfg, trans_b, "") for cfg in moe.GROUPED_CONFIGS.values()
+    settings = [(cfg, trans_b, False) for cfg in moe.GROUPED_CONFIGS.values()
                 for trans_b in (True, False)]
-    settings += [(cfg, True, "SWIGLU") for cfg in moe.SWIGLU_CONFIGS.values()]
-    return settings + [(cfg, False, "DSWIGLU") for cfg in moe.DSWIGLU_CONFIGS.values()]
-
-
-def _compile_grouped_mm(moe, cfg: dict, trans_b: bool, epilogue: str) -> tuple[int, int]:
-    """Compile one setting of _grouped_mm_kernel for sm_90: (registers, spill store bytes)."""
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    w_block = f"[1, {bn}, {bk}]" if trans_b else f"[1, {bk}, {bn}]"
-    const = {"TRANS_B": trans_b, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "E_PAD": 16,
-             "SWIGLU": epilogue == "SWIGLU", "DSWIGLU": epilogue == "DSWIGLU"}
-    kernel = _compile(
-        moe._grouped_mm_kernel,
-        {"A": f"tensordesc<bf16[{bm}, {bk}]>", "B": f"tensordesc<bf16{w_block}>",
-         "C": "*bf16", "OFFS": "*i32", "WS": "*fp32",
-         "H": "*bf16", "ORDER": "*i64",
-         "DW": "*fp32", "E": "i32", "N": "i32", "K": "i32", "s_cm": "i32", "s_hm": "i32",
-         "s_dw": "i32", **dict.fromkeys(const, "constexpr")},
-        # the MoE's shapes: 16-byte aligned allocations, N, K and the row strides multiples
-        # of 16 (F 272 / 512 / 2048, d 768 / 1024); the rows (s_dw) are not
-        const, ("C", "OFFS", "WS", "H", "ORDER", "DW", "N", "K", "s_cm", "s_hm"),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    assert "wgmma" in kernel.asm["ptx"], (cfg, trans_b, epilogue)
-    return _ptxas_spills(kernel)
+    settings += [(cfg, True, True) for cfg in moe.SWIGLU_CONFIGS.values()]  # gate|up + SwiGLU
+    for cfg, trans_b, swiglu in settings:
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        w_block = f"[1, {bn}, {bk}]" if trans_b else f"[1, {bk}, {bn}]"
+        const = {"TRANS_B": trans_b, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "E_PAD": 16,
+                 "SWIGLU": swiglu}
+        kernel = _compile(
+            moe._grouped_mm_kernel,
+            {"A": f"tensordesc<bf16[{bm}, {bk}]>", "B": f"tensordesc<bf16{w_block}>",
+             "C": "*bf16", "OFFS": "*i32", "WS": "*fp32", "H": "*bf16", "E": "i32", "N": "i32",
+             "K": "i32", "s_cm": "i32", "s_hm": "i32", **dict.fromkeys(const, "constexpr")},
+            const, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        assert "wgmma" in kernel.asm["ptx"], (cfg, trans_b, swiglu)
+        regs, spills = _ptxas_spills(kernel)
+        assert spills == 0 and regs <= 255, (cfg, trans_b, swiglu, regs, spills)

@@ -12,11 +12,10 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
     down       grouped GEMM hidden @ w_out[e]^T                         [N, D]
     combine    out[t] = sum_j y_sorted[inv[t, j]]      (gather-sum, float32)      [T, D]
 
-Backward: the combine's gradient is dout permuted as x was (dy_sorted); a grouped GEMM gives
-d hidden and one fused pass d(gate|up) and the routing weights' gradient (written to each
-row's (token, choice) slot) -- one kernel, the pass in the GEMM's epilogue, where the Triton
-kernel serves the shape; dw_out is a K-grouped GEMM (dy_sorted^T @ hidden per expert); two
-more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
+Backward: the combine's gradient is dout permuted as x was (dy_sorted); two grouped GEMMs
+give d hidden and dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass
+gives d(gate|up) and the routing weights' gradient (written to each row's (token, choice)
+slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
 x_sorted, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
 the compute dtype inside, so the two K-grouped weight-gradient GEMMs ("wgrad": on sm90+ a
 Triton kernel, :func:`megacpp.kernels.ops.moe.triton.grouped_wgrad_triton`) write the float32
@@ -152,8 +151,7 @@ class _Ops(NamedTuple):
     scatter_rows: Callable[..., Tensor]
     gather_sum: Callable[..., Tensor]
     gate_up_swiglu: Callable[..., tuple[Tensor, Tensor]]  # (x_sorted, w_in, offs, w_sorted)
-    # (dy_sorted, w_out, offs, gate_up, w_sorted, order, dw_dtype) -> d gate|up, dweights
-    dhidden_swiglu_backward: Callable[..., tuple[Tensor, Tensor]]
+    swiglu_backward: Callable[..., tuple[Tensor, Tensor]]
     wgrad: Callable[..., Tensor]
     mm: Callable[..., Tensor]
 
@@ -181,32 +179,16 @@ def _ops(device: torch.device) -> _Ops:
             gate_up = mm(a, w_in, offs, True)
             return gate_up, kernels.swiglu_weighted_triton(gate_up, w_sorted)
 
-        def dhidden_swiglu_backward(dy: Tensor, w_out: Tensor, offs: Tensor, gate_up: Tensor,
-                                    w_sorted: Tensor, order: Tensor, dw_dtype: torch.dtype
-                                    ) -> tuple[Tensor, Tensor]:
-            if kernels.grouped_dswiglu_ok(dy, w_out):
-                return kernels.grouped_dswiglu_triton(dy, w_out, offs, gate_up, w_sorted, order,
-                                                      dw_dtype)
-            dhidden = mm(dy, w_out, offs, False)  # [N, F]
-            return kernels.swiglu_weighted_backward_triton(gate_up, w_sorted, dhidden, order,
-                                                           dw_dtype)
-
         return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton, gate_up_swiglu,
-                    dhidden_swiglu_backward, wgrad, mm)
+                    kernels.swiglu_weighted_backward_triton, wgrad, mm)
 
     def gate_up_swiglu_torch(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
                              ) -> tuple[Tensor, Tensor]:
         gate_up = grouped_mm_torch(a, w_in, offs, True)
         return gate_up, swiglu_weighted_torch(gate_up, w_sorted)
 
-    def dhidden_swiglu_backward_torch(dy: Tensor, w_out: Tensor, offs: Tensor, gate_up: Tensor,
-                                      w_sorted: Tensor, order: Tensor, dw_dtype: torch.dtype
-                                      ) -> tuple[Tensor, Tensor]:
-        dhidden = grouped_mm_torch(dy, w_out, offs, False)
-        return swiglu_weighted_backward_torch(gate_up, w_sorted, dhidden, order, dw_dtype)
-
     return _Ops(scatter_rows_torch, gather_sum_torch, gate_up_swiglu_torch,
-                dhidden_swiglu_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
+                swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -236,13 +218,12 @@ class _GroupedExperts(torch.autograd.Function):
         ops = _ops(dout.device)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
         dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
-        # d hidden = dy @ w_out per expert, then the SwiGLU's backward: [N, 2F], [N] in slot
-        # order (one kernel where the Triton GEMM serves the shape: d hidden stays on chip)
-        dgate_up, dweights = ops.dhidden_swiglu_backward(dy_sorted, w_out, offs, gate_up,
-                                                         w_sorted, order, ctx.weights_dtype)
+        dhidden = ops.mm(dy_sorted, w_out, offs, False)  # [N, F]
         # [E, D, F] computed as hidden^T dy per expert: F (often narrow) on the tile's M
         dw_out = (ops.wgrad(hidden, dy_sorted, offs, ctx.w_dtypes[1], transpose_out=True)
                   if need_out else None)
+        dgate_up, dweights = ops.swiglu_backward(gate_up, w_sorted, dhidden, order,
+                                                 ctx.weights_dtype)  # [N, 2F], [N] slot order
         dx = dw_in = None
         if need_x:
             dx_sorted = ops.mm(dgate_up, w_in, offs, False)  # [N, D]

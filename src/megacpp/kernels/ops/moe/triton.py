@@ -221,18 +221,6 @@ def _swiglu_fwd_kernel(GU, W, H, n_rows, ffn, BLOCK_R: tl.constexpr, BLOCK_F: tl
 
 
 @triton.jit
-def _swiglu_grads(gate, up, dh, w):
-    """The weighted SwiGLU's backward in float32 (the backward kernel's and the d-hidden GEMM
-    epilogue's one formula, so the two give the same d gate|up bit for bit): (d gate, d up,
-    dh * silu(gate) * up, whose row sum is the routing weight's gradient)."""
-    gate, up, dh = gate.to(tl.float32), up.to(tl.float32), dh.to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    dact = dh * w
-    return dact * up * sig * (1.0 + gate * (1.0 - sig)), dact * silu, dh * silu * up
-
-
-@triton.jit
 def _swiglu_bwd_kernel(GU, W, DH, ORDER, DGU, DW, n_rows, ffn, BLOCK_R: tl.constexpr,
                        BLOCK_F: tl.constexpr, F_CONST: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -245,13 +233,16 @@ def _swiglu_bwd_kernel(GU, W, DH, ORDER, DGU, DW, n_rows, ffn, BLOCK_R: tl.const
     for start in range(0, _bound(ffn, F_CONST), BLOCK_F):
         cols = start + tl.arange(0, BLOCK_F)[None, :]
         mask = row_ok[:, None] & (cols < ffn)
-        gate = tl.load(gu_row + cols, mask=mask, other=0.0)
-        up = tl.load(gu_row + ffn + cols, mask=mask, other=0.0)
-        dh = tl.load(dh_row + cols, mask=mask, other=0.0)
-        dgate, dup, dw_terms = _swiglu_grads(gate, up, dh, w)
-        dw += tl.sum(dw_terms, axis=1)
+        gate = tl.load(gu_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_row + ffn + cols, mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_row + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        dw += tl.sum(dh * silu * up, axis=1)
+        dact = dh * w
+        dgate = dact * up * sig * (1.0 + gate * (1.0 - sig))
         tl.store(dgu_row + cols, dgate.to(DGU.dtype.element_ty), mask=mask)
-        tl.store(dgu_row + ffn + cols, dup.to(DGU.dtype.element_ty), mask=mask)
+        tl.store(dgu_row + ffn + cols, (dact * silu).to(DGU.dtype.element_ty), mask=mask)
     slot = tl.load(ORDER + rows, mask=row_ok, other=0)  # sorted row -> (token, choice)
     tl.store(DW + slot, dw.to(DW.dtype.element_ty), mask=row_ok)
 
@@ -426,19 +417,13 @@ GROUPED_CONFIGS = {  # (N, K) -> launch setting
 SWIGLU_CONFIGS = {
     (544, 768): {**_TILE_4W, "BLOCK_N": 64, "num_warps": 8},
 }
-# the d-hidden GEMM with the SwiGLU's backward in the epilogue (grouped_dswiglu_triton),
-# (F, D) -> launch setting (TO MEASURE)
-DSWIGLU_CONFIGS = {
-    (272, 768): {**_TILE_4W, "BLOCK_N": 64, "num_warps": 8},
-}
 GROUPED_ON_GPU = True
 
 
 @triton.jit
-def _grouped_mm_kernel(A, B, C, OFFS, WS, H, ORDER, DW, E, N, K, s_cm, s_hm, s_dw,
-                       TRANS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, SWIGLU: tl.constexpr,
-                       DSWIGLU: tl.constexpr):
+def _grouped_mm_kernel(A, B, C, OFFS, WS, H, E, N, K, s_cm, s_hm, TRANS_B: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       E_PAD: tl.constexpr, SWIGLU: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of C[rows_e] = A[rows_e] @ W_e (TRANS_B: W_e^T), grid
     (n tiles * row-block bound): the n index runs fastest, so neighbouring programs share the
     row block in L2. A: descriptor over [rows, K], [BLOCK_M, BLOCK_K] blocks; B: over W
@@ -447,17 +432,10 @@ def _grouped_mm_kernel(A, B, C, OFFS, WS, H, ORDER, DW, E, N, K, s_cm, s_hm, s_d
     SWIGLU (TRANS_B; W_e = [gate; up], F = N / 2 rows each): the tile is BLOCK_N hidden
     columns j, gate columns j and up columns F + j in two accumulators; both are stored in C
     (gate|up, as without) and H[:, j] = silu(gate) * up * WS[row] from their rounded values,
-    as _swiglu_fwd_kernel reads them back (the same hidden, without that pass over gate|up).
-    DSWIGLU (the d-hidden GEMM, N = F): the product is d hidden, rounded to C's dtype as it
-    would be stored, and is not stored: the SwiGLU's backward runs on it with gate|up read
-    from H (row stride s_hm) and WS, writing d gate|up to C ([rows, 2F], row stride s_cm),
-    as _swiglu_bwd_kernel would from a stored d hidden, and this tile's share of the routing
-    weight's gradient (the row sum over its columns) to DW[n tile, ORDER[row]] (row stride
-    s_dw); the caller sums the tiles' shares."""
+    as _swiglu_fwd_kernel reads them back (the same hidden, without that pass over gate|up)."""
     tiles_n = tl.cdiv(N // 2 if SWIGLU else N, BLOCK_N)
     pid_m = tl.program_id(0) // tiles_n
-    pid_n = tl.program_id(0) % tiles_n
-    n0 = pid_n * BLOCK_N
+    n0 = (tl.program_id(0) % tiles_n) * BLOCK_N
     e = tl.arange(0, E_PAD)
     ends = tl.load(OFFS + e, mask=e < E, other=0)
     starts = tl.load(OFFS + e - 1, mask=(e > 0) & (e < E), other=0)
@@ -470,8 +448,7 @@ def _grouped_mm_kernel(A, B, C, OFFS, WS, H, ORDER, DW, E, N, K, s_cm, s_hm, s_d
         end = tl.sum(tl.where(mine, ends, 0), axis=0)
         m0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (pid_m - first) * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SWIGLU:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (SWIGLU only)
         for k0 in range(0, K, BLOCK_K):
             a = A.load([m0, k0])
             if TRANS_B:
@@ -498,21 +475,6 @@ def _grouped_mm_kernel(A, B, C, OFFS, WS, H, ORDER, DW, E, N, K, s_cm, s_hm, s_d
             hidden = _weighted_swiglu(gate, up, w)
             tl.store(H + m0.to(tl.int64) * s_hm + (rm[:, None] * s_hm + on[None, :]),
                      hidden.to(H.dtype.element_ty), mask=mask)
-        elif DSWIGLU:
-            dh = acc.to(C.dtype.element_ty)  # d hidden as it would be stored
-            mask = row_ok[:, None] & (on < N)[None, :]
-            tile = rm[:, None] * s_cm + on[None, :]  # gate|up and d gate|up: one layout
-            gu = H + m0.to(tl.int64) * s_cm
-            gate = tl.load(gu + tile, mask=mask, other=0.0)
-            up = tl.load(gu + N + tile, mask=mask, other=0.0)
-            w = tl.load(WS + m0 + rm, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            dgate, dup, dw_terms = _swiglu_grads(gate, up, dh, w)
-            dgu = C + m0.to(tl.int64) * s_cm
-            tl.store(dgu + tile, dgate.to(C.dtype.element_ty), mask=mask)
-            tl.store(dgu + N + tile, dup.to(C.dtype.element_ty), mask=mask)
-            slot = tl.load(ORDER + m0 + rm, mask=row_ok, other=0)  # sorted row -> slot
-            tl.store(DW + pid_n.to(tl.int64) * s_dw + slot, tl.sum(dw_terms, axis=1),
-                     mask=row_ok)
         else:
             tl.store(c_tile, acc.to(C.dtype.element_ty),
                      mask=row_ok[:, None] & (on < N)[None, :])
@@ -530,10 +492,7 @@ def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tens
     group ends -> [R, N] in a's dtype: a[rows_e] @ w[e] (w[e]^T), float32 accumulation; rows
     past offs[-1] are left unwritten. Operands must pass :func:`grouped_mm_ok`."""
     n = w.shape[1] if trans_b else w.shape[2]
-    cfg = GROUPED_CONFIGS[(n, a.shape[1])]
-    out = torch.empty(a.shape[0], n, device=a.device, dtype=a.dtype)
-    _launch(a, w, offs, trans_b, cfg, out, triton.cdiv(n, cfg["BLOCK_N"]))
-    return out
+    return _grouped_mm(a, w, offs, trans_b, GROUPED_CONFIGS[(n, a.shape[1])])[0]
 
 
 def grouped_swiglu_ok(a: Tensor, w_in: Tensor) -> bool:
@@ -541,13 +500,6 @@ def grouped_swiglu_ok(a: Tensor, w_in: Tensor) -> bool:
     (:func:`grouped_swiglu_triton`): a setting for its (2F, K) in ``SWIGLU_CONFIGS`` and the
     plain kernel's conditions."""
     return _serves(SWIGLU_CONFIGS, a, w_in, 1)
-
-
-def grouped_dswiglu_ok(dy: Tensor, w_out: Tensor) -> bool:
-    """Whether the MoE's d-hidden GEMM ``dy @ w_out[e]`` takes the SwiGLU's backward in its
-    epilogue (:func:`grouped_dswiglu_triton`): a setting for its (F, D) in
-    ``DSWIGLU_CONFIGS`` and the plain kernel's conditions."""
-    return _serves(DSWIGLU_CONFIGS, dy, w_out, 2)
 
 
 def _serves(configs: dict, a: Tensor, w: Tensor, n_dim: int) -> bool:
@@ -566,59 +518,30 @@ def grouped_swiglu_triton(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tenso
     stored in a's dtype) and hidden [R, F] = silu(gate) * up * w_sorted of those stored
     values: what :func:`grouped_mm_triton` then :func:`swiglu_weighted_triton` return.
     Operands must pass :func:`grouped_swiglu_ok`."""
-    rows, two_f = a.shape[0], w_in.shape[1]
-    cfg = SWIGLU_CONFIGS[(two_f, a.shape[1])]
-    gate_up = torch.empty(rows, two_f, device=a.device, dtype=a.dtype)
-    hidden = torch.empty(rows, two_f // 2, device=a.device, dtype=a.dtype)
-    _launch(a, w_in, offs, True, cfg, gate_up, triton.cdiv(two_f // 2, cfg["BLOCK_N"]),
-            ws=w_sorted.contiguous(), h=hidden, swiglu=True)
-    return gate_up, hidden
+    cfg = SWIGLU_CONFIGS[(w_in.shape[1], a.shape[1])]
+    return _grouped_mm(a, w_in, offs, True, cfg, w_sorted.contiguous())
 
 
-def grouped_dswiglu_triton(dy: Tensor, w_out: Tensor, offs: Tensor, gate_up: Tensor,
-                           w_sorted: Tensor, order: Tensor, dw_dtype: torch.dtype
-                           ) -> tuple[Tensor, Tensor]:
-    """The d-hidden GEMM and the weighted SwiGLU's backward in one kernel: dy [R, D] (rows
-    grouped by expert), w_out [E, D, F], offs [E] int32 group ends, gate_up [R, 2F] and
-    w_sorted [R] of the forward, order [R] (sorted row -> (token, choice) slot) -> d gate|up
-    [R, 2F] (dy's dtype) and dweights [R] in slot order (``dw_dtype``): what
-    :func:`grouped_mm_triton` (d hidden = dy[rows_e] @ w_out[e], float32 accumulation, rounded
-    to dy's dtype) then :func:`swiglu_weighted_backward_triton` return, without d hidden in
-    memory. d gate|up is the same bit for bit; dweights is summed in another order (each
-    program's BLOCK_N columns, then the programs' float32 shares in column order).
-    Operands must pass :func:`grouped_dswiglu_ok`; every row belongs to an expert
-    (offs[-1] == R)."""
-    rows, ffn = dy.shape[0], w_out.shape[2]
-    cfg = DSWIGLU_CONFIGS[(ffn, dy.shape[1])]
-    tiles_n = triton.cdiv(ffn, cfg["BLOCK_N"])
-    dgate_up = torch.empty(rows, 2 * ffn, device=dy.device, dtype=dy.dtype)
-    shares = torch.empty(tiles_n, rows, device=dy.device, dtype=torch.float32)
-    _launch(dy, w_out, offs, False, cfg, dgate_up, tiles_n, ws=w_sorted.contiguous(),
-            h=gate_up.contiguous(), order=order, dw=shares, dswiglu=True)
-    dweights = shares[0] if tiles_n == 1 else shares.sum(0)
-    return dgate_up, dweights.to(dw_dtype)
-
-
-def _launch(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool, cfg: dict, out: Tensor,
-            tiles_n: int, ws: Tensor | None = None, h: Tensor | None = None,
-            order: Tensor | None = None, dw: Tensor | None = None, swiglu: bool = False,
-            dswiglu: bool = False) -> None:
-    """Launch _grouped_mm_kernel over ``tiles_n`` column tiles per row block (the tensors an
-    epilogue does not use are passed as placeholders it never reads)."""
+def _grouped_mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool, cfg: dict,
+                w_sorted: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Launch _grouped_mm_kernel: the product, and with ``w_sorted`` (trans_b) the SwiGLU's
+    hidden."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a, w = a.contiguous(), w.contiguous()
     rows, k = a.shape
     experts = w.shape[0]
+    n = w.shape[1] if trans_b else w.shape[2]
+    out = torch.empty(rows, n, device=a.device, dtype=a.dtype)
+    swiglu = w_sorted is not None
+    hidden = torch.empty(rows, n // 2, device=a.device, dtype=a.dtype) if swiglu else None
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     w_block = [1, bn, bk] if trans_b else [1, bk, bn]
-    grid = (tiles_n * (triton.cdiv(rows, bm) + experts),)
+    grid = (triton.cdiv(n // 2 if swiglu else n, bn) * (triton.cdiv(rows, bm) + experts),)
     _grouped_mm_kernel[grid](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
-        out, offs, offs if ws is None else ws, out if h is None else h,
-        offs if order is None else order, out if dw is None else dw, experts,
-        w.shape[1] if trans_b else w.shape[2], k, out.stride(0),
-        0 if h is None else h.stride(0), 0 if dw is None else dw.stride(0), TRANS_B=trans_b,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)),
-        SWIGLU=swiglu, DSWIGLU=dswiglu, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        out, offs, w_sorted if swiglu else offs, hidden if swiglu else out, experts, n, k,
+        out.stride(0), hidden.stride(0) if swiglu else 0, TRANS_B=trans_b, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)), SWIGLU=swiglu,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, hidden
