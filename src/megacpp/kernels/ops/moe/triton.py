@@ -413,9 +413,15 @@ GROUPED_CONFIGS = {  # (N, K) -> launch setting
 # accumulators. At the nam56r step's shape on an H100 (benchmarks/results/kernels/h100_s22,
 # swiglu_epilogue_probe): 78.5 us at 8 warps, 83.7 at 4, against 76.7 + 38.7 for the plain
 # GEMM and the SwiGLU kernel (115.4), with the same results bit for bit; 4 stages or 32 / 128
-# columns per program were slower (85-108)
+# columns per program were slower (85-108). At the bench's shapes (h100_s23,
+# swiglu_fusion_probe, against torch._grouped_mm then the SwiGLU kernel): e64_k8 (2F 1024,
+# d 1024) 557.5 vs 592.5 us, e16_k2 (2F 4096) 526.2 vs 594.7, 64 columns at 8 warps and 3
+# stages the best of four settings at both
+_SWIGLU_64 = {**_TILE_4W, "BLOCK_N": 64, "num_warps": 8}
 SWIGLU_CONFIGS = {
-    (544, 768): {**_TILE_4W, "BLOCK_N": 64, "num_warps": 8},
+    (544, 768): _SWIGLU_64,
+    (1024, 1024): _SWIGLU_64,
+    (4096, 1024): _SWIGLU_64,
 }
 GROUPED_ON_GPU = True
 
