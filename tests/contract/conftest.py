@@ -42,7 +42,7 @@ def pip_prefix(tmp_path_factory) -> Path:
             str(prefix),
             "tabulate==0.10.0",
         ],
-        capture_output=True,
+        capture_output=True, check=False,
         text=True,
         timeout=240,
     )

@@ -41,8 +41,8 @@ def test_greedy_is_argmax_and_filters_restrict_support():
     assert full == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(max_new_tokens=0), dict(stop=("",))])
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_k": -2},
+                                 {"max_new_tokens": 0}, {"stop": ("",)}])
 def test_bad_sampling_params_are_clear_errors(bad):
     with pytest.raises(MegaCppError):
         SamplingParams(**bad)

@@ -27,15 +27,15 @@ def make_inputs(
         return torch.randn(*shape, generator=gen, dtype=dtype)
 
     reset = torch.rand(B, seq_len, generator=gen) < reset_rate
-    return dict(
-        q=randn(B, seq_len, H, K),
-        k=F.normalize(randn(B, seq_len, H, K), dim=-1),
-        v=randn(B, seq_len, H, V),
-        g=g_scale * F.logsigmoid(randn(B, seq_len, H)),
-        beta=torch.sigmoid(randn(B, seq_len, H)),
-        initial_state=randn(B, H, K, V),
-        reset=reset,
-    )
+    return {
+        "q": randn(B, seq_len, H, K),
+        "k": F.normalize(randn(B, seq_len, H, K), dim=-1),
+        "v": randn(B, seq_len, H, V),
+        "g": g_scale * F.logsigmoid(randn(B, seq_len, H)),
+        "beta": torch.sigmoid(randn(B, seq_len, H)),
+        "initial_state": randn(B, H, K, V),
+        "reset": reset,
+    }
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -143,7 +143,7 @@ def test_extreme_decay_and_resets_stay_finite():
 
 def test_low_precision_inputs_compute_in_float32():
     inputs = make_inputs(20, torch.float32, seed=4)
-    o32, state32 = gated_delta_rule_chunked(**inputs, chunk_size=8)
+    o32, _state32 = gated_delta_rule_chunked(**inputs, chunk_size=8)
     bf16 = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in inputs.items()}
     o, state = gated_delta_rule_chunked(**bf16, chunk_size=8)
     assert o.dtype == torch.bfloat16 and state.dtype == torch.float32

@@ -29,19 +29,19 @@ def make_inputs(
         return torch.randn(*shape, generator=g, dtype=dtype)
 
     dt = F.softplus(randn(batch, seqlen, nheads) - 1)
-    return dict(
-        q=F.rms_norm(randn(batch, seqlen, groups, d_state), (d_state,)),
-        k=F.rms_norm(randn(batch, seqlen, groups, d_state), (d_state,)),
-        v=randn(batch, seqlen, nheads, headdim),
-        adt=-torch.rand(batch, seqlen, nheads, generator=g, dtype=dtype) * dt,
-        dt=dt,
-        trap=randn(batch, seqlen, nheads),
-        q_bias=randn(nheads, d_state),
-        k_bias=randn(nheads, d_state),
-        angles=2 * randn(batch, seqlen, nheads, n_angles),
-        D=randn(nheads),
-        z=randn(batch, seqlen, nheads, headdim),
-    )
+    return {
+        "q": F.rms_norm(randn(batch, seqlen, groups, d_state), (d_state,)),
+        "k": F.rms_norm(randn(batch, seqlen, groups, d_state), (d_state,)),
+        "v": randn(batch, seqlen, nheads, headdim),
+        "adt": -torch.rand(batch, seqlen, nheads, generator=g, dtype=dtype) * dt,
+        "dt": dt,
+        "trap": randn(batch, seqlen, nheads),
+        "q_bias": randn(nheads, d_state),
+        "k_bias": randn(nheads, d_state),
+        "angles": 2 * randn(batch, seqlen, nheads, n_angles),
+        "D": randn(nheads),
+        "z": randn(batch, seqlen, nheads, headdim),
+    }
 
 
 def random_state(inputs, seed=1) -> Mamba3ScanState:
@@ -89,10 +89,10 @@ def slice_time(inputs, start, stop):
 def test_chunked_matches_recurrent_float64(chunk_size, with_reset, with_state):
     inputs = make_inputs(seed=chunk_size)
     batch, seqlen = inputs["v"].shape[:2]
-    extra = dict(
-        reset=random_reset(batch, seqlen) if with_reset else None,
-        initial_state=random_state(inputs) if with_state else None,
-    )
+    extra = {
+        "reset": random_reset(batch, seqlen) if with_reset else None,
+        "initial_state": random_state(inputs) if with_state else None,
+    }
     y_ref, s_ref = mamba3_scan_recurrent(**inputs, **extra)
     y, s = mamba3_scan_chunked(**inputs, **extra, chunk_size=chunk_size)
     assert y.dtype == F64 and y.shape == inputs["v"].shape

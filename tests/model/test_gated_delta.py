@@ -102,7 +102,7 @@ def test_first_token_matches_hand_computation():
     mixer = make_mixer()
     x = random_x(1, 1, seed=5)
     H, K, V = N_HEADS, HEAD_K, HEAD_V
-    qkv, gate, a, b = mixer.in_proj(x[0, 0]).split([mixer.conv_dim, mixer.value_dim, H, H])
+    qkv, gate, _a, b = mixer.in_proj(x[0, 0]).split([mixer.conv_dim, mixer.value_dim, H, H])
     qkv = F.silu(mixer.conv_weight[:, -1] * qkv)  # only the current-token tap sees data
     q, k, v = qkv.split([H * K, H * K, H * V])
     q, k, v = fla_l2norm(q.view(H, K)), fla_l2norm(k.view(H, K)), v.view(H, V)
@@ -195,7 +195,8 @@ def test_cache_layout_and_bytes():
     ],
 )
 def test_rejects_bad_config(kwargs, field):
-    config = dict(d_model=D_MODEL, n_heads=N_HEADS, head_k_dim=HEAD_K, head_v_dim=HEAD_V) | kwargs
+    config = {"d_model": D_MODEL, "n_heads": N_HEADS, "head_k_dim": HEAD_K,
+              "head_v_dim": HEAD_V} | kwargs
     with pytest.raises(ConfigError, match=field):
         GatedDeltaNetMixer(**config)
 

@@ -11,8 +11,8 @@ from megacpp.errors import ConfigError
 from megacpp.model.mamba3 import Mamba3Mixer
 
 F64 = torch.float64
-CONFIG = dict(d_model=32, d_state=16, headdim=8, expand=2, ngroups=2, chunk_size=8,
-              init_std=0.2)
+CONFIG = {"d_model": 32, "d_state": 16, "headdim": 8, "expand": 2, "ngroups": 2, "chunk_size": 8,
+              "init_std": 0.2}
 
 
 def make_mixer(dtype=F64, seed=0, **overrides) -> Mamba3Mixer:
@@ -234,11 +234,11 @@ def test_init_matches_mamba_ssm_conventions():
 
 
 @pytest.mark.parametrize("overrides,field", [
-    (dict(headdim=7), "headdim"),
-    (dict(ngroups=3), "ngroups"),
-    (dict(rope_fraction=0.0), "rope_fraction"),
-    (dict(d_state=2, rope_fraction=0.5), "rope_fraction"),
-    (dict(chunk_size=0), "chunk_size"),
+    ({"headdim": 7}, "headdim"),
+    ({"ngroups": 3}, "ngroups"),
+    ({"rope_fraction": 0.0}, "rope_fraction"),
+    ({"d_state": 2, "rope_fraction": 0.5}, "rope_fraction"),
+    ({"chunk_size": 0}, "chunk_size"),
 ])
 def test_bad_config_fails_closed(overrides, field):
     with pytest.raises(ConfigError, match=field):

@@ -107,8 +107,8 @@ def _print_fingerprint(fp: dict[str, Any]) -> None:
         ("python", fp["python"]["version"]),
         (
             "torch",
-            f"{fp['packages'].get('torch')} (CUDA {torch_build.get('cuda')}, cuDNN "
-            f"{torch_build.get('cudnn')}, NCCL {torch_build.get('nccl')})",
+            (f"{fp['packages'].get('torch')} (CUDA {torch_build.get('cuda')}, cuDNN "
+             f"{torch_build.get('cudnn')}, NCCL {torch_build.get('nccl')})"),
         ),
         ("triton", str(fp["packages"].get("triton"))),
         ("driver", f"{driver.get('version')} (CUDA {driver.get('cuda_version')})"),

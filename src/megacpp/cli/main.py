@@ -15,8 +15,8 @@ import importlib
 import sys
 
 import typer
-from typer.core import TyperCommand, TyperGroup
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from megacpp.errors import MegaCppError
 

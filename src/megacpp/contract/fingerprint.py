@@ -8,12 +8,12 @@ package not installed) -- capture never fails for that.
 from __future__ import annotations
 
 import datetime as dt
-import importlib.metadata as metadata
 import json
 import os
 import platform
 import sys
 from collections.abc import Iterable, Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 

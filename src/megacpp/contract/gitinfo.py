@@ -80,7 +80,8 @@ def _capture_git(root: str | os.PathLike[str] | None, env: Mapping[str, str]
 def _git(git: str, cwd: Path, env: Mapping[str, str], *args: str) -> bytes | None:
     try:
         done = subprocess.run(
-            [git, "-C", str(cwd), *args], capture_output=True, timeout=_GIT_TIMEOUT_S, env=dict(env)
+            [git, "-C", str(cwd), *args], capture_output=True, check=False,
+            timeout=_GIT_TIMEOUT_S, env=dict(env),
         )
     except (OSError, subprocess.SubprocessError):
         return None

@@ -20,11 +20,11 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
-import importlib.metadata as metadata
 import io
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 

@@ -40,7 +40,7 @@ def run_tool(argv: list[str], env: Mapping[str, str]) -> str | None:
     try:
         done = subprocess.run(
             [executable, *argv[1:]],
-            capture_output=True,
+            capture_output=True, check=False,
             text=True,
             timeout=_TOOL_TIMEOUT_S,
             env=dict(env),

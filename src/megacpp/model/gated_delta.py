@@ -91,20 +91,20 @@ class GatedDeltaNetMixer(nn.Module):
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
-        sizes = dict(
-            d_model=d_model,
-            n_heads=n_heads,
-            head_k_dim=head_k_dim,
-            head_v_dim=head_v_dim,
-            conv_size=conv_size,
-            chunk_size=chunk_size,
-        )
+        sizes = {
+            "d_model": d_model,
+            "n_heads": n_heads,
+            "head_k_dim": head_k_dim,
+            "head_v_dim": head_v_dim,
+            "conv_size": conv_size,
+            "chunk_size": chunk_size,
+        }
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(
                     f"GatedDeltaNetMixer {name} must be a positive integer, got {value!r}"
                 )
-        for name, value in dict(norm_eps=norm_eps, init_std=init_std).items():
+        for name, value in {"norm_eps": norm_eps, "init_std": init_std}.items():
             if not value > 0:
                 raise ConfigError(f"GatedDeltaNetMixer {name} must be > 0, got {value!r}")
 

@@ -216,19 +216,19 @@ class Mamba3Mixer(nn.Module):
         H, P, G, N = self.nheads, self.headdim, self.ngroups, self.d_state
         z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x, *again)
         adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
-        return dict(
-            q=self.C_norm(c.unflatten(-1, (G, N))),  # [B, L, G, N]
-            k=self.B_norm(b.unflatten(-1, (G, N))),
-            v=xs.unflatten(-1, (H, P)),  # [B, L, H, P]
-            adt=adt,
-            dt=dt,
-            trap=trap,
-            q_bias=self.C_bias,
-            k_bias=self.B_bias,
-            angles=angles[:, :, None, :].expand(-1, -1, H, -1),  # [B, L, H, R], shared by heads
-            D=self.D,
-            z=z.unflatten(-1, (H, P)),
-        )
+        return {
+            "q": self.C_norm(c.unflatten(-1, (G, N))),  # [B, L, G, N]
+            "k": self.B_norm(b.unflatten(-1, (G, N))),
+            "v": xs.unflatten(-1, (H, P)),  # [B, L, H, P]
+            "adt": adt,
+            "dt": dt,
+            "trap": trap,
+            "q_bias": self.C_bias,
+            "k_bias": self.B_bias,
+            "angles": angles[:, :, None, :].expand(-1, -1, H, -1),  # [B, L, H, R], shared by heads
+            "D": self.D,
+            "z": z.unflatten(-1, (H, P)),
+        }
 
     def _project(self, x: Tensor, x2: Tensor | None = None, x3: Tensor | None = None
                  ) -> tuple[Tensor, ...]:

@@ -119,13 +119,13 @@ def golden_problems(fingerprint: dict[str, Any]) -> list[str]:
     git = fingerprint.get("git")
     if not git or not git.get("sha"):
         return [
-            "no git commit is known for the project (not a git checkout, no git, or a copy "
-            "without history)"
+            ("no git commit is known for the project (not a git checkout, no git, or a copy "
+             "without history)")
         ]
     if git.get("dirty") is not False:
         return [
-            f"the git tree at {git.get('root')} has uncommitted changes (diff sha256 "
-            f"{git.get('diff_sha256')})"
+            (f"the git tree at {git.get('root')} has uncommitted changes (diff sha256 "
+             f"{git.get('diff_sha256')})")
         ]
     problems = []
     installed = [name for name, version in (fingerprint.get("packages") or {}).items() if version]
