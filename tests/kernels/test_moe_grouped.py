@@ -394,7 +394,8 @@ def test_grouped_wgrad_triton_against_float64():
 @pytest.mark.gpu
 def test_grouped_mm_triton_against_float64(monkeypatch):
     """The expert GEMMs at the step's shapes it serves (gate|up: N 544, K 768, W^T; d hidden:
-    N 272, K 768) and at every other shape of the step with the same launch setting; an expert
+    N 272, K 768) and at every other shape of the step with the same launch setting, and
+    gate|up with the SwiGLU in its epilogue at every shape in SWIGLU_CONFIGS; an expert
     without rows and one of a single row; every element of the output checked (its memory held
     NaN before)."""
     from megacpp.kernels.ops.moe import triton as kernels
@@ -414,18 +415,21 @@ def test_grouped_mm_triton_against_float64(monkeypatch):
         got = kernels.grouped_mm_triton(a, w, offs, trans_b)
         assert got.shape == want.shape and not got.isnan().any()
         assert _rel(got, want) < 8e-3, (k, n, trans_b, _rel(got, want))
-    # gate|up with the SwiGLU in the epilogue, as the step runs it: gate|up against float64,
-    # hidden against the separate SwiGLU kernel on the stored gate|up
-    a, w, offs, want = _grouped_mm_case(counts, 768, 544, True, torch.bfloat16, "cuda", 544)
-    assert kernels.grouped_swiglu_ok(a, w)
-    w_sorted = torch.rand(a.shape[0], device="cuda") + 0.1
-    poison = [torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-              for n in (544, 272)]
-    del poison  # the caching allocator hands these blocks to gate|up and hidden
-    gate_up, hidden = kernels.grouped_swiglu_triton(a, w, offs, w_sorted)
-    assert not gate_up.isnan().any() and not hidden.isnan().any()
-    assert _rel(gate_up, want) < 8e-3, _rel(gate_up, want)
-    assert _rel(hidden, kernels.swiglu_weighted_triton(gate_up, w_sorted)) < 1e-2
+    # gate|up with the SwiGLU in the epilogue at every shape it serves (the step's, the
+    # bench's e64_k8 and e16_k2): gate|up against float64, hidden against the separate SwiGLU
+    # kernel on the stored gate|up
+    for two_f, d in kernels.SWIGLU_CONFIGS:
+        a, w, offs, want = _grouped_mm_case(counts[:8], d, two_f, True, torch.bfloat16, "cuda",
+                                            two_f)
+        assert kernels.grouped_swiglu_ok(a, w)
+        w_sorted = torch.rand(a.shape[0], device="cuda") + 0.1
+        poison = [torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                  for n in (two_f, two_f // 2)]
+        del poison  # the caching allocator hands these blocks to gate|up and hidden
+        gate_up, hidden = kernels.grouped_swiglu_triton(a, w, offs, w_sorted)
+        assert not gate_up.isnan().any() and not hidden.isnan().any()
+        assert _rel(gate_up, want) < 8e-3, (two_f, d, _rel(gate_up, want))
+        assert torch.equal(hidden, kernels.swiglu_weighted_triton(gate_up, w_sorted)), (two_f, d)
 
 
 @pytest.mark.gpu
