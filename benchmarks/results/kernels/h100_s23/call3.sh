@@ -6,7 +6,9 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 D=/tmp/s23_call3; mkdir -p $D
 git rev-parse HEAD > $D/commit.txt 2>/dev/null; git status --short >> $D/commit.txt 2>/dev/null
-PYTHONPATH=$PWD/src:$PWD:/tmp/site timeout 520 python3 -m pytest -q -rfs -m gpu tests \
-    tests/kernels/test_triton_compile.py > $D/gpu_tests.log 2>&1
+export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+timeout 480 python3 -m pytest -q -rfs -m gpu tests > $D/gpu_tests.log 2>&1
 tail -15 $D/gpu_tests.log
+python3 -m pytest -q tests/kernels/test_triton_compile.py > $D/compile_tests.log 2>&1
+tail -2 $D/compile_tests.log
 tar czf "$OUT/s23_call3.tgz" -C /tmp s23_call3
