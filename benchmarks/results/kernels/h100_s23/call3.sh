@@ -7,7 +7,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 D=/tmp/s23_call3; mkdir -p $D
 git rev-parse HEAD > $D/commit.txt 2>/dev/null; git status --short >> $D/commit.txt 2>/dev/null
 export PYTHONPATH=$PWD/src:$PWD:/tmp/site
-timeout 480 python3 -m pytest -q -rfs -m gpu tests > $D/gpu_tests.log 2>&1
+# (modules whose imports the GPU machine lacks -- fastapi, megatron-core -- fail to collect)
+timeout 480 python3 -m pytest -q -rfs -m gpu --continue-on-collection-errors tests > $D/gpu_tests.log 2>&1
 tail -15 $D/gpu_tests.log
 python3 -m pytest -q tests/kernels/test_triton_compile.py > $D/compile_tests.log 2>&1
 tail -2 $D/compile_tests.log
