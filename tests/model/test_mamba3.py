@@ -11,8 +11,8 @@ from megacpp.errors import ConfigError
 from megacpp.model.mamba3 import Mamba3Mixer
 
 F64 = torch.float64
-CONFIG = {"d_model": 32, "d_state": 16, "headdim": 8, "expand": 2, "ngroups": 2, "chunk_size": 8,
-              "init_std": 0.2}
+CONFIG = {"d_model": 32, "d_state": 16, "headdim": 8, "expand": 2, "ngroups": 2,
+          "chunk_size": 8, "init_std": 0.2}
 
 
 def make_mixer(dtype=F64, seed=0, **overrides) -> Mamba3Mixer:

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.kernels.device import sm_count
-from megacpp.kernels.ops.rmsnorm.reference import check_fanout, check_rope
+from megacpp.kernels.ops.rmsnorm.reference import check_fanout, check_rope, copies
 from megacpp.kernels.ops.sum_rows import sum_rows
 
 
@@ -236,7 +236,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         ctx.has_residual, ctx.shape, ctx.rows_at = has_residual, shape, rows_at
         ctx.residual_dtype = residual.dtype if has_residual else None
         ctx.fanout = fanout
-        ys = tuple(y.view(shape) for _ in range(fanout))  # fanout n: n tensors, n gradients
+        ys = copies(y.view(shape), fanout)  # fanout n: n tensors, n gradients
         # with skip and no residual, h is a view of x: its gradient comes back as dh_out
         return (*ys, h.view(shape)) if has_residual or skip else ys
 
