@@ -5,7 +5,6 @@ sync-freedom (GPU)."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
@@ -216,49 +215,20 @@ def _interpreter_wgrad(kernels) -> dict:
                 result[f"wgrad_m{bm}_{str(out_dtype)[6:]}{name}"] = err
                 assert err < tol, (bm, out_dtype, name, err)
                 assert x[0].abs().max() == 0 and x[3].abs().max() == 0  # experts without rows
-    # b read through a permutation (the token-order source, k = 3 rows per token): the same
-    # products as from the rows written out
-    order = torch.randperm(108, generator=torch.Generator().manual_seed(7))
-    src = torch.randn(36, 24, generator=torch.Generator().manual_seed(8)).half()
-    tiles = kernels.WGRAD_CONFIGS
-    kernels.WGRAD_CONFIGS = ({**big, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16},)
-    for transpose_out in (False, True):
-        got = kernels.grouped_wgrad_triton(a, src, offs, torch.float32, transpose_out,
-                                           b_order=order, top_k=3)
-        assert torch.equal(got, kernels.grouped_wgrad_triton(a, src[order // 3], offs,
-                                                             torch.float32, transpose_out))
-    kernels.WGRAD_CONFIGS = tiles
     got, calls = _fp16_path(kernels, "grouped_wgrad_triton", 6, "fp16_path", result)
-    # dw_in, and dw_out stored transposed; both read rows already written out (the torch
-    # GEMMs before them asked for them)
-    assert sorted(c["transpose_out"] for c in calls) == [False, True]
-    assert all(c["b_order"] is None for c in calls)
+    assert sorted(calls) == [False, True]  # dw_in, and dw_out stored transposed
     assert got[3][2].abs().max() == 0 and got[4][2].abs().max() == 0
     return result
 
 
-def _recorded(kernels, name, calls):
-    """``kernels.<name>`` wrapped to append each call's bound arguments (a dict by parameter
-    name, defaults filled in) to ``calls``."""
-    kernel = getattr(kernels, name)
-    sig = inspect.signature(kernel)
-
-    def record(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        calls.append(dict(bound.arguments))
-        return kernel(*args, **kwargs)
-    return record
-
-
 def _fp16_path(kernels, name, seed, label, result):
     """The whole float16 MoE path (53 tokens, 8 experts top-3, expert 2 without rows) with
-    ``kernels.<name>`` wrapped to record its calls (:func:`_recorded`), against the float32
-    loop reference; the errors go to ``result[label/...]``. (got, calls)."""
+    ``kernels.<name>`` wrapped to record its calls (their last positional argument), against
+    the float32 loop reference; the errors go to ``result[label/...]``. (got, calls)."""
     x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", seed, (2,))
     cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(seed + 1))
     kernel, calls = getattr(kernels, name), []
-    setattr(kernels, name, _recorded(kernels, name, calls))
+    setattr(kernels, name, lambda *args: calls.append(args[-1]) or kernel(*args))
     try:
         got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
     finally:
@@ -307,27 +277,15 @@ def _interpreter_grouped_mm(kernels) -> dict:
             err = _rel(got, want)
             result[f"grouped_mm_k{k}_n{n}_t{int(trans_b)}"] = err
             assert got.shape == want.shape and err < 2e-3, (k, n, trans_b, err)
-            # a's rows read through a permutation of a token-order source (k = 1: a itself
-            # scrambled; 79 rows, the last row block partial): the same bits
-            order = torch.randperm(79, generator=torch.Generator().manual_seed(k + n))
-            src = torch.empty_like(a).index_copy_(0, order, a)  # src[order[r]] = a[r]
-            assert torch.equal(kernels.grouped_mm_triton(src, w, offs, trans_b, order=order), got)
     # the MoE's shapes at d 32, ffn 24: gate|up (48, 32), down (32, 24), d hidden (24, 32),
     # dx (32, 48), each (N, K)
     kernels.GROUPED_CONFIGS.update(dict.fromkeys([(48, 32), (32, 24), (24, 32), (32, 48)], tile))
     try:
-        got, calls = _fp16_path(kernels, "grouped_mm_triton", 8, "fp16_mm_path", result)
-        kernels.GATHER_ROWS = False  # the rows written out by the scatter: the same bits
-        written, _ = _fp16_path(kernels, "grouped_mm_triton", 8, "fp16_mm_path_written", result)
-        for name, a, b in zip(NAMES, got, written):
-            assert torch.equal(a, b), name
+        _, calls = _fp16_path(kernels, "grouped_mm_triton", 8, "fp16_mm_path", result)
     finally:
-        kernels.GATHER_ROWS = True
         kernels.GROUPED_CONFIGS.clear()
         kernels.GROUPED_CONFIGS.update(saved)
-    assert sorted(c["trans_b"] for c in calls) == [False, False, True, True]  # gate|up,
-    # down; d hidden, dx. gate|up reads x and d hidden reads dout through the plan
-    assert [c["order"] is not None for c in calls] == [True, False, True, False]
+    assert sorted(calls) == [False, False, True, True]  # gate|up, down; d hidden, dx
     result.update(_interpreter_swiglu(kernels, tile))
     return result
 
@@ -345,12 +303,8 @@ def _interpreter_swiglu(kernels, tile) -> dict:
     try:
         assert kernels.grouped_swiglu_ok(a, w)
         gate_up, hidden = kernels.grouped_swiglu_triton(a, w, offs, w_sorted)
-        order = torch.randperm(79, generator=torch.Generator().manual_seed(6))
-        src = torch.empty_like(a).index_copy_(0, order, a)  # src[order[r]] = a[r]
-        gathered = kernels.grouped_swiglu_triton(src, w, offs, w_sorted, order=order)
     finally:
         del kernels.SWIGLU_CONFIGS[(48, 40)]
-    assert torch.equal(gathered[0], gate_up) and torch.equal(gathered[1], hidden)
     result["swiglu_gate_up"] = _rel(gate_up, want)
     result["swiglu_hidden"] = _rel(hidden, swiglu_weighted_torch(gate_up, w_sorted))
     assert gate_up.shape == want.shape and result["swiglu_gate_up"] < 2e-3, result
@@ -364,7 +318,7 @@ def _interpreter_swiglu(kernels, tile) -> dict:
         kernels.GROUPED_CONFIGS.clear()
         kernels.GROUPED_CONFIGS.update(saved)
         del kernels.SWIGLU_CONFIGS[(48, 32)]
-    assert len(calls) == 1 and calls[0]["order"] is not None  # gate|up + SwiGLU, x gathered
+    assert len(calls) == 1  # gate|up with the SwiGLU, once
     return result
 
 
@@ -486,9 +440,8 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
                                                           monkeypatch):
     """The whole path, with the weight gradients from torch._grouped_mm or (wgrad_triton) the
     Triton kernel, and (grouped_triton) all four expert GEMMs on the Triton kernel (gate|up with
-    the SwiGLU in its epilogue; it and d hidden read x's and dout's rows through the plan, and
-    so do both wgrads after them: the same results bit for bit as with the rows written out);
-    and under autocast with float32 weights, whose gradients come back float32."""
+    the SwiGLU in its epilogue); and under autocast with float32 weights, whose gradients come
+    back float32."""
     from megacpp.kernels.ops.moe import triton as kernels
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -501,8 +454,9 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
     monkeypatch.setattr(kernels, "SWIGLU_CONFIGS", dict.fromkeys(  # gate|up's epilogue SwiGLU
         shapes[:1] if grouped_triton else [], kernels.SWIGLU_CONFIGS[(544, 768)]))
     calls = []
+    kernel = kernels.grouped_wgrad_triton
     monkeypatch.setattr(kernels, "grouped_wgrad_triton",
-                        _recorded(kernels, "grouped_wgrad_triton", calls))
+                        lambda *args: calls.append(args[-1]) or kernel(*args))
     x, idx, w, w_in, w_out = _inputs(1000, 256, 16, 4, 192, torch.bfloat16, "cuda", 4, skip)
     cot = torch.randn(1000, 256, device="cuda")
     ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot)
@@ -518,13 +472,6 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
     for e in skip:
         assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
     assert len(calls) == (4 if wgrad_triton else 0)  # dw_in and dw_out, warm-up and run
-    assert all((c["b_order"] is not None) == grouped_triton for c in calls)
-    if grouped_triton:  # the rows written out by the scatter instead: the same bits
-        monkeypatch.setattr(kernels, "GATHER_ROWS", False)
-        written = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
-        monkeypatch.setattr(kernels, "GATHER_ROWS", True)
-        for name, a, b in zip(("out", "dx", "dw", "dw_in", "dw_out"), got, written):
-            assert torch.equal(a, b), name
     masters = [t.float() for t in (x, w_in, w_out)]
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = _grads(moe_experts_grouped, masters[0], idx, w, *masters[1:], cot)

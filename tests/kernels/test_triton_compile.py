@@ -116,22 +116,17 @@ def test_moe_kernels_compile_for_hopper():
               "BLOCK_F": "constexpr", "F_CONST": "constexpr"}, rows, num_warps=8)
     for cfg in moe.WGRAD_CONFIGS:
         tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-        # float32 masters' gradients, bf16 weights'; B through tensor-memory loads or gathered
-        # from its token-order source (top-8)
-        for out, gather in (("fp32", False), ("bf16", False), ("fp32", True)):
-            const = {**tiles, "GATHER": gather, "TOPK": 8 if gather else 1}
-            b = "*bf16" if gather else f"tensordesc<bf16[{cfg['BLOCK_K']}, {cfg['BLOCK_N']}]>"
+        for out in ("fp32", "bf16"):  # float32 masters' gradients; bf16 weights'
             kernel = _compile(
                 moe._wgrad_kernel,
-                {"A": f"tensordesc<bf16[{cfg['BLOCK_K']}, {cfg['BLOCK_M']}]>", "B": b,
-                 "C": f"*{out}", "OFFS": "*i32", "ORDER": "*i64", "M": "i32", "N": "i32",
-                 "R": "i32", "s_b": "i32", "s_ce": "i32", "s_cm": "i32", "s_cn": "i32",
-                 **dict.fromkeys(const, "constexpr")},
-                const, ("B", "ORDER", "N", "s_b") if gather else (),
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-            assert "wgmma" in kernel.asm["ptx"]  # operands from shared memory
+                {"A": f"tensordesc<bf16[{cfg['BLOCK_K']}, {cfg['BLOCK_M']}]>",
+                 "B": f"tensordesc<bf16[{cfg['BLOCK_K']}, {cfg['BLOCK_N']}]>", "C": f"*{out}",
+                 "OFFS": "*i32", "M": "i32", "N": "i32", "s_ce": "i32", "s_cm": "i32",
+                 "s_cn": "i32", **dict.fromkeys(tiles, "constexpr")},
+                tiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            assert "wgmma" in kernel.asm["ptx"]  # operands straight from tensor-memory loads
             regs, spills = _ptxas_spills(kernel)
-            assert spills == 0 and regs <= 255, (cfg, out, gather, regs, spills)  # 205 at 128x256
+            assert spills == 0 and regs <= 255, (cfg, out, regs, spills)  # 205 at 128x256
 
 
 def test_moe_grouped_mm_kernel_compiles_for_hopper():
@@ -140,27 +135,23 @@ def test_moe_grouped_mm_kernel_compiles_for_hopper():
     (per-element 64-bit output offsets of a 128 x 256 tile spilled 180 bytes)."""
     from megacpp.kernels.ops.moe import triton as moe
 
-    settings = [(cfg, trans_b, False, gather) for cfg in moe.GROUPED_CONFIGS.values()
-                for trans_b in (True, False) for gather in (False, True)]
-    settings += [(cfg, True, True, gather) for cfg in moe.SWIGLU_CONFIGS.values()
-                 for gather in (False, True)]  # gate|up + SwiGLU
-    for cfg, trans_b, swiglu, gather in settings:
+    settings = [(cfg, trans_b, False) for cfg in moe.GROUPED_CONFIGS.values()
+                for trans_b in (True, False)]
+    settings += [(cfg, True, True) for cfg in moe.SWIGLU_CONFIGS.values()]  # gate|up + SwiGLU
+    for cfg, trans_b, swiglu in settings:
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         w_block = f"[1, {bn}, {bk}]" if trans_b else f"[1, {bk}, {bn}]"
         const = {"TRANS_B": trans_b, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "E_PAD": 16,
-                 "SWIGLU": swiglu, "GATHER": gather, "TOPK": 8 if gather else 1}
+                 "SWIGLU": swiglu}
         kernel = _compile(
             moe._grouped_mm_kernel,
-            {"A": "*bf16" if gather else f"tensordesc<bf16[{bm}, {bk}]>",
-             "B": f"tensordesc<bf16{w_block}>", "C": "*bf16", "OFFS": "*i32", "WS": "*fp32",
-             "H": "*bf16", "ORDER": "*i64", "E": "i32", "N": "i32", "K": "i32",
-             "n_rows": "i32", "s_am": "i32", "s_cm": "i32", "s_hm": "i32",
-             **dict.fromkeys(const, "constexpr")},
+            {"A": f"tensordesc<bf16[{bm}, {bk}]>", "B": f"tensordesc<bf16{w_block}>",
+             "C": "*bf16", "OFFS": "*i32", "WS": "*fp32", "H": "*bf16", "E": "i32", "N": "i32",
+             "K": "i32", "s_cm": "i32", "s_hm": "i32", **dict.fromkeys(const, "constexpr")},
             # the MoE's shapes: 16-byte aligned allocations; N, K and the row strides are
             # multiples of 16 (ffn 272 / 512 / 2048, d 768 / 1024)
-            const, ("A", "C", "OFFS", "WS", "H", "ORDER", "N", "K", "s_am", "s_cm", "s_hm"),
+            const, ("C", "OFFS", "WS", "H", "N", "K", "s_cm", "s_hm"),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        assert "wgmma" in kernel.asm["ptx"], (cfg, trans_b, swiglu, gather)
+        assert "wgmma" in kernel.asm["ptx"], (cfg, trans_b, swiglu)
         regs, spills = _ptxas_spills(kernel)
-        print(cfg, trans_b, swiglu, gather, regs, spills)
-        assert spills == 0 and regs <= 255, (cfg, trans_b, swiglu, gather, regs, spills)
+        assert spills == 0 and regs <= 255, (cfg, trans_b, swiglu, regs, spills)

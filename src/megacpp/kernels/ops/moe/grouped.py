@@ -6,8 +6,6 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
                routing weights in sorted order w_sorted [N] (on CUDA, E <= 256: a two-launch
                Triton counting sort; else torch.sort + searchsorted)
     permute    x_sorted[inv[t, j]] = x[t]   (a row scatter: each row of x read once)  [N, D]
-               (never written where the Triton GEMMs read x's rows through the plan: see
-               SortedRows)
     gate|up    grouped GEMM x_sorted @ w_in[e]^T                        [N, 2F]
     SwiGLU     hidden = silu(gate) * up * w     (routing weight folded in here)   [N, F]
                (in the gate|up GEMM's epilogue where the Triton kernel serves it)
@@ -18,8 +16,7 @@ Backward: the combine's gradient is dout permuted as x was (dy_sorted); two grou
 give d hidden and dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass
 gives d(gate|up) and the routing weights' gradient (written to each row's (token, choice)
 slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
-x (or x_sorted where it was written), gate|up, hidden and the plan. The weights come in their
-own dtype and are cast to
+x_sorted, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
 the compute dtype inside, so the two K-grouped weight-gradient GEMMs ("wgrad": on sm90+ a
 Triton kernel, :func:`megacpp.kernels.ops.moe.triton.grouped_wgrad_triton`) write the float32
 masters' gradients directly from their float32 accumulators: no bf16 rounding of dW and no
@@ -145,51 +142,12 @@ def grouped_mm_torch(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tenso
     return torch._grouped_mm(a, w.transpose(-2, -1) if trans_b else w, offs=offs)
 
 
-class SortedRows:
-    """The rows of ``src`` [T, D] in expert order, N = T * k of them (sorted row r is
-    src[order[r] // k]), permuted only when asked. The Triton expert GEMMs take ``src`` and
-    ``order`` and read the rows through the plan in their operand loads, so the [N, D] copy is
-    never written (at the e64_k8 bench case, 256 MiB per permute); anything else calls
-    :meth:`tensor`, which scatters once and keeps the copy for later consumers."""
-
-    def __init__(self, src: Tensor, inv: Tensor, order: Tensor,
-                 scatter: Callable[[Tensor, Tensor], Tensor], copy: Tensor | None = None):
-        self.src, self.inv, self.order, self.copy = src, inv, order, copy
-        self.top_k = inv.shape[1]
-        self._scatter = scatter
-
-    @property
-    def lazy(self) -> bool:
-        """Not yet written out: a consumer that can gather should."""
-        return self.copy is None
-
-    def tensor(self) -> Tensor:
-        """The [N, D] copy (the scatter runs on the first call)."""
-        if self.copy is None:
-            self.copy = self._scatter(self.src, self.inv)
-        return self.copy
-
-
-def _dense(a: Tensor | SortedRows) -> Tensor:
-    """The operand as a tensor (lazy rows written out)."""
-    return a.tensor() if isinstance(a, SortedRows) else a
-
-
-def _src(a: Tensor | SortedRows) -> Tensor:
-    """A tensor with the operand's dtype and columns (for the kernels' shape checks)."""
-    if isinstance(a, SortedRows):
-        return a.src if a.lazy else a.copy
-    return a
-
-
 def _use_triton(device: torch.device) -> bool:
     """The Triton kernels run on CUDA, and on CPU tensors under the Triton interpreter."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class _Ops(NamedTuple):
-    """The steps for one device. The GEMMs take an operand that may be :class:`SortedRows`
-    (mm and gate_up_swiglu: a; wgrad: b)."""
     scatter_rows: Callable[..., Tensor]
     gather_sum: Callable[..., Tensor]
     gate_up_swiglu: Callable[..., tuple[Tensor, Tensor]]  # (x_sorted, w_in, offs, w_sorted)
@@ -203,58 +161,34 @@ def _ops(device: torch.device) -> _Ops:
     if _use_triton(device):
         from megacpp.kernels.ops.moe import triton as kernels
 
-        def gathered(a: Tensor | SortedRows) -> dict:
-            """The Triton GEMMs' arguments that read a lazy operand through the plan (none
-            for a tensor, or rows already written out)."""
-            if isinstance(a, SortedRows) and a.lazy and kernels.GATHER_ROWS:
-                return {"order": a.order, "top_k": a.top_k}
-            return {}
-
-        def operand(a: Tensor | SortedRows, how: dict) -> Tensor:
-            """What the Triton GEMM reads: the token-order source when it gathers."""
-            return a.src if how else _dense(a)
-
-        def wgrad(a: Tensor, b: Tensor | SortedRows, offs: Tensor, out_dtype: torch.dtype,
+        def wgrad(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
                   transpose_out: bool = False) -> Tensor:
-            if not kernels.wgrad_triton_ok(a, _src(b)):
-                return grouped_wgrad_torch(a, _dense(b), offs, out_dtype, transpose_out)
-            how = gathered(b)
-            return kernels.grouped_wgrad_triton(a, operand(b, how), offs, out_dtype,
-                                                transpose_out, how.get("order"),
-                                                how.get("top_k", 1))
+            fn = (kernels.grouped_wgrad_triton if kernels.wgrad_triton_ok(a, b)
+                  else grouped_wgrad_torch)
+            return fn(a, b, offs, out_dtype, transpose_out)
 
-        def mm(a: Tensor | SortedRows, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
-            if not kernels.grouped_mm_ok(_src(a), w, trans_b):
-                return grouped_mm_torch(_dense(a), w, offs, trans_b)
-            how = gathered(a)
-            return kernels.grouped_mm_triton(operand(a, how), w, offs, trans_b, **how)
+        def mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+            fn = (kernels.grouped_mm_triton if kernels.grouped_mm_ok(a, w, trans_b)
+                  else grouped_mm_torch)
+            return fn(a, w, offs, trans_b)
 
-        def gate_up_swiglu(a: Tensor | SortedRows, w_in: Tensor, offs: Tensor,
-                           w_sorted: Tensor) -> tuple[Tensor, Tensor]:
-            if kernels.grouped_swiglu_ok(_src(a), w_in):
-                how = gathered(a)
-                return kernels.grouped_swiglu_triton(operand(a, how), w_in, offs, w_sorted,
-                                                     **how)
+        def gate_up_swiglu(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
+                           ) -> tuple[Tensor, Tensor]:
+            if kernels.grouped_swiglu_ok(a, w_in):
+                return kernels.grouped_swiglu_triton(a, w_in, offs, w_sorted)
             gate_up = mm(a, w_in, offs, True)
             return gate_up, kernels.swiglu_weighted_triton(gate_up, w_sorted)
 
         return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton, gate_up_swiglu,
                     kernels.swiglu_weighted_backward_triton, wgrad, mm)
 
-    def gate_up_swiglu_torch(a: Tensor | SortedRows, w_in: Tensor, offs: Tensor,
-                             w_sorted: Tensor) -> tuple[Tensor, Tensor]:
-        gate_up = grouped_mm_torch(_dense(a), w_in, offs, True)
+    def gate_up_swiglu_torch(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
+                             ) -> tuple[Tensor, Tensor]:
+        gate_up = grouped_mm_torch(a, w_in, offs, True)
         return gate_up, swiglu_weighted_torch(gate_up, w_sorted)
 
-    def wgrad_torch(a: Tensor, b: Tensor | SortedRows, offs: Tensor, out_dtype: torch.dtype,
-                    transpose_out: bool = False) -> Tensor:
-        return grouped_wgrad_torch(a, _dense(b), offs, out_dtype, transpose_out)
-
-    def mm_torch(a: Tensor | SortedRows, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
-        return grouped_mm_torch(_dense(a), w, offs, trans_b)
-
     return _Ops(scatter_rows_torch, gather_sum_torch, gate_up_swiglu_torch,
-                swiglu_weighted_backward_torch, wgrad_torch, mm_torch)
+                swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -267,25 +201,23 @@ class _GroupedExperts(torch.autograd.Function):
         # here, so that their gradients can be returned in that dtype by the wgrad GEMMs
         ctx.w_dtypes = (w_in.dtype, w_out.dtype)
         w_in, w_out = w_in.to(compute_dtype), w_out.to(compute_dtype)
-        x_sorted = SortedRows(x, inv, order, ops.scatter_rows)  # [N, D], written if asked
+        x_sorted = ops.scatter_rows(x, inv)  # [N, D]
         # [N, 2F], and [N, F] = silu(gate) * up * w (the routing weight folded in)
         gate_up, hidden = ops.gate_up_swiglu(x_sorted, w_in, offs, w_sorted)
         y_sorted = ops.mm(hidden, w_out, offs, True)  # [N, D]
-        # x itself where its sorted copy was never written (k times smaller)
-        ctx.save_for_backward(x if x_sorted.lazy else None, x_sorted.copy, gate_up, hidden,
-                              w_sorted, w_in, w_out, order, inv, offs)
+        ctx.save_for_backward(x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
+                              offs)
         ctx.weights_dtype = weights.dtype
         ctx.addend_dtype = None if addend is None else addend.dtype
         return ops.gather_sum(y_sorted, inv, addend)  # [T, D], + addend in the same kernel
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        (x, x_copy, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
+        (x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
          offs) = ctx.saved_tensors
         ops = _ops(dout.device)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
-        x_sorted = SortedRows(x, inv, order, ops.scatter_rows, x_copy)
-        dy_sorted = SortedRows(dout.contiguous(), inv, order, ops.scatter_rows)  # [N, D]
+        dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
         dhidden = ops.mm(dy_sorted, w_out, offs, False)  # [N, F]
         # [E, D, F] computed as hidden^T dy per expert: F (often narrow) on the tile's M
         dw_out = (ops.wgrad(hidden, dy_sorted, offs, ctx.w_dtypes[1], transpose_out=True)

@@ -58,14 +58,6 @@ def _bound(n, N_CONST: tl.constexpr):
         return n
 
 
-@triton.jit
-def _gathered_rows(ORDER, r, n_rows, TOPK: tl.constexpr):
-    """Rows of the token-order source of sorted rows ``r`` (ORDER [n_rows]: sorted row ->
-    (token, choice) slot; the token is the slot // TOPK), int64; rows past n_rows read row 0
-    (a valid row whose products are never stored)."""
-    return tl.load(ORDER + r, mask=r < n_rows, other=0).to(tl.int64) // TOPK
-
-
 # -- dispatch plan: a stable counting sort --------------------------------------------------------
 @triton.jit
 def _expert_counts_kernel(IDS, COUNTS, n, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -300,10 +292,6 @@ WGRAD_CONFIGS = (  # the first is the default; the second only where it fills th
     {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
 )
 WGRAD_ON_GPU = True
-# software-pipelining depth when B is gathered (b_order): the per-step index load takes a stage
-# of its own, so at the default's 4 Triton keeps two B buffers and waits for every copy each
-# step (offline ttgir); at 5, three buffers with two copies in flight
-WGRAD_GATHER_STAGES = 5
 
 
 def _wgrad_config(m: int, n: int, experts: int, sms: int) -> dict:
@@ -321,30 +309,14 @@ def _wgrad_config(m: int, n: int, experts: int, sms: int) -> dict:
 
 
 @triton.jit
-def _wgrad_b(B, ORDER, k0, n0, N, R, s_b, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-             GATHER: tl.constexpr, TOPK: tl.constexpr):
-    """The wgrad's [BLOCK_K, BLOCK_N] block of B at sorted rows k0.. and columns n0..: a
-    descriptor load, or (GATHER) rows of the token-order source through ORDER."""
-    if GATHER:
-        rows = _gathered_rows(ORDER, k0 + tl.arange(0, BLOCK_K), R, TOPK)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        return tl.load(B + rows[:, None] * s_b + cols[None, :], mask=(cols < N)[None, :],
-                       other=0.0)
-    else:
-        return B.load([k0, n0])
-
-
-@triton.jit
-def _wgrad_kernel(A, B, C, OFFS, ORDER, M, N, R, s_b, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
-                  TOPK: tl.constexpr):
+def _wgrad_kernel(A, B, C, OFFS, M, N, s_ce, s_cm, s_cn, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of C[e] = A[rows_e]^T B[rows_e] (grid: (tiles, experts);
     a tile's m index runs fastest, so neighbouring programs share the expert's rows in L2).
     A, B: tensor descriptors over the [R, M] / [R, N] row-major operands, [BLOCK_K, BLOCK_*]
     blocks; rows_e = [OFFS[e - 1], OFFS[e]). Full K blocks go straight from the loads to the
     product; the last, partial one is masked (its rows past the expert's end belong to the
-    next expert). An expert without rows stores zeros. GATHER: B is a pointer to the
-    token-order source (row stride s_b) and sorted row r reads its row ORDER[r] // TOPK."""
+    next expert). An expert without rows stores zeros."""
     tile, e = tl.program_id(0), tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
     m0 = (tile % tiles_m) * BLOCK_M
@@ -355,13 +327,12 @@ def _wgrad_kernel(A, B, C, OFFS, ORDER, M, N, R, s_b, s_ce, s_cm, s_cn, BLOCK_M:
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(full):
         k0 = start + i * BLOCK_K
-        b = _wgrad_b(B, ORDER, k0, n0, N, R, s_b, BLOCK_K, BLOCK_N, GATHER, TOPK)
-        acc = tl.dot(A.load([k0, m0]).T, b, acc)
+        acc = tl.dot(A.load([k0, m0]).T, B.load([k0, n0]), acc)
     k0 = start + full * BLOCK_K
     if k0 < end:
         live = (k0 + tl.arange(0, BLOCK_K) < end)[:, None]
         a = A.load([k0, m0])
-        b = _wgrad_b(B, ORDER, k0, n0, N, R, s_b, BLOCK_K, BLOCK_N, GATHER, TOPK)
+        b = B.load([k0, n0])
         acc = tl.dot(tl.where(live, a, tl.zeros_like(a)).T, tl.where(live, b, tl.zeros_like(b)),
                      acc)
     om = m0 + tl.arange(0, BLOCK_M)
@@ -392,17 +363,15 @@ def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
 
 
 def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
-                         transpose_out: bool = False, b_order: Tensor | None = None,
-                         top_k: int = 1) -> Tensor:
+                         transpose_out: bool = False) -> Tensor:
     """a [R, M], b [R, N] (rows grouped by expert), offs [E] int32 group ends -> [E, M, N] in
     ``out_dtype``: a[rows_e]^T @ b[rows_e] per expert, float32 accumulation (zeros for an
     expert without rows). ``transpose_out``: the same products stored as [E, N, M].
-    ``b_order`` [R] (sorted row -> (token, choice) slot): b is the token-order source [T, N]
-    and sorted row r is b[b_order[r] // top_k]. Operands must pass :func:`wgrad_triton_ok`."""
+    Operands must pass :func:`wgrad_triton_ok`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a, b = a.contiguous(), b.contiguous()
-    (rows, m), n, experts = a.shape, b.shape[1], offs.numel()
+    (_, m), n, experts = a.shape, b.shape[1], offs.numel()
     out = torch.empty((experts, n, m) if transpose_out else (experts, m, n), device=a.device,
                       dtype=out_dtype)
     s_m, s_n = (1, m) if transpose_out else (n, 1)
@@ -410,14 +379,10 @@ def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dt
     cfg = _wgrad_config(m, n, experts, sms)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), experts)
-    gather = b_order is not None
     _wgrad_kernel[grid](
-        TensorDescriptor.from_tensor(a, [bk, bm]),
-        b if gather else TensorDescriptor.from_tensor(b, [bk, bn]), out, offs,
-        b_order if gather else offs, m, n, rows, b.stride(0), out.stride(0), s_m, s_n,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GATHER=gather, TOPK=top_k,
-        num_warps=cfg["num_warps"],
-        num_stages=WGRAD_GATHER_STAGES if gather else cfg["num_stages"])
+        TensorDescriptor.from_tensor(a, [bk, bm]), TensorDescriptor.from_tensor(b, [bk, bn]),
+        out, offs, m, n, out.stride(0), s_m, s_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -459,24 +424,17 @@ SWIGLU_CONFIGS = {
     (4096, 1024): _SWIGLU_64,
 }
 GROUPED_ON_GPU = True
-# the expert GEMMs read the permuted rows of x and dout through the plan (SortedRows in
-# grouped.py) instead of a scatter writing them out first
-GATHER_ROWS = True
 
 
 @triton.jit
-def _grouped_mm_kernel(A, B, C, OFFS, WS, H, ORDER, E, N, K, n_rows, s_am, s_cm, s_hm,
-                       TRANS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, SWIGLU: tl.constexpr,
-                       GATHER: tl.constexpr, TOPK: tl.constexpr):
+def _grouped_mm_kernel(A, B, C, OFFS, WS, H, E, N, K, s_cm, s_hm, TRANS_B: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       E_PAD: tl.constexpr, SWIGLU: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of C[rows_e] = A[rows_e] @ W_e (TRANS_B: W_e^T), grid
     (n tiles * row-block bound): the n index runs fastest, so neighbouring programs share the
     row block in L2. A: descriptor over [rows, K], [BLOCK_M, BLOCK_K] blocks; B: over W
     [E, K, N] ([1, BLOCK_K, BLOCK_N]) or, TRANS_B, [E, N, K] ([1, BLOCK_N, BLOCK_K]);
     rows_e = [OFFS[e - 1], OFFS[e]).
-    GATHER: A is the token-order source instead (a pointer to [tokens, K], row stride s_am)
-    and sorted row r reads its row ORDER[r] // TOPK (the permute done in the operand load:
-    the [n_rows, K] sorted copy is never written).
     SWIGLU (TRANS_B; W_e = [gate; up], F = N / 2 rows each): the tile is BLOCK_N hidden
     columns j, gate columns j and up columns F + j in two accumulators; both are stored in C
     (gate|up, as without) and H[:, j] = silu(gate) * up * WS[row] from their rounded values,
@@ -498,15 +456,8 @@ def _grouped_mm_kernel(A, B, C, OFFS, WS, H, ORDER, E, N, K, n_rows, s_am, s_cm,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATHER:
-            rk = tl.arange(0, BLOCK_K)
-            a_rows = A + _gathered_rows(ORDER, m0 + tl.arange(0, BLOCK_M), n_rows,
-                                        TOPK)[:, None] * s_am
         for k0 in range(0, K, BLOCK_K):
-            if GATHER:
-                a = tl.load(a_rows + (k0 + rk)[None, :], mask=(k0 + rk < K)[None, :], other=0.0)
-            else:
-                a = A.load([m0, k0])
+            a = A.load([m0, k0])
             if TRANS_B:
                 b = B.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, b.T, acc)
@@ -543,16 +494,12 @@ def grouped_mm_ok(a: Tensor, w: Tensor, trans_b: bool) -> bool:
     return _serves(GROUPED_CONFIGS, a, w, 1 if trans_b else 2)
 
 
-def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool,
-                      order: Tensor | None = None, top_k: int = 1) -> Tensor:
+def grouped_mm_triton(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
     """a [R, K] (rows grouped by expert), w [E, K, N] (``trans_b``: [E, N, K]), offs [E] int32
     group ends -> [R, N] in a's dtype: a[rows_e] @ w[e] (w[e]^T), float32 accumulation; rows
-    past offs[-1] are left unwritten. With ``order`` [R] (sorted row -> (token, choice) slot),
-    ``a`` is the token-order source [T, K] and sorted row r is a[order[r] // top_k] (the
-    permute read in the operand load). Operands must pass :func:`grouped_mm_ok`."""
+    past offs[-1] are left unwritten. Operands must pass :func:`grouped_mm_ok`."""
     n = w.shape[1] if trans_b else w.shape[2]
-    return _grouped_mm(a, w, offs, trans_b, GROUPED_CONFIGS[(n, a.shape[1])],
-                       gather=None if order is None else (order, top_k))[0]
+    return _grouped_mm(a, w, offs, trans_b, GROUPED_CONFIGS[(n, a.shape[1])])[0]
 
 
 def grouped_swiglu_ok(a: Tensor, w_in: Tensor) -> bool:
@@ -570,49 +517,38 @@ def _serves(configs: dict, a: Tensor, w: Tensor, n_dim: int) -> bool:
     return _descriptor_operands_ok(a, w, GROUPED_ON_GPU)
 
 
-def grouped_swiglu_triton(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor,
-                          order: Tensor | None = None, top_k: int = 1
+def grouped_swiglu_triton(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
                           ) -> tuple[Tensor, Tensor]:
     """The gate|up GEMM and the weighted SwiGLU in one kernel: a [R, K] (rows grouped by
     expert), w_in [E, 2F, K] (gate rows, then up rows), offs [E] int32 group ends, w_sorted
     [R] routing weights -> gate|up [R, 2F] = a[rows_e] @ w_in[e]^T (float32 accumulation,
     stored in a's dtype) and hidden [R, F] = silu(gate) * up * w_sorted of those stored
     values: what :func:`grouped_mm_triton` then :func:`swiglu_weighted_triton` return.
-    ``order``, ``top_k``: a gathered from its token-order source, as in
-    :func:`grouped_mm_triton`. Operands must pass :func:`grouped_swiglu_ok`."""
+    Operands must pass :func:`grouped_swiglu_ok`."""
     cfg = SWIGLU_CONFIGS[(w_in.shape[1], a.shape[1])]
-    return _grouped_mm(a, w_in, offs, True, cfg, w_sorted.contiguous(),
-                       None if order is None else (order, top_k))
+    return _grouped_mm(a, w_in, offs, True, cfg, w_sorted.contiguous())
 
 
 def _grouped_mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool, cfg: dict,
-                w_sorted: Tensor | None = None, gather: tuple[Tensor, int] | None = None
-                ) -> tuple[Tensor, Tensor | None]:
-    """Launch _grouped_mm_kernel: the product, with ``w_sorted`` (trans_b) the SwiGLU's
-    hidden too, and with ``gather`` (order, top_k) a's rows read through the permutation."""
+                w_sorted: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Launch _grouped_mm_kernel: the product, and with ``w_sorted`` (trans_b) the SwiGLU's
+    hidden."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a, w = a.contiguous(), w.contiguous()
-    k = a.shape[1]
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if gather is None:
-        rows, order, top_k = a.shape[0], offs, 1  # (order: a placeholder pointer, unread)
-        a_arg = TensorDescriptor.from_tensor(a, [bm, bk])
-    else:
-        (order, top_k), a_arg = gather, a
-        rows = order.numel()
+    rows, k = a.shape
     experts = w.shape[0]
     n = w.shape[1] if trans_b else w.shape[2]
     out = torch.empty(rows, n, device=a.device, dtype=a.dtype)
     swiglu = w_sorted is not None
     hidden = torch.empty(rows, n // 2, device=a.device, dtype=a.dtype) if swiglu else None
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     w_block = [1, bn, bk] if trans_b else [1, bk, bn]
     grid = (triton.cdiv(n // 2 if swiglu else n, bn) * (triton.cdiv(rows, bm) + experts),)
     _grouped_mm_kernel[grid](
-        a_arg, TensorDescriptor.from_tensor(w, w_block),
-        out, offs, w_sorted if swiglu else offs, hidden if swiglu else out, order, experts, n,
-        k, rows, a.stride(0), out.stride(0), hidden.stride(0) if swiglu else 0,
-        TRANS_B=trans_b, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        E_PAD=max(16, triton.next_power_of_2(experts)), SWIGLU=swiglu, GATHER=gather is not None,
-        TOPK=top_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
+        out, offs, w_sorted if swiglu else offs, hidden if swiglu else out, experts, n, k,
+        out.stride(0), hidden.stride(0) if swiglu else 0, TRANS_B=trans_b, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)), SWIGLU=swiglu,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, hidden
