@@ -2,7 +2,7 @@
 # Session 24, first device call: the gather probe (gather_probe.py: the MoE permute read in the
 # expert GEMMs' operand loads against the rows written out first, one process), then the MoE
 # GPU tests, the MoE model tests and the offline compile tests at the tree.
-#   usage: bash benchmarks/results/kernels/h100_s24/call1.sh   (carry .whl)
+#   usage: bash benchmarks/results/kernels/h100_s24/call1.sh   (at 72e1b18's tree; carry .whl)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD:/tmp/site

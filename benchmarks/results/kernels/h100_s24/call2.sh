@@ -2,7 +2,7 @@
 # Session 24, second device call: the gathered expert-GEMM kernels one by one against the
 # written-out rows (gather_kernels_probe.py; the wgrad's pipelining depth with B gathered),
 # then the whole-path probe again (gather_probe.py, with the replay's failure recorded).
-#   usage: bash benchmarks/results/kernels/h100_s24/call2.sh   (carry .whl)
+#   usage: bash benchmarks/results/kernels/h100_s24/call2.sh   (at 72e1b18's tree)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD
 D=/tmp/s24_call2; mkdir -p $D
