@@ -410,13 +410,13 @@ GROUPED_CONFIGS = {  # (N, K) -> launch setting
 }
 # gate|up with the SwiGLU in the epilogue (grouped_swiglu_triton), (2F, K) -> launch setting:
 # BLOCK_N hidden columns per program, i.e. BLOCK_N gate and BLOCK_N up columns in two
-# accumulators. At the nam56r step's shape on an H100 (benchmarks/results/kernels/h100_s22,
-# swiglu_epilogue_probe): 78.5 us at 8 warps, 83.7 at 4, against 76.7 + 38.7 for the plain
-# GEMM and the SwiGLU kernel (115.4), with the same results bit for bit; 4 stages or 32 / 128
-# columns per program were slower (85-108). At the bench's shapes (h100_s23,
-# swiglu_fusion_probe, against torch._grouped_mm then the SwiGLU kernel): e64_k8 (2F 1024,
-# d 1024) 557.5 vs 592.5 us, e16_k2 (2F 4096) 526.2 vs 594.7, 64 columns at 8 warps and 3
-# stages the best of four settings at both
+# accumulators, with the same results bit for bit. On an H100, timed as CUDA graphs of 10 calls
+# against torch._grouped_mm then the SwiGLU kernel (benchmarks/results/kernels/h100_s24, call 4,
+# with receipt): the nam56r step's shape 80.6 vs 106.4 us, e16_k2 (2F 4096, d 1024) 553.6 vs
+# 598.1, e64_k8 (2F 1024, d 1024) 606.8 vs 600.4 (level; session 23's back-to-back timing had
+# 557.5 vs 592.5 and its bench rows replayed 1-3% faster with it). Every other setting tried
+# there and in sessions 22-23 was slower: 256-row blocks, K blocks of 32 / 128, 4 warps, 2 or
+# 4 stages, 32 / 128 columns per program
 _SWIGLU_64 = {**_TILE_4W, "BLOCK_N": 64, "num_warps": 8}
 SWIGLU_CONFIGS = {
     (544, 768): _SWIGLU_64,
