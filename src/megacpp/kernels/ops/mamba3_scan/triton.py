@@ -35,7 +35,7 @@ Kernels (grid; C = chunks, J = tiles of pairs):
              _final      (H, B)     the final state in the global frame (the returned cache;
                                     not launched with output_final_state=False)
   backward   _state_bwd  (J, H, B)  walks the chunks backwards: G_c = dL/dU_c (stored)
-             _bwd_dx     (H, C, B)  dx, dz, dD (on a side stream, beside the kernels below)
+             _bwd_dx     (H, C, B)  dx, dz, dD
              _bwd_dqk    (H*J', C, B)  for a tile of pairs (J' tiles): d(q, k) rotated back and
                                     stored per head (operand dtype) with the bias grads'
                                     parts; d ell of the rotated pairs (float32, from the
@@ -70,7 +70,6 @@ from megacpp.errors import MegaCppError
 from megacpp.kernels.device import sm_count
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs
 from megacpp.kernels.ops.sum_rows import sum_rows
-from megacpp.kernels.streams import Branch
 
 CHUNK_SIZES = (16, 32, 64)
 # launch settings per kernel (Triton launch options) and tile sizes, chosen by H100 sweeps
@@ -976,17 +975,13 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
         q, q_bias, ops.cs, z, dy, ops.sc, ops.phi, rst, g_st, *st["z"], *dy.stride(), *dims,
         JB=geo.JB, FAST=fast, **const, **_launch("state_bwd", geo))
 
-    # _bwd_dx needs nothing of _bwd_dqk and what follows it: it runs beside them on a side
-    # stream (megacpp.kernels.streams; its outputs allocated before the fork)
-    branch = Branch(dev)
     dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
     dd_part = torch.empty(B, H, NC, **f32)
-    with branch.fork():
-        _bwd_dx[(H, NC, B)](
-            *_qk_args(args, ops), v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz,
-            dd_part, *strides, *dims, HAS_D=D is not None, LOAD_YP=y_pre is not None,
-            **const, **_launch("bwd_dx", geo))
+    _bwd_dx[(H, NC, B)](
+        *_qk_args(args, ops), v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part,
+        *strides, *dims, HAS_D=D is not None, LOAD_YP=y_pre is not None, **const,
+        **_launch("bwd_dx", geo))
 
     # d(q, k) per head, unrotated, in the operand dtype (summed over the group's heads below)
     dqh = torch.empty(B, L, H, 2 * geo.N2B, device=dev, dtype=_operand_dtype(v))
@@ -1009,6 +1004,7 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
         d_ell, dadt_part, d_sg, dt, trap, angles, dang, dadt, ddt, dtrap, *st["dt"],
         *st["trap"], *st["ang"], B, L, H, NC, R, T=T, RB=geo.RB, NJD=njd,
         **_launch("bwd_tokens", geo))
+    dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
 
     def interleaved(d: Tensor, like: Tensor) -> Tensor:  # [..., 2, N2B] -> [..., N]
         d = d.unflatten(-1, (2, geo.N2B)).transpose(-1, -2).flatten(-2)
@@ -1022,8 +1018,6 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
         HGP=triton.next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum", geo))
     dqb, dkb = (sum_rows(part.flatten(0, 1).flatten(1)).view(H, 2 * geo.N2B)
                 for part in (dqb_part, dkb_part))  # [B, C, H, 2 N2B] summed over (B, C)
-    branch.join()  # (_bwd_dx's inputs are held until here)
-    dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
     return (dq, dk, dv, dadt, ddt, dtrap, interleaved(dqb, q_bias), interleaved(dkb, k_bias),
             dang, dD, dz, None, None)
 

@@ -15,9 +15,7 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
 Backward: the combine's gradient is dout permuted as x was (dy_sorted); two grouped GEMMs
 give d hidden and dw_out (a K-grouped GEMM: dy_sorted^T @ hidden per expert); one fused pass
 gives d(gate|up) and the routing weights' gradient (written to each row's (token, choice)
-slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. On CUDA,
-where the wgrad kernel writes into a given output, the two weight gradients run on a side
-stream beside the input-gradient chain (:mod:`megacpp.kernels.streams`). Saved:
+slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
 x_sorted, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
 the compute dtype inside, so the two K-grouped weight-gradient GEMMs ("wgrad": on sm90+ a
 Triton kernel, :func:`megacpp.kernels.ops.moe.triton.grouped_wgrad_triton`) write the float32
@@ -45,7 +43,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.kernels.amp import autocast_operands, effective_dtype
-from megacpp.kernels.streams import Branch
 
 
 class DispatchPlan(NamedTuple):
@@ -130,24 +127,13 @@ def scatter_rows_torch(src: Tensor, inv: Tensor) -> Tensor:
 
 
 def grouped_wgrad_torch(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
-                        transpose_out: bool = False, out: Tensor | None = None) -> Tensor:
+                        transpose_out: bool = False) -> Tensor:
     """a [R, M], b [R, N] (rows grouped by expert), offs [E] group ends -> [E, M, N] in
     ``out_dtype`` = a[rows_e]^T @ b[rows_e] per expert (a K-grouped ``torch._grouped_mm`` in
-    the operands' dtype, then cast); ``transpose_out``: [E, N, M]; ``out``: copied into (the
-    product is still allocated)."""
+    the operands' dtype, then cast); ``transpose_out``: [E, N, M]."""
     if transpose_out:
         a, b = b, a
-    result = torch._grouped_mm(a.t(), b, offs=offs).to(out_dtype)
-    return result if out is None else out.copy_(result)
-
-
-def wgrad_empty(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
-                transpose_out: bool = False) -> Tensor:
-    """The uninitialised [E, M, N] (``transpose_out``: [E, N, M]) output of a wgrad of
-    a [R, M] and b [R, N]."""
-    m, n = a.shape[1], b.shape[1]
-    shape = (offs.numel(), n, m) if transpose_out else (offs.numel(), m, n)
-    return torch.empty(shape, device=a.device, dtype=out_dtype)
+    return torch._grouped_mm(a.t(), b, offs=offs).to(out_dtype)
 
 
 def grouped_mm_torch(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
@@ -166,11 +152,8 @@ class _Ops(NamedTuple):
     gather_sum: Callable[..., Tensor]
     gate_up_swiglu: Callable[..., tuple[Tensor, Tensor]]  # (x_sorted, w_in, offs, w_sorted)
     swiglu_backward: Callable[..., tuple[Tensor, Tensor]]
-    wgrad: Callable[..., Tensor]  # (a, b, offs, out_dtype, transpose_out=False, out=None)
+    wgrad: Callable[..., Tensor]
     mm: Callable[..., Tensor]
-    # whether wgrad(a, b, ..., out=) writes into out with nothing allocated (a side stream
-    # may run it then; megacpp.kernels.streams)
-    wgrad_in_place: Callable[[Tensor, Tensor], bool]
 
 
 def _ops(device: torch.device) -> _Ops:
@@ -179,13 +162,10 @@ def _ops(device: torch.device) -> _Ops:
         from megacpp.kernels.ops.moe import triton as kernels
 
         def wgrad(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
-                  transpose_out: bool = False, out: Tensor | None = None) -> Tensor:
+                  transpose_out: bool = False) -> Tensor:
             fn = (kernels.grouped_wgrad_triton if kernels.wgrad_triton_ok(a, b)
                   else grouped_wgrad_torch)
-            return fn(a, b, offs, out_dtype, transpose_out, out=out)
-
-        def wgrad_in_place(a: Tensor, b: Tensor) -> bool:
-            return kernels.wgrad_triton_ok(a, b) and a.is_contiguous() and b.is_contiguous()
+            return fn(a, b, offs, out_dtype, transpose_out)
 
         def mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
             fn = (kernels.grouped_mm_triton if kernels.grouped_mm_ok(a, w, trans_b)
@@ -200,7 +180,7 @@ def _ops(device: torch.device) -> _Ops:
             return gate_up, kernels.swiglu_weighted_triton(gate_up, w_sorted)
 
         return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton, gate_up_swiglu,
-                    kernels.swiglu_weighted_backward_triton, wgrad, mm, wgrad_in_place)
+                    kernels.swiglu_weighted_backward_triton, wgrad, mm)
 
     def gate_up_swiglu_torch(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
                              ) -> tuple[Tensor, Tensor]:
@@ -208,8 +188,7 @@ def _ops(device: torch.device) -> _Ops:
         return gate_up, swiglu_weighted_torch(gate_up, w_sorted)
 
     return _Ops(scatter_rows_torch, gather_sum_torch, gate_up_swiglu_torch,
-                swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch,
-                lambda a, b: False)
+                swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -239,30 +218,18 @@ class _GroupedExperts(torch.autograd.Function):
         ops = _ops(dout.device)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
         dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
-        # the weight gradients run beside the input-gradient chain (d hidden, the SwiGLU's
-        # backward, dx, its unpermute) on a side stream where the wgrad kernel allocates
-        # nothing; their outputs are allocated here, before each fork. gate_up stands for
-        # d gate_up (same shape and dtype), which does not exist yet.
-        branch = Branch(dout.device, allow=ops.wgrad_in_place(hidden, dy_sorted)
-                        and ops.wgrad_in_place(gate_up, x_sorted))
-        dx = dw_in = dw_out = None
-        if need_out:
-            # [E, D, F] computed as hidden^T dy per expert: F (often narrow) on the tile's M
-            dw_out = wgrad_empty(hidden, dy_sorted, offs, ctx.w_dtypes[1], transpose_out=True)
-            with branch.fork():
-                ops.wgrad(hidden, dy_sorted, offs, ctx.w_dtypes[1], True, out=dw_out)
         dhidden = ops.mm(dy_sorted, w_out, offs, False)  # [N, F]
+        # [E, D, F] computed as hidden^T dy per expert: F (often narrow) on the tile's M
+        dw_out = (ops.wgrad(hidden, dy_sorted, offs, ctx.w_dtypes[1], transpose_out=True)
+                  if need_out else None)
         dgate_up, dweights = ops.swiglu_backward(gate_up, w_sorted, dhidden, order,
                                                  ctx.weights_dtype)  # [N, 2F], [N] slot order
-        del dhidden
-        if need_in:
-            dw_in = wgrad_empty(dgate_up, x_sorted, offs, ctx.w_dtypes[0])  # [E, 2F, D]
-            with branch.fork():
-                ops.wgrad(dgate_up, x_sorted, offs, ctx.w_dtypes[0], False, out=dw_in)
+        dx = dw_in = None
         if need_x:
             dx_sorted = ops.mm(dgate_up, w_in, offs, False)  # [N, D]
             dx = ops.gather_sum(dx_sorted, inv)
-        branch.join()  # (the side stream's inputs are held until here)
+        if need_in:
+            dw_in = ops.wgrad(dgate_up, x_sorted, offs, ctx.w_dtypes[0])  # [E, 2F, D]
         dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
         # the addend's gradient is the output's
         daddend = dout.to(ctx.addend_dtype) if ctx.needs_input_grad[8] else None

@@ -363,23 +363,17 @@ def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
 
 
 def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
-                         transpose_out: bool = False, out: Tensor | None = None) -> Tensor:
+                         transpose_out: bool = False) -> Tensor:
     """a [R, M], b [R, N] (rows grouped by expert), offs [E] int32 group ends -> [E, M, N] in
     ``out_dtype``: a[rows_e]^T @ b[rows_e] per expert, float32 accumulation (zeros for an
     expert without rows). ``transpose_out``: the same products stored as [E, N, M].
-    ``out``: written in place and returned (contiguous, that shape and dtype); with it and
-    contiguous operands nothing is allocated (the MoE runs it on a side stream).
     Operands must pass :func:`wgrad_triton_ok`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a, b = a.contiguous(), b.contiguous()
     (_, m), n, experts = a.shape, b.shape[1], offs.numel()
-    shape = (experts, n, m) if transpose_out else (experts, m, n)
-    if out is None:
-        out = torch.empty(shape, device=a.device, dtype=out_dtype)
-    elif tuple(out.shape) != shape or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"grouped_wgrad_triton: out must be a contiguous {list(shape)} "
-                         f"{out_dtype}; got {list(out.shape)} {out.dtype}")
+    out = torch.empty((experts, n, m) if transpose_out else (experts, m, n), device=a.device,
+                      dtype=out_dtype)
     s_m, s_n = (1, m) if transpose_out else (n, 1)
     sms = sm_count(a.device) if a.is_cuda else 1  # the interpreter: one program at a time
     cfg = _wgrad_config(m, n, experts, sms)
