@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 25, second device call, at the tree with TUNING["tt_in_dx"] (5f50e80): the Mamba-3
+# Session 25, second device call (run twice: the first run's probe kept its y's graph alive and its
+# capture failed; fixed in the probe), at the tree with TUNING["tt_in_dx"] (5f50e80): the Mamba-3
 # settings probe (mamba3_tt_probe.py), then the Mamba-3 GPU tests (against the float64
 # reference, bf16 and float32).   usage: bash benchmarks/results/kernels/h100_s25/call2.sh
 set -u

@@ -71,7 +71,7 @@ def main() -> None:
             M.TUNING["dqk_pairs"] = pairs
             M.TUNING["launch"]["bwd_dqk"] = {"num_warps": dqk_warps, "num_stages": 1}
             try:
-                got = [t.clone() for t in fwd_bwd()]
+                got = [t.detach().clone() for t in fwd_bwd()]  # (no graph kept alive)
             except Exception as exc:  # noqa: BLE001 (a setting that does not compile is a result)
                 row = {"case": cname, "setting": sname, "error": f"{type(exc).__name__}: {exc}"[:300]}
                 rows.append(row)
