@@ -145,13 +145,10 @@ def _interpreter_check() -> list[dict[str, float]]:
                                 n_angles=20, dtype=torch.float32, device="cpu", seed=1)
     with mock.patch.dict(TUNING, dqk_pairs=16, pairs=16):
         errors = [errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
-    # 2 q/k groups of 2 heads, 3 chunks of 32 (dq, dk summed over a group's heads); and with
-    # _bwd_dqk forming d_qk and the [T, T] scalar grads itself (tt_in_dx off)
+    # 2 q/k groups of 2 heads, 3 chunks of 32 (dq, dk summed over a group's heads)
     inputs, reset = make_inputs(batch=2, seqlen=70, groups=2, nheads=4, d_state=12, headdim=8,
                                 n_angles=2, dtype=torch.float32, device="cpu", seed=3)
     errors = [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
-    with mock.patch.dict(TUNING, tt_in_dx=False):
-        errors = [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
     same_without_final_state(mamba3_scan_triton, inputs, reset, chunk_size=32)
     # two state tiles of pairs (d_state 40 -> 32 padded pairs, strided pair loads), two
     # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), and y before the

@@ -121,10 +121,6 @@ TUNING = {
     # dz, instead of _bwd_dx forming it again from S_in (a [T, N] x [N, P] and a [T, T] x [T, P]
     # product and S_in's read per chunk)
     "save_y_pre": True,
-    # _bwd_dx also does the chunk's [T, T] work of d(q, k) over all pairs (d_qk stored for
-    # _bwd_dqk's pair tiles, the intra part of the scalar grads as a share of its own), so
-    # that _bwd_dqk neither repeats it per pair tile nor holds its [T, T] matrices
-    "tt_in_dx": True,
 }
 MAX_HEADDIM = 64
 MAX_D_STATE = 128
@@ -584,33 +580,22 @@ def _state_bwd(Q, QBIAS, CS, Z, DY, SC, PHI, RESET, GST,
 
 @triton.jit
 def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV, DZ, DDP,
-            DQK, DADT, DSG, sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
+            sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
             B, L, H, G, NC, P, N, R,
             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
             HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
-            DOT: tl.constexpr, LOAD_YP: tl.constexpr, PAIRED: tl.constexpr,
-            TT: tl.constexpr, NS: tl.constexpr):
+            DOT: tl.constexpr, LOAD_YP: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD;
-    LOAD_YP: dz from the forward's y before the gate (YP) instead of forming it again.
-    TT: also the chunk's [T, T] work of d(q, k), over all pairs at once (what _bwd_dqk's pair
-    tiles otherwise each do again): d_qk = (do x^T) * W stored for them (DQK [B, H, C, T, T],
-    operand dtype), and the scalar grads of the intra part (d scale, d gamma and the adt
-    grad's part) stored as the last of the NS shares in DADT / DSG."""
+    LOAD_YP: dz from the forward's y before the gate (YP) instead of forming it again."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     mp = p < P
     q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
                                    tok < L, L, G, N, R, N2B, RB, DOT, PAIRED)
+    scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                  sz_b, sz_l, sz_h, sz_p, HAS_Z)
-    if TT:  # q k^T kept for the [T, T] work after dx (W is formed again there)
-        carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
-        qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)
-        scores = qk * _intra_weights(a, scale, gamma, seg, T)[0]
-    else:
-        scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T,
-                                               DOT)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(DSKIP + h).to(tl.float32)
@@ -626,23 +611,6 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
     dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
           + w_state[:, None] * _state_dot(k_e, k_o, GST, bhc, p, mp, P, N2B, DOT))
     tl.store(DV + out, dx.to(DV.dtype.element_ty), mask=mask)
-    if TT:
-        w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
-        t = tl.arange(0, T)
-        d_scores = _mm(do, tl.trans(x), DOT)
-        tt = bhc.to(tl.int64) * (T * T) + t[:, None] * T + t[None, :]
-        tl.store(DQK + tt, (d_scores * w).to(DQK.dtype.element_ty))
-        d_w = d_scores * qk
-        z_dec = d_w * decay_tt
-        z_w = z_dec * scale[None, :]
-        dz_dec = tl.sum(z_dec, axis=0)
-        dz_w = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0)
-        d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1)
-        n = B * H * NC * T
-        sc = (NS - 1) * n + row  # the last share
-        tl.store(DADT + sc, tl.cumsum(dz_w, axis=0, reverse=True))
-        tl.store(DSG + sc, dz_dec)
-        tl.store(DSG + NS * n + sc, d_gamma + dz_dec)
 
 
 @triton.jit
@@ -707,22 +675,20 @@ def _store_unrotated(DH, DB, hrow, brow, live, j, d_e, d_o, cos, sin, N2B: tl.co
 
 @triton.jit
 def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-             DQH, DKH, DQB, DKB, DELL, DADT, DSG, DQK,
+             DQH, DKH, DQB, DKB, DELL, DADT, DSG,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
              B, L, H, G, NC, P, N, R,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             JD: tl.constexpr, PAIRED: tl.constexpr, TT: tl.constexpr, NS: tl.constexpr):
+             JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H * N2B / JD, C, B): a head's pair tiles
     run next to each other and share its x, dy, z in L2, 2.10 -> 2.02 ms at L 4096 on the H100
     against tiles a grid apart; h100_s12): d(q, k) of those pairs, rotated back and stored per
     head (DQH, DKH [B, L, H, 2, N2B], halves layout, summed over a group's heads by _group_sum)
     with their sums over the chunk (DQB, DKB [B, C, H, 2, N2B]: the bias grads' parts); d ell
     of the rotated pairs (DELL, float32); the pair tile's shares of the adt grad (DADT) and of
-    d scale / d gamma (DSG), [NS, ...] each (share jt). _bwd_tokens turns d ell, the shares and
-    d scale / d gamma into the per-token grads. TT: d_qk comes from _bwd_dx (DQK), which also
-    took the [T, T] part of the scalar grads (the last share); else it is formed here, with
-    the pair tile's part of those grads. Every scalar grad is linear in sums over pairs
+    d scale / d gamma (DSG), [N2B / JD, ...] each. _bwd_tokens turns d ell, the shares and d
+    scale / d gamma into the per-token grads. Every scalar grad is linear in sums over pairs
     (q k^T, x^T G k, q S_in^T do, <G, S_in>), so a tile's share needs its pairs only; d_qk =
     (do x^T) * W is whole in every tile. d ell comes from the float32 d(q, k) in the rotated
     frame and the state's rotation by -phi_c.
@@ -738,6 +704,7 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     mp = p < P
     j = jt * JD + tl.arange(0, JD)
     carry, to_end, w_state, decay = _weights(a, scale, seg, T)
+    w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
     xrow = _qk_rows(b, tok, h // (H // G), L, G, N)
     cos, sin = _rot_table(CS, row, j, R, RB)
     qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
@@ -750,27 +717,19 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     hrow = ((b * L + tok).to(tl.int64) * H + h) * (2 * N2B)  # rows of DQH, DKH
     brow = ((b * NC + c) * H + h) * (2 * N2B)  # the bias grads' parts
 
-    if TT:  # from _bwd_dx, with the [T, T] part of the scalar grads
-        d_qk = tl.load(DQK + bhc.to(tl.int64) * (T * T) + t[:, None] * T + t[None, :])
-        dz_dec = tl.zeros([T], dtype=tl.float32)
-        dz_w = tl.zeros([T], dtype=tl.float32)
-        d_gamma = tl.zeros([T], dtype=tl.float32)
-    else:
-        # the [T, T] work first, reduced at once to [T] vectors (d_w, W and the decays are
-        # then dead: the kernel runs at the register limit)
-        w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
-        qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
-        d_scores = _mm(do, tl.trans(x), DOT)
-        # d_qk is only a dot operand: rounded to DOT here (as _mm would) it holds half the
-        # registers (sm_90 spills 136 -> 32 bytes at the step's shape, 152 -> 32 at the
-        # bench's; same results)
-        d_qk = (d_scores * w).to(DOT)
-        d_w = d_scores * qk
-        z_dec = d_w * decay_tt
-        z_w = z_dec * scale[None, :]
-        dz_dec = tl.sum(z_dec, axis=0)
-        dz_w = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0)
-        d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1)
+    # the [T, T] work first, reduced at once to [T] vectors (d_w, W and the decays are then
+    # dead: the kernel runs at the register limit)
+    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)  # [T, T]
+    d_scores = _mm(do, tl.trans(x), DOT)
+    # d_qk is only a dot operand: rounded to DOT here (as _mm would) it holds half the registers
+    # (sm_90 spills 136 -> 32 bytes at the step's shape, 152 -> 32 at the bench's; same results)
+    d_qk = (d_scores * w).to(DOT)
+    d_w = d_scores * qk
+    z_dec = d_w * decay_tt
+    z_w = z_dec * scale[None, :]
+    dz_dec = tl.sum(z_dec, axis=0)
+    dz_w = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0)
+    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1)
 
     # dq: intra + the carried state's read-out
     s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
@@ -821,7 +780,7 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
     tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True))
     tl.store(DSG + sc, d_scale)
-    tl.store(DSG + NS * B * H * NC * T + sc, d_gamma + d_scale)
+    tl.store(DSG + (N2B // JD) * B * H * NC * T + sc, d_gamma + d_scale)
 
 
 @triton.jit
@@ -1016,21 +975,13 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
         q, q_bias, ops.cs, z, dy, ops.sc, ops.phi, rst, g_st, *st["z"], *dy.stride(), *dims,
         JB=geo.JB, FAST=fast, **const, **_launch("state_bwd", geo))
 
-    jd = min(geo.N2B, TUNING["dqk_pairs"])
-    njd = geo.N2B // jd
-    tt = TUNING["tt_in_dx"]
-    ns = njd + 1 if tt else njd  # shares of the scalar grads: _bwd_dqk's pair tiles (+ _bwd_dx)
-    dadt_part = torch.empty(ns, B, H, NC * T, **f32)
-    d_sg = torch.empty(2, ns, B, H, NC * T, **f32)  # d scale, d gamma
-    # d_qk [B, H, C, T, T] from _bwd_dx for _bwd_dqk (operand dtype), with TT
-    d_qk = torch.empty(B * H * NC * T * T if tt else 1, device=dev, dtype=_operand_dtype(v))
     dv = torch.empty(B, L, H, P, device=dev, dtype=v.dtype)
     dz = torch.empty(B, L, H, P, device=dev, dtype=z.dtype) if z is not None else None
     dd_part = torch.empty(B, H, NC, **f32)
     _bwd_dx[(H, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, D, rst, s_in, g_st, y_pre, dv, dz, dd_part,
-        d_qk, dadt_part, d_sg, *strides, *dims, HAS_D=D is not None,
-        LOAD_YP=y_pre is not None, TT=tt, NS=ns, **const, **_launch("bwd_dx", geo))
+        *strides, *dims, HAS_D=D is not None, LOAD_YP=y_pre is not None, **const,
+        **_launch("bwd_dx", geo))
 
     # d(q, k) per head, unrotated, in the operand dtype (summed over the group's heads below)
     dqh = torch.empty(B, L, H, 2 * geo.N2B, device=dev, dtype=_operand_dtype(v))
@@ -1038,17 +989,20 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     dqb_part = torch.empty(B, NC, H, 2 * geo.N2B, **f32)
     dkb_part = torch.empty_like(dqb_part)
     dang = torch.empty(B, L, H, R, device=dev, dtype=angles.dtype)
+    jd = min(geo.N2B, TUNING["dqk_pairs"])
+    njd = geo.N2B // jd
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
+    dadt_part = torch.empty(njd, B, H, NC * T, **f32)  # shares of _bwd_dqk's pair tiles
+    d_sg = torch.empty(2, njd, B, H, NC * T, **f32)  # d scale, d gamma
     _bwd_dqk[(H * njd, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
-        d_ell, dadt_part, d_sg, d_qk, *strides, *dims, JD=jd, TT=tt, NS=ns, **const,
-        **_launch("bwd_dqk", geo))
+        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk", geo))
     dadt = torch.empty(B, L, H, device=dev, dtype=adt.dtype)
     ddt = torch.empty(B, L, H, device=dev, dtype=dt.dtype)
     dtrap = torch.empty(B, L, H, device=dev, dtype=trap.dtype)
     _bwd_tokens[(H, NC, B)](
         d_ell, dadt_part, d_sg, dt, trap, angles, dang, dadt, ddt, dtrap, *st["dt"],
-        *st["trap"], *st["ang"], B, L, H, NC, R, T=T, RB=geo.RB, NJD=ns,
+        *st["trap"], *st["ang"], B, L, H, NC, R, T=T, RB=geo.RB, NJD=njd,
         **_launch("bwd_tokens", geo))
     dD = dd_part.sum((0, 2)).to(D.dtype) if D is not None else None
 
