@@ -73,6 +73,24 @@ def test_replay_gradients_match_eager_on_fresh_inputs() -> None:
     assert timing.failure is None and timing.median_ms is not None and timing.median_ms > 0
 
 
+@gpu
+def test_capture_while_the_caller_keeps_a_graph_over_the_inputs() -> None:
+    """An output of an earlier eager call kept alive keeps the inputs' gradient accumulators,
+    made on the default stream; the capture takes its gradients at fresh leaves, so autograd
+    does not sync with that stream inside the capture (which CUDA refuses)."""
+    device = torch.device("cuda")
+    inputs = _inputs("cuda")
+    kept = mlp(**inputs)  # its graph, and the leaves' accumulators, stay alive below
+    captured = capture_fwd_bwd(mlp, inputs, GRAD_ARGS, device)
+    captured.graph.replay()
+    torch.cuda.synchronize()
+    eager = torch.autograd.grad(kept, list(inputs.values()), captured.cotangents)
+    for name, got, want in zip(GRAD_ARGS, captured.grads, eager):
+        torch.testing.assert_close(got, want, msg=lambda m, n=name: f"d{n}: {m}")
+    timing = time_fwd_bwd_graphed(mlp, inputs, GRAD_ARGS, device, repeats=3)
+    assert timing.failure is None, timing.failure
+
+
 def _cuda_still_works() -> None:
     torch.cuda.synchronize()
     assert torch.cuda.current_stream() == torch.cuda.default_stream()

@@ -103,9 +103,17 @@ def capture_fwd_bwd(
     device: torch.device, warmup: int = 3,
 ) -> CapturedFwdBwd:
     """Capture one forward+backward of ``fn`` (fixed random cotangents) as a CUDA graph, by
-    :func:`capture_graph`. Raises :class:`GraphCaptureError` when it cannot be captured."""
+    :func:`capture_graph`. The graph reads the inputs' storage (write new values into them
+    between replays). Raises :class:`GraphCaptureError` when it cannot be captured."""
     if device.type != "cuda":
         raise ValueError(f"CUDA-graph timing needs a CUDA device; got {device}")
+    # the gradients are taken at fresh leaves (aliases of the caller's tensors): a caller may
+    # still hold an autograd graph over its own (an output kept from an earlier call), and
+    # those leaves' gradient accumulators, made on the stream of that call, would be synced
+    # with inside the capture, which CUDA refuses ("operation would make the legacy stream
+    # depend on a capturing blocking stream": three probes of sessions 24-25 hit it)
+    inputs = {name: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+              else t for name, t in inputs.items()}
     with torch.cuda.device(device):
         cot = _cotangents(fn, inputs)
         graph, grads = capture_graph(lambda: _fwd_bwd(fn, inputs, grad_args, cot), warmup)
