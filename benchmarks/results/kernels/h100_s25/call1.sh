@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 25, first device call (carry .whl): the GPU tests of the side stream and of the code
+# Session 25, first device call (carry .whl; needs 1fd0ad7's tree, where the side stream exists): the GPU tests of the side stream and of the code
 # it touches, the side-stream probe (side_stream_probe.py), then the nam56r-350m training step
 # (hybrid, compiled + CUDA graph, fast kernels) with the side stream off and on, alternately,
 # each in its own process.   usage: bash benchmarks/results/kernels/h100_s25/call1.sh
