@@ -86,3 +86,40 @@ def test_step_ops_sums_each_ops_own_device_time_per_op_and_input_shapes():
         {"op": "aten::copy_", "shapes": "[[4]]", "ms_per_step": 0.0025, "calls_per_step": 0.5,
          "kernels": ["k1"]},
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_times_count_each_kernel_per_call():
+    """A GEMM and an elementwise kernel: both found, per call (not summed over the calls), the
+    GEMM first, and a graph replay's kernels counted like eager ones (cuBLAS may add a memset
+    of its own)."""
+    from megacpp.kernels.profiling import kernel_times_us
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    small = torch.randn(1024, device="cuda")
+
+    def fn():
+        a @ a
+        small.mul_(1.0)
+
+    def families(times):
+        return [kernel_family(name) for name in times]
+
+    eager = kernel_times_us(fn, calls=10)
+    assert families(eager)[0] == "GEMM (cuBLAS / CUTLASS)"
+    assert "torch elementwise / reductions" in families(eager)
+    gemm = next(iter(eager.values()))
+    assert 50 < gemm < 1000  # a 4096^3 bf16 GEMM takes ~0.2 ms: per call, not the sum of ten
+    assert all(0 < us <= gemm for us in eager.values())
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        fn()
+    replayed = kernel_times_us(graph.replay, calls=10)
+    assert families(replayed)[0] == "GEMM (cuBLAS / CUTLASS)"
+    assert "torch elementwise / reductions" in families(replayed)

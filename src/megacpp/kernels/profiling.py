@@ -14,7 +14,7 @@ import functools
 import importlib
 import pkgutil
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # library kernels by name, first match wins (attention before GEMM: cuDNN's attention kernels
 # carry "wgmma"/"gemm"-like tile names too)
@@ -35,6 +35,25 @@ def device_rows(averages: Iterable) -> list:
     the CPU ops beside them carry their kernels' device time too, so sums over all rows count
     it twice."""
     return [e for e in averages if e.device_type.name == "CUDA"]
+
+
+def kernel_times_us(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
+    """GPU time per call of each kernel ``fn`` runs (CUDA only): ``fn`` once to warm up (its
+    compiles and autotuning stay out), then ``calls`` times under ``torch.profiler``; name ->
+    device us per call, largest first. A replayed CUDA graph's kernels are counted too."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in device_rows(prof.key_averages()):
+        totals[e.key] = totals.get(e.key, 0.0) + e.device_time_total / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 @functools.cache
