@@ -40,6 +40,8 @@ BENCH = {  # surface -> (cases, backends in table order)
     "linear_cross_entropy": (["bench"], ["triton_chunked", "torch_plain", "liger"]),
     "moe_experts": (["e64_k8", "e16_k2"], ["grouped_mm", "reference"]),
     "attention": (["bench"], ["sdpa_flash", "reference"]),
+    # the nam56r-350m step's attention over packed rows (12 / 2 heads, L 2048, two documents)
+    "document_attention": (["step"], ["flex", "reference"]),
     # the nam56r R mixer's q | k | v conv: 16k tokens, 1024 channels of the in_proj output
     "short_conv": (["nam56r"], ["triton", "torch_compile", "reference"]),
     # nam56r presets' R mixer (4 heads, K 64, V 128) at 4k and 8k tokens; fla's 16 x 128 shape

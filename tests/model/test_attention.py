@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from megacpp.model.attention import GroupedQueryAttention, document_causal_mask
+from megacpp.kernels.ops.attention.document import document_causal_mask
+from megacpp.model.attention import GroupedQueryAttention
 
 
 def _attn(qk_norm=True):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megacpp.errors import ConfigError
+from megacpp.kernels.ops.attention.document import document_causal_mask
 from megacpp.kernels.ops.sparse_attention import (
     allowed_keys,
     gather_keys,
@@ -14,7 +15,6 @@ from megacpp.kernels.ops.sparse_attention import (
     latent_attention,
     select_topk,
 )
-from megacpp.model.attention import document_causal_mask
 from megacpp.model.dsa import (
     DeepSeekSparseAttention,
     LightningIndexer,

@@ -12,6 +12,10 @@ from typing import Any
 import torch
 
 from megacpp.kernels.catalog import Backend, Catalog, Requirements, Surface
+from megacpp.kernels.ops.attention.document import (
+    document_attention_flex,
+    document_attention_reference,
+)
 from megacpp.kernels.ops.attention.reference import (
     causal_attention_reference,
     causal_attention_sdpa_flash,
@@ -107,6 +111,36 @@ def _attention_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any
 def _attention_flops(inp: dict[str, Any]) -> float:
     b, h, length, dh = inp["q"].shape
     return 3.5 * 4 * b * h * length * length * dh / 2  # causal half; bwd = 2.5x fwd
+
+
+def _document_ids(batch: int, length: int, docs: int, device, gen) -> torch.Tensor:
+    """[B, L] int64 ids of ``docs`` contiguous documents per row, random lengths (>= 1)."""
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(length - 1, generator=gen, device=device)[: docs - 1] + 1
+        starts = torch.zeros(length, dtype=torch.int64, device=device)
+        starts[cuts] = 1
+        rows.append(starts.cumsum(0))
+    return torch.stack(rows)
+
+
+def _document_attention_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    b, length, dh = case["batch"], case["seq"], case["head_dim"]
+    inputs = {name: _randn((b, h, length, dh), dtype, device, gen)
+              for name, h in (("q", case["heads"]), ("k", case["kv_heads"]),
+                              ("v", case["kv_heads"]))}
+    inputs["doc_ids"] = _document_ids(b, length, case["docs"], device, gen)
+    return inputs
+
+
+def _document_attention_flops(inp: dict[str, Any]) -> float:
+    """fwd+bwd (3.5x the forward) over the (query, key) pairs each document leaves visible."""
+    _, h, _, dh = inp["q"].shape
+    pairs = 0.0
+    for row in inp["doc_ids"]:
+        n = torch.unique_consecutive(row, return_counts=True)[1].double()
+        pairs += float((n * (n + 1) / 2).sum())
+    return 3.5 * 4 * h * dh * pairs
 
 
 # -- Mamba-3 scan -------------------------------------------------------------------------------
@@ -273,6 +307,21 @@ def _surfaces() -> list[Surface]:
             ("q", "k", "v"), _attention_flops,
         ),
         Surface(
+            "document_attention",
+            "q [B, H, L, Dh], k, v [B, Hkv, L, Dh] (H a multiple of Hkv), doc_ids [B, L] int -> "
+            "[B, H, L, Dh] in q.dtype: query i sees key j iff j <= i and both are in one "
+            "document, scale 1/sqrt(Dh) (the model's attention over packed rows); flex: "
+            "FlexAttention over a [128, 128]-tile block mask made from doc_ids (empty tiles "
+            "skipped, full ones unmasked), saves q, k, v, out and logsumexp; reference: SDPA "
+            "with the dense [B, 1, L, L] mask",
+            document_attention_reference, _document_attention_inputs,
+            {"check": {"batch": 2, "heads": 4, "kv_heads": 2, "seq": 300, "head_dim": 64,
+                       "docs": 3},
+             "step": {"batch": 8, "heads": 12, "kv_heads": 2, "seq": 2048, "head_dim": 64,
+                      "docs": 2}},
+            ("q", "k", "v"), _document_attention_flops,
+        ),
+        Surface(
             "mamba3_scan",
             "Mamba-3 SISO chunked scan: q, k [B, L, G, N], v, z [B, L, H, P], adt/dt/trap "
             "[B, L, H], angles [B, L, H, R], biases [H, N], D [H], reset [B, L] bool -> y "
@@ -385,6 +434,20 @@ def _backends() -> list[Backend]:
                 Requirements(devices=("cuda",), min_capability=(10, 0), dtypes=HALF), None,
                 "FlashAttention-4 (CuTe DSL) targets Blackwell; not installable or testable on "
                 "the Hopper machines this project measures on"),
+        # document attention
+        Backend("flex", "document_attention", "donor",
+                Requirements(packages=("triton",), torch_ops=("compile",), dtypes=FLOATS,
+                             **cuda_sm80),
+                document_attention_flex,
+                "measured, not selected yet: 1.12 vs 1.70 ms fwd+bwd replayed at the nam56r "
+                "step's shape on an H100, and the graphed, compiled 350M trainer ran 113.8 vs "
+                "119.1 ms a step with it, same losses (benchmarks/results/train_h100_s26, call "
+                "6); but called from the attention (a graph break) it failed the regional-"
+                "compile GPU smoke test (Dynamo: rope_range on a symbolic length), and traced "
+                "into the compiled block the trainer's loss went wrong (6.79 vs 3.9 at step "
+                "30, call 7)"),
+        Backend("reference", "document_attention", "fallback", Requirements(),
+                document_attention_reference),
         # Mamba-3 scan
         Backend("triton_chunked", "mamba3_scan", "chosen",
                 Requirements(packages=("triton",), dtypes=FLOATS, **cuda_sm80),

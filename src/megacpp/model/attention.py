@@ -1,7 +1,9 @@
 """A:gqa -- grouped-query attention with RoPE and optional QK-norm, through SDPA.
 
 Packed rows: ``doc_ids`` [B, L] (per-token document index) restricts every query to keys of
-its own document, so attention never crosses a document boundary.
+its own document, so attention never crosses a document boundary (SDPA with the dense mask;
+the catalog's ``document_attention`` surface measures FlexAttention's block-sparse kernels
+against it, :mod:`megacpp.kernels.ops.attention.document`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp.kernels.ops.attention.document import document_causal_mask
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_range
@@ -161,14 +164,6 @@ class GroupedQueryAttention(nn.Module):
 
     def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
         return 2 * self.n_kv_heads * self.head_dim * dtype.itemsize
-
-
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[B, L] document ids -> [B, L, L] bool: query i may see key j iff j <= i, same doc."""
-    L = doc_ids.shape[-1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return causal & same_doc
 
 
 def grouped_attention(

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp.kernels.ops.attention.document import document_causal_mask
 from megacpp.kernels.ops.sparse_attention import allowed_keys, latent_attention
-from megacpp.model.attention import document_causal_mask
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_range
