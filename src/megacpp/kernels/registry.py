@@ -441,10 +441,10 @@ def _backends() -> list[Backend]:
                 document_attention_flex,
                 "measured, not selected yet: 1.12 vs 1.70 ms fwd+bwd replayed at the nam56r "
                 "step's shape on an H100, and the graphed, compiled 350M trainer ran 113.8 vs "
-                "119.1 ms a step with it, same losses (benchmarks/results/train_h100_s26, call "
+                "119.1 ms a step with it, losses alike (benchmarks/results/train_h100_s26, call "
                 "6); but called from the attention (a graph break) it failed the regional-"
                 "compile GPU smoke test (Dynamo: rope_range on a symbolic length), and traced "
-                "into the compiled block the trainer's loss went wrong (6.79 vs 3.9 at step "
+                "into the compiled block the trainer's loss went wrong (6.79 vs 4.7 at step "
                 "30, call 7)"),
         Backend("reference", "document_attention", "fallback", Requirements(),
                 document_attention_reference),

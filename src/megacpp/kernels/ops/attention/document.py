@@ -13,6 +13,8 @@ kernel with no document mask; benchmarks/results/train_h100_s26/call5). The bloc
 each [128, 128] tile empty (skipped), full (no mask evaluated) or partial from the minimum and
 maximum document id of its query and key blocks, in a handful of ops on [B, L/128, L/128]
 tensors (torch's ``create_block_mask`` evaluates the whole [B, L, L] mask: 0.58 ms there).
+The flex backend is a donor row of the catalog for now, not the model's path: the registry's
+row says why.
 """
 
 from __future__ import annotations
