@@ -16,7 +16,7 @@ from megacpp.kernels.ops.attention.document import (
 )
 from megacpp.kernels.registry import default_catalog
 
-LAYOUTS = {  # document lengths per row, the rows' length, and one row of unsorted ids
+LAYOUTS = {  # document lengths per row and the rows' length (the test below also reverses them)
     "one_doc": ([[300], [300]], 300),
     "tile_edges": ([[128, 128], [100, 156]], 256),
     "many": ([[5, 120, 3, 256], [384]], 384),

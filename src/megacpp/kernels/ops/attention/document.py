@@ -56,8 +56,9 @@ def document_block_mask(doc_ids: Tensor) -> BlockMask:
     is empty when it lies above the diagonal or the two blocks' id ranges do not meet, full
     when it lies below the diagonal and both blocks hold one and the same document and end
     inside L (torch's ``create_block_mask`` makes the same tiles), else partial (the mask is
-    evaluated per element). Sound for any ids, not only sorted ones; no
-    host sync, static shapes (capturable in a CUDA graph)."""
+    evaluated per element). Sound for any ids, not only sorted ones; no host sync, static
+    shapes (capturable in a CUDA graph). Built inside a torch.compile'd function it came out
+    wrong on an H100 (benchmarks/results/train_h100_s26, call 8): build it eagerly."""
     length = doc_ids.shape[1]
     lo, hi = _block_ranges(doc_ids, length)  # [B, NB]
     nb = lo.shape[1]
