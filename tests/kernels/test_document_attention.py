@@ -12,6 +12,7 @@ from megacpp.kernels.ops.attention.document import (
     document_attention_flex,
     document_attention_reference,
     document_block_mask,
+    document_block_tiles,
     document_causal_mask,
 )
 from megacpp.kernels.registry import default_catalog
@@ -22,6 +23,10 @@ LAYOUTS = {  # document lengths per row and the rows' length (the test below als
     "many": ([[5, 120, 3, 256], [384]], 384),
     "short_tail": ([[60, 60, 80], [1, 199]], 200),
 }
+
+
+MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
 def _ids(lengths: list[list[int]]) -> torch.Tensor:
@@ -52,6 +57,25 @@ def test_block_mask_is_torchs_for_the_same_mask(layout):
         torchs = create_block_mask(doc_causal, doc_ids.shape[0], None, length, length,
                                    device="cpu")
         assert _blocks(ours) == _blocks(torchs)
+        for field in MASK_FIELDS:  # and the same tensors: torch's order of the kv blocks too
+            assert torch.equal(getattr(ours, field), getattr(torchs, field)), field
+
+
+def test_block_tiles_operator_passes_opcheck_and_compiles_to_the_eager_mask():
+    """document_block_tiles is a registered operator (its fake's shapes and dtypes are the real
+    ones: torch.library.opcheck), and a compiled function that makes the mask returns the
+    eager tensors."""
+    doc_ids = _ids([[700, 1, 299, 1048], [2048]])
+    torch.library.opcheck(document_block_tiles, (doc_ids,))
+    torch.library.opcheck(document_block_tiles, (_ids([[60, 60, 80], [1, 199]]),))
+
+    def fields(d):
+        mask = document_block_mask(d)
+        return tuple(getattr(mask, f) for f in MASK_FIELDS)
+
+    for name, eager, traced in zip(MASK_FIELDS, fields(doc_ids), torch.compile(fields)(doc_ids),
+                                   strict=True):
+        assert torch.equal(eager, traced), name
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -80,15 +104,17 @@ def test_reference_sees_only_its_document_and_the_past():
 
 
 def test_catalog_rows():
-    """flex is a measured donor row (with the reason it is not selected); the model's masked
-    SDPA is the reference; with no chosen backend, selection fails closed everywhere."""
+    """flex is chosen (sm80+ CUDA); the model's masked SDPA is the reference; on CPU nothing
+    chosen qualifies, so selection fails closed naming flex's rejection unless the reference is
+    allowed."""
     catalog = default_catalog()
-    (flex,) = catalog.of("document_attention", "donor")
-    assert flex.name == "flex" and "not selected" in flex.reason
+    assert [b.name for b in catalog.of("document_attention", "chosen")] == ["flex"]
     assert [b.name for b in catalog.of("document_attention", "fallback")] == ["reference"]
-    assert catalog.of("document_attention", "chosen") == []
-    with pytest.raises(KernelSelectionError, match="document_attention"):
-        select(catalog, "document_attention", device_facts(torch.device("cpu")), "bfloat16")
+    cpu = device_facts(torch.device("cpu"))
+    with pytest.raises(KernelSelectionError, match="flex"):
+        select(catalog, "document_attention", cpu, "bfloat16")
+    assert select(catalog, "document_attention", cpu, "bfloat16",
+                  allow_reference=True).backend.name == "reference"
 
 
 @pytest.mark.gpu
@@ -135,3 +161,40 @@ def test_flex_is_captured_in_a_cuda_graph_with_new_documents_per_replay():
         torch.testing.assert_close(out, document_attention_flex(q, k, v, doc_ids))
         torch.testing.assert_close(out.float(), document_attention_reference(q, k, v, doc_ids).float(),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_with_the_mask_made_inside_a_compiled_function():
+    """As the model's compiled blocks run it: torch.compile traces the mask's construction
+    with the attention. Output and gradients within bf16 tolerance of the float64 reference,
+    and the no-grad forward too (a mask traced op by op came out wrong, or crashed a trainer's
+    no-grad forward: benchmarks/results/train_h100_s27, calls 1-2)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    doc_ids = _ids([[700, 1, 299, 1048], [2048]]).cuda()
+
+    @torch.compile
+    def traced_attention(q, k, v, d):
+        return flex_attention(q, k, v, block_mask=document_block_mask(d), enable_gqa=True)
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
+    k, v = (torch.randn(2, 2, 2048, 64, device="cuda", generator=gen) for _ in range(2))
+    cot = torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
+
+    def run(fn, dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, doc_ids)
+        return [out, *torch.autograd.grad(out, leaves, cot.to(dt))]
+
+    def rel(got, ref):
+        return ((got.double() - ref).norm() / ref.norm()).item()
+
+    truth = run(document_attention_reference, torch.float64)
+    for got, ref in zip(run(traced_attention, torch.bfloat16), truth, strict=True):
+        assert rel(got, ref) < 1e-2
+    with torch.no_grad():
+        out = traced_attention(*(t.bfloat16() for t in (q, k, v)), doc_ids)
+    for b in range(2):  # row by row: a row reading another row's tiles shows here
+        assert rel(out[b], truth[0][b]) < 1e-2, b

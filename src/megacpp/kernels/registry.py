@@ -435,17 +435,10 @@ def _backends() -> list[Backend]:
                 "FlashAttention-4 (CuTe DSL) targets Blackwell; not installable or testable on "
                 "the Hopper machines this project measures on"),
         # document attention
-        Backend("flex", "document_attention", "donor",
+        Backend("flex", "document_attention", "chosen",
                 Requirements(packages=("triton",), torch_ops=("compile",), dtypes=FLOATS,
                              **cuda_sm80),
-                document_attention_flex,
-                "measured, not selected yet: 1.12 vs 1.70 ms fwd+bwd replayed at the nam56r "
-                "step's shape on an H100, and the graphed, compiled 350M trainer ran 113.8 vs "
-                "119.1 ms a step with it, losses alike (benchmarks/results/train_h100_s26, call "
-                "6); but called from the attention (a graph break) it failed the regional-"
-                "compile GPU smoke test (Dynamo: rope_range on a symbolic length), and traced "
-                "into the compiled block the trainer's loss went wrong (6.79 vs 4.7 at step "
-                "30, call 7)"),
+                document_attention_flex),
         Backend("reference", "document_attention", "fallback", Requirements(),
                 document_attention_reference),
         # Mamba-3 scan

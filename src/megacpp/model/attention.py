@@ -1,9 +1,9 @@
 """A:gqa -- grouped-query attention with RoPE and optional QK-norm, through SDPA.
 
 Packed rows: ``doc_ids`` [B, L] (per-token document index) restricts every query to keys of
-its own document, so attention never crosses a document boundary (SDPA with the dense mask;
-the catalog's ``document_attention`` surface measures FlexAttention's block-sparse kernels
-against it, :mod:`megacpp.kernels.ops.attention.document`).
+its own document, so attention never crosses a document boundary: the catalog's
+``document_attention`` surface (:mod:`megacpp.kernels.ops.attention.document`), FlexAttention
+over a block mask on CUDA, SDPA with the dense mask as the reference.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp.kernels.ops.attention.document import document_causal_mask
+from megacpp.kernels.runtime import resolve
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_range
@@ -113,9 +113,9 @@ class GroupedQueryAttention(nn.Module):
             if L > 1:  # query i (position offset+i) sees keys 0..offset+i
                 key_pos = torch.arange(k.shape[2], device=x.device)
                 mask = key_pos[None, :] <= positions[:, None]  # [L, T]
-        elif doc_ids is not None:
-            mask = document_causal_mask(doc_ids)[:, None]  # [B, 1, L, L]
-            is_causal = False
+        elif doc_ids is not None:  # packed rows: the catalog's document_attention surface
+            out = resolve("document_attention", q).fn(q, k, v, doc_ids)  # [B, H, L, hd]
+            return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))
 
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True

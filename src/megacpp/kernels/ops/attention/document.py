@@ -51,36 +51,63 @@ def _block_ranges(doc_ids: Tensor, length: int) -> tuple[Tensor, Tensor]:
     return blocks.amin(-1), blocks.amax(-1)
 
 
+@torch.library.custom_op("megacpp::document_block_tiles", mutates_args=())
+def document_block_tiles(doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                     Tensor, Tensor, Tensor, Tensor]:
+    """The eight int32 tensors of :func:`document_block_mask` (``FlexAttention``'s kv-side and
+    q-side counts [B, 1, NB] and indices [B, 1, NB, NB], partial then full), contiguous.
+
+    An operator of its own, opaque to torch.compile: traced into a compiled graph, Inductor gave
+    the head axis of counts and indices made as ``x[:, None]`` the stride 0, so FlexAttention's
+    kernel read row 0's tiles for every row (benchmarks/results/train_h100_s27, call 2), and a
+    trainer with them made in its compiled blocks hit an illegal address on its first no-grad
+    forward. As an operator its outputs are real tensors with the layout declared here."""
+    length = doc_ids.shape[1]
+    lo, hi = _block_ranges(doc_ids, length)  # [B, NB]
+    nb = lo.shape[1]
+    q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]  # [B, 1, NB(q), NB(kv)] below
+    k_lo, k_hi = lo[:, None, None, :], hi[:, None, None, :]
+    blk = torch.arange(nb, device=doc_ids.device)
+    q_blk, k_blk = blk[:, None], blk[None, :]
+    whole = length // BLOCK  # blocks inside L: a partial last tile is never full
+    meets = (k_hi >= q_lo) & (k_lo <= q_hi) & (k_blk <= q_blk)
+    full = ((k_blk < q_blk) & (q_blk < whole) & (q_lo == q_hi) & (k_lo == k_hi)
+            & (q_lo == k_lo))
+    partial = meets & ~full
+
+    def indexed(keep: Tensor) -> tuple[Tensor, Tensor]:
+        # the kept blocks of each row first, then the others, each in ascending order (torch's
+        # own order): an argsort of keys unique per block (kept: its index; else: index + NB),
+        # so no tie is left to a sort's stability
+        order = torch.where(keep, blk, blk + nb).argsort(dim=-1)
+        # contiguous as declared (the q side's argsort keeps its transposed input's layout)
+        return (keep.sum(-1, dtype=torch.int32).contiguous(),
+                order.to(torch.int32, memory_format=torch.contiguous_format))
+
+    # kv side: per q block its kv blocks; q side (the backward's dk/dv loop): the transpose
+    return (*indexed(partial), *indexed(full),
+            *indexed(partial.transpose(-2, -1)), *indexed(full.transpose(-2, -1)))
+
+
+@document_block_tiles.register_fake
+def _document_block_tiles_fake(doc_ids: Tensor):
+    batch, nb = doc_ids.shape[0], -(-doc_ids.shape[1] // BLOCK)
+    return tuple(doc_ids.new_empty(shape, dtype=torch.int32)
+                 for _ in range(4) for shape in ((batch, 1, nb), (batch, 1, nb, nb)))
+
+
 def document_block_mask(doc_ids: Tensor) -> BlockMask:
     """The document-causal :class:`BlockMask` of ``doc_ids`` [B, L]: a [q block, kv block] tile
     is empty when it lies above the diagonal or the two blocks' id ranges do not meet, full
     when it lies below the diagonal and both blocks hold one and the same document and end
-    inside L (torch's ``create_block_mask`` makes the same tiles), else partial (the mask is
-    evaluated per element). Sound for any ids, not only sorted ones; no host sync, static
-    shapes (capturable in a CUDA graph). Built inside a torch.compile'd function it came out
-    wrong on an H100 (benchmarks/results/train_h100_s26, call 8): build it eagerly."""
+    inside L, else partial (the mask is evaluated per element): the tensors torch's
+    ``create_block_mask`` makes, from a handful of ops on [B, NB, NB] tensors instead of the
+    whole [B, L, L] mask. Sound for any ids, not only sorted ones; no host sync, static shapes
+    (capturable in a CUDA graph); right built eagerly or inside a compiled function
+    (:func:`document_block_tiles`)."""
     length = doc_ids.shape[1]
-    lo, hi = _block_ranges(doc_ids, length)  # [B, NB]
-    nb = lo.shape[1]
-    blk = torch.arange(nb, device=doc_ids.device)
-    q_lo, q_hi, k_lo, k_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
-    below = blk[None, :, None] > blk[None, None, :]  # kv block strictly before the q block
-    meets = (k_hi >= q_lo) & (k_lo <= q_hi) & (blk[None, None, :] <= blk[None, :, None])
-    whole = blk < length // BLOCK  # blocks inside L: a partial last tile is never full
-    full = (below & whole[None, :, None] & whole[None, None, :]
-            & (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo))
-    partial = meets & ~full
-
-    def indexed(keep: Tensor) -> tuple[Tensor, Tensor]:
-        # the kept kv blocks of each q block first, in ascending order (a stable sort of the
-        # flags), as FlexAttention's [B, 1, NB] counts and [B, 1, NB, NB] indices
-        order = torch.sort(keep.to(torch.int8), dim=-1, descending=True, stable=True).indices
-        return (keep.sum(-1, dtype=torch.int32)[:, None],
-                order.to(torch.int32)[:, None])
-
-    kv_num, kv_idx = indexed(partial)
-    full_num, full_idx = indexed(full)
-
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = (
+        document_block_tiles(doc_ids))
     last = length - 1
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -89,8 +116,10 @@ def document_block_mask(doc_ids: Tensor) -> BlockMask:
         same = doc_ids[b, q_idx.clamp(max=last)] == doc_ids[b, kv_idx.clamp(max=last)]
         return (kv_idx <= q_idx) & same
 
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(length, length))
+    return BlockMask(seq_lengths=(length, length), kv_num_blocks=kv_num, kv_indices=kv_idx,
+                     full_kv_num_blocks=full_num, full_kv_indices=full_idx,
+                     q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+                     full_q_indices=full_q_idx, BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod)
 
 
 @functools.cache
