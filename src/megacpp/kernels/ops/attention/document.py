@@ -131,6 +131,9 @@ def _compiled_flex():
 
 def document_attention_flex(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor) -> Tensor:
     """FlexAttention over :func:`document_block_mask`: the same function as the reference.
-    Compiled on CUDA; eager on CPU, as the CPU tests run it (torch has no CPU backward)."""
-    flex = _compiled_flex() if q.is_cuda else flex_attention
+    On CUDA compiled (inside a compiled function, as the model's compiled blocks call it, the
+    enclosing compile traces it); eager on CPU, as the CPU tests run it (torch has no CPU
+    backward)."""
+    flex = (_compiled_flex() if q.is_cuda and not torch.compiler.is_compiling()
+            else flex_attention)
     return flex(q, k, v, block_mask=document_block_mask(doc_ids), enable_gqa=True)
