@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
+from megacpp.kernels.catalog import KernelSelectionError
 from megacpp.kernels.ops.attention.document import document_causal_mask
+from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
 from megacpp.model.attention import GroupedQueryAttention
 
 
@@ -27,6 +30,23 @@ def test_packed_row_equals_documents_alone():
     # RoPE is relative, so a document's outputs do not depend on where it sits in the row
     for lo, hi in [(0, 5), (5, 9), (9, 12)]:
         torch.testing.assert_close(packed[:, lo:hi], attn(x[:, lo:hi]), rtol=1e-10, atol=1e-10)
+
+
+def test_packed_rows_go_through_the_document_attention_surface():
+    """With doc_ids the attention asks the catalog: the reference here (the default mode; under
+    auto on CPU too); under fast on CPU it fails closed, naming flex (CUDA only)."""
+    attn = _attn()
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    doc = torch.tensor([[0] * 5 + [1] * 7])
+    for mode in ("reference", "auto"):
+        clear_resolutions()
+        with kernel_mode_override(mode):
+            attn(x, doc_ids=doc)
+        assert chosen_kernels()["document_attention"] == "reference", mode
+    clear_resolutions()
+    with kernel_mode_override("fast"), pytest.raises(KernelSelectionError, match="flex"):
+        _attn(qk_norm=False)(x, doc_ids=doc)  # (QK-norm's RMSNorm would fail closed first)
+    clear_resolutions()
 
 
 def test_cached_prefill_and_steps_equal_full_forward():

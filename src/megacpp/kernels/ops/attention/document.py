@@ -1,5 +1,5 @@
 """Causal attention inside documents of packed rows: the reference (SDPA with the dense mask,
-what the model has always run) and FlexAttention over a block mask that skips every tile
+what the model ran until session 27) and FlexAttention over a block mask that skips every tile
 outside a document.
 
 Contract: q [B, H, L, Dh], k, v [B, Hkv, L, Dh] (H a multiple of Hkv: grouped-query heads),
@@ -13,8 +13,9 @@ kernel with no document mask; benchmarks/results/train_h100_s26/call5). The bloc
 each [128, 128] tile empty (skipped), full (no mask evaluated) or partial from the minimum and
 maximum document id of its query and key blocks, in a handful of ops on [B, L/128, L/128]
 tensors (torch's ``create_block_mask`` evaluates the whole [B, L, L] mask: 0.58 ms there).
-The flex backend is a donor row of the catalog for now, not the model's path: the registry's
-row says why.
+The flex backend is the catalog's chosen row on CUDA (sm80+) and the model's path for packed
+rows since session 27 (benchmarks/results/train_h100_s27); the reference serves everywhere
+else.
 """
 
 from __future__ import annotations
