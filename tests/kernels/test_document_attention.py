@@ -117,6 +117,29 @@ def test_catalog_rows():
                   allow_reference=True).backend.name == "reference"
 
 
+def _packed_case(seed: int) -> tuple[torch.Tensor, ...]:
+    """On the GPU: doc_ids of two packed rows (documents crossing tile edges; one whole-row
+    document), fresh random q [2, 6, 2048, 64], k, v [2, 2, 2048, 64] and an output cotangent."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    doc_ids = _ids([[700, 1, 299, 1048], [2048]]).cuda()
+    q = torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
+    k, v = (torch.randn(2, 2, 2048, 64, device="cuda", generator=gen) for _ in range(2))
+    return doc_ids, q, k, v, torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
+
+
+def _fwd_bwd(fn, dtype, case) -> list[torch.Tensor]:
+    """[out, dq, dk, dv] of ``fn`` in ``dtype`` on ``case``."""
+    doc_ids, q, k, v, cot = case
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, doc_ids)
+    return [out, *torch.autograd.grad(out, leaves, cot.to(dtype))]
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error against a float64 reference."""
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-3)])
@@ -124,22 +147,11 @@ def test_flex_matches_the_float64_reference_forward_and_backward(dtype, tol):
     """Fresh random inputs at a packed row shape with documents crossing tile edges: output
     and the three gradients within the dtype's tolerance of the float64 reference (relative
     Frobenius error), and finite."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    doc_ids = _ids([[700, 1, 299, 1048], [2048]]).cuda()
-    q = torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
-    k, v = (torch.randn(2, 2, 2048, 64, device="cuda", generator=gen) for _ in range(2))
-    cot = torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
-
-    def run(fn, dt):
-        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves, doc_ids)
-        return [out, *torch.autograd.grad(out, leaves, cot.to(dt))]
-
-    truth = run(document_attention_reference, torch.float64)
-    for got, ref in zip(run(document_attention_flex, dtype), truth, strict=True):
+    case = _packed_case(seed=7)
+    truth = _fwd_bwd(document_attention_reference, torch.float64, case)
+    for got, ref in zip(_fwd_bwd(document_attention_flex, dtype, case), truth, strict=True):
         assert torch.isfinite(got).all()
-        rel = ((got.double() - ref).norm() / ref.norm()).item()
-        assert rel < tol, rel
+        assert _rel(got, ref) < tol, _rel(got, ref)
 
 
 @pytest.mark.gpu
@@ -172,29 +184,16 @@ def test_flex_with_the_mask_made_inside_a_compiled_function():
     no-grad forward: benchmarks/results/train_h100_s27, calls 1-2)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    doc_ids = _ids([[700, 1, 299, 1048], [2048]]).cuda()
-
     @torch.compile
     def traced_attention(q, k, v, d):
         return flex_attention(q, k, v, block_mask=document_block_mask(d), enable_gqa=True)
 
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    q = torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
-    k, v = (torch.randn(2, 2, 2048, 64, device="cuda", generator=gen) for _ in range(2))
-    cot = torch.randn(2, 6, 2048, 64, device="cuda", generator=gen)
-
-    def run(fn, dt):
-        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves, doc_ids)
-        return [out, *torch.autograd.grad(out, leaves, cot.to(dt))]
-
-    def rel(got, ref):
-        return ((got.double() - ref).norm() / ref.norm()).item()
-
-    truth = run(document_attention_reference, torch.float64)
-    for got, ref in zip(run(traced_attention, torch.bfloat16), truth, strict=True):
-        assert rel(got, ref) < 1e-2
+    case = _packed_case(seed=11)
+    truth = _fwd_bwd(document_attention_reference, torch.float64, case)
+    for got, ref in zip(_fwd_bwd(traced_attention, torch.bfloat16, case), truth, strict=True):
+        assert _rel(got, ref) < 1e-2
+    doc_ids, q, k, v, _ = case
     with torch.no_grad():
-        out = traced_attention(*(t.bfloat16() for t in (q, k, v)), doc_ids)
+        out = traced_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), doc_ids)
     for b in range(2):  # row by row: a row reading another row's tiles shows here
-        assert rel(out[b], truth[0][b]) < 1e-2, b
+        assert _rel(out[b], truth[0][b]) < 1e-2, b
