@@ -58,11 +58,12 @@ def document_block_tiles(doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
     """The eight int32 tensors of :func:`document_block_mask` (``FlexAttention``'s kv-side and
     q-side counts [B, 1, NB] and indices [B, 1, NB, NB], partial then full), contiguous.
 
-    An operator of its own, opaque to torch.compile: traced into a compiled graph, Inductor gave
-    the head axis of counts and indices made as ``x[:, None]`` the stride 0, so FlexAttention's
-    kernel read row 0's tiles for every row (benchmarks/results/train_h100_s27, call 2), and a
-    trainer with them made in its compiled blocks hit an illegal address on its first no-grad
-    forward. As an operator its outputs are real tensors with the layout declared here."""
+    An operator of its own, opaque to torch.compile. Traced op by op into a compiled graph on
+    an H100 (benchmarks/results/train_h100_s27): with the head axis added as ``x[:, None]``,
+    Inductor gave it the stride 0 and FlexAttention's kernel read row 0's tiles for every row
+    (call 2); made [B, 1, ...] from the start, the mask was right with gradients but a compiled
+    no-grad forward hit an illegal memory access (calls 2-3). As an operator its outputs are
+    real tensors with the layout its fake declares (tests: torch.library.opcheck)."""
     length = doc_ids.shape[1]
     lo, hi = _block_ranges(doc_ids, length)  # [B, NB]
     nb = lo.shape[1]
