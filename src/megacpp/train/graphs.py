@@ -7,10 +7,13 @@ step costs a handful of host calls. It is split at the one place the trainer mus
 the numbers before changing the weights:
 
 * ``accumulate`` -- forward and backward of every micro-batch of the step: the gradients (in
-  the graph's memory pool, reused every replay), the summed losses and the target count;
-* (eager, between the replays) the debug fault injection, the global gradient norm and the
-  non-finite guard, which reads the loss and the norm on the host -- a bad step stops the run
-  before any weight changes, exactly as in eager mode;
+  the graph's memory pool, reused every replay), then the step's figures in one float64
+  tensor: the summed losses, the target count and the global gradient norm;
+* (eager, between the replays) the debug fault injection and the non-finite guard, which
+  reads the figures on the host in one copy -- a bad step stops the run before any weight
+  changes, exactly as in eager mode. (The norm was computed here, eagerly, until session 28:
+  its ~400 per-tensor launches and a second host sync left the GPU idle for ~5 ms a step of
+  nam56r-350m on an H100, benchmarks/results/train_h100_s28);
 * ``update`` -- clipping by that norm, the AdamW and Muon steps, the MoE bias update and the
   load-balance figure.
 
@@ -54,10 +57,11 @@ Batch = dict[str, Tensor]
 
 
 class StepGraphs:
-    """The captured ``accumulate`` (micro-batches -> summed losses and targets) and
-    ``update`` (gradient norm -> balance or None) of one training run."""
+    """The captured ``accumulate`` (micro-batches -> the step's figures, float64 [ce, aux,
+    MTP, targets, gradient norm]) and ``update`` (gradient norm -> balance or None) of one
+    training run."""
 
-    def __init__(self, accumulate: Callable[[list[Batch]], tuple[Tensor, Tensor]],
+    def __init__(self, accumulate: Callable[[list[Batch]], Tensor],
                  update: Callable[[Tensor], Tensor | None], optimizers: Optimizers,
                  example: list[Batch], device: torch.device, stream: torch.cuda.Stream) -> None:
         self.inputs = [{key: torch.empty_like(batch[key], device=device) for key in INPUT_KEYS}
@@ -70,7 +74,7 @@ class StepGraphs:
         try:
             with optimizers.device_lr(device):
                 with torch.cuda.graph(self.accumulate_graph, stream=stream):
-                    self.sums, self.targets = accumulate(self.inputs)
+                    self.figures = accumulate(self.inputs)
                 with torch.cuda.graph(self.update_graph, pool=self.accumulate_graph.pool(),
                                       stream=stream):
                     self.balance = update(self.norm)
@@ -92,12 +96,12 @@ class StepGraphs:
                                      f"{tuple(batch[key].shape)}")
                 static[key].copy_(batch[key], non_blocking=True)
 
-    def accumulate(self, micro: list[Batch]) -> tuple[Tensor, Tensor]:
-        """Copy the step's micro-batches in, replay forward + backward; the summed losses
-        [cross-entropy, aux, MTP] and target count (the graph's output tensors)."""
+    def accumulate(self, micro: list[Batch]) -> Tensor:
+        """Copy the step's micro-batches in, replay forward + backward; the step's figures
+        (the graph's output tensor, float64 [ce, aux, MTP, targets, gradient norm])."""
         self._copy_inputs(micro)
         self.accumulate_graph.replay()
-        return self.sums, self.targets
+        return self.figures
 
     def update(self, grad_norm: Tensor) -> Tensor | None:
         """Replay clipping by ``grad_norm``, the optimizer steps and the MoE bias update;

@@ -80,6 +80,21 @@ Record = dict[str, Any]
 
 
 @dataclass
+class PendingStep:
+    """A step whose update is queued on the GPU: the figures read at its guard, and the
+    device tensor (MoE balance) that its record still needs."""
+
+    step: int
+    loss: float
+    aux_loss: float
+    mtp_loss: float | None
+    grad_norm: float
+    lr: float
+    balance: torch.Tensor | None
+    started: float
+
+
+@dataclass
 class RunResult:
     """What a completed run produced."""
 
@@ -179,6 +194,7 @@ class _Session:
         self.side_stream: torch.cuda.Stream | None = None  # warm-up and capture run on it
         self.eager_steps = 0  # in this process
         self.loss_poison: torch.Tensor | None = None  # debug.nan_target = "loss"
+        self.pending: PendingStep | None = None  # launched, its record not yet emitted
         self.started = time.perf_counter()
 
     # -- the whole run -------------------------------------------------------------------------
@@ -359,17 +375,31 @@ class _Session:
         cfg = self.cfg.train
         with TrainProgress(self.console, cfg.steps, self.step, self.env.is_main,
                            self.show_progress) as self.progress:
-            while self.step < cfg.steps:
-                record = self._train_step(self.step + 1)
-                self.step += 1
-                self._emit(record)
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    self._validate()
-                every = self.cfg.checkpoint.every
-                if every and self.step % every == 0 and self.step < cfg.steps:
-                    self._save_checkpoint()
+            try:
+                while self.step < cfg.steps:
+                    self.pending = self._train_step(self.step + 1)
+                    self.step += 1
+                    validate = bool(cfg.eval_every) and self.step % cfg.eval_every == 0
+                    every = self.cfg.checkpoint.every
+                    save = bool(every) and self.step % every == 0 and self.step < cfg.steps
+                    if validate or save:
+                        self._settle()
+                    if validate:
+                        self._validate()
+                    if save:
+                        self._save_checkpoint()
+                self._settle()
+            except BaseException:
+                with contextlib.suppress(Exception):  # keep the steps that finished, then raise
+                    self._settle()
+                raise
 
-    def _train_step(self, step: int) -> Record:
+    def _train_step(self, step: int) -> PendingStep:
+        """Run step ``step`` up to the launch of its update: the guard has passed and the update
+        is queued on the GPU, but not waited for. Its record is finished by the next step
+        (:meth:`_settle`, once that step's sync shows the GPU is past it), so the host work
+        between two steps -- the record, the batch, the copies, the replay -- overlaps the
+        update on the GPU instead of following it."""
         env, train_cfg = self.env, self.cfg.train
         started = time.perf_counter()
         lr = self.cfg.optim.lr * lr_factor(step, train_cfg.steps, self.cfg.schedule)
@@ -378,22 +408,29 @@ class _Session:
         if self._inject_nan(step, "loss"):
             self.loss_poison.fill_(math.nan)
         if self.graphed and self.graphs is None and self.eager_steps >= WARMUP_STEPS:
-            self.graphs = StepGraphs(self._accumulate, self._update, self.optimizers, micro,
-                                     env.device, self.side_stream)
+            self.graphs = StepGraphs(self._accumulate_figures, self._update, self.optimizers,
+                                     micro, env.device, self.side_stream)
         with self._warmup_stream():
             if self.graphs is not None:
-                sums, targets = self.graphs.accumulate(micro)
+                figures = self.graphs.accumulate(micro)
+                if self._inject_grad_nan(step):  # written after the replay: its norm again
+                    figures = torch.cat([figures[:4], self._grad_norm().double()[None]])
+                grad_norm = figures[4]
             else:
                 sums, targets = self._accumulate(
                     [{k: v.to(env.device, non_blocking=True) for k, v in b.items()} for b in micro])
-            self._inject_grad_nan(step)
-            all_reduce_(sums)
-            ce, aux, mtp, n_targets = torch.cat([sums.double(), targets.double()[None]]).tolist()
+                self._inject_grad_nan(step)
+                all_reduce_(sums)
+                grad_norm = self._grad_norm()
+                figures = torch.cat([sums.double(), targets.double()[None]])
+            values = figures.tolist()  # a graphed step's one host sync
+            self._settle(started)  # the previous step's update ran before this step's figures
+            ce, aux, mtp, n_targets = values[:4]
             loss = ce / max(n_targets, 1)
             per_micro = len(micro) * env.world_size  # aux and MTP: micro-batch means
             aux_loss, mtp_loss = aux / per_micro, mtp / per_micro
-            grad_norm = self._grad_norm()
-            grad_norm_value = _as_float(grad_norm)
+            # eager: the norm may be a DTensor (FSDP2), read on its own
+            grad_norm_value = values[4] if self.graphs is not None else _as_float(grad_norm)
             check_finite(step, loss + aux_loss + mtp_loss, grad_norm_value, self.named_params)
             if self.graphs is not None:
                 balance = self.graphs.update(grad_norm)
@@ -401,11 +438,23 @@ class _Session:
                 balance = self._update(grad_norm)
                 self.optimizers.zero_grad()
                 self.eager_steps += 1
-            balance_value = None if balance is None else balance.item()
-        elapsed = time.perf_counter() - started
-        return self._step_record(step, loss, aux_loss,
-                                 mtp_loss if self.base.mtp is not None else None,
-                                 grad_norm_value, lr, balance_value, elapsed)
+        return PendingStep(step, loss, aux_loss, mtp_loss if self.base.mtp is not None else None,
+                           grad_norm_value, lr, balance, started)
+
+    def _settle(self, now: float | None = None) -> None:
+        """Finish the pending step's record and emit it: its MoE balance is read (the one
+        figure that comes from the update; a graphed run's next update overwrites it, so
+        this runs before that is launched) and its time taken. ``now``: when the next step
+        started (start to start is the step's period: in a steady run each start follows the
+        previous step's sync); None: now, after waiting for the update."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        balance = None if pending.balance is None else pending.balance.item()
+        ended = time.perf_counter() if now is None else now
+        self._emit(self._step_record(pending.step, pending.loss, pending.aux_loss,
+                                     pending.mtp_loss, pending.grad_norm, pending.lr, balance,
+                                     ended - pending.started))
 
     def _accumulate(self, micro: list[dict[str, torch.Tensor]]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,6 +479,13 @@ class _Session:
                 objective.backward()
             sums += torch.stack([ce_sum.detach(), aux.detach(), mtp.detach()])
         return sums, n_targets
+
+    def _accumulate_figures(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """:meth:`_accumulate`, then the step's figures in one float64 tensor: [ce, aux, MTP,
+        targets, gradient norm] (what the CUDA graph of a graphed run returns: the guard reads
+        them in one copy; one process only, so no all-reduce)."""
+        sums, targets = self._accumulate(micro)
+        return torch.cat([sums.double(), targets.double()[None], self._grad_norm().double()[None]])
 
     def _update(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
         """Clip by ``grad_norm``, step the optimizers, update the MoE biases; the worst MoE
@@ -501,16 +557,18 @@ class _Session:
         debug = self.cfg.debug
         return debug.nan_step == step and debug.nan_target == target
 
-    def _inject_grad_nan(self, step: int) -> None:
+    def _inject_grad_nan(self, step: int) -> bool:
+        """debug.nan_target = a parameter: NaN its gradient at debug.nan_step (True if done)."""
         debug = self.cfg.debug
         if debug.nan_step != step or debug.nan_target == "loss":
-            return
+            return False
         params = dict(self.named_params)
         if debug.nan_target not in params:
             raise ConfigError(f"debug.nan_target = {debug.nan_target!r} is not a parameter; "
                               f"e.g. {', '.join(list(params)[:4])} (or \"loss\")")
         grad = params[debug.nan_target].grad
         (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(math.nan)
+        return True
 
     def _step_record(self, step: int, loss: float, aux_loss: float, mtp_loss: float | None,
                      grad_norm: float, lr: float, balance: float | None, elapsed: float) -> Record:
