@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megacpp.kernels.runtime import kernel_mode_override
 from megacpp.model.config import load_config
 from megacpp.model.model import HybridLM
 from megacpp.train.config import OptimSection
@@ -174,15 +175,18 @@ def test_device_lr_steps_as_float_lr_and_restores_the_floats():
 
 
 @pytest.mark.gpu
-def test_captured_optimizer_step_reads_the_current_lr():
+@pytest.mark.parametrize("mode", ["reference", "fast"])
+def test_captured_optimizer_step_reads_the_current_lr(mode):
     """A CUDA graph of the AdamW + Muon step, replayed after set_lr, applies that lr (the
-    value at capture is not baked in): same parameters as eager steps with those lrs."""
+    value at capture is not baked in): same parameters as eager steps with those lrs. Under
+    ``fast`` Muon's passes are the fused kernels, their address tables copied in the capture."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     cuda = torch.device("cuda")
     lrs = [1e-2, 3e-3, 7e-3]
-    eager, _ = _stepped_copies(cuda, lrs, graphed=False)
-    graphed, opts = _stepped_copies(cuda, lrs, graphed=True)
+    with kernel_mode_override(mode):
+        eager, _ = _stepped_copies(cuda, lrs, graphed=False)
+        graphed, opts = _stepped_copies(cuda, lrs, graphed=True)
     assert all(g["lr"] == lrs[-1] for opt in opts for g in opt.param_groups)
     for (name, a), b in zip(eager.named_parameters(), graphed.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -30,6 +30,7 @@ from megacpp.kernels.ops.linear_ce.reference import (
 )
 from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
 from megacpp.kernels.ops.short_conv.reference import short_conv_reference
 
@@ -378,12 +379,31 @@ def _surfaces() -> list[Surface]:
                              "head_v": 128}},
             ("q", "k", "v", "g", "beta"), _gated_delta_flops, _gated_delta_bytes,
         ),
+        Surface(
+            "muon_momentum",
+            "bufs, grads: lists of float32 [*, rows, cols] (Muon's momentum buffers and the "
+            "gradients), momentum, nesterov, out [sum of matrices, rows, cols] (any float "
+            "dtype: the Newton-Schulz input) -> bufs = momentum * bufs + grads in place; the "
+            "update (grads + momentum * bufs with Nesterov, else bufs) written into out in "
+            "parameter order; no autograd (an optimizer pass): checked by what it writes "
+            "(tests/kernels/test_muon.py), not by kernels check",
+            muon_momentum_reference,
+        ),
+        Surface(
+            "muon_apply",
+            "params: a list of float32 [*, rows, cols], ortho [sum of matrices, rows, cols] "
+            "contiguous (the Newton-Schulz result, any float dtype), lr (float or a device "
+            "scalar, for a captured step), weight_decay, scale -> params = params * (1 - lr * "
+            "weight_decay) - scale * lr * ortho in place; no autograd (see muon_momentum)",
+            muon_apply_reference,
+        ),
     ]
 
 
 def _backends() -> list[Backend]:
     cuda_sm80 = {"devices": ("cuda",), "min_capability": (8, 0)}
     triton_ok = Requirements(packages=("triton",), dtypes=FLOATS, **cuda_sm80)
+    triton_fp32 = Requirements(packages=("triton",), dtypes=("float32",), **cuda_sm80)
     return [
         # rmsnorm
         Backend("triton_fused", "rmsnorm", "chosen", triton_ok,
@@ -475,6 +495,14 @@ def _backends() -> list[Backend]:
                              dtypes=HALF), _lazy("megacpp.kernels.peers", "fla_chunk_gated_delta_rule"),
                 "peer: flash-linear-attention 0.6.0 (fla-core) chunk_gated_delta_rule, doc resets "
                 "as cu_seqlens; the speed bar for our Triton kernel, not on the training path"),
+        # Muon's elementwise passes (the optimizer, not the model)
+        Backend("triton_multi_tensor", "muon_momentum", "chosen", triton_fp32,
+                _lazy("megacpp.kernels.ops.muon.triton", "muon_momentum_triton")),
+        Backend("reference", "muon_momentum", "fallback", Requirements(),
+                muon_momentum_reference),
+        Backend("triton_multi_tensor", "muon_apply", "chosen", triton_fp32,
+                _lazy("megacpp.kernels.ops.muon.triton", "muon_apply_triton")),
+        Backend("reference", "muon_apply", "fallback", Requirements(), muon_apply_reference),
     ]
 
 

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
+from megacpp.kernels.runtime import resolve
 from megacpp.model.moe import MoE
 from megacpp.train.config import OptimSection
 
@@ -65,10 +67,14 @@ def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm <= Frobenius <= 1
     shape = x.shape
     x = x.reshape(-1, *shape[-2:])  # [batch, m, n]: the batched GEMMs take exactly 3-D
-    for _ in range(steps):
+    for i in range(steps):
         gram = torch.bmm(x, x.mT)  # [batch, m, m]
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
         poly.diagonal(dim1=-2, dim2=-1).add_(a)  # + a I
+        if transposed and i == steps - 1:
+            # the last product in the input's orientation: (P X)^T = X^T P (P is symmetric),
+            # so the result comes out contiguous, as the fused update pass reads it
+            return torch.bmm(x.mT, poly).reshape(shape[:-2] + shape[-2:][::-1]).to(update.dtype)
         x = torch.bmm(poly, x)
     x = x.reshape(shape)
     if transposed:
@@ -95,6 +101,9 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
                     "nesterov": nesterov, "ns_steps": ns_steps, "ns_dtype": ns_dtype}
         super().__init__(params, defaults)
+        # pinned address tables of the fused passes, per batch (a CUDA graph that captured
+        # their copies reads them again at every replay)
+        self.tables: dict[int, list[torch.Tensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim not in (2, 3):
@@ -115,48 +124,42 @@ class Muon(torch.optim.Optimizer):
                 self._update_batch(batch, group)
         return loss
 
-    def _momentum(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-        """Update the momentum buffers of ``params``; their (Nesterov) updates."""
+    def _bufs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         bufs = []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             bufs.append(state["momentum_buffer"])
-        grads = [p.grad for p in params]
-        torch._foreach_mul_(bufs, group["momentum"])
-        torch._foreach_add_(bufs, grads)
-        if group["nesterov"]:
-            return torch._foreach_add(grads, bufs, alpha=group["momentum"])
         return bufs
 
-    def _apply(self, params: list[torch.Tensor], orthos: list[torch.Tensor], group: dict) -> None:
-        """Decoupled weight decay, then the RMS-matched orthogonalized step."""
-        lr = group["lr"]  # a float, or a device tensor while a CUDA graph is captured
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_add_(params, torch._foreach_mul(orthos, lr),
-                            alpha=-muon_scale(params[0].shape))  # one matrix shape
-
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        (update,) = self._momentum([p], group)
+        (update,) = muon_momentum_reference(self._bufs([p]), [p.grad], group["momentum"],
+                                            group["nesterov"])
         ortho = _orthogonalize(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
-        self._apply([p], [ortho], group)
+        muon_apply_reference([p], [ortho], group["lr"], group["weight_decay"],
+                             muon_scale(p.shape))
 
     def _update_batch(self, params: list[torch.Tensor], group: dict) -> None:
         """Parameters of one matrix shape: one batched Newton-Schulz over all their matrices
         (each normalized and iterated on its own, as :func:`newton_schulz` does per matrix)
-        instead of one small launch sequence per parameter."""
-        updates = self._momentum(params, group)
+        instead of one small launch sequence per parameter. The momentum pass writes the
+        updates stacked, straight into the iteration's dtype; the weight update reads the
+        stacked result (the catalog's ``muon_momentum`` / ``muon_apply`` backends: the
+        foreach reference, or one fused launch each)."""
         rows, cols = params[0].shape[-2:]
-        counts = [u.numel() // (rows * cols) for u in updates]
-        # stacked straight into the iteration's dtype (one pass, not a cat then a cast)
         dtype = getattr(torch, group["ns_dtype"])
-        stacked = updates[0].new_empty((sum(counts), rows, cols), dtype=dtype)
-        for u, part in zip(updates, stacked.split(counts), strict=True):
-            part.copy_(u.reshape(-1, rows, cols))
-        ortho = newton_schulz(stacked, group["ns_steps"], dtype).to(params[0].dtype)
-        orthos = [o.view(p.shape) for o, p in zip(ortho.split(counts), params, strict=True)]
-        self._apply(params, orthos, group)
+        stacked = params[0].new_empty((sum(p.numel() for p in params) // (rows * cols), rows,
+                                       cols), dtype=dtype)
+        grads = [p.grad for p in params]
+        momentum, apply = resolve("muon_momentum", grads[0]), resolve("muon_apply", params[0])
+        keep = self.tables.setdefault(id(params[0]), [])  # a captured graph re-reads them
+        keep.clear()
+        momentum.fn(self._bufs(params), grads, group["momentum"], group["nesterov"], stacked,
+                    keep)
+        ortho = newton_schulz(stacked, group["ns_steps"], dtype)
+        apply.fn(params, ortho, group["lr"], group["weight_decay"], muon_scale(params[0].shape),
+                 keep)
 
 
 MUON_BATCH_ELEMENTS = 1 << 27  # at most this many elements per batched Newton-Schulz

@@ -1,0 +1,198 @@
+"""Muon's elementwise passes (``ops.muon``): the foreach reference against the formulas, the
+fused Triton passes against the reference on fresh random inputs (GPU), captured in a CUDA
+graph and replayed, and the catalog rows. Newton-Schulz's last product in the input's
+orientation equals the transposed form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp.kernels.catalog import KernelSelectionError
+from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
+from megacpp.kernels.registry import default_catalog
+from megacpp.kernels.runtime import kernel_mode_override, resolve
+from megacpp.train.optim import newton_schulz
+
+gpu = pytest.mark.gpu
+# 2-D and 3-D matrices of one [rows, cols], sizes around the fused kernels' 4096-element block
+SHAPES = [(24, 40), (3, 24, 40), (24, 40), (5, 24, 40), (1, 24, 40)]
+
+
+def _tensors(shapes, device, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=gen) * scale).to(device) for s in shapes]
+
+
+def test_momentum_reference_is_the_formula_and_stacks_in_order():
+    bufs, grads = _tensors(SHAPES, "cpu", 0), _tensors(SHAPES, "cpu", 1)
+    old = [b.clone() for b in bufs]
+    matrices = sum(b.numel() for b in bufs) // (24 * 40)
+    for nesterov in (True, False):
+        bufs = [b.clone() for b in old]
+        out = torch.empty(matrices, 24, 40, dtype=torch.float64)
+        updates = muon_momentum_reference(bufs, grads, 0.9, nesterov, out)
+        start = 0
+        for b0, b, g, u in zip(old, bufs, grads, updates, strict=True):
+            torch.testing.assert_close(b, 0.9 * b0 + g, rtol=1e-6, atol=1e-6)
+            want = g + 0.9 * b if nesterov else b
+            torch.testing.assert_close(u, want.double(), rtol=1e-6, atol=1e-6)
+            n = b.numel() // (24 * 40)
+            assert u.data_ptr() == out[start].data_ptr() and u.shape == b.shape  # views of out
+            start += n
+
+
+@pytest.mark.parametrize("lr_on_device", [False, True])
+def test_apply_reference_is_decay_then_the_scaled_step(lr_on_device):
+    params, ortho_parts = _tensors(SHAPES, "cpu", 2), _tensors(SHAPES, "cpu", 3)
+    ortho = torch.cat([o.reshape(-1, 24, 40) for o in ortho_parts])
+    want = [p * (1 - 0.01 * 0.1) - 1.5 * 0.01 * o for p, o in zip(params, ortho_parts, strict=True)]
+    lr = torch.tensor(0.01) if lr_on_device else 0.01
+    muon_apply_reference(params, ortho, lr, 0.1, 1.5)
+    for p, w in zip(params, want, strict=True):
+        torch.testing.assert_close(p, w, rtol=1e-6, atol=1e-7)
+
+
+def test_newton_schulz_of_a_tall_matrix_comes_out_contiguous_and_equal():
+    """A tall stack iterates on its wide transpose; the last product is formed in the input's
+    orientation (X^T P) and equals the transposed (P X)^T, contiguous."""
+    from megacpp.train.optim import NS_COEFFS
+
+    x = torch.randn(4, 40, 24, dtype=torch.float64)
+    got = newton_schulz(x, 5, torch.float64)
+    assert got.shape == x.shape and got.is_contiguous()
+    a, b, c = NS_COEFFS
+    y = x.mT / (x.mT.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(5):
+        gram = y @ y.mT
+        y = (a * torch.eye(24, dtype=torch.float64) + b * gram + c * gram @ gram) @ y
+    torch.testing.assert_close(got, y.mT, rtol=1e-10, atol=1e-12)
+
+
+def test_catalog_rows_and_fail_closed_selection_on_cpu():
+    catalog = default_catalog()
+    for surface in ("muon_momentum", "muon_apply"):
+        roles = {b.name: b.role for b in catalog.of(surface)}
+        assert roles == {"triton_multi_tensor": "chosen", "reference": "fallback"}
+        like = torch.zeros(2, 2)
+        with kernel_mode_override("auto"):
+            assert resolve(surface, like).name == "reference"
+        with kernel_mode_override("fast"), pytest.raises(KernelSelectionError,
+                                                         match="triton_multi_tensor"):
+            resolve(surface, like)
+
+
+# -- GPU: the fused passes -------------------------------------------------------------------------
+def _cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")
+
+
+# sizes that leave ragged last blocks, one tensor of several blocks, and a lone small one
+GPU_SHAPES = [(96, 130), (3, 96, 130), (96, 130), (7, 96, 130), (1, 96, 130)]
+
+
+@gpu
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fused_momentum_matches_the_reference(nesterov, out_dtype):
+    from megacpp.kernels.ops.muon.triton import muon_momentum_triton
+
+    cuda = _cuda()
+    for seed in range(3):  # fresh inputs each round
+        bufs, grads = _tensors(GPU_SHAPES, cuda, 10 + seed), _tensors(GPU_SHAPES, cuda, 20 + seed)
+        ref_bufs = [b.clone() for b in bufs]
+        matrices = sum(b.numel() for b in bufs) // (96 * 130)
+        out = torch.full((matrices, 96, 130), float("nan"), device=cuda, dtype=out_dtype)
+        ref_out = torch.empty_like(out)
+        muon_momentum_triton(bufs, grads, 0.95, nesterov, out)
+        muon_momentum_reference(ref_bufs, grads, 0.95, nesterov, ref_out)
+        for b, r in zip(bufs, ref_bufs, strict=True):
+            torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-6)  # float32: FMA rounding
+        assert not out.isnan().any()  # every element written
+        tol = {"rtol": 1e-6, "atol": 1e-6} if out_dtype == torch.float32 else \
+            {"rtol": 8e-3, "atol": 1e-5}  # one bf16 rounding either side of a tie
+        torch.testing.assert_close(out, ref_out, **tol)
+
+
+@gpu
+@pytest.mark.parametrize("lr_on_device", [False, True])
+@pytest.mark.parametrize("ortho_dtype", [torch.bfloat16, torch.float32])
+def test_fused_apply_matches_the_reference(lr_on_device, ortho_dtype):
+    from megacpp.kernels.ops.muon.triton import muon_apply_triton
+
+    cuda = _cuda()
+    for seed in range(3):
+        params = _tensors(GPU_SHAPES, cuda, 30 + seed)
+        ref = [p.clone() for p in params]
+        matrices = sum(p.numel() for p in params) // (96 * 130)
+        gen = torch.Generator().manual_seed(40 + seed)
+        ortho = torch.randn(matrices, 96, 130, generator=gen).to(cuda, ortho_dtype)
+        lr = torch.tensor(0.02, device=cuda) if lr_on_device else 0.02
+        muon_apply_triton(params, ortho, lr, 0.1, 2.5)
+        muon_apply_reference(ref, ortho, lr, 0.1, 2.5)
+        for p, r in zip(params, ref, strict=True):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+@gpu
+def test_fused_passes_captured_in_a_cuda_graph_replay_as_eager_steps():
+    """Momentum then apply, captured once (address tables copied inside the capture) and
+    replayed with new gradients and lrs written into the captured tensors, equals the
+    reference stepped eagerly with the same values."""
+    from megacpp.kernels.ops.muon.triton import muon_apply_triton, muon_momentum_triton
+
+    cuda = _cuda()
+    params, grads = _tensors(GPU_SHAPES, cuda, 50), _tensors(GPU_SHAPES, cuda, 51)
+    bufs = [torch.zeros_like(p) for p in params]
+    ref_params, ref_bufs = [p.clone() for p in params], [b.clone() for b in bufs]
+    matrices = sum(p.numel() for p in params) // (96 * 130)
+    stacked = torch.empty(matrices, 96, 130, device=cuda)
+    lr = torch.tensor(0.01, device=cuda)
+    keep: list[torch.Tensor] = []
+
+    def step():
+        muon_momentum_triton(bufs, grads, 0.9, True, stacked, keep)
+        muon_apply_triton(params, stacked, lr, 0.1, 1.5, keep)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    ref_stacked = torch.empty_like(stacked)
+    muon_momentum_reference(ref_bufs, grads, 0.9, True, ref_stacked)
+    muon_apply_reference(ref_params, ref_stacked, 0.01, 0.1, 1.5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i, value in enumerate((0.03, 0.005)):
+        new = _tensors(GPU_SHAPES, cuda, 60 + i)
+        for g, n in zip(grads, new, strict=True):
+            g.copy_(n)
+        lr.fill_(value)
+        graph.replay()
+        muon_momentum_reference(ref_bufs, grads, 0.9, True, ref_stacked)
+        muon_apply_reference(ref_params, ref_stacked, value, 0.1, 1.5)
+    torch.cuda.synchronize()
+    for p, r in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    for b, r in zip(bufs, ref_bufs, strict=True):
+        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6)
+
+
+@gpu
+def test_fused_passes_refuse_what_they_cannot_take():
+    from megacpp.kernels.ops.muon.triton import muon_apply_triton, muon_momentum_triton
+
+    cuda = _cuda()
+    half = [torch.zeros(4, 4, device=cuda, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match="contiguous float32 CUDA"):
+        muon_momentum_triton(half, half, 0.9, True)
+    with pytest.raises(ValueError, match="not contiguous"):
+        muon_apply_triton([torch.zeros(4, 4, device=cuda).t()], torch.zeros(16, device=cuda),
+                          0.1, 0.0, 1.0)
+    with pytest.raises(ValueError, match="16 elements"):
+        muon_apply_triton([torch.zeros(4, 4, device=cuda)], torch.zeros(15, device=cuda),
+                          0.1, 0.0, 1.0)
