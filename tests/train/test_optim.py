@@ -142,13 +142,22 @@ def _stepped_copies(device: torch.device, lrs: list[float], graphed: bool):
             opts.step()
         return model, opts
     opts.set_lr(lrs[0])
-    opts.step()  # warm-up: optimizer state exists before capture
+    side = torch.cuda.Stream()  # warm-up and capture on one stream, as the trainer does
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opts.step()  # warm-up: optimizer state exists before capture
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with opts.device_lr(device), torch.cuda.graph(graph):
+    with opts.device_lr(device), torch.cuda.graph(graph, stream=side):
         opts.step()
     for lr in lrs[1:]:
         opts.set_lr(lr)
         graph.replay()
+    # pinned memory and a scalar read after the capture (the host allocator processes its
+    # events): failed with "invalid argument" when the fused Muon passes freed their pinned
+    # address tables inside the capture
+    torch.ones(8).pin_memory()
+    assert lrs[-1] == pytest.approx(opts.lr_tensor.item(), rel=1e-6)
     return model, opts
 
 

@@ -154,7 +154,11 @@ class Muon(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         momentum, apply = resolve("muon_momentum", grads[0]), resolve("muon_apply", params[0])
         keep = self.tables.setdefault(id(params[0]), [])  # a captured graph re-reads them
-        keep.clear()
+        if not (params[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+            # (not inside a capture: freeing pinned memory there records the host allocator's
+            # events on the capturing stream, and its next allocation or .item() then fails
+            # with "invalid argument" -- H100, benchmarks/results/train_h100_s28)
+            keep.clear()
         momentum.fn(self._bufs(params), grads, group["momentum"], group["nesterov"], stacked,
                     keep)
         ortho = newton_schulz(stacked, group["ns_steps"], dtype)
