@@ -12,8 +12,9 @@ the numbers before changing the weights:
 * (eager, between the replays) the debug fault injection and the non-finite guard, which
   reads the figures on the host in one copy -- a bad step stops the run before any weight
   changes, exactly as in eager mode. (The norm was computed here, eagerly, until session 28:
-  its ~400 per-tensor launches and a second host sync left the GPU idle for ~5 ms a step of
-  nam56r-350m on an H100, benchmarks/results/train_h100_s28);
+  with its ~400 per-tensor launches, a second host sync and the step's record written before
+  the next batch, the GPU sat idle ~8 ms of a nam56r-350m step on an H100; now ~1 ms, and
+  the step ran 112.6 -> 108.8 ms, benchmarks/results/train_h100_s28);
 * ``update`` -- clipping by that norm, the AdamW and Muon steps, the MoE bias update and the
   load-balance figure.
 

@@ -90,7 +90,7 @@ class PendingStep:
     mtp_loss: float | None
     grad_norm: float
     lr: float
-    balance: torch.Tensor | None
+    balance: torch.Tensor | float | None  # a float once read
     started: float
 
 
@@ -396,10 +396,10 @@ class _Session:
 
     def _train_step(self, step: int) -> PendingStep:
         """Run step ``step`` up to the launch of its update: the guard has passed and the update
-        is queued on the GPU, but not waited for. Its record is finished by the next step
-        (:meth:`_settle`, once that step's sync shows the GPU is past it), so the host work
-        between two steps -- the record, the batch, the copies, the replay -- overlaps the
-        update on the GPU instead of following it."""
+        is queued on the GPU, but not waited for. The next step reads its balance after its
+        own sync (the GPU is past this update by then) and emits its record after launching
+        its own update, so the host work between two steps -- the record, the batch, the
+        copies, the replay -- overlaps an update on the GPU instead of leaving the GPU idle."""
         env, train_cfg = self.env, self.cfg.train
         started = time.perf_counter()
         lr = self.cfg.optim.lr * lr_factor(step, train_cfg.steps, self.cfg.schedule)
@@ -424,7 +424,7 @@ class _Session:
                 grad_norm = self._grad_norm()
                 figures = torch.cat([sums.double(), targets.double()[None]])
             values = figures.tolist()  # a graphed step's one host sync
-            self._settle(started)  # the previous step's update ran before this step's figures
+            self._read_pending_balance()  # the previous update ran before these figures
             ce, aux, mtp, n_targets = values[:4]
             loss = ce / max(n_targets, 1)
             per_micro = len(micro) * env.world_size  # aux and MTP: micro-batch means
@@ -438,22 +438,31 @@ class _Session:
                 balance = self._update(grad_norm)
                 self.optimizers.zero_grad()
                 self.eager_steps += 1
+        self._settle(started)  # the previous step's record, while this update runs
         return PendingStep(step, loss, aux_loss, mtp_loss if self.base.mtp is not None else None,
                            grad_norm_value, lr, balance, started)
 
+    def _read_pending_balance(self) -> None:
+        """The pending step's MoE balance as a float: the one figure of its record that comes
+        from its update. Read before the next update is launched (a graphed run's next replay
+        overwrites the tensor) and after the next step's sync (so it waits for nothing)."""
+        pending = self.pending
+        if pending is not None and isinstance(pending.balance, torch.Tensor):
+            pending.balance = pending.balance.item()
+
     def _settle(self, now: float | None = None) -> None:
-        """Finish the pending step's record and emit it: its MoE balance is read (the one
-        figure that comes from the update; a graphed run's next update overwrites it, so
-        this runs before that is launched) and its time taken. ``now``: when the next step
-        started (start to start is the step's period: in a steady run each start follows the
-        previous step's sync); None: now, after waiting for the update."""
+        """Finish the pending step's record and emit it (its balance read, waiting for its
+        update if the next step has not). ``now``: when the next step started (start to start
+        is the step's period: in a steady run each start follows the previous step's sync);
+        None: now, after the wait."""
+        self._read_pending_balance()
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        balance = None if pending.balance is None else pending.balance.item()
         ended = time.perf_counter() if now is None else now
         self._emit(self._step_record(pending.step, pending.loss, pending.aux_loss,
-                                     pending.mtp_loss, pending.grad_norm, pending.lr, balance,
+                                     pending.mtp_loss, pending.grad_norm, pending.lr,
+                                     pending.balance,
                                      ended - pending.started))
 
     def _accumulate(self, micro: list[dict[str, torch.Tensor]]
