@@ -125,6 +125,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _bufs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The momentum buffers of ``params`` (zeros, made on first use)."""
         bufs = []
         for p in params:
             state = self.state[p]
