@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from megacpp.contract import capture_fingerprint
-from megacpp.kernels.profiling import kernel_times_us
+from megacpp.kernels.profiling import kernel_family, kernel_times_us
 from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
 from megacpp.kernels.timing import capture_graph, cuda_times_ms
 from megacpp.model.config import load_config
@@ -69,11 +69,8 @@ def run(preset: str, mode: str, iters: int, device: torch.device) -> dict:
             fresh_opts.step()
     torch.cuda.synchronize()
     families: dict[str, float] = {}
-    for name, us in kernels.items():
-        key = ("fused Muon" if name.startswith(("_momentum", "_apply"))
-               else "GEMM" if "gemm" in name.lower() or name.startswith(("nvjet", "sm90", "cutlass"))
-               else "foreach" if "multi_tensor" in name
-               else "other")
+    for name, us in kernels.items():  # the profile's families (ours by Triton module)
+        key = kernel_family(name)
         families[key] = families.get(key, 0.0) + us / 1000
     return {"mode": mode, "what": MODES[mode], "per_call_ms": statistics.median(per_call),
             "replay_ms": statistics.median(replay), "families_ms": families,

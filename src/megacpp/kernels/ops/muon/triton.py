@@ -13,7 +13,7 @@ dtype and one of its result back to float32. At nam56r-350m (324M Muon parameter
 
 Each launch covers a list of tensors of different sizes through a table of their addresses
 (int64, device) -- one program per (block of a tensor, tensor) -- as a multi-tensor apply does.
-The table is copied from pinned host memory and kept with the optimizer state (``tables``): a
+One table per launch is copied from pinned host memory and kept with the optimizer state (``tables``): a
 CUDA graph captures that copy, and its replays copy the same addresses again (the graph's
 tensors never move). Same arithmetic as the reference in float32; products may fuse into
 FMAs, so results agree to float32 rounding, not bit for bit.
@@ -30,8 +30,10 @@ BLOCK, NUM_WARPS = 4096, 8
 
 
 @triton.jit
-def _momentum(BUFS, GRADS, NUMELS, OUT_OFFSETS, OUT, momentum, NESTEROV: tl.constexpr,
-              BLOCK: tl.constexpr):
+def _momentum(TABLE, OUT, n_tensors, momentum, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    # TABLE [4, n_tensors]: buffer addresses, gradient addresses, element counts, out offsets
+    BUFS, GRADS = TABLE, TABLE + n_tensors
+    NUMELS, OUT_OFFSETS = TABLE + 2 * n_tensors, TABLE + 3 * n_tensors
     t = tl.program_id(1)
     n = tl.load(NUMELS + t)
     buf = tl.load(BUFS + t).to(tl.pointer_type(tl.float32))
@@ -48,8 +50,10 @@ def _momentum(BUFS, GRADS, NUMELS, OUT_OFFSETS, OUT, momentum, NESTEROV: tl.cons
 
 
 @triton.jit
-def _apply(PARAMS, NUMELS, ORTHO_OFFSETS, ORTHO, LR, lr_value, weight_decay, scale,
+def _apply(TABLE, ORTHO, n_tensors, LR, lr_value, weight_decay, scale,
            LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
+    # TABLE [3, n_tensors]: parameter addresses, element counts, offsets into ORTHO
+    PARAMS, NUMELS, ORTHO_OFFSETS = TABLE, TABLE + n_tensors, TABLE + 2 * n_tensors
     t = tl.program_id(1)
     n = tl.load(NUMELS + t)
     param = tl.load(PARAMS + t).to(tl.pointer_type(tl.float32))
@@ -72,12 +76,11 @@ def _check(name: str, tensors: list[Tensor]) -> None:
                              f"{'' if t.is_contiguous() else ' (not contiguous)'}")
 
 
-def _table(tensors: list[Tensor], offsets: list[int], device: torch.device,
-           keep: list[Tensor]) -> Tensor:
-    """[3, n] int64 on ``device``: addresses, element counts, offsets into the stacked tensor.
-    The pinned source goes into ``keep``, alive as long as whoever captured the copy."""
-    host = torch.tensor([[t.data_ptr() for t in tensors], [t.numel() for t in tensors], offsets],
-                        dtype=torch.int64).pin_memory()
+def _table(rows: list[list[int]], device: torch.device, keep: list[Tensor]) -> Tensor:
+    """``rows`` (addresses, element counts, offsets) as one contiguous int64 [len(rows), n]
+    on ``device``, copied from pinned memory; the pinned source goes into ``keep``, alive as
+    long as whoever captured the copy."""
+    host = torch.tensor(rows, dtype=torch.int64).pin_memory()
     keep.append(host)
     return host.to(device, non_blocking=True)
 
@@ -88,6 +91,13 @@ def _offsets(tensors: list[Tensor]) -> list[int]:
         starts.append(total)
         total += t.numel()
     return starts
+
+
+def _check_stacked(name: str, stacked: Tensor, tensors: list[Tensor]) -> None:
+    total = sum(t.numel() for t in tensors)
+    if not stacked.is_contiguous() or stacked.numel() != total:
+        raise ValueError(f"{name}: a contiguous tensor of {total} elements, got "
+                         f"{tuple(stacked.shape)}")
 
 
 def _grid(tensors: list[Tensor]) -> tuple[int, int]:
@@ -102,15 +112,13 @@ def muon_momentum_triton(bufs: list[Tensor], grads: list[Tensor], momentum: floa
     _check("gradients", grads)
     if out is None:
         out = bufs[0].new_empty(sum(b.numel() for b in bufs))
-    if not out.is_contiguous() or out.numel() != sum(b.numel() for b in bufs):
-        raise ValueError(f"out: a contiguous tensor of {sum(b.numel() for b in bufs)} elements, "
-                         f"got {tuple(out.shape)}")
-    keep = [] if keep is None else keep
+    _check_stacked("out", out, bufs)
     starts = _offsets(bufs)
-    table = _table(bufs, starts, out.device, keep)
-    grad_table = _table(grads, starts, out.device, keep)
-    _momentum[_grid(bufs)](table[0], grad_table[0], table[1], table[2], out, momentum,
-                           NESTEROV=nesterov, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    table = _table([[b.data_ptr() for b in bufs], [g.data_ptr() for g in grads],
+                    [b.numel() for b in bufs], starts], out.device,
+                   [] if keep is None else keep)
+    _momentum[_grid(bufs)](table, out, len(bufs), momentum, NESTEROV=nesterov, BLOCK=BLOCK,
+                           num_warps=NUM_WARPS)
     flat = out.view(-1)
     return [flat[s:s + b.numel()].view(b.shape) for s, b in zip(starts, bufs, strict=True)]
 
@@ -121,13 +129,10 @@ def muon_apply_triton(params: list[Tensor], ortho: Tensor, lr: float | Tensor,
     """As :func:`~megacpp.kernels.ops.muon.reference.muon_apply_reference`, one launch;
     ``ortho`` is the stacked Newton-Schulz result (any float dtype, contiguous)."""
     _check("parameters", params)
-    if not ortho.is_contiguous() or ortho.numel() != sum(p.numel() for p in params):
-        raise ValueError(f"ortho: a contiguous tensor of {sum(p.numel() for p in params)} "
-                         f"elements, got {tuple(ortho.shape)}")
-    keep = [] if keep is None else keep
-    table = _table(params, _offsets(params), ortho.device, keep)
+    _check_stacked("ortho", ortho, params)
+    table = _table([[p.data_ptr() for p in params], [p.numel() for p in params],
+                    _offsets(params)], ortho.device, [] if keep is None else keep)
     on_device = isinstance(lr, Tensor)
-    lr_tensor = lr if on_device else table  # any pointer: not read
-    _apply[_grid(params)](table[0], table[1], table[2], ortho, lr_tensor,
+    _apply[_grid(params)](table, ortho, len(params), lr if on_device else ortho,  # not read
                           0.0 if on_device else float(lr), float(weight_decay), float(scale),
                           LR_ON_DEVICE=on_device, BLOCK=BLOCK, num_warps=NUM_WARPS)
