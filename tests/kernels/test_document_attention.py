@@ -9,11 +9,14 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from megacpp.kernels.catalog import KernelSelectionError, device_facts, select
 from megacpp.kernels.ops.attention.document import (
+    BLOCK,
+    HOPPER_D64_OPTIONS,
     document_attention_flex,
     document_attention_reference,
     document_block_mask,
     document_block_tiles,
     document_causal_mask,
+    flex_kernel_options,
 )
 from megacpp.kernels.registry import default_catalog
 
@@ -90,6 +93,25 @@ def test_flex_forward_equals_the_dense_mask(layout):
     torch.testing.assert_close(document_attention_flex(q, k, v, doc_ids),
                                document_attention_reference(q, k, v, doc_ids),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_flex_kernel_options_only_for_hopper_half_precision_at_head_dim_64():
+    """No launch settings off the GPU, in float32 or at another head dim (Inductor's own
+    choice); the H100 settings are tiles FlexAttention accepts with the mask's 128-token
+    blocks (powers of two dividing them), for both directions, and name only known knobs."""
+    for dtype, dim in ((torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 128)):
+        assert flex_kernel_options(torch.zeros(1, 1, 8, dim, dtype=dtype)) is None
+    tiles = {k: v for k, v in HOPPER_D64_OPTIONS.items() if "BLOCK" in k}
+    assert set(tiles) == {"fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1", "bwd_BLOCK_N1",
+                          "bwd_BLOCK_N2", "bwd_BLOCK_M2"}
+    for name, size in tiles.items():
+        assert size & (size - 1) == 0 and BLOCK % size == 0, name
+    # the backward pairs its two loops' tiles (N1 with M1, N2 with M2) as Inductor's do
+    assert HOPPER_D64_OPTIONS["bwd_BLOCK_N1"] % HOPPER_D64_OPTIONS["bwd_BLOCK_M1"] == 0
+    assert HOPPER_D64_OPTIONS["bwd_BLOCK_M2"] % HOPPER_D64_OPTIONS["bwd_BLOCK_N2"] == 0
+    assert {k.split("_", 1)[1] for k in HOPPER_D64_OPTIONS} <= {
+        "BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages",
+        "num_warps"}
 
 
 def test_reference_sees_only_its_document_and_the_past():
@@ -182,11 +204,9 @@ def test_flex_with_the_mask_made_inside_a_compiled_function():
     with the attention. Output and gradients within bf16 tolerance of the float64 reference,
     and the no-grad forward too (a mask traced op by op came out wrong, or crashed a trainer's
     no-grad forward: benchmarks/results/train_h100_s27, calls 1-2)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     @torch.compile
-    def traced_attention(q, k, v, d):
-        return flex_attention(q, k, v, block_mask=document_block_mask(d), enable_gqa=True)
+    def traced_attention(q, k, v, d):  # the launch settings of flex_kernel_options included
+        return document_attention_flex(q, k, v, d)
 
     case = _packed_case(seed=11)
     truth = _fwd_bwd(document_attention_reference, torch.float64, case)
@@ -197,3 +217,30 @@ def test_flex_with_the_mask_made_inside_a_compiled_function():
         out = traced_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), doc_ids)
     for b in range(2):  # row by row: a row reading another row's tiles shows here
         assert _rel(out[b], truth[0][b]) < 1e-2, b
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm90 GPU")
+def test_hopper_launch_settings_compute_what_the_defaults_do():
+    """On an H100 the settings of flex_kernel_options are in force for bf16 at head dim 64, and
+    give Inductor's defaults' output and gradients bit for bit on fresh random inputs: both walk
+    each query's keys in 128-column steps forward, and 64-row / 64-column blocks backward, in
+    one order (the tiles only change how many rows or columns a program owns)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    case = _packed_case(seed=13)
+    doc_ids = case[0]
+    q = case[1].bfloat16()
+    assert flex_kernel_options(q) is HOPPER_D64_OPTIONS
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def defaults(q, k, v, d):
+        return compiled(q, k, v, block_mask=document_block_mask(d), enable_gqa=True)
+
+    ours = _fwd_bwd(document_attention_flex, torch.bfloat16, case)
+    base = _fwd_bwd(defaults, torch.bfloat16, case)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), ours, base, strict=True):
+        assert torch.isfinite(got).all(), name
+        assert torch.equal(got, ref), (name, _rel(got, ref.double()))
+    assert doc_ids.is_cuda

@@ -15,7 +15,8 @@ maximum document id of its query and key blocks, in a handful of ops on [B, L/12
 tensors (torch's ``create_block_mask`` evaluates the whole [B, L, L] mask: 0.58 ms there).
 The flex backend is the catalog's chosen row on CUDA (sm80+) and the model's path for packed
 rows since session 27 (benchmarks/results/train_h100_s27); the reference serves everywhere
-else.
+else. On an H100 at head dim 64 it runs the launch settings of :data:`HOPPER_D64_OPTIONS`
+(:func:`flex_kernel_options`) instead of Inductor's defaults.
 """
 
 from __future__ import annotations
@@ -28,6 +29,22 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 128  # FlexAttention's default tile on both sides
+
+# FlexAttention's launch settings on an H100 (sm90) at head dim 64 in bf16 / fp16: 64-row
+# forward tiles and 64 x 64 backward tiles at 4 warps. Inductor's defaults there (forward
+# 128 x 128 at 4 warps; backward M1 64, N1 128, M2 128, N2 64 at 8 warps) replayed the nam56r
+# step's shape (B 8, H 12 / 2, L 2048) in 0.946 ms fwd+bwd a layer with 2 documents a row, these
+# in 0.725 (8 documents a row: 0.605 -> 0.485), the forward alone 0.252 -> 0.171 ms. They walk
+# the same 64-row q blocks and 64-column kv blocks in the same order as the defaults, so
+# results are the defaults' bit for bit (the trainer's losses too). Sweeps with the settings that
+# lost (128-row forward tiles, 32-row or 128-column backward tiles, 8 backward warps, 1 or 5
+# stages, TMA loads): benchmarks/results/kernels/h100_s29, calls 4-6; megacpp train 101.3 ->
+# 99.0 ms a step: benchmarks/results/train_h100_s29. Elsewhere Inductor's own choice stands.
+HOPPER_D64_OPTIONS = {
+    "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_N2": 64, "bwd_BLOCK_M2": 64,
+    "bwd_num_stages": 3, "bwd_num_warps": 4,
+}
 
 
 def document_causal_mask(doc_ids: Tensor) -> Tensor:
@@ -131,11 +148,22 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex_kernel_options(q: Tensor) -> dict | None:
+    """FlexAttention's ``kernel_options`` for queries like ``q``: :data:`HOPPER_D64_OPTIONS` on
+    an sm90 GPU for bf16 / fp16 at head dim 64, else None (Inductor's defaults). Constant under
+    torch.compile (Dynamo folds the device properties)."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != 64:
+        return None
+    props = torch.cuda.get_device_properties(q.device)
+    return HOPPER_D64_OPTIONS if (props.major, props.minor) == (9, 0) else None
+
+
 def document_attention_flex(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor) -> Tensor:
     """FlexAttention over :func:`document_block_mask`: the same function as the reference.
     On CUDA compiled (inside a compiled function, as the model's compiled blocks call it, the
-    enclosing compile traces it); eager on CPU, as the CPU tests run it (torch has no CPU
-    backward)."""
+    enclosing compile traces it), with :func:`flex_kernel_options`; eager on CPU, as the CPU
+    tests run it (torch has no CPU backward)."""
     flex = (_compiled_flex() if q.is_cuda and not torch.compiler.is_compiling()
             else flex_attention)
-    return flex(q, k, v, block_mask=document_block_mask(doc_ids), enable_gqa=True)
+    return flex(q, k, v, block_mask=document_block_mask(doc_ids), enable_gqa=True,
+                kernel_options=flex_kernel_options(q))
