@@ -230,9 +230,7 @@ def test_hopper_launch_settings_compute_what_the_defaults_do():
     from torch.nn.attention.flex_attention import flex_attention
 
     case = _packed_case(seed=13)
-    doc_ids = case[0]
-    q = case[1].bfloat16()
-    assert flex_kernel_options(q) is HOPPER_D64_OPTIONS
+    assert flex_kernel_options(case[1].bfloat16()) is HOPPER_D64_OPTIONS
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def defaults(q, k, v, d):
@@ -243,4 +241,37 @@ def test_hopper_launch_settings_compute_what_the_defaults_do():
     for name, got, ref in zip(("out", "dq", "dk", "dv"), ours, base, strict=True):
         assert torch.isfinite(got).all(), name
         assert torch.equal(got, ref), (name, _rel(got, ref.double()))
-    assert doc_ids.is_cuda
+
+
+def _block_settings(codes: list[str]) -> set[tuple[str, int]]:
+    """The (BLOCK_*, size) constants of the Triton templates in Inductor's output code."""
+    import re
+
+    return {(m[1], int(m[2])) for code in codes
+            for m in re.finditer(r"\b(BLOCK_[MN]\d?) : tl\.constexpr = (\d+)", code)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm90 GPU")
+def test_hopper_launch_settings_reach_the_generated_kernels():
+    """The settings are in force: the forward and backward kernels Inductor generates for the
+    flex row carry the 64-row tiles, where a compile with no options carries its defaults'
+    128-row forward and 128-column backward tiles."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+    from torch.nn.attention.flex_attention import flex_attention
+
+    case = _packed_case(seed=17)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def defaults(q, k, v, d):
+        return compiled(q, k, v, block_mask=document_block_mask(d), enable_gqa=True)
+
+    with config.patch(fx_graph_cache=False):
+        _, ours = run_and_get_code(_fwd_bwd, document_attention_flex, torch.bfloat16, case)
+        _, base = run_and_get_code(_fwd_bwd, defaults, torch.bfloat16, case)
+    ours, base = _block_settings(ours), _block_settings(base)
+    assert {("BLOCK_M", 64), ("BLOCK_N1", 64), ("BLOCK_M2", 64)} <= ours, ours
+    assert ("BLOCK_M", 128) not in ours and ("BLOCK_N1", 128) not in ours, ours
+    assert {("BLOCK_M", 128), ("BLOCK_N1", 128)} <= base, base
