@@ -42,6 +42,27 @@ def test_momentum_reference_is_the_formula_and_stacks_in_order():
             start += n
 
 
+def test_momentum_reference_grad_scale_is_the_scaled_gradient_and_leaves_it():
+    """grad_scale (the clipping coefficient) acts as gradients multiplied by it first, bit for
+    bit, and the gradients are not rewritten; a scale of another shape, dtype or device, or a
+    Python float, is refused before any buffer moves."""
+    bufs, grads = _tensors(SHAPES, "cpu", 4), _tensors(SHAPES, "cpu", 5)
+    ref_bufs, kept = [b.clone() for b in bufs], [g.clone() for g in grads]
+    scale = torch.tensor(0.37)
+    got = muon_momentum_reference(bufs, grads, 0.9, True, grad_scale=scale)
+    want = muon_momentum_reference(ref_bufs, [g * scale for g in grads], 0.9, True)
+    for a, b in zip(got + bufs, want + ref_bufs, strict=True):
+        assert torch.equal(a, b)
+    for g, k in zip(grads, kept, strict=True):
+        assert torch.equal(g, k)
+    before = [b.clone() for b in bufs]
+    for bad in (torch.tensor([0.5, 0.5]), torch.tensor(0.5, dtype=torch.float64), 0.5):
+        with pytest.raises(ValueError, match="grad_scale"):
+            muon_momentum_reference(bufs, grads, 0.9, True, grad_scale=bad)
+    for b, k in zip(bufs, before, strict=True):
+        assert torch.equal(b, k)
+
+
 @pytest.mark.parametrize("lr_on_device", [False, True])
 def test_apply_reference_is_decay_then_the_scaled_step(lr_on_device):
     params, ortho_parts = _tensors(SHAPES, "cpu", 2), _tensors(SHAPES, "cpu", 3)
@@ -96,18 +117,22 @@ GPU_SHAPES = [(96, 130), (3, 96, 130), (96, 130), (7, 96, 130), (1, 96, 130)]
 @gpu
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_fused_momentum_matches_the_reference(nesterov, out_dtype):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fused_momentum_matches_the_reference(nesterov, out_dtype, scaled):
     from megacpp.kernels.ops.muon.triton import muon_momentum_triton
 
     cuda = _cuda()
     for seed in range(3):  # fresh inputs each round
         bufs, grads = _tensors(GPU_SHAPES, cuda, 10 + seed), _tensors(GPU_SHAPES, cuda, 20 + seed)
-        ref_bufs = [b.clone() for b in bufs]
+        ref_bufs, kept = [b.clone() for b in bufs], [g.clone() for g in grads]
+        scale = torch.rand((), device=cuda) if scaled else None  # a clipping coefficient
         matrices = sum(b.numel() for b in bufs) // (96 * 130)
         out = torch.full((matrices, 96, 130), float("nan"), device=cuda, dtype=out_dtype)
         ref_out = torch.empty_like(out)
-        muon_momentum_triton(bufs, grads, 0.95, nesterov, out)
-        muon_momentum_reference(ref_bufs, grads, 0.95, nesterov, ref_out)
+        muon_momentum_triton(bufs, grads, 0.95, nesterov, out, grad_scale=scale)
+        muon_momentum_reference(ref_bufs, grads, 0.95, nesterov, ref_out, grad_scale=scale)
+        for g, k in zip(grads, kept, strict=True):
+            assert torch.equal(g, k)  # read, not rewritten
         for b, r in zip(bufs, ref_bufs, strict=True):
             torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-6)  # float32: FMA rounding
         assert not out.isnan().any()  # every element written

@@ -201,6 +201,65 @@ def test_captured_optimizer_step_reads_the_current_lr(mode):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _two_steps_with_muon_grad_scale(device: torch.device, folded: bool) -> tuple:
+    """A tiny HybridLM after two steps with fixed random gradients, Muon's taken times 0.37:
+    handed to Muon (``folded``) or multiplied into the gradients first; (model, the Muon
+    gradients after the steps)."""
+    torch.manual_seed(8)
+    model = HybridLM(load_config("tiny")).to(device)
+    opts = Optimizers(model, OptimSection(lr=1e-2), device)
+    assert opts.muon_takes_grad_scale
+    gen = torch.Generator(device="cpu").manual_seed(9)
+    scale = torch.tensor(0.37, device=device)
+    muon_grads = []
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        muon_grads = [p.grad for _, p in opts.groups.muon]
+        if folded:
+            opts.step(muon_grad_scale=scale)
+        else:
+            torch._foreach_mul_(muon_grads, scale)
+            opts.step()
+    return model, muon_grads
+
+
+@pytest.mark.parametrize("mode", ["reference", pytest.param("fast", marks=pytest.mark.gpu)])
+def test_muon_grad_scale_steps_as_gradients_scaled_first(mode):
+    """The trainer's clipping coefficient handed to Muon's momentum pass gives the parameters
+    of scaling Muon's gradients first (bit for bit on CPU; the fused pass to float32
+    rounding), and the gradients are left as they were."""
+    device = torch.device("cuda" if mode == "fast" else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    with kernel_mode_override(mode):
+        folded, grads = _two_steps_with_muon_grad_scale(device, folded=True)
+        scaled, _ = _two_steps_with_muon_grad_scale(device, folded=False)
+    gen = torch.Generator(device="cpu").manual_seed(9)  # the last step's gradients, unscaled
+    torch.manual_seed(8)
+    shapes = [p.shape for p in HybridLM(load_config("tiny")).parameters()]
+    for shape in shapes:
+        torch.randn(shape, generator=gen)
+    last = {i: torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+    muon_ids = {id(p) for _, p in Optimizers(folded, OptimSection(), device).groups.muon}
+    expect = [last[i] for i, p in enumerate(folded.parameters()) if id(p) in muon_ids]
+    for g, want in zip(grads, expect, strict=True):
+        assert torch.equal(g.cpu(), want)  # not rewritten
+    tol = {"rtol": 0, "atol": 0} if mode == "reference" else {"rtol": 1e-5, "atol": 1e-6}
+    for (name, a), b in zip(folded.named_parameters(), scaled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_muon_refuses_a_grad_scale_it_cannot_take():
+    params = [torch.nn.Parameter(torch.randn(8, 8))]
+    params[0].grad = torch.randn(8, 8)
+    opt = Muon(params)
+    for bad in (torch.tensor([0.5, 0.5]), torch.tensor(0.5, dtype=torch.float64), 0.5):
+        with pytest.raises(ValueError, match="grad_scale"):
+            opt.step(grad_scale=bad)
+    torch.testing.assert_close(opt.state[params[0]]["momentum_buffer"], torch.zeros(8, 8))
+
+
 def test_muon_batches_same_shape_matrices_as_one_per_matrix_step():
     """Muon orthogonalizes all matrices of one shape in one batched Newton-Schulz (2-D
     weights and 3-D expert stacks together); the result equals the per-matrix definition:

@@ -121,6 +121,25 @@ def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path, cpp_data
     assert train_losses(recompute.run_dir) == train_losses(plain.run_dir)
 
 
+def test_clipping_folded_into_muon_trains_as_clipping_every_gradient(tmp_path, cpp_dataset,
+                                                                     monkeypatch):
+    """With clipping active at every step, the clip folded into Muon's momentum pass (the
+    coefficient handed to Muon, its gradients not rewritten) gives the losses of torch's clip
+    over every gradient, bit for bit; and without clipping nothing is scaled."""
+    from megacpp.train.optim import Optimizers
+
+    folded, records = _train(tmp_path, cpp_dataset, "folded", train={"steps": 4,
+                                                                     "max_grad_norm": 0.05})
+    norms = [r["grad_norm"] for r in records if r["type"] == "train"]
+    assert min(norms) > 0.05  # the clip scaled every step
+    monkeypatch.setattr(Optimizers, "muon_takes_grad_scale", property(lambda self: False))
+    plain, _ = _train(tmp_path, cpp_dataset, "plain", train={"steps": 4, "max_grad_norm": 0.05})
+    assert train_losses(folded.run_dir) == train_losses(plain.run_dir)
+    unclipped, _ = _train(tmp_path, cpp_dataset, "unclipped", train={"steps": 4,
+                                                                     "max_grad_norm": 0.0})
+    assert train_losses(unclipped.run_dir) != train_losses(plain.run_dir)
+
+
 def test_without_muon_every_parameter_uses_adamw(tmp_path, cpp_dataset):
     muon, _ = _train(tmp_path, cpp_dataset, "muon", train={"steps": 3})
     adamw, _ = _train(tmp_path, cpp_dataset, "adamw", train={"steps": 3}, optim={"muon": False})

@@ -386,7 +386,9 @@ def _surfaces() -> list[Surface]:
             "gradients), momentum, nesterov, out [sum of matrices, rows, cols] (any float "
             "dtype: the Newton-Schulz input) -> bufs = momentum * bufs + grads in place; the "
             "update (grads + momentum * bufs with Nesterov, else bufs) written into out in "
-            "parameter order; no autograd (an optimizer pass): checked by what it writes "
+            "parameter order; optional grad_scale (one float32 on the device: the clipping "
+            "coefficient) multiplies every grad first, the grads left unwritten; no autograd "
+            "(an optimizer pass): checked by what it writes "
             "(tests/kernels/test_muon.py), not by kernels check",
             muon_momentum_reference,
         ),

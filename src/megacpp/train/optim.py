@@ -110,7 +110,10 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon takes 2-D or 3-D weights, got shape {tuple(p.shape)}")
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
+        """One step. ``grad_scale`` (one float32 element on the parameters' device, e.g. the
+        clipping coefficient): the gradients are taken times it, by the momentum pass, and
+        are not rewritten; local (non-DTensor) parameters only."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -119,9 +122,12 @@ class Muon(torch.optim.Optimizer):
             live = [p for p in group["params"] if p.grad is not None]
             for p in live:
                 if isinstance(p, DTensor):  # sharded (FSDP2): orthogonalized one by one
+                    if grad_scale is not None:
+                        raise ValueError("Muon.step: grad_scale is taken for local parameters "
+                                         "only; scale a sharded model's gradients first")
                     self._update(p, group)
             for batch in _same_shape_batches([p for p in live if not isinstance(p, DTensor)]):
-                self._update_batch(batch, group)
+                self._update_batch(batch, group, grad_scale)
         return loss
 
     def _bufs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -141,7 +147,8 @@ class Muon(torch.optim.Optimizer):
         muon_apply_reference([p], [ortho], group["lr"], group["weight_decay"],
                              muon_scale(p.shape))
 
-    def _update_batch(self, params: list[torch.Tensor], group: dict) -> None:
+    def _update_batch(self, params: list[torch.Tensor], group: dict,
+                      grad_scale: torch.Tensor | None = None) -> None:
         """Parameters of one matrix shape: one batched Newton-Schulz over all their matrices
         (each normalized and iterated on its own, as :func:`newton_schulz` does per matrix)
         instead of one small launch sequence per parameter. The momentum pass writes the
@@ -161,7 +168,7 @@ class Muon(torch.optim.Optimizer):
             # with "invalid argument" -- H100, benchmarks/results/train_h100_s28)
             keep.clear()
         momentum.fn(self._bufs(params), grads, group["momentum"], group["nesterov"], stacked,
-                    keep)
+                    keep, grad_scale)
         ortho = newton_schulz(stacked, group["ns_steps"], dtype)
         apply.fn(params, ortho, group["lr"], group["weight_decay"], muon_scale(params[0].shape),
                  keep)
@@ -303,9 +310,21 @@ class Optimizers:
                 for group, value in zip(opt.param_groups, values, strict=True):
                     group["lr"] = value
 
-    def step(self) -> None:
-        for opt in self:
-            opt.step()
+    @property
+    def muon_takes_grad_scale(self) -> bool:
+        """Whether :meth:`step` can hand Muon a gradient multiplier (there are Muon parameters
+        and none is sharded)."""
+        return self.muon is not None and not any(isinstance(p, DTensor)
+                                                 for _, p in self.groups.muon)
+
+    def step(self, muon_grad_scale: torch.Tensor | None = None) -> None:
+        """Step both; ``muon_grad_scale``: Muon takes its gradients times it (see
+        :meth:`Muon.step`; only where :attr:`muon_takes_grad_scale`)."""
+        self.adamw.step()
+        if self.muon is not None:
+            self.muon.step(grad_scale=muon_grad_scale)
+        elif muon_grad_scale is not None:
+            raise ValueError("Optimizers.step: a Muon gradient scale without Muon parameters")
 
     def zero_grad(self) -> None:
         for opt in self:

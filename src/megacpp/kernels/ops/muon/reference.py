@@ -5,6 +5,9 @@ kernels are tested against, and what runs on CPU, on sharded (DTensor) parameter
 * momentum: ``buf = momentum * buf + grad``; the update is ``grad + momentum * buf``
   (Nesterov) or ``buf``, written into ``out`` [sum of matrices, rows, cols] (the Newton-Schulz
   input, in its dtype) matrix by matrix in parameter order, or returned when ``out`` is None.
+  With ``grad_scale`` (a one-element float32 tensor on the gradients' device: the trainer's
+  clipping coefficient) every ``grad`` above is ``grad * grad_scale``, and the gradients
+  themselves are left as they are.
 * apply: ``p = p * (1 - lr * weight_decay) - scale * (lr * ortho)`` with ``ortho`` [matrices,
   rows, cols] split over the parameters in the same order (decoupled weight decay, then the
   RMS-matched orthogonalized step). ``lr`` is a float, or a device tensor while a CUDA graph
@@ -25,8 +28,12 @@ from torch import Tensor
 
 def muon_momentum_reference(bufs: list[Tensor], grads: list[Tensor], momentum: float,
                             nesterov: bool, out: Tensor | None = None,
-                            keep: list[Tensor] | None = None) -> list[Tensor]:
+                            keep: list[Tensor] | None = None,
+                            grad_scale: Tensor | None = None) -> list[Tensor]:
     """Update ``bufs`` in place; the updates (views of ``out`` when given)."""
+    if grad_scale is not None:
+        check_grad_scale(grad_scale, grads[0].device)
+        grads = torch._foreach_mul(grads, grad_scale)  # new tensors: the gradients stay
     torch._foreach_mul_(bufs, momentum)
     torch._foreach_add_(bufs, grads)
     updates = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
@@ -48,3 +55,13 @@ def muon_apply_reference(params: list[Tensor], ortho: Tensor | list[Tensor],
         ortho = [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_add_(params, torch._foreach_mul(ortho, lr), alpha=-scale)
+
+
+def check_grad_scale(grad_scale: Tensor, device: torch.device) -> None:
+    """A gradient multiplier is one float32 element on the gradients' device."""
+    if (not isinstance(grad_scale, Tensor) or grad_scale.numel() != 1
+            or grad_scale.dtype != torch.float32 or grad_scale.device != device):
+        got = (f"{grad_scale.dtype} {tuple(grad_scale.shape)} on {grad_scale.device}"
+               if isinstance(grad_scale, Tensor) else type(grad_scale).__name__)
+        raise ValueError(f"muon_momentum: grad_scale must be one float32 element on {device}, "
+                         f"got {got}")

@@ -7,7 +7,9 @@ dtype and one of its result back to float32. At nam56r-350m (324M Muon parameter
 ~25 GB a step, ~8 ms of an H100's bandwidth. Here:
 
 * ``muon_momentum_triton`` reads buffer and gradient once, writes the buffer and the update,
-  the update straight into the Newton-Schulz input in its dtype (bf16): 4.6 GB;
+  the update straight into the Newton-Schulz input in its dtype (bf16): 4.6 GB; it also takes
+  the clipping coefficient (``grad_scale``), so the trainer's clip need not rewrite the
+  gradients first (another 2.6 GB);
 * ``muon_apply_triton`` reads the weights and the bf16 orthogonalized update, writes the
   weights: 3.3 GB.
 
@@ -26,12 +28,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.kernels.ops.muon.reference import check_grad_scale
+
 BLOCK, NUM_WARPS = 4096, 8
 
 
 @triton.jit
-def _momentum(TABLE, OUT, n_tensors, momentum, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
-    # TABLE [4, n_tensors]: buffer addresses, gradient addresses, element counts, out offsets
+def _momentum(TABLE, OUT, SCALE, n_tensors, momentum, NESTEROV: tl.constexpr,
+              HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    # TABLE [4, n_tensors]: buffer addresses, gradient addresses, element counts, out offsets;
+    # SCALE (HAS_SCALE): one float32 every gradient is multiplied by (the clipping coefficient)
     BUFS, GRADS = TABLE, TABLE + n_tensors
     NUMELS, OUT_OFFSETS = TABLE + 2 * n_tensors, TABLE + 3 * n_tensors
     t = tl.program_id(1)
@@ -42,6 +48,8 @@ def _momentum(TABLE, OUT, n_tensors, momentum, NESTEROV: tl.constexpr, BLOCK: tl
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     g = tl.load(grad + offs, mask=live)
+    if HAS_SCALE:
+        g = g * tl.load(SCALE)
     b = tl.load(buf + offs, mask=live) * momentum + g
     tl.store(buf + offs, b, mask=live)
     if NESTEROV:
@@ -106,10 +114,14 @@ def _grid(tensors: list[Tensor]) -> tuple[int, int]:
 
 def muon_momentum_triton(bufs: list[Tensor], grads: list[Tensor], momentum: float,
                          nesterov: bool, out: Tensor | None = None,
-                         keep: list[Tensor] | None = None) -> list[Tensor]:
-    """As :func:`~megacpp.kernels.ops.muon.reference.muon_momentum_reference`, one launch."""
+                         keep: list[Tensor] | None = None,
+                         grad_scale: Tensor | None = None) -> list[Tensor]:
+    """As :func:`~megacpp.kernels.ops.muon.reference.muon_momentum_reference`, one launch
+    (``grad_scale`` is read on the device, inside the launch)."""
     _check("momentum buffers", bufs)
     _check("gradients", grads)
+    if grad_scale is not None:
+        check_grad_scale(grad_scale, grads[0].device)
     if out is None:
         out = bufs[0].new_empty(sum(b.numel() for b in bufs))
     _check_stacked("out", out, bufs)
@@ -117,8 +129,9 @@ def muon_momentum_triton(bufs: list[Tensor], grads: list[Tensor], momentum: floa
     table = _table([[b.data_ptr() for b in bufs], [g.data_ptr() for g in grads],
                     [b.numel() for b in bufs], starts], out.device,
                    [] if keep is None else keep)
-    _momentum[_grid(bufs)](table, out, len(bufs), momentum, NESTEROV=nesterov, BLOCK=BLOCK,
-                           num_warps=NUM_WARPS)
+    _momentum[_grid(bufs)](table, out, out if grad_scale is None else grad_scale,  # (unread)
+                           len(bufs), momentum, NESTEROV=nesterov,
+                           HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
     flat = out.view(-1)
     return [flat[s:s + b.numel()].view(b.shape) for s, b in zip(starts, bufs, strict=True)]
 
