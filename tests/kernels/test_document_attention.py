@@ -275,3 +275,37 @@ def test_hopper_launch_settings_reach_the_generated_kernels():
     assert {("BLOCK_M", 64), ("BLOCK_N1", 64), ("BLOCK_M2", 64)} <= ours, ours
     assert ("BLOCK_M", 128) not in ours and ("BLOCK_N1", 128) not in ours, ours
     assert {("BLOCK_M", 128), ("BLOCK_N1", 128)} <= base, base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_tiles_equal_the_torch_code():
+    """The one-launch Triton tiles (what document_block_tiles runs on CUDA) are the torch
+    code's eight tensors bit for bit: packed rows of random document lengths (sorted ids),
+    shuffled ids, one document, a partial last tile, int32 ids, and rows of 1 to 64 tiles;
+    past 64 tiles the torch code serves."""
+    from megacpp.kernels.ops.attention import triton as kernels
+    from megacpp.kernels.ops.attention.document import document_block_tiles_torch
+
+    gen = torch.Generator().manual_seed(21)
+    cases = []
+    for length in (1, 100, 128, 300, 2048, 2049, 4096, 8192):
+        for batch in (1, 3):
+            cuts = torch.rand(batch, length, generator=gen) < 0.01
+            cases.append(cuts.long().cumsum(-1))  # packed rows, sorted ids
+            cases.append(torch.randint(0, 3, (batch, length), generator=gen))  # unsorted
+        cases.append(torch.zeros(2, length, dtype=torch.int64))  # one document
+    cases.append(cases[-3].int())
+    for doc_ids in cases:
+        ids = doc_ids.cuda()
+        assert kernels.tiles_triton_ok(ids)
+        got = kernels.document_block_tiles_triton(ids)
+        want = document_block_tiles_torch(ids)
+        assert len(got) == len(want) == 8
+        for name, a, b in zip(MASK_FIELDS, got, want, strict=True):
+            assert a.dtype == b.dtype == torch.int32 and a.is_contiguous(), name
+            assert torch.equal(a, b), (name, tuple(doc_ids.shape))
+        assert all(torch.equal(a, b) for a, b in zip(document_block_tiles(ids), want,
+                                                     strict=True))
+    assert not kernels.tiles_triton_ok(torch.zeros(1, 8193, dtype=torch.int64, device="cuda"))
+    assert not kernels.tiles_triton_ok(torch.zeros(1, 64, dtype=torch.int64))  # CPU

@@ -80,7 +80,20 @@ def document_block_tiles(doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
     Inductor gave it the stride 0 and FlexAttention's kernel read row 0's tiles for every row
     (call 2); made [B, 1, ...] from the start, the mask was right with gradients but a compiled
     no-grad forward hit an illegal memory access (calls 2-3). As an operator its outputs are
-    real tensors with the layout its fake declares (tests: torch.library.opcheck)."""
+    real tensors with the layout its fake declares (tests: torch.library.opcheck).
+
+    On CUDA (rows of at most 64 tiles) one Triton launch computes the same tensors
+    (:mod:`megacpp.kernels.ops.attention.triton`); the torch code below is its truth."""
+    if doc_ids.is_cuda:
+        from megacpp.kernels.ops.attention import triton as kernels
+
+        if kernels.tiles_triton_ok(doc_ids):
+            return kernels.document_block_tiles_triton(doc_ids)
+    return document_block_tiles_torch(doc_ids)
+
+
+def document_block_tiles_torch(doc_ids: Tensor) -> tuple[Tensor, ...]:
+    """:func:`document_block_tiles` in plain PyTorch (any device; the Triton kernel's truth)."""
     length = doc_ids.shape[1]
     lo, hi = _block_ranges(doc_ids, length)  # [B, NB]
     nb = lo.shape[1]
