@@ -12,7 +12,8 @@ H100 at the nam56r-350m step's shape: 1.53 ms fwd+bwd per layer, against 0.61 fo
 kernel with no document mask; benchmarks/results/train_h100_s26/call5). The block mask marks
 each [128, 128] tile empty (skipped), full (no mask evaluated) or partial from the minimum and
 maximum document id of its query and key blocks, in a handful of ops on [B, L/128, L/128]
-tensors (torch's ``create_block_mask`` evaluates the whole [B, L, L] mask: 0.58 ms there).
+tensors (torch's ``create_block_mask`` evaluates the whole [B, L, L] mask: 0.58 ms there); on
+CUDA in one Triton launch (:mod:`megacpp.kernels.ops.attention.triton`).
 The flex backend is the catalog's chosen row on CUDA (sm80+) and the model's path for packed
 rows since session 27 (benchmarks/results/train_h100_s27); the reference serves everywhere
 else. On an H100 at head dim 64 it runs the launch settings of :data:`HOPPER_D64_OPTIONS`
