@@ -114,6 +114,10 @@ class Muon(torch.optim.Optimizer):
         """One step. ``grad_scale`` (one float32 element on the parameters' device, e.g. the
         clipping coefficient): the gradients are taken times it, by the momentum pass, and
         are not rewritten; local (non-DTensor) parameters only."""
+        if grad_scale is not None and any(isinstance(p, DTensor) for group in self.param_groups
+                                          for p in group["params"]):
+            raise ValueError("Muon.step: grad_scale is taken for local parameters only; scale "
+                             "a sharded model's gradients first")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -122,9 +126,6 @@ class Muon(torch.optim.Optimizer):
             live = [p for p in group["params"] if p.grad is not None]
             for p in live:
                 if isinstance(p, DTensor):  # sharded (FSDP2): orthogonalized one by one
-                    if grad_scale is not None:
-                        raise ValueError("Muon.step: grad_scale is taken for local parameters "
-                                         "only; scale a sharded model's gradients first")
                     self._update(p, group)
             for batch in _same_shape_batches([p for p in live if not isinstance(p, DTensor)]):
                 self._update_batch(batch, group, grad_scale)
