@@ -73,7 +73,7 @@ def our_kernels() -> dict[str, str]:
         path = f"megacpp.kernels.ops.{info.name}" + (".triton" if info.ispkg else "")
         try:
             module = importlib.import_module(path)
-        except ImportError:  # a surface without Triton kernels (attention: SDPA)
+        except ImportError:  # a surface without Triton kernels of its own
             continue
         for name, obj in vars(module).items():
             if isinstance(obj, triton.runtime.JITFunction):
