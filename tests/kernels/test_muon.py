@@ -9,11 +9,7 @@ import pytest
 import torch
 
 from megacpp.kernels.catalog import KernelSelectionError
-from megacpp.kernels.ops.muon.reference import (
-    muon_apply_reference,
-    muon_momentum_reference,
-    muon_normalize_reference,
-)
+from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.runtime import kernel_mode_override, resolve
 from megacpp.train.optim import newton_schulz
@@ -94,33 +90,16 @@ def test_newton_schulz_of_a_tall_matrix_comes_out_contiguous_and_equal():
     torch.testing.assert_close(got, y.mT, rtol=1e-10, atol=1e-12)
 
 
-def test_normalize_reference_divides_each_matrix_by_its_frobenius_norm():
-    """Each matrix alone over its norm (+ eps), in float64 exactly; in bf16 the norm is summed
-    in float32 and only the result rounded; a zero matrix stays zero."""
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(4, 3, 6, 10, generator=gen, dtype=torch.float64)
-    x[1, 2] = 0
-    got = muon_normalize_reference(x, 1e-7)
-    for idx in ((0, 0), (3, 1), (1, 2)):
-        m = x[idx]
-        torch.testing.assert_close(got[idx], m / (m.norm() + 1e-7), rtol=1e-14, atol=0)
-    assert got[1, 2].abs().max() == 0
-    xb = (x * 100).to(torch.bfloat16)
-    want = (xb.double() / (xb.double().norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(torch.bfloat16)
-    assert torch.equal(muon_normalize_reference(xb, 1e-7), want)
-
-
 def test_catalog_rows_and_fail_closed_selection_on_cpu():
     catalog = default_catalog()
-    for surface, fast in (("muon_momentum", "triton_multi_tensor"),
-                          ("muon_apply", "triton_multi_tensor"),
-                          ("muon_normalize", "triton_two_pass")):
+    for surface in ("muon_momentum", "muon_apply"):
         roles = {b.name: b.role for b in catalog.of(surface)}
-        assert roles == {fast: "chosen", "reference": "fallback"}
+        assert roles == {"triton_multi_tensor": "chosen", "reference": "fallback"}
         like = torch.zeros(2, 2)
         with kernel_mode_override("auto"):
             assert resolve(surface, like).name == "reference"
-        with kernel_mode_override("fast"), pytest.raises(KernelSelectionError, match=fast):
+        with kernel_mode_override("fast"), pytest.raises(KernelSelectionError,
+                                                         match="triton_multi_tensor"):
             resolve(surface, like)
 
 
@@ -242,29 +221,3 @@ def test_fused_passes_refuse_what_they_cannot_take():
     with pytest.raises(ValueError, match="16 elements"):
         muon_apply_triton([torch.zeros(4, 4, device=cuda)], torch.zeros(15, device=cuda),
                           0.1, 0.0, 1.0)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fused_normalize_matches_the_reference(dtype):
-    """Fresh random stacks: matrices of one chunk, of several (a ragged last one), tiny ones,
-    a transposed (non-contiguous) view and one matrix past the chunk cap: within one rounding
-    of the output dtype of the reference (the norms are summed in another order), the same
-    bits on a second call (a fixed order), a zero matrix stays zero, and bad input is refused."""
-    from megacpp.kernels.ops.muon.triton import muon_normalize_triton
-
-    cuda = _cuda()
-    tol = {torch.float32: (1e-6, 1e-7), torch.bfloat16: (8e-3, 1e-6),
-           torch.float16: (1e-3, 1e-6)}[dtype]
-    gen = torch.Generator(device=cuda).manual_seed(3)
-    for shape in ((3, 96, 130), (2, 200, 300), (5, 7, 9), (4100, 4100)):
-        x = torch.randn(shape, device=cuda, generator=gen).to(dtype)
-        for arg in (x, x.mT):
-            got = muon_normalize_triton(arg, 1e-7)
-            torch.testing.assert_close(got, muon_normalize_reference(arg, 1e-7),
-                                       rtol=tol[0], atol=tol[1])
-            assert torch.equal(got, muon_normalize_triton(arg, 1e-7))
-    z = torch.zeros(2, 64, 64, device=cuda, dtype=dtype)
-    assert torch.equal(muon_normalize_triton(z, 1e-7), z)
-    with pytest.raises(ValueError, match="muon_normalize"):
-        muon_normalize_triton(torch.zeros(4, 4, dtype=torch.int32, device=cuda), 1e-7)

@@ -30,11 +30,7 @@ from megacpp.kernels.ops.linear_ce.reference import (
 )
 from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
-from megacpp.kernels.ops.muon.reference import (
-    muon_apply_reference,
-    muon_momentum_reference,
-    muon_normalize_reference,
-)
+from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
 from megacpp.kernels.ops.short_conv.reference import short_conv_reference
 
@@ -404,14 +400,6 @@ def _surfaces() -> list[Surface]:
             "weight_decay) - scale * lr * ortho in place; no autograd (see muon_momentum)",
             muon_apply_reference,
         ),
-        Surface(
-            "muon_normalize",
-            "x [..., rows, cols] (the stacked Newton-Schulz input, any float dtype), eps -> a "
-            "new tensor in x's dtype: each matrix over its Frobenius norm (summed in float32 or "
-            "wider) "
-            "plus eps; no autograd (see muon_momentum)",
-            muon_normalize_reference,
-        ),
     ]
 
 
@@ -518,11 +506,6 @@ def _backends() -> list[Backend]:
         Backend("triton_multi_tensor", "muon_apply", "chosen", triton_fp32,
                 _lazy("megacpp.kernels.ops.muon.triton", "muon_apply_triton")),
         Backend("reference", "muon_apply", "fallback", Requirements(), muon_apply_reference),
-        Backend("triton_two_pass", "muon_normalize", "chosen",
-                Requirements(packages=("triton",), dtypes=FLOATS, **cuda_sm80),
-                _lazy("megacpp.kernels.ops.muon.triton", "muon_normalize_triton")),
-        Backend("reference", "muon_normalize", "fallback", Requirements(),
-                muon_normalize_reference),
     ]
 
 

@@ -61,11 +61,10 @@ def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
     bfloat16 the error against the float64 iteration is that of the op-by-op form (~3%)."""
     a, b, c = NS_COEFFS
     x = update.to(dtype)
-    # spectral norm <= Frobenius <= 1 (the catalog's muon_normalize: one fused pass on CUDA)
-    x = resolve("muon_normalize", x).fn(x, eps)
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT  # iterate on the wide orientation: X X^T is the smaller Gram matrix
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm <= Frobenius <= 1
     shape = x.shape
     x = x.reshape(-1, *shape[-2:])  # [batch, m, n]: the batched GEMMs take exactly 3-D
     for i in range(steps):

@@ -13,11 +13,7 @@ kernels are tested against, and what runs on CPU, on sharded (DTensor) parameter
   RMS-matched orthogonalized step). ``lr`` is a float, or a device tensor while a CUDA graph
   is captured.
 
-* normalize: ``x / (||x||_F + eps)`` per matrix of ``x`` [..., rows, cols] (Newton-Schulz's
-  first step: every singular value at most 1), the norm summed in float32 (or x's wider
-  dtype), the result a new tensor in x's dtype.
-
-Momentum and apply take ``keep``, the list where a fused backend leaves what a captured CUDA graph reads
+Both take ``keep``, the list where a fused backend leaves what a captured CUDA graph reads
 again at replay (its address tables); the reference leaves nothing there.
 
 No gradient flows through either (they run under ``torch.no_grad``), so a check compares the
@@ -59,14 +55,6 @@ def muon_apply_reference(params: list[Tensor], ortho: Tensor | list[Tensor],
         ortho = [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_add_(params, torch._foreach_mul(ortho, lr), alpha=-scale)
-
-
-def muon_normalize_reference(x: Tensor, eps: float) -> Tensor:
-    """Each matrix of ``x`` [..., rows, cols] over its Frobenius norm (float32, or x's wider
-    dtype) plus ``eps``."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=compute)
-    return (x.to(compute) / (norm + eps)).to(x.dtype)
 
 
 def check_grad_scale(grad_scale: Tensor, device: torch.device) -> None:

@@ -12,11 +12,6 @@ dtype and one of its result back to float32. At nam56r-350m (324M Muon parameter
   gradients first (another 2.6 GB);
 * ``muon_apply_triton`` reads the weights and the bf16 orthogonalized update, writes the
   weights: 3.3 GB.
-* ``muon_normalize_triton`` divides each matrix of the stacked bf16 update by its Frobenius
-  norm (Newton-Schulz's first step) in two launches over [matrix, chunk] programs: float32
-  partial sums of squares, then each chunk divided by the norm its matrix's partials give
-  (summed in a fixed order: deterministic). torch's norm then broadcast division ran that
-  division in its generic strided kernel (~1.5 TB/s: 0.89 ms of the nam56r-350m step).
 
 Each launch covers a list of tensors of different sizes through a table of their addresses
 (int64, device) -- one program per (block of a tensor, tensor) -- as a multi-tensor apply does.
@@ -154,60 +149,3 @@ def muon_apply_triton(params: list[Tensor], ortho: Tensor, lr: float | Tensor,
     _apply[_grid(params)](table, ortho, len(params), lr if on_device else ortho,  # not read
                           0.0 if on_device else float(lr), float(weight_decay), float(scale),
                           LR_ON_DEVICE=on_device, BLOCK=BLOCK, num_warps=NUM_WARPS)
-
-
-# -- Newton-Schulz's normalization ----------------------------------------------------------------
-NORM_BLOCK, NORM_CHUNK, NORM_MAX_CHUNKS = 2048, 16384, 1024
-
-
-@triton.jit
-def _sum_squares(X, PARTS, size, chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    c, m = tl.program_id(0), tl.program_id(1)
-    base = X + m.to(tl.int64) * size
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for off in range(0, CHUNK, BLOCK):
-        idx = c.to(tl.int64) * CHUNK + off + tl.arange(0, BLOCK)
-        v = tl.load(base + idx, mask=idx < size, other=0.0).to(tl.float32)
-        acc += v * v
-    tl.store(PARTS + m * chunks + c, tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _divide_by_norm(X, OUT, PARTS, size, chunks, eps, CHUNK: tl.constexpr,
-                    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    c, m = tl.program_id(0), tl.program_id(1)
-    j = tl.arange(0, CHUNKS_PAD)
-    parts = tl.load(PARTS + m * chunks + j, mask=j < chunks, other=0.0)
-    norm = tl.sqrt(tl.sum(parts, axis=0)) + eps
-    base = m.to(tl.int64) * size
-    for off in range(0, CHUNK, BLOCK):
-        idx = c.to(tl.int64) * CHUNK + off + tl.arange(0, BLOCK)
-        live = idx < size
-        v = tl.load(X + base + idx, mask=live, other=0.0).to(tl.float32)
-        tl.store(OUT + base + idx, (v / norm).to(OUT.dtype.element_ty), mask=live)
-
-
-def muon_normalize_triton(x: Tensor, eps: float) -> Tensor:
-    """As :func:`~megacpp.kernels.ops.muon.reference.muon_normalize_reference`, two launches
-    (CUDA; a non-contiguous ``x`` is copied contiguous first)."""
-    if not x.is_cuda or x.dim() < 2 or x.dtype not in (torch.float32, torch.bfloat16,
-                                                      torch.float16):
-        raise ValueError(f"muon_normalize: a CUDA float tensor of matrices, got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
-    x = x.contiguous()
-    size = x.shape[-1] * x.shape[-2]
-    matrices = x.numel() // size if size else 0
-    out = torch.empty_like(x)
-    if matrices == 0:
-        return out
-    # chunks of whole blocks, at most NORM_MAX_CHUNKS per matrix (the second pass loads them all)
-    chunk = max(NORM_CHUNK, triton.cdiv(triton.cdiv(size, NORM_MAX_CHUNKS), NORM_BLOCK)
-                * NORM_BLOCK)
-    chunks = triton.cdiv(size, chunk)
-    parts = torch.empty(matrices, chunks, device=x.device, dtype=torch.float32)
-    grid = (chunks, matrices)
-    _sum_squares[grid](x, parts, size, chunks, CHUNK=chunk, BLOCK=NORM_BLOCK, num_warps=4)
-    _divide_by_norm[grid](x, out, parts, size, chunks, float(eps), CHUNK=chunk,
-                          BLOCK=NORM_BLOCK, CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)),
-                          num_warps=4)
-    return out
