@@ -69,8 +69,8 @@ def _tiles_kernel(IDS, stride_b, length, nb, whole, KV_NUM, KV_IDX, FULL_NUM, FU
 
 
 def tiles_triton_ok(doc_ids: Tensor) -> bool:
-    """A CUDA [B, L] integer tensor of rows of at most :data:`MAX_BLOCKS` tiles."""
-    return (doc_ids.is_cuda and doc_ids.dim() == 2 and doc_ids.shape[1] > 0
+    """A CUDA [B, L] integer tensor (B, L > 0) of rows of at most :data:`MAX_BLOCKS` tiles."""
+    return (doc_ids.is_cuda and doc_ids.dim() == 2 and min(doc_ids.shape) > 0
             and not doc_ids.is_floating_point()
             and triton.cdiv(doc_ids.shape[1], BLOCK) <= MAX_BLOCKS)
 
