@@ -114,8 +114,7 @@ class Muon(torch.optim.Optimizer):
         """One step. ``grad_scale`` (one float32 element on the parameters' device, e.g. the
         clipping coefficient): the gradients are taken times it, by the momentum pass, and
         are not rewritten; local (non-DTensor) parameters only."""
-        if grad_scale is not None and any(isinstance(p, DTensor) for group in self.param_groups
-                                          for p in group["params"]):
+        if grad_scale is not None and not self.takes_grad_scale:
             raise ValueError("Muon.step: grad_scale is taken for local parameters only; scale "
                              "a sharded model's gradients first")
         loss = None
@@ -130,6 +129,12 @@ class Muon(torch.optim.Optimizer):
             for batch in _same_shape_batches([p for p in live if not isinstance(p, DTensor)]):
                 self._update_batch(batch, group, grad_scale)
         return loss
+
+    @property
+    def takes_grad_scale(self) -> bool:
+        """Whether :meth:`step` takes a ``grad_scale``: no parameter is sharded (DTensor)."""
+        return not any(isinstance(p, DTensor) for group in self.param_groups
+                       for p in group["params"])
 
     def _bufs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The momentum buffers of ``params`` (zeros, made on first use)."""
@@ -315,8 +320,7 @@ class Optimizers:
     def muon_takes_grad_scale(self) -> bool:
         """Whether :meth:`step` can hand Muon a gradient multiplier (there are Muon parameters
         and none is sharded)."""
-        return self.muon is not None and not any(isinstance(p, DTensor)
-                                                 for _, p in self.groups.muon)
+        return self.muon is not None and self.muon.takes_grad_scale
 
     def step(self, muon_grad_scale: torch.Tensor | None = None) -> None:
         """Step both; ``muon_grad_scale``: Muon takes its gradients times it (see

@@ -556,9 +556,9 @@ class _Session:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in self.named_params], max_norm,
                                                  grad_norm)
             return None
-        muon = {id(p) for _, p in self.optimizers.groups.muon}
+        groups = self.optimizers.groups
         torch.nn.utils.clip_grads_with_norm_(
-            [p for _, p in self.named_params if id(p) not in muon], max_norm, grad_norm)
+            [p for _, p in groups.adamw_decay + groups.adamw_no_decay], max_norm, grad_norm)
         # the coefficient as clip_grads_with_norm_ forms it, in the gradients' float32
         return torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0).to(torch.float32)
 
