@@ -1,7 +1,8 @@
-"""Muon's elementwise passes (``ops.muon``): the foreach reference against the formulas, the
-fused Triton passes against the reference on fresh random inputs (GPU), captured in a CUDA
-graph and replayed, and the catalog rows. Newton-Schulz's last product in the input's
-orientation equals the transposed form."""
+"""Muon's kernels (``ops.muon``): the foreach reference against the formulas, the fused
+Triton passes against the reference on fresh random inputs (GPU), captured in a CUDA graph and
+replayed, and the catalog rows. Newton-Schulz's polynomial: the reference against the float64
+formula; the symmetric Triton kernel against it (GPU), and Newton-Schulz with it, eager and
+replayed. Newton-Schulz's last product in the input's orientation equals the transposed form."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import pytest
 import torch
 
 from megacpp.kernels.catalog import KernelSelectionError
-from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
+from megacpp.kernels.ops.muon.reference import (
+    muon_apply_reference,
+    muon_momentum_reference,
+    muon_polynomial_reference,
+)
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.runtime import kernel_mode_override, resolve
-from megacpp.train.optim import newton_schulz
+from megacpp.train.optim import NS_COEFFS, newton_schulz
 
 gpu = pytest.mark.gpu
 # 2-D and 3-D matrices of one [rows, cols], sizes around the fused kernels' 4096-element block
@@ -90,16 +95,41 @@ def test_newton_schulz_of_a_tall_matrix_comes_out_contiguous_and_equal():
     torch.testing.assert_close(got, y.mT, rtol=1e-10, atol=1e-12)
 
 
+def _symmetric(batch, m, dtype, device, seed):
+    """Gram matrices of random wide X (normalized, as Newton-Schulz has them), made exactly
+    symmetric, in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, m, m + 24, generator=gen, dtype=torch.float64)
+    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    gram = x @ x.mT
+    return ((gram + gram.mT) / 2).to(device=device, dtype=dtype)
+
+
+def _formula(gram):
+    a, b, c = NS_COEFFS
+    g = gram.double()
+    return a * torch.eye(g.shape[-1], dtype=torch.float64, device=g.device) + b * g + c * g @ g
+
+
+def test_polynomial_reference_is_the_formula():
+    for shape in ((3, 20, 20), (2, 3, 20, 20), (1, 1, 1)):
+        gram = _symmetric(1, shape[-1], torch.float64, "cpu", 1).expand(shape).contiguous()
+        got = muon_polynomial_reference(gram, *NS_COEFFS)
+        assert got.shape == gram.shape
+        torch.testing.assert_close(got, _formula(gram), rtol=1e-12, atol=1e-14)
+
+
 def test_catalog_rows_and_fail_closed_selection_on_cpu():
     catalog = default_catalog()
-    for surface in ("muon_momentum", "muon_apply"):
+    rows = {"muon_momentum": "triton_multi_tensor", "muon_apply": "triton_multi_tensor",
+            "muon_polynomial": "triton_symmetric"}
+    for surface, chosen in rows.items():
         roles = {b.name: b.role for b in catalog.of(surface)}
-        assert roles == {"triton_multi_tensor": "chosen", "reference": "fallback"}
+        assert roles == {chosen: "chosen", "reference": "fallback"}
         like = torch.zeros(2, 2)
         with kernel_mode_override("auto"):
             assert resolve(surface, like).name == "reference"
-        with kernel_mode_override("fast"), pytest.raises(KernelSelectionError,
-                                                         match="triton_multi_tensor"):
+        with kernel_mode_override("fast"), pytest.raises(KernelSelectionError, match=chosen):
             resolve(surface, like)
 
 
@@ -221,3 +251,88 @@ def test_fused_passes_refuse_what_they_cannot_take():
     with pytest.raises(ValueError, match="16 elements"):
         muon_apply_triton([torch.zeros(4, 4, device=cuda)], torch.zeros(15, device=cuda),
                           0.1, 0.0, 1.0)
+
+
+# -- GPU: Newton-Schulz's symmetric polynomial ------------------------------------------------------
+def _hopper() -> torch.device:
+    cuda = _cuda()
+    if torch.cuda.get_device_capability(cuda) < (9, 0):
+        pytest.skip("the symmetric polynomial kernel needs sm90 (tensor-memory loads)")
+    return cuda
+
+
+def _relative(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, m", [(1, 8), (3, 40), (2, 128), (5, 136), (2, 264), (3, 544)])
+def test_symmetric_polynomial_matches_the_formula(dtype, batch, m):
+    """One tile, ragged edge tiles, whole tiles, several tile rows, across the batch: within
+    the dtype's rounding of the float64 formula, no worse than the cuBLAS reference (which
+    rounds twice), exactly symmetric, every element written."""
+    from megacpp.kernels.ops.muon.polynomial import muon_polynomial_triton, polynomial_triton_ok
+
+    cuda = _hopper()
+    for seed in range(2):  # fresh inputs each round
+        gram = _symmetric(batch, m, dtype, cuda, 100 * m + seed)
+        assert polynomial_triton_ok(gram)
+        want = _formula(gram)
+        got = muon_polynomial_triton(gram, *NS_COEFFS)
+        ref = muon_polynomial_reference(gram, *NS_COEFFS)
+        assert got.dtype == dtype and got.shape == gram.shape
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, got.mT)
+        tol = 4e-3 if dtype == torch.bfloat16 else 5e-4  # a few roundings of the result
+        assert _relative(got, want) < tol
+        assert _relative(got, want) <= 1.25 * _relative(ref, want) + 1e-5
+
+
+@gpu
+def test_symmetric_polynomial_runs_the_reference_where_it_cannot_launch():
+    """m not a multiple of 8 (TMA rows of whole 16 bytes) and a non-contiguous input: the
+    reference's result, bit for bit."""
+    from megacpp.kernels.ops.muon.polynomial import muon_polynomial_triton, polynomial_triton_ok
+
+    cuda = _hopper()
+    odd = _symmetric(2, 36, torch.bfloat16, cuda, 7)
+    strided = _symmetric(4, 40, torch.bfloat16, cuda, 8)[::2]
+    for gram in (odd, strided):
+        assert not polynomial_triton_ok(gram)
+        assert torch.equal(muon_polynomial_triton(gram, *NS_COEFFS),
+                           muon_polynomial_reference(gram, *NS_COEFFS))
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(6, 96, 160), (4, 272, 136), (1, 256, 256)])
+def test_newton_schulz_with_the_symmetric_polynomial(shape):
+    """Newton-Schulz in bf16 with the chosen polynomial (``fast``) against the float64
+    iteration: no worse than with the reference's; and captured in a CUDA graph, its replays
+    on new inputs equal eager calls bit for bit."""
+    cuda = _hopper()
+    a, b, c = NS_COEFFS
+    update = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x = update.mT if shape[-2] > shape[-1] else update
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(5):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    want = (x.mT if shape[-2] > shape[-1] else x).to(cuda)
+    errors = {}
+    for mode in ("reference", "fast"):
+        with kernel_mode_override(mode):
+            assert resolve("muon_polynomial", update.to(cuda, torch.bfloat16)).name == (
+                "triton_symmetric" if mode == "fast" else "reference")
+            errors[mode] = _relative(newton_schulz(update.to(cuda), 5, torch.bfloat16), want)
+    assert errors["fast"] < 2e-2
+    assert errors["fast"] <= 1.25 * errors["reference"]
+    with kernel_mode_override("fast"):
+        from megacpp.kernels.timing import capture_graph
+
+        static = update.float().to(cuda)
+        graph, out = capture_graph(lambda: newton_schulz(static, 5, torch.bfloat16))
+        for seed in (4, 5):
+            static.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
+            graph.replay()
+            assert torch.equal(out, newton_schulz(static, 5, torch.bfloat16))

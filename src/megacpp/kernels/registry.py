@@ -30,7 +30,11 @@ from megacpp.kernels.ops.linear_ce.reference import (
 )
 from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
-from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
+from megacpp.kernels.ops.muon.reference import (
+    muon_apply_reference,
+    muon_momentum_reference,
+    muon_polynomial_reference,
+)
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
 from megacpp.kernels.ops.short_conv.reference import short_conv_reference
 
@@ -400,6 +404,13 @@ def _surfaces() -> list[Surface]:
             "weight_decay) - scale * lr * ortho in place; no autograd (see muon_momentum)",
             muon_apply_reference,
         ),
+        Surface(
+            "muon_polynomial",
+            "gram [batch, m, m] symmetric (Newton-Schulz's A = X X^T; bf16 on the GPU), a, b, "
+            "c -> a I + b A + c A A, a new tensor in gram's dtype (symmetric); float32 "
+            "accumulation; no autograd (see muon_momentum)",
+            muon_polynomial_reference,
+        ),
     ]
 
 
@@ -506,6 +517,12 @@ def _backends() -> list[Backend]:
         Backend("triton_multi_tensor", "muon_apply", "chosen", triton_fp32,
                 _lazy("megacpp.kernels.ops.muon.triton", "muon_apply_triton")),
         Backend("reference", "muon_apply", "fallback", Requirements(), muon_apply_reference),
+        Backend("triton_symmetric", "muon_polynomial", "chosen",
+                Requirements(devices=("cuda",), min_capability=(9, 0), packages=("triton",),
+                             dtypes=HALF),
+                _lazy("megacpp.kernels.ops.muon.polynomial", "muon_polynomial_triton")),
+        Backend("reference", "muon_polynomial", "fallback", Requirements(),
+                muon_polynomial_reference),
     ]
 
 

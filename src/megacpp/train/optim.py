@@ -52,13 +52,17 @@ def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
     """Approximate ``U V^T`` of each matrix in ``update`` [..., m, n] (batched over leading
     dims), computed in ``dtype``; returns a tensor of ``update``'s dtype.
 
-    Each iteration is ``A = X X^T; X = (a I + b A + c A A) X``: three batched GEMMs, the
-    polynomial's scale-and-add in its GEMM's epilogue (``baddbmm``: ``beta * C + alpha * (A @
-    A)``) and ``a`` added to its diagonal (m elements per matrix), so no elementwise pass runs
-    over A or X. Op by op (``a * X + (b * A + c * (A @ A)) @ X``) those passes had cost about
-    as much as the products at the trainer's sizes; with ``a X`` as the last GEMM's epilogue
-    too, torch first copies X into the output (benchmarks/results/train_h100_s26). In
-    bfloat16 the error against the float64 iteration is that of the op-by-op form (~3%)."""
+    Each iteration is ``A = X X^T; P = a I + b A + c A A; X = P X``. The two outer products
+    are batched cuBLAS GEMMs. P comes from the catalog's ``muon_polynomial`` surface:
+    * the reference is cuBLAS's ``baddbmm``, with ``b A`` in the GEMM's epilogue, then ``a``
+      added to the diagonal;
+    * on an H100 the Triton backend computes only P's tiles on and above the diagonal (P is
+      symmetric) in one launch.
+    No elementwise pass runs over X. Op by op (``a * X + (b * A + c * (A @ A)) @ X``) those
+    passes had cost about as much as the products at the trainer's sizes; with ``a X`` as the
+    last GEMM's epilogue too, torch first copies X into the output
+    (benchmarks/results/train_h100_s26). In bfloat16 the error against the float64 iteration
+    is that of the op-by-op form (~3% on the CPU, benchmarks/results/train_h100_s26)."""
     a, b, c = NS_COEFFS
     x = update.to(dtype)
     transposed = x.shape[-2] > x.shape[-1]
@@ -67,10 +71,9 @@ def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm <= Frobenius <= 1
     shape = x.shape
     x = x.reshape(-1, *shape[-2:])  # [batch, m, n]: the batched GEMMs take exactly 3-D
+    polynomial = resolve("muon_polynomial", x).fn
     for i in range(steps):
-        gram = torch.bmm(x, x.mT)  # [batch, m, m]
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)  # + a I
+        poly = polynomial(torch.bmm(x, x.mT), a, b, c)  # [batch, m, m]
         if transposed and i == steps - 1:
             # the last product in the input's orientation: (P X)^T = X^T P (P is symmetric),
             # so the result comes out contiguous, as the fused update pass reads it

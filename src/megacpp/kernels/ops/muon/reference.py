@@ -1,6 +1,6 @@
-"""Muon's two elementwise passes in plain PyTorch (``torch._foreach_*``): the truth the fused
-kernels are tested against, and what runs on CPU, on sharded (DTensor) parameters and under
-``MEGACPP_KERNELS=reference``.
+"""Muon's two elementwise passes in plain PyTorch (``torch._foreach_*``) and Newton-Schulz's
+polynomial (cuBLAS products): the truth the fused kernels are tested against, and what runs
+on CPU, on sharded (DTensor) parameters and under ``MEGACPP_KERNELS=reference``.
 
 * momentum: ``buf = momentum * buf + grad``; the update is ``grad + momentum * buf``
   (Nesterov) or ``buf``, written into ``out`` [sum of matrices, rows, cols] (the Newton-Schulz
@@ -13,11 +13,14 @@ kernels are tested against, and what runs on CPU, on sharded (DTensor) parameter
   RMS-matched orthogonalized step). ``lr`` is a float, or a device tensor while a CUDA graph
   is captured.
 
-Both take ``keep``, the list where a fused backend leaves what a captured CUDA graph reads
+* polynomial: ``P = a I + b A + c A A`` of a batch of symmetric Gram matrices A [batch, m, m]
+  (``A = X X^T`` in a Newton-Schulz iteration), a new tensor in A's dtype.
+
+The two passes take ``keep``, the list where a fused backend leaves what a captured CUDA graph reads
 again at replay (its address tables); the reference leaves nothing there.
 
-No gradient flows through either (they run under ``torch.no_grad``), so a check compares the
-tensors they write, not a backward.
+No gradient flows through any of them (they run under ``torch.no_grad``), so a check compares
+the tensors they write, not a backward.
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ def muon_apply_reference(params: list[Tensor], ortho: Tensor | list[Tensor],
         ortho = [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_add_(params, torch._foreach_mul(ortho, lr), alpha=-scale)
+
+
+def muon_polynomial_reference(gram: Tensor, a: float, b: float, c: float) -> Tensor:
+    """``a I + b A + c A A`` per matrix of ``gram`` [..., m, m]: the product and ``b A`` in
+    one GEMM (``baddbmm`` copies A into its output first, then scales it in the GEMM's
+    epilogue), then ``a`` added to the m diagonal elements."""
+    shape = gram.shape
+    flat = gram.reshape(-1, *shape[-2:])  # baddbmm takes exactly 3-D
+    poly = torch.baddbmm(flat, flat, flat, beta=b, alpha=c)
+    poly.diagonal(dim1=-2, dim2=-1).add_(a)
+    return poly.reshape(shape)
 
 
 def check_grad_scale(grad_scale: Tensor, device: torch.device) -> None:
