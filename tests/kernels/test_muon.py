@@ -272,7 +272,7 @@ def test_symmetric_polynomial_matches_the_formula(dtype, batch, m):
     """One tile, ragged edge tiles, whole tiles, several tile rows, across the batch: within
     the dtype's rounding of the float64 formula, no worse than the cuBLAS reference (which
     rounds twice), exactly symmetric, every element written."""
-    from megacpp.kernels.ops.muon.polynomial import muon_polynomial_triton, polynomial_triton_ok
+    from megacpp.kernels.ops.muon.triton import muon_polynomial_triton, polynomial_triton_ok
 
     cuda = _hopper()
     for seed in range(2):  # fresh inputs each round
@@ -293,7 +293,7 @@ def test_symmetric_polynomial_matches_the_formula(dtype, batch, m):
 def test_symmetric_polynomial_runs_the_reference_where_it_cannot_launch():
     """m not a multiple of 8 (TMA rows of whole 16 bytes) and a non-contiguous input: the
     reference's result, bit for bit."""
-    from megacpp.kernels.ops.muon.polynomial import muon_polynomial_triton, polynomial_triton_ok
+    from megacpp.kernels.ops.muon.triton import muon_polynomial_triton, polynomial_triton_ok
 
     cuda = _hopper()
     odd = _symmetric(2, 36, torch.bfloat16, cuda, 7)

@@ -520,7 +520,7 @@ def _backends() -> list[Backend]:
         Backend("triton_symmetric", "muon_polynomial", "chosen",
                 Requirements(devices=("cuda",), min_capability=(9, 0), packages=("triton",),
                              dtypes=HALF),
-                _lazy("megacpp.kernels.ops.muon.polynomial", "muon_polynomial_triton")),
+                _lazy("megacpp.kernels.ops.muon.triton", "muon_polynomial_triton")),
         Backend("reference", "muon_polynomial", "fallback", Requirements(),
                 muon_polynomial_reference),
     ]
