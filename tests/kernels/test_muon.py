@@ -95,20 +95,27 @@ def test_newton_schulz_of_a_tall_matrix_comes_out_contiguous_and_equal():
     torch.testing.assert_close(got, y.mT, rtol=1e-10, atol=1e-12)
 
 
-def _symmetric(batch, m, dtype, device, seed):
-    """Gram matrices of random wide X (normalized, as Newton-Schulz has them), made exactly
-    symmetric, in ``dtype``."""
+def _symmetric(batch, m, dtype, device, seed, norm=1.0):
+    """Gram matrices of random wide X of Frobenius norm ``norm`` (1: normalized, as
+    Newton-Schulz's later steps have them), made exactly symmetric, in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, m, m + 24, generator=gen, dtype=torch.float64)
-    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    x = x / x.norm(dim=(-2, -1), keepdim=True) * norm
     gram = x @ x.mT
     return ((gram + gram.mT) / 2).to(device=device, dtype=dtype)
 
 
-def _formula(gram):
+def _formula(gram, normalize_eps=None):
+    """a I + b A + c A A in float64; with ``normalize_eps``, s p(s^2 A) for s = 1 / (sqrt(tr
+    A) + eps)."""
     a, b, c = NS_COEFFS
     g = gram.double()
-    return a * torch.eye(g.shape[-1], dtype=torch.float64, device=g.device) + b * g + c * g @ g
+    s = torch.ones(g.shape[:-2] + (1, 1), dtype=torch.float64, device=g.device)
+    if normalize_eps is not None:
+        s = 1 / (g.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt() + normalize_eps)[..., None, None]
+    g = g * s * s
+    eye = torch.eye(g.shape[-1], dtype=torch.float64, device=g.device)
+    return s * (a * eye + b * g + c * g @ g)
 
 
 def test_polynomial_reference_is_the_formula():
@@ -117,6 +124,22 @@ def test_polynomial_reference_is_the_formula():
         got = muon_polynomial_reference(gram, *NS_COEFFS)
         assert got.shape == gram.shape
         torch.testing.assert_close(got, _formula(gram), rtol=1e-12, atol=1e-14)
+
+
+def test_normalizing_polynomial_times_x_is_the_normalized_first_step():
+    """With ``normalize_eps`` and A = X X^T of an unnormalized X, P X is the first
+    Newton-Schulz step of X / (||X||_F + eps), the two matrices of a batch each by its own
+    norm; a zero matrix stays zero."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 12, 30, generator=gen, dtype=torch.float64) * torch.tensor(
+        [3e-3, 1.0, 0.0], dtype=torch.float64)[:, None, None]
+    got = muon_polynomial_reference(x @ x.mT, *NS_COEFFS, normalize_eps=1e-7) @ x
+    a, b, c = NS_COEFFS
+    y = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    gram = y @ y.mT
+    want = a * y + (b * gram + c * gram @ gram) @ y
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+    assert not got[2].any()
 
 
 def test_catalog_rows_and_fail_closed_selection_on_cpu():
@@ -268,19 +291,22 @@ def _relative(got, want):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, m", [(1, 8), (3, 40), (2, 128), (5, 136), (2, 264), (3, 544)])
-def test_symmetric_polynomial_matches_the_formula(dtype, batch, m):
-    """One tile, ragged edge tiles, whole tiles, several tile rows, across the batch: within
-    the dtype's rounding of the float64 formula, no worse than the cuBLAS reference (which
-    rounds twice), exactly symmetric, every element written."""
+@pytest.mark.parametrize("normalize", [False, True])
+def test_symmetric_polynomial_matches_the_formula(dtype, batch, m, normalize):
+    """One tile, ragged edge tiles, whole tiles, several tile rows, across the batch (with the
+    first step's normalization: Gram matrices of X of norm 7, each scaled by its own trace):
+    within the dtype's rounding of the float64 formula, no worse than the cuBLAS reference
+    (which rounds twice), exactly symmetric, every element written."""
     from megacpp.kernels.ops.muon.triton import muon_polynomial_triton, polynomial_triton_ok
 
     cuda = _hopper()
+    eps = 1e-7 if normalize else None
     for seed in range(2):  # fresh inputs each round
-        gram = _symmetric(batch, m, dtype, cuda, 100 * m + seed)
+        gram = _symmetric(batch, m, dtype, cuda, 100 * m + seed, norm=7.0 if normalize else 1.0)
         assert polynomial_triton_ok(gram)
-        want = _formula(gram)
-        got = muon_polynomial_triton(gram, *NS_COEFFS)
-        ref = muon_polynomial_reference(gram, *NS_COEFFS)
+        want = _formula(gram, eps)
+        got = muon_polynomial_triton(gram, *NS_COEFFS, normalize_eps=eps)
+        ref = muon_polynomial_reference(gram, *NS_COEFFS, normalize_eps=eps)
         assert got.dtype == dtype and got.shape == gram.shape
         assert torch.isfinite(got).all()
         assert torch.equal(got, got.mT)
@@ -300,8 +326,9 @@ def test_symmetric_polynomial_runs_the_reference_where_it_cannot_launch():
     strided = _symmetric(4, 40, torch.bfloat16, cuda, 8)[::2]
     for gram in (odd, strided):
         assert not polynomial_triton_ok(gram)
-        assert torch.equal(muon_polynomial_triton(gram, *NS_COEFFS),
-                           muon_polynomial_reference(gram, *NS_COEFFS))
+        for eps in (None, 1e-7):
+            assert torch.equal(muon_polynomial_triton(gram, *NS_COEFFS, normalize_eps=eps),
+                               muon_polynomial_reference(gram, *NS_COEFFS, normalize_eps=eps))
 
 
 @gpu

@@ -58,22 +58,26 @@ def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
       added to the diagonal;
     * on an H100 the Triton backend computes only P's tiles on and above the diagonal (P is
       symmetric) in one launch.
-    No elementwise pass runs over X. Op by op (``a * X + (b * A + c * (A @ A)) @ X``) those
+    X's normalization is folded into the first P (from the trace of X X^T), so no
+    elementwise pass runs over X. Op by op (``a * X + (b * A + c * (A @ A)) @ X``) those
     passes had cost about as much as the products at the trainer's sizes; with ``a X`` as the
     last GEMM's epilogue too, torch first copies X into the output
     (benchmarks/results/train_h100_s26). In bfloat16 the error against the float64 iteration
     is that of the op-by-op form (~3% on the CPU, benchmarks/results/train_h100_s26)."""
+    if steps < 1:
+        raise ValueError(f"newton_schulz: steps must be >= 1, got {steps}")
     a, b, c = NS_COEFFS
     x = update.to(dtype)
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT  # iterate on the wide orientation: X X^T is the smaller Gram matrix
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm <= Frobenius <= 1
     shape = x.shape
     x = x.reshape(-1, *shape[-2:])  # [batch, m, n]: the batched GEMMs take exactly 3-D
     polynomial = resolve("muon_polynomial", x).fn
     for i in range(steps):
-        poly = polynomial(torch.bmm(x, x.mT), a, b, c)  # [batch, m, m]
+        # the first step normalizes X (spectral norm <= Frobenius <= 1) inside P, from the
+        # Gram matrix's trace: P = s p(s^2 X X^T) with s = 1 / (||X||_F + eps)
+        poly = polynomial(torch.bmm(x, x.mT), a, b, c, eps if i == 0 else None)
         if transposed and i == steps - 1:
             # the last product in the input's orientation: (P X)^T = X^T P (P is symmetric),
             # so the result comes out contiguous, as the fused update pass reads it
