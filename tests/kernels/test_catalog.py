@@ -153,6 +153,11 @@ def test_cli_list_json_and_bad_input(tmp_path) -> None:
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)["backends"]
     assert {"surface": "rmsnorm", "backend": "reference", "qualifies": True}.items() <= rows[1].items()
+    table = _cli("list")  # the contracts' bracketed shapes print as text, not as rich markup
+    assert table.returncode == 0, table.stderr
+    flat = " ".join(table.stdout.split())
+    assert "out [sum of matrices, rows, cols] (any float dtype" in flat
+    assert "gram [batch, m, m] symmetric" in flat
     bad = _cli("check", "--dtype", "int8")
     assert bad.returncode == 2 and "unknown dtype(s) ['int8']" in bad.stderr + bad.stdout
     assert "Traceback" not in bad.stderr

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
@@ -70,12 +71,13 @@ def list_cmd(
         table.add_column(col)
     for r in rows:
         style = _ROLE_STYLE[r["role"]]
-        here = "[green]yes[/]" if r["qualifies"] else f"[red]no[/]: {r['why_not']}"
-        table.add_row(r["surface"], r["backend"], f"[{style}]{r['role']}[/]", r["requirements"],
-                      here)
+        # contracts and reasons carry shapes in brackets ("[T, D]"): escaped, not markup
+        here = "[green]yes[/]" if r["qualifies"] else f"[red]no[/]: {escape(r['why_not'])}"
+        table.add_row(r["surface"], r["backend"], f"[{style}]{r['role']}[/]",
+                      escape(r["requirements"]), here)
     console.print(table)
     for name, surface in catalog.surfaces.items():
-        console.print(f"[bold]{name}[/]: {surface.contract}")
+        console.print(f"[bold]{name}[/]: {escape(surface.contract)}")
 
 
 @app.command()
