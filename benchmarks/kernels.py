@@ -6,7 +6,8 @@
 
 Measures the device ceilings first (a 1 GiB device-to-device copy, counting bytes read plus
 written; an 8192^3 bf16 matmul), then every surface with a fast backend at its bench case(s).
-Each backend's forward+backward is timed two ways (medians of CUDA events):
+Each backend's forward+backward (the forward alone for a surface without autograd, such as
+muon_polynomial) is timed two ways (medians of CUDA events):
 
   ms          per call, as Python issues it: what an eager training step sees, the GPU idle
               while the host enqueues a backend of many small launches
@@ -49,6 +50,10 @@ BENCH = {  # surface -> (cases, backends in table order)
                     ["triton_chunked", "fla", "reference"]),
     # the issue's shape: batch 8, 32 heads x 64, d_state 128, chunk 64; peer: mamba_ssm 2.3.2
     "mamba3_scan": (["seq4096", "seq8192"], ["triton_chunked", "mamba_ssm", "reference"]),
+    # Newton-Schulz's polynomial at nam56r-350m's Muon batches; forward only (no autograd).
+    # FLOPs count A A whole (2 m^3 a matrix): the symmetric kernel's rate is an effective one
+    "muon_polynomial": (["nam56r_moe_in", "nam56r_moe_out", "nam56r_dense"],
+                        ["triton_symmetric", "reference"]),
 }
 
 
@@ -249,7 +254,7 @@ def plot(results: Path) -> Path:
             ax.bar(x, [r["ms"] for r in group], color=colors)
         ax.set_xticks(list(x), [r["backend"] for r in group])
         ax.set_title(f"{surface}\n{case}", fontsize=9)
-        ax.set_ylabel("fwd+bwd ms")
+        ax.set_ylabel("fwd+bwd ms" if default_catalog().surface(surface).grad_args else "fwd ms")
         ax.tick_params(axis="x", rotation=45, labelsize=7)
     fig.tight_layout()
     png = results.with_suffix(".png")

@@ -165,6 +165,11 @@ def test_cli_list_json_and_bad_input(tmp_path) -> None:
     ok = _cli("bench", "--surface", "rmsnorm", "--repeats", "2", "--out", str(receipt))
     assert ok.returncode == 0, ok.stderr
     assert "rmsnorm/reference/ms" in json.loads(receipt.read_text())["metrics"]
+    # a surface without autograd is timed by its forward, and says so
+    fwd = _cli("bench", "--surface", "muon_polynomial", "--repeats", "2", "--out", str(receipt))
+    assert fwd.returncode == 0, fwd.stderr
+    assert "muon_polynomial/reference/ms" in json.loads(receipt.read_text())["metrics"]
+    assert "│ fwd " in fwd.stdout
 
 
 def test_lazy_backends_are_opaque_to_torch_compile() -> None:

@@ -156,6 +156,42 @@ def test_catalog_rows_and_fail_closed_selection_on_cpu():
             resolve(surface, like)
 
 
+def test_polynomial_catalog_inputs_and_forward_only_check_and_timing():
+    """muon_polynomial has no autograd: its bench inputs are symmetric Gram matrices (of an
+    X normalized to ||X||_F = 1 unless the case asks the surface to normalize), ``kernels
+    check`` compares outputs only and fails a wrong backend, the timing runs the forward."""
+    from megacpp.kernels.catalog import Backend, Catalog, Requirements
+    from megacpp.kernels.check import check_backend
+    from megacpp.kernels.timing import time_fwd_bwd
+
+    surface = default_catalog().surface("muon_polynomial")
+    assert surface.grad_args == ()
+    gen = torch.Generator().manual_seed(0)
+    case = dict(surface.cases["check"], normalize=0)
+    inputs = surface.make_inputs(case, torch.float32, "cpu", gen)
+    gram = inputs["gram"]
+    assert gram.shape == (3, 136, 136) and torch.equal(gram, gram.mT)
+    assert inputs["normalize_eps"] is None
+    torch.testing.assert_close(gram.diagonal(dim1=-2, dim2=-1).sum(-1), torch.ones(3))
+    raw = surface.make_inputs(surface.cases["check"], torch.float32, "cpu", gen)
+    assert raw["normalize_eps"] == 1e-7 and raw["gram"].diagonal(dim1=-2, dim2=-1).sum() > 1e3
+
+    def off_by_a_bit(**kw):
+        return muon_polynomial_reference(**kw) * 1.001
+
+    for fn, ok in ((muon_polynomial_reference, True), (off_by_a_bit, False)):
+        catalog = Catalog()
+        catalog.add_surface(surface)
+        backend = Backend("candidate", "muon_polynomial", "chosen",
+                          Requirements(devices=("cpu",)), fn)
+        catalog.add(backend)
+        result = check_backend(surface, backend, torch.device("cpu"), "float32", 1)
+        assert set(result.errors) == {"out"} and result.passed is ok, result.errors
+    timing = time_fwd_bwd(surface.reference, inputs, surface.grad_args, torch.device("cpu"),
+                          warmup=1, repeats=2)
+    assert timing.median_ms > 0
+
+
 # -- GPU: the fused passes -------------------------------------------------------------------------
 def _cuda() -> torch.device:
     if not torch.cuda.is_available():
@@ -313,6 +349,30 @@ def test_symmetric_polynomial_matches_the_formula(dtype, batch, m, normalize):
         tol = 4e-3 if dtype == torch.bfloat16 else 5e-4  # a few roundings of the result
         assert _relative(got, want) < tol
         assert _relative(got, want) <= 1.25 * _relative(ref, want) + 1e-5
+
+
+@gpu
+def test_symmetric_polynomial_passes_kernels_check_and_times_as_a_graph():
+    """The catalog's own check of the Triton row (bf16 and fp16 against the float64
+    reference) passes, and its forward is captured and replayed by the bench's timing."""
+    from megacpp.kernels.catalog import device_facts
+    from megacpp.kernels.check import check_catalog
+    from megacpp.kernels.timing import time_fwd_bwd_graphed
+
+    cuda = _hopper()
+    catalog = default_catalog()
+    results = check_catalog(catalog, cuda, device_facts(cuda), ["bfloat16", "float16"],
+                            surfaces=["muon_polynomial"], seed=4)
+    ran = [r for r in results if r.skipped is None]
+    assert {(r.backend, r.dtype) for r in ran} >= {("triton_symmetric", "bfloat16"),
+                                                    ("triton_symmetric", "float16")}
+    assert all(r.passed for r in ran), [(r.backend, r.dtype, r.errors) for r in ran]
+    surface = catalog.surface("muon_polynomial")
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    inputs = surface.make_inputs(surface.cases["check"], torch.bfloat16, cuda, gen)
+    replay = time_fwd_bwd_graphed(catalog.backend("muon_polynomial", "triton_symmetric").fn,
+                                  inputs, surface.grad_args, cuda, repeats=3)
+    assert replay.failure is None and replay.median_ms > 0
 
 
 @gpu

@@ -122,8 +122,9 @@ def bench(
                                  "fwd+bwd (no host launch gaps); a backend that cannot be "
                                  "captured shows why"),
 ) -> None:
-    """Median fwd+bwd time of every qualifying backend (on a GPU also peak extra memory and
-    the median of CUDA-graph replays, launch gaps gone)."""
+    """Median fwd+bwd time of every qualifying backend (the forward alone for a surface
+    without autograd, such as muon_polynomial; on a GPU also peak extra memory and the median
+    of CUDA-graph replays, launch gaps gone)."""
     dtype = _check_dtypes([dtype or _default_dtype()])[0]
     catalog = default_catalog()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -148,15 +149,17 @@ def bench(
                     g = time_fwd_bwd_graphed(b.fn, inputs, surf.grad_args, device,
                                              repeats=repeats)
                     rows[-1].update(graphed_ms=g.median_ms, graphed_failed=g.failure)
-    table = Table(title=f"fwd+bwd on {facts.name} ({dtype}, case {case})")
-    for col in ("surface", "backend", "role", "median ms", "peak extra MiB",
+    table = Table(title=f"per call on {facts.name} ({dtype}, case {case})")
+    for col in ("surface", "backend", "role", "timed", "median ms", "peak extra MiB",
                 *(["graph replay ms"] if graphed else [])):
         table.add_column(col)
     for r in rows:
         mib = "" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}"
         replay = [] if not graphed else [
             "[dim]no graph[/]" if r["graphed_ms"] is None else f"{r['graphed_ms']:.3f}"]
-        table.add_row(r["surface"], r["backend"], r["role"], f"{r['ms']:.3f}", mib, *replay)
+        timed = "fwd+bwd" if catalog.surface(r["surface"]).grad_args else "fwd"
+        table.add_row(r["surface"], r["backend"], r["role"], timed, f"{r['ms']:.3f}", mib,
+                      *replay)
     console.print(table)
     for r in rows:
         if r.get("graphed_failed"):

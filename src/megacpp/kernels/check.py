@@ -1,5 +1,5 @@
-"""``kernels check``: every qualifying backend against the reference, forward and backward,
-on fresh random inputs, by relative error ‖out − ref‖ / ‖ref‖ (reference in float64)."""
+"""``kernels check``: every qualifying backend against the reference, forward and backward
+(forward only for a surface without autograd), on fresh random inputs, by relative error ‖out − ref‖ / ‖ref‖ (reference in float64)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,13 @@ def forward_backward(
     cotangents: list[Tensor] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Run ``fn(**inputs)`` and backprop random (or given) cotangents into ``grad_args``.
-    Returns (outputs, grads, cotangents)."""
+    Returns (outputs, grads, cotangents). A surface without grad args (no autograd: an
+    optimizer pass) is checked by its outputs alone: no grads."""
     outs = outputs_of(fn(**inputs))
     if cotangents is None:
         cotangents = [torch.randn_like(o, dtype=torch.float32) for o in outs]
+    if not grad_args:
+        return outs, [], cotangents
     loss = sum((o.to(c.dtype) * c.to(o.device)).sum() for o, c in zip(outs, cotangents))
     grads = torch.autograd.grad(loss, [inputs[name] for name in grad_args])
     return outs, list(grads), cotangents

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -256,6 +257,38 @@ def _short_conv_bytes(inp: dict[str, Any]) -> float:
     return 5 * inp["x"].numel() * inp["x"].element_size()
 
 
+# -- muon_polynomial (Newton-Schulz's a I + b A + c A A; forward only) ------------------------
+# NS's coefficients (Muon's quintic, as train/optim.py runs them)
+_NS_ABC = (3.4445, -4.7750, 2.0315)
+
+
+def _muon_polynomial_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
+    """gram = X X^T of a random X [batch, m, cols] (m <= cols: NS works on the wide side):
+    symmetric positive semi-definite, as Newton-Schulz hands it over. ``normalize`` 1: X left unnormalized and the surface scales
+    it (NS's first step); 0: X normalized first (||X||_F = 1, the later steps)."""
+    b, m = case["batch"], case["m"]
+    x = torch.randn((b, m, case["cols"]), generator=gen, device=device, dtype=torch.float32)
+    if not case["normalize"]:
+        x = x / x.norm(dim=(-2, -1), keepdim=True)
+    x = x.to(dtype)
+    # the Gram matrix in the operand dtype (a float32 product, rounded once), exactly symmetric
+    gram = torch.matmul(x.float(), x.float().mT)
+    gram = ((gram + gram.mT) / 2).to(dtype)
+    a, b_, c = _NS_ABC
+    return {"gram": gram, "a": a, "b": b_, "c": c,
+            "normalize_eps": 1e-7 if case["normalize"] else None}
+
+
+def _muon_polynomial_flops(inp: dict[str, Any]) -> float:
+    # A A as a full product (2 m^3 per matrix); symmetric kernels compute half of it
+    *lead, m, _ = inp["gram"].shape
+    return 2.0 * math.prod(lead) * m**3
+
+
+def _muon_polynomial_bytes(inp: dict[str, Any]) -> float:
+    return 2 * inp["gram"].numel() * inp["gram"].element_size()  # read A, write P
+
+
 def _surfaces() -> list[Surface]:
     return [
         Surface(
@@ -408,8 +441,19 @@ def _surfaces() -> list[Surface]:
             "muon_polynomial",
             "gram [batch, m, m] symmetric (Newton-Schulz's A = X X^T; bf16 on the GPU), a, b, "
             "c -> a I + b A + c A A, a new tensor in gram's dtype (symmetric); float32 "
-            "accumulation; no autograd (see muon_momentum)",
+            "accumulation; normalize_eps (NS's first step): A is X X^T of an unnormalized X, "
+            "s = 1 / (sqrt(trace A) + eps), result s (a I + b s^2 A + c s^4 A A); no autograd: "
+            "kernels check compares the output, kernels bench times the forward",
             muon_polynomial_reference,
+            _muon_polynomial_inputs,
+            # nam56r-350m's Muon batches (Gram matrices of 391 MoE w_in halves 544 x 768,
+            # 391 w_out 768 x 272 (transposed: 272 x 768), 28 dense 768 x 768), in the later
+            # steps' form (X already normalized)
+            {"check": {"batch": 3, "m": 136, "cols": 200, "normalize": 1},
+             "nam56r_moe_in": {"batch": 391, "m": 544, "cols": 768, "normalize": 0},
+             "nam56r_moe_out": {"batch": 391, "m": 272, "cols": 768, "normalize": 0},
+             "nam56r_dense": {"batch": 28, "m": 768, "cols": 768, "normalize": 0}},
+            (), _muon_polynomial_flops, _muon_polynomial_bytes,
         ),
     ]
 

@@ -65,7 +65,8 @@ def time_fwd_bwd(
     The backward is driven by fixed random cotangents in each output's own dtype
     (``autograd.grad(outputs, inputs, cotangents)``), so the timed work is the backend's
     forward and backward and nothing else -- no loss reduction, no fp32 casts of the outputs
-    (which would cost more than a memory-bound kernel such as RMSNorm)."""
+    (which would cost more than a memory-bound kernel such as RMSNorm). With no ``grad_args``
+    (a surface without autograd) the forward is timed alone."""
     cot = _cotangents(fn, inputs)
     for _ in range(warmup):
         _fwd_bwd(fn, inputs, grad_args, cot)
@@ -235,6 +236,10 @@ def _differentiable(result: Any) -> list[torch.Tensor]:
 
 
 def _fwd_bwd(fn, inputs, grad_args, cot) -> tuple[torch.Tensor | None, ...]:
+    """The grads of ``grad_args``; with none (a surface without autograd, such as an
+    optimizer pass) the forward alone, returning its outputs (a capture keeps them)."""
+    if not grad_args:
+        return tuple(outputs_of(fn(**inputs)))
     outs = _differentiable(fn(**inputs))
     return torch.autograd.grad(
         outs, [inputs[name] for name in grad_args], grad_outputs=cot, allow_unused=True
