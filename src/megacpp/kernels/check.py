@@ -1,5 +1,6 @@
 """``kernels check``: every qualifying backend against the reference, forward and backward
-(forward only for a surface without autograd), on fresh random inputs, by relative error ‖out − ref‖ / ‖ref‖ (reference in float64)."""
+(forward only for a surface without autograd), on fresh random inputs, by relative error
+‖out − ref‖ / ‖ref‖ (reference in float64)."""
 
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ def forward_backward(
     Returns (outputs, grads, cotangents). A surface without grad args (no autograd: an
     optimizer pass) is checked by its outputs alone: no grads."""
     outs = outputs_of(fn(**inputs))
+    if not grad_args:
+        return outs, [], []
     if cotangents is None:
         cotangents = [torch.randn_like(o, dtype=torch.float32) for o in outs]
-    if not grad_args:
-        return outs, [], cotangents
     loss = sum((o.to(c.dtype) * c.to(o.device)).sum() for o, c in zip(outs, cotangents))
     grads = torch.autograd.grad(loss, [inputs[name] for name in grad_args])
     return outs, list(grads), cotangents

@@ -32,6 +32,7 @@ from megacpp.kernels.ops.linear_ce.reference import (
 from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
 from megacpp.kernels.ops.moe.reference import moe_experts_reference
 from megacpp.kernels.ops.muon.reference import (
+    NS_COEFFS,
     muon_apply_reference,
     muon_momentum_reference,
     muon_polynomial_reference,
@@ -258,24 +259,22 @@ def _short_conv_bytes(inp: dict[str, Any]) -> float:
 
 
 # -- muon_polynomial (Newton-Schulz's a I + b A + c A A; forward only) ------------------------
-# NS's coefficients (Muon's quintic, as train/optim.py runs them)
-_NS_ABC = (3.4445, -4.7750, 2.0315)
 
 
 def _muon_polynomial_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
     """gram = X X^T of a random X [batch, m, cols] (m <= cols: NS works on the wide side):
-    symmetric positive semi-definite, as Newton-Schulz hands it over. ``normalize`` 1: X left unnormalized and the surface scales
-    it (NS's first step); 0: X normalized first (||X||_F = 1, the later steps)."""
-    b, m = case["batch"], case["m"]
-    x = torch.randn((b, m, case["cols"]), generator=gen, device=device, dtype=torch.float32)
+    symmetric positive semi-definite, as Newton-Schulz hands it over, with Muon's
+    coefficients. ``normalize`` 1: X left unnormalized and the surface scales it (NS's first
+    step); 0: X normalized first (||X||_F = 1, the later steps)."""
+    shape = (case["batch"], case["m"], case["cols"])
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
     if not case["normalize"]:
         x = x / x.norm(dim=(-2, -1), keepdim=True)
     x = x.to(dtype)
     # the Gram matrix in the operand dtype (a float32 product, rounded once), exactly symmetric
     gram = torch.matmul(x.float(), x.float().mT)
     gram = ((gram + gram.mT) / 2).to(dtype)
-    a, b_, c = _NS_ABC
-    return {"gram": gram, "a": a, "b": b_, "c": c,
+    return {"gram": gram, **dict(zip("abc", NS_COEFFS, strict=True)),
             "normalize_eps": 1e-7 if case["normalize"] else None}
 
 

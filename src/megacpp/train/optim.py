@@ -36,14 +36,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from megacpp.kernels.ops.muon.reference import muon_apply_reference, muon_momentum_reference
+from megacpp.kernels.ops.muon.reference import (
+    NS_COEFFS,
+    muon_apply_reference,
+    muon_momentum_reference,
+)
 from megacpp.kernels.runtime import resolve
 from megacpp.model.moe import MoE
 from megacpp.train.config import OptimSection
 
-# Quintic Newton-Schulz coefficients of Jordan's Muon: chosen to maximise the slope at 0,
-# so small singular values grow fast; the result lands in roughly [0.7, 1.2], not exactly 1.
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
 MUON_RMS = 0.2
 
 

@@ -61,6 +61,11 @@ def muon_apply_reference(params: list[Tensor], ortho: Tensor | list[Tensor],
     torch._foreach_add_(params, torch._foreach_mul(ortho, lr), alpha=-scale)
 
 
+# Quintic Newton-Schulz coefficients of Jordan's Muon (a, b, c): chosen to maximise the slope
+# at 0, so small singular values grow fast; the result lands in roughly [0.7, 1.2], not 1.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
 def muon_polynomial_reference(gram: Tensor, a: float, b: float, c: float,
                               normalize_eps: float | None = None) -> Tensor:
     """``a I + b A + c A A`` per matrix of ``gram`` [..., m, m]: the product and ``b A`` in
