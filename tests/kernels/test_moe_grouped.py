@@ -158,14 +158,23 @@ def _interpreter_check() -> dict:
     from megacpp.kernels.ops.moe import triton as kernels
 
     kernels.PLAN_BLOCK, kernels.SCATTER_TOKENS, kernels.SCATTER_COLS = 32, 4, 16
+    kernels.PERMUTE_COLS, kernels.PERMUTE_TILE = 16, 256  # 3 column slices of 37, ragged
     result = {}
     for tokens, experts, k, skip in _plan_cases():  # the counting sort == the stable torch sort
-        _, idx, w, _, _ = _inputs(tokens, 8, experts, k, 8, torch.float32, "cpu", tokens, skip)
+        x, idx, w, _, _ = _inputs(tokens, 37, experts, k, 8, torch.float32, "cpu", tokens, skip)
         got = dispatch_plan(idx, experts, w)  # takes the Triton plan under the interpreter
         want = dispatch_plan_torch(idx, experts, w)
         for name, a, b in zip(got._fields, got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (tokens, experts, name)
+        # the plan with the permute in its second kernel: the same plan, and every row of
+        # x_sorted is its token's row (compared whole: an unwritten row would differ)
+        plan, x_sorted = kernels.plan_permute_triton(idx, w, experts, x)
+        for name, a, b in zip(got._fields, plan, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (tokens, experts, "permute", name)
+        assert torch.equal(x_sorted, scatter_rows_torch(x, want.inv)), (tokens, experts)
         result[f"plan_t{tokens}_e{experts}"] = "exact"
+    with pytest.raises(ValueError, match="x has 19 rows for 160"):
+        kernels.plan_permute_triton(idx, w, experts, x[:-1])
     src, inv, want = _scatter_case(53, 37, 8, 3, "cpu", 0, (1, 5))  # 53 % 4, 37 % 16 tails
     assert torch.equal(kernels.scatter_rows_triton(src, inv), want)
     for skip in ((), (1, 5)):  # forward and backward of the whole path vs the loop reference
@@ -335,6 +344,26 @@ def test_moe_plan_triton_matches_torch_sort():
         want = dispatch_plan_torch(idx, experts, w)
         for name, a, b in zip(got._fields, got, want):
             assert torch.equal(a, b.to(a.dtype)), (tokens, experts, name)
+
+
+@pytest.mark.gpu
+def test_moe_plan_permute_triton_matches_plan_and_row_scatter():
+    """The plan whose second kernel also permutes x: the same plan as the torch sort, and
+    x_sorted equal to the row scatter's (bf16 copies: exact), every row written (the output's
+    memory held NaN before), at the bench's shapes and ragged ones."""
+    from megacpp.kernels.ops.moe import triton as kernels
+
+    for tokens, dim, experts, k, skip in ((16384, 1024, 64, 8, (5,)), (16384, 1024, 16, 2, ()),
+                                          (1003, 1000, 64, 8, ()), (5000, 768, 256, 4, (0,)),
+                                          (700, 3000, 16, 3, (1, 2))):
+        x, idx, w, _, _ = _inputs(tokens, dim, experts, k, 8, torch.bfloat16, "cuda", 2, skip)
+        want = dispatch_plan_torch(idx, experts, w)
+        poison = torch.full((tokens * k, dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+        del poison  # the caching allocator hands this block to x_sorted
+        plan, x_sorted = kernels.plan_permute_triton(idx, w, experts, x)
+        for name, a, b in zip(want._fields, plan, want):
+            assert torch.equal(a, b.to(a.dtype)), (tokens, experts, name)
+        assert torch.equal(x_sorted, x[want.order // k]), (tokens, dim, experts, k)
 
 
 @pytest.mark.gpu

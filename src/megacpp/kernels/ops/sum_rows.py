@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.kernels.device import cdiv
+
 # [32, 32] tiles at 4 warps, from an H100 probe of six tile shapes at the step's partials
 # (per call: [1024, 768] 5.7 us against torch's 7.4, [528, 64] 3.6 vs 5.3, [256, 1536] 2.5 vs
 # 5.4; [32, 64] tiles took 13.2 / 7.3 / 4.4; benchmarks/results/kernels/h100_s16/run3)
@@ -43,7 +45,7 @@ def sum_rows(partials: Tensor) -> Tensor:
     out = torch.empty(n_cols, device=partials.device, dtype=torch.float32)
     if n_rows == 0:
         return out.zero_()
-    _sum_rows[(triton.cdiv(n_cols, BLOCK_C),)](partials, out, n_rows, n_cols, partials.stride(0),
+    _sum_rows[(cdiv(n_cols, BLOCK_C),)](partials, out, n_rows, n_cols, partials.stride(0),
                                                BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
                                                num_warps=NUM_WARPS)
     return out

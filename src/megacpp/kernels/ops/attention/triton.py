@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.kernels.device import cdiv, next_power_of_2
+
 BLOCK = 128  # tokens per tile: FlexAttention's block, as in document.py
 MAX_BLOCKS = 64  # rows of at most 64 tiles (L <= 8192) take this kernel; longer ones the torch code
 
@@ -72,7 +74,7 @@ def tiles_triton_ok(doc_ids: Tensor) -> bool:
     """A CUDA [B, L] integer tensor (B, L > 0) of rows of at most :data:`MAX_BLOCKS` tiles."""
     return (doc_ids.is_cuda and doc_ids.dim() == 2 and min(doc_ids.shape) > 0
             and not doc_ids.is_floating_point()
-            and triton.cdiv(doc_ids.shape[1], BLOCK) <= MAX_BLOCKS)
+            and cdiv(doc_ids.shape[1], BLOCK) <= MAX_BLOCKS)
 
 
 def document_block_tiles_triton(doc_ids: Tensor) -> tuple[Tensor, ...]:
@@ -81,12 +83,12 @@ def document_block_tiles_triton(doc_ids: Tensor) -> tuple[Tensor, ...]:
     :func:`tiles_triton_ok`."""
     batch, length = doc_ids.shape
     ids = doc_ids if doc_ids.stride(1) == 1 else doc_ids.contiguous()
-    nb = triton.cdiv(length, BLOCK)
+    nb = cdiv(length, BLOCK)
     # (counts [B, 1, NB], indices [B, 1, NB, NB]) per tile kind, each a tensor of its own (a
     # custom operator's outputs must not alias one another)
     parts = [torch.empty(shape, device=ids.device, dtype=torch.int32)
              for _ in range(4) for shape in ((batch, 1, nb), (batch, 1, nb, nb))]
     _tiles_kernel[(batch,)](ids, ids.stride(0), length, nb, length // BLOCK, *parts,
-                            NB_PAD=max(16, triton.next_power_of_2(nb)), BLOCK=BLOCK,
+                            NB_PAD=max(16, next_power_of_2(nb)), BLOCK=BLOCK,
                             num_warps=4)
     return tuple(parts)

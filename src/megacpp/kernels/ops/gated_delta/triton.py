@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megacpp.kernels.device import sm_count
+from megacpp.kernels.device import cdiv, next_power_of_2, sm_count
 from megacpp.kernels.ops.gated_delta.reference import _check_inputs, gated_delta_rule_chunked
 
 CHUNK = 64  # tokens per chunk (the tile side of A and T)
@@ -708,11 +708,11 @@ class _Launcher:
         B, L, H, K = q.shape
         V = v.shape[-1]
         self.B, self.L, self.H, self.K, self.V = B, L, H, K, V
-        self.N = triton.cdiv(L, CHUNK)
+        self.N = cdiv(L, CHUNK)
         self.rst = reset.view(torch.uint8) if reset is not None else g  # unused without reset
         self.on_cpu = q.device.type == "cpu"
         _check_precision_sets()
-        self.const = {"H": H, "DK": K, "DV": V, "BK": max(MIN_TILE, triton.next_power_of_2(K)),
+        self.const = {"H": H, "DK": K, "DV": V, "BK": max(MIN_TILE, next_power_of_2(K)),
                       "BT": CHUNK, "MODE": _dot_mode(q), "HAS_RESET": reset is not None}
         self.q = q
 
@@ -723,7 +723,7 @@ class _Launcher:
     def v_tile(self, cfg: dict[str, int]) -> int:
         """A setting's BV (64 if it has none) clamped to [MIN_TILE, V rounded up to a power
         of two]: the value columns of one tile."""
-        return max(MIN_TILE, min(cfg.get("BV", 64), triton.next_power_of_2(self.V)))
+        return max(MIN_TILE, min(cfg.get("BV", 64), next_power_of_2(self.V)))
 
     def __call__(self, kernel, name: str, per_chunk: bool, *args, slices: int = 1, **const):
         """Launch ``kernel`` over [N * slices, B*H] (per_chunk) or [V / BV, B*H] with
@@ -732,7 +732,7 @@ class _Launcher:
         cfg = dict(CONFIG[name])
         if not per_chunk:
             const["N_CONST"] = self.N if self.on_cpu else 0  # see _loop_count
-            programs = triton.cdiv(self.V, self.v_tile(cfg)) * self.B * self.H
+            programs = cdiv(self.V, self.v_tile(cfg)) * self.B * self.H
             if name in SMALL_GRID and programs < _sm_count(self.q.device):
                 cfg = dict(SMALL_GRID[name])
         bv = self.v_tile(cfg)
@@ -745,7 +745,7 @@ class _Launcher:
             # no value tile wider than the key slice: _bwd_key at BKS 32 (K = 32) with BV 64
             # faults or computes a wrong dq on the H100 (Triton 3.6; h100_s9 session log)
             bv = min(bv, const["BKS"])
-        grid = (self.N * slices if per_chunk else triton.cdiv(self.V, bv), self.B * self.H)
+        grid = (self.N * slices if per_chunk else cdiv(self.V, bv), self.B * self.H)
         launch_cfg = {} if self.on_cpu else cfg
         mode = self.const["MODE"]
         if name in BF16_PRODUCTS and mode in (1, 2):
@@ -802,7 +802,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dg, db = torch.empty_like(g), torch.empty_like(beta)
         # the scratch is described above _bwd_val
-        nkb = triton.cdiv(K, run.k_slice("bwd_key"))
+        nkb = cdiv(K, run.k_slice("bwd_key"))
         ns = 1 + nkb
         d_qk = torch.empty(B, H, N, CHUNK, CHUNK, **run.store("dqk"))
         scratch = torch.empty(B, H, N, ns, CHUNK, CHUNK, **f32)

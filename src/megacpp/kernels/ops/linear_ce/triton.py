@@ -35,7 +35,7 @@ from torch import Tensor
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.amp import autocast_operands
-from megacpp.kernels.device import sm_count
+from megacpp.kernels.device import cdiv, next_power_of_2, sm_count
 from megacpp.kernels.ops.linear_ce.reference import IGNORE_INDEX
 
 DEFAULT_CHUNK_BYTES = 128 * 2**20  # one chunk of logits at most this big (H100 sweep: notes)
@@ -190,7 +190,7 @@ def accumulate_weight_grad(hi: Tensor, lo: Tensor, grad_logits: Tensor, h_chunk:
     """(hi, lo) float32 planes [V, D] += grad_logits^T [V, C] @ h_chunk [C, D]."""
     cfg = {**DW_CONFIG, **(config or {})}
     (n_tok, vocab), hidden = grad_logits.shape, h_chunk.shape[1]
-    grid = (triton.cdiv(vocab, cfg["BM"]) * triton.cdiv(hidden, cfg["BN"]),)
+    grid = (cdiv(vocab, cfg["BM"]) * cdiv(hidden, cfg["BN"]),)
     launch = {"BM": cfg["BM"], "BN": cfg["BN"], "BK": cfg["BK"], "num_warps": cfg["num_warps"],
               "num_stages": cfg["num_stages"]}
     if cfg.get("maxnreg"):
@@ -218,13 +218,13 @@ def finish_weight_grad(hi: Tensor, lo: Tensor, scale: Tensor, dtype: torch.dtype
     """round(scale * float32(hi, lo)) into hi's own storage, returned as a ``dtype`` tensor."""
     out = hi.view(dtype)
     block = 4096
-    _dw_finish[(triton.cdiv(hi.numel(), block),)](hi, lo, out, scale, hi.numel(), BLOCK=block)
+    _dw_finish[(cdiv(hi.numel(), block),)](hi, lo, out, scale, hi.numel(), BLOCK=block)
     return out
 
 
 def _scale_(x: Tensor, scale: Tensor) -> Tensor:
     block = 4096
-    _scale_inplace[(triton.cdiv(x.numel(), block),)](x, scale, x.numel(), BLOCK=block)
+    _scale_inplace[(cdiv(x.numel(), block),)](x, scale, x.numel(), BLOCK=block)
     return x
 
 
@@ -252,7 +252,7 @@ def accumulate_weight_grad_fp32(halves: list[Tensor], grad_logits: Tensor, h_chu
 
 def _scale_cast_into(src: Tensor, out: Tensor, scale: Tensor) -> None:
     block = 4096
-    _scale_cast[(triton.cdiv(src.numel(), block),)](src, out, scale, src.numel(), BLOCK=block)
+    _scale_cast[(cdiv(src.numel(), block),)](src, out, scale, src.numel(), BLOCK=block)
 
 
 def finish_weight_grad_fp32(halves: list[Tensor], scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -294,7 +294,7 @@ def _forward(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk
     elif need_dw:
         acc = tuple(torch.zeros(weight.shape, device=h.device, dtype=torch.int16)
                     for _ in range(2))
-    block = min(triton.next_power_of_2(vocab), CE_CONFIG["BLOCK"])
+    block = min(next_power_of_2(vocab), CE_CONFIG["BLOCK"])
     for start in range(0, n_tokens, chunk_tokens):
         rows = slice(start, min(start + chunk_tokens, n_tokens))
         h_chunk = h[rows]  # [C, D]

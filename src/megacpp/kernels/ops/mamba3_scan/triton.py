@@ -67,7 +67,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
-from megacpp.kernels.device import sm_count
+from megacpp.kernels.device import cdiv, next_power_of_2, sm_count
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs
 from megacpp.kernels.ops.sum_rows import sum_rows
 
@@ -838,13 +838,13 @@ def _geometry(q: Tensor, v: Tensor, angles: Tensor, chunk_size: int) -> _Geometr
     if P > MAX_HEADDIM or N > MAX_D_STATE:
         raise MegaCppError(f"mamba3_scan triton: needs headdim <= {MAX_HEADDIM} and d_state <= "
                            f"{MAX_D_STATE}, got {P} and {N} (use the reference)")
-    N2B = max(16, triton.next_power_of_2((N + 1) // 2))
-    RB = max(16, triton.next_power_of_2(R))  # R <= N // 2, so RB <= N2B
+    N2B = max(16, next_power_of_2((N + 1) // 2))
+    RB = max(16, next_power_of_2(R))  # R <= N // 2, so RB <= N2B
     T = min(chunk_size, TUNING["max_chunk"])  # any chunking computes the same function
     if v.dtype == torch.float32:
         T = min(T, 32)  # float32 operands of 64-token chunks overflow shared memory
-    NC = triton.cdiv(L, T)
-    BP = max(16, triton.next_power_of_2(P), TUNING["min_bp"] if T == 64 else 16)
+    NC = cdiv(L, T)
+    BP = max(16, next_power_of_2(P), TUNING["min_bp"] if T == 64 else 16)
     if max(v.numel(), angles.numel(), B * L * H * N, B * H * NC * BP * 2 * N2B) >= 2**31:
         raise MegaCppError("mamba3_scan triton: tensors of 2**31 elements or more are not "
                            "supported (32-bit offsets); split the batch")
@@ -1013,9 +1013,9 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     # d(q, k): each group's heads summed (in float32), the halves interleaved
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     rows = B * L * G
-    _group_sum[(triton.cdiv(rows, TUNING["sum_rows"]),)](
+    _group_sum[(cdiv(rows, TUNING["sum_rows"]),)](
         dqh, dkh, dq, dk, rows, H // G, N, ROWS=TUNING["sum_rows"],
-        HGP=triton.next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum", geo))
+        HGP=next_power_of_2(H // G), N2B=geo.N2B, **_launch("group_sum", geo))
     dqb, dkb = (sum_rows(part.flatten(0, 1).flatten(1)).view(H, 2 * geo.N2B)
                 for part in (dqb_part, dkb_part))  # [B, C, H, 2 N2B] summed over (B, C)
     return (dq, dk, dv, dadt, ddt, dtrap, interleaved(dqb, q_bias), interleaved(dkb, k_bias),

@@ -4,7 +4,9 @@
   sort, no searchsorted, no host sync), for up to 256 experts: per-block expert counts, then
   each block's rows scattered to ``expert start + rows of that expert in earlier blocks +
   rank in this block``, writing the sort order, the inverse permutation, the routing weights
-  in sorted order and the grouped GEMM's group ends.
+  in sorted order and the grouped GEMM's group ends;
+  :func:`plan_permute_triton` -- the same, whose second kernel also writes the permuted rows
+  of x (the forward's permute, without a launch of its own).
 * :func:`scatter_rows_triton` -- the permute (and the combine's backward): each token's row
   read once, in token order, and written to its ``k`` sorted rows through the inverse
   permutation.
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megacpp.kernels.device import sm_count
+from megacpp.kernels.device import capability, cdiv, next_power_of_2, sm_count
 
 MAX_PLAN_EXPERTS = 256  # the counting sort keeps one [rows, experts] one-hot tile in registers
 PLAN_BLOCK = 1024  # (token, choice) pairs per program of the two plan kernels
@@ -42,6 +44,11 @@ PLAN_BLOCK = 1024  # (token, choice) pairs per program of the two plan kernels
 SCATTER_TOKENS = 16  # source rows (tokens) per program of the row scatter
 SCATTER_COLS = 1024  # columns per inner step of the row scatter
 SCATTER_WARPS = 8
+# the permute inside the plan's second kernel (plan_permute_triton): columns per program (the
+# grid's second dimension) and the most elements of its [pairs, columns] row tile
+PERMUTE_COLS = 128
+PERMUTE_TILE = 16384
+PERMUTE_WARPS = 8
 
 
 def _const(n: int) -> int:
@@ -73,10 +80,15 @@ def _expert_counts_kernel(IDS, COUNTS, n, E_PAD: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, n, n_blocks, n_experts,
-                         E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-                         RB: tl.constexpr, NB_CONST: tl.constexpr):
+def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, X, XS, n, n_blocks,
+                         n_experts, n_cols, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                         SUB: tl.constexpr, RB: tl.constexpr, NB_CONST: tl.constexpr,
+                         K: tl.constexpr, BLOCK_C: tl.constexpr, PERMUTE: tl.constexpr):
+    """Grid (blocks, column slices). Every program ranks its block's pairs; the first slice
+    stores the plan, and with PERMUTE each slice also copies its BLOCK_C columns of the pairs'
+    token rows, XS[pos] = X[pair // K] (the permute, read from the block's own positions)."""
     pid = tl.program_id(0)
+    first = tl.program_id(1) == 0
     experts = tl.arange(0, E_PAD)
     total = tl.zeros((E_PAD,), tl.int32)  # rows of each expert, all blocks
     before = tl.zeros((E_PAD,), tl.int32)  # rows of each expert in blocks before this one
@@ -87,8 +99,9 @@ def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, n, n_blocks
         total += tl.sum(tile, axis=0)
         before += tl.sum(tl.where((b < pid)[:, None], tile, 0), axis=0)
     ends = tl.cumsum(total, axis=0)  # group ends of the grouped GEMM
-    tl.store(OFFS + experts, ends, mask=(experts < n_experts) & (pid == 0))
+    tl.store(OFFS + experts, ends, mask=(experts < n_experts) & (pid == 0) & first)
     base = ends - total + before  # [E_PAD] first sorted row of this block's rows of each expert
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     for s in range(0, BLOCK, SUB):
         p = pid * BLOCK + s + tl.arange(0, SUB)
         e = tl.load(IDS + p, mask=p < n, other=-1).to(tl.int32)  # [SUB]
@@ -99,10 +112,14 @@ def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, n, n_blocks
         ok = (p < n) & (e >= 0) & (e < E_PAD)  # an id out of range writes nothing
         pair = p.to(tl.int64)
         pos64 = pos.to(tl.int64)
-        tl.store(ORDER + pos64, pair, mask=ok)
-        tl.store(INV + pair, pos64, mask=ok)
-        w = tl.load(W + p, mask=ok, other=0.0).to(tl.float32)
-        tl.store(W_SORTED + pos64, w, mask=ok)
+        tl.store(ORDER + pos64, pair, mask=ok & first)
+        tl.store(INV + pair, pos64, mask=ok & first)
+        w = tl.load(W + p, mask=ok & first, other=0.0).to(tl.float32)
+        tl.store(W_SORTED + pos64, w, mask=ok & first)
+        if PERMUTE:
+            mask = ok[:, None] & (cols < n_cols)[None, :]
+            rows = tl.load(X + (pair // K)[:, None] * n_cols + cols[None, :], mask=mask)
+            tl.store(XS + pos64[:, None] * n_cols + cols[None, :], rows, mask=mask)
 
 
 def plan_triton(expert_idx: Tensor, weights: Tensor, n_experts: int
@@ -110,27 +127,58 @@ def plan_triton(expert_idx: Tensor, weights: Tensor, n_experts: int
     """expert_idx [T, k] (ids in [0, E), E <= 256), weights [T, k] -> order [N], inv [T, k]
     (int64), offs [E] int32 (group ends), w_sorted [N] float32; N = T * k.
     Stable: rows of one expert keep their (token, choice) order."""
+    return _plan(expert_idx, weights, n_experts, None)[0]
+
+
+def plan_permute_triton(expert_idx: Tensor, weights: Tensor, n_experts: int, x: Tensor
+                        ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """:func:`plan_triton` and the permute of x [T, D] in the same two launches: (the plan,
+    x_sorted [N, D] with x_sorted[inv[t, j]] = x[t]), what :func:`scatter_rows_triton` of the
+    plan's inv gives. The plan's second kernel copies the rows (one program per block of pairs
+    and slice of PERMUTE_COLS columns), so the forward issues one launch fewer before its first
+    GEMM (each launch on an idle GPU costs the host 40-60 us on the H100 machine)."""
+    return _plan(expert_idx, weights, n_experts, x)
+
+
+def _plan(expert_idx: Tensor, weights: Tensor, n_experts: int, x: Tensor | None
+          ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor | None]:
     if n_experts > MAX_PLAN_EXPERTS:
         raise ValueError(f"plan_triton takes at most {MAX_PLAN_EXPERTS} experts, got {n_experts}")
     n = expert_idx.numel()
     if n >= 2**31:
         raise ValueError(f"plan_triton needs fewer than 2**31 (token, choice) pairs, got {n}")
-    ids, w = expert_idx.reshape(-1), weights.detach().reshape(-1)
-    ids, w = ids.contiguous(), w.contiguous()
-    e_pad = max(16, triton.next_power_of_2(n_experts))
+    # (the host calls are counted: this runs before the forward's first GEMM, on an idle GPU)
+    ids = expert_idx if expert_idx.is_contiguous() else expert_idx.contiguous()
+    w = weights if weights.is_contiguous() else weights.contiguous()  # read through, not saved
+    device = ids.device
+    e_pad = max(16, next_power_of_2(n_experts))
     sub = min(PLAN_BLOCK, max(16, 8192 // e_pad))
-    n_blocks = triton.cdiv(n, PLAN_BLOCK)
-    idx64 = torch.empty(2, n, device=ids.device, dtype=torch.int64)  # order, inv
-    buf32 = torch.empty(n_blocks * e_pad + e_pad, device=ids.device, dtype=torch.int32)
-    counts, offs = buf32[: n_blocks * e_pad], buf32[n_blocks * e_pad:][:n_experts]
-    w_sorted = torch.empty(n, device=ids.device, dtype=torch.float32)
+    n_blocks = cdiv(n, PLAN_BLOCK)
+    idx64 = torch.empty(2, n, device=device, dtype=torch.int64)
+    order, inv = idx64.unbind(0)
+    counts, offs = torch.empty(n_blocks * e_pad + n_experts, device=device,
+                               dtype=torch.int32).split([n_blocks * e_pad, n_experts])
+    w_sorted = torch.empty(n, device=device, dtype=torch.float32)
     _expert_counts_kernel[(n_blocks,)](ids, counts, n, E_PAD=e_pad, BLOCK=PLAN_BLOCK, SUB=sub,
                                        num_warps=4)
-    _plan_scatter_kernel[(n_blocks,)](
-        ids, w, counts, idx64[0], idx64[1], w_sorted, offs, n, n_blocks, n_experts, E_PAD=e_pad,
-        BLOCK=PLAN_BLOCK, SUB=sub, RB=max(1, 4096 // e_pad), NB_CONST=_const(n_blocks),
-        num_warps=4)
-    return idx64[0], idx64[1].view(expert_idx.shape), offs, w_sorted
+    if x is None:
+        xs, n_cols, block_c, slices, x_arg, xs_arg = None, 0, 16, 1, ids, ids
+    else:
+        n_tokens, n_cols = x.shape
+        if n_tokens * expert_idx.shape[1] != n:
+            raise ValueError(f"plan_permute_triton: x has {n_tokens} rows for {n} "
+                             f"(token, choice) pairs of {expert_idx.shape[1]} choices")
+        x_arg = x if x.is_contiguous() else x.contiguous()
+        xs_arg = xs = torch.empty(n, n_cols, device=device, dtype=x.dtype)
+        block_c = min(next_power_of_2(n_cols), PERMUTE_COLS)
+        slices = cdiv(n_cols, block_c)
+        sub = min(sub, PERMUTE_TILE // block_c)  # the [SUB, BLOCK_C] row tile
+    _plan_scatter_kernel[(n_blocks, slices)](
+        ids, w, counts, order, inv, w_sorted, offs, x_arg, xs_arg, n, n_blocks, n_experts,
+        n_cols, E_PAD=e_pad, BLOCK=PLAN_BLOCK, SUB=sub, RB=max(1, 4096 // e_pad),
+        NB_CONST=_const(n_blocks), K=expert_idx.shape[1] if expert_idx.dim() == 2 else 1,
+        BLOCK_C=block_c, PERMUTE=x is not None, num_warps=4 if x is None else PERMUTE_WARPS)
+    return (order, inv.view(expert_idx.shape), offs, w_sorted), xs
 
 
 # -- the row scatter (the permute) and the gather-sum (the combine) -------------------------------
@@ -156,8 +204,8 @@ def scatter_rows_triton(src: Tensor, inv: Tensor) -> Tensor:
     n_tokens, k = inv.shape
     n_cols = src.shape[1]
     out = torch.empty(n_tokens * k, n_cols, device=src.device, dtype=src.dtype)
-    block_c = min(triton.next_power_of_2(n_cols), SCATTER_COLS)
-    _scatter_rows_kernel[(triton.cdiv(n_tokens, SCATTER_TOKENS),)](
+    block_c = min(next_power_of_2(n_cols), SCATTER_COLS)
+    _scatter_rows_kernel[(cdiv(n_tokens, SCATTER_TOKENS),)](
         src.contiguous(), inv.contiguous(), out, n_tokens, n_cols, K=k, BLOCK_T=SCATTER_TOKENS,
         BLOCK_C=block_c, C_CONST=_const(n_cols), num_warps=SCATTER_WARPS)
     return out
@@ -186,8 +234,8 @@ def gather_sum_triton(src: Tensor, inv: Tensor, addend: Tensor | None = None) ->
     n_tokens, k = inv.shape
     n_cols = src.shape[1]
     out = torch.empty(n_tokens, n_cols, device=src.device, dtype=src.dtype)
-    block = min(triton.next_power_of_2(n_cols), 2048)
-    grid = (n_tokens, triton.cdiv(n_cols, block))
+    block = min(next_power_of_2(n_cols), 2048)
+    grid = (n_tokens, cdiv(n_cols, block))
     has_add = addend is not None
     add = addend.reshape(n_tokens, n_cols).contiguous() if has_add else out
     _gather_sum_kernel[grid](src.contiguous(), inv.contiguous(), add, out, n_cols, K=k,
@@ -248,7 +296,7 @@ def _swiglu_bwd_kernel(GU, W, DH, ORDER, DGU, DW, n_rows, ffn, BLOCK_R: tl.const
 
 
 def _row_blocks(ffn: int) -> tuple[int, int]:
-    block_f = min(triton.next_power_of_2(ffn), 512)
+    block_f = min(next_power_of_2(ffn), 512)
     return max(1, 4096 // block_f), block_f
 
 
@@ -257,7 +305,7 @@ def swiglu_weighted_triton(gate_up: Tensor, w: Tensor) -> Tensor:
     n_rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     h = torch.empty(n_rows, ffn, device=gate_up.device, dtype=gate_up.dtype)
     block_r, block_f = _row_blocks(ffn)
-    _swiglu_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+    _swiglu_fwd_kernel[(cdiv(n_rows, block_r),)](
         gate_up.contiguous(), w.contiguous(), h, n_rows, ffn, BLOCK_R=block_r, BLOCK_F=block_f,
         F_CONST=_const(ffn), num_warps=8)
     return h
@@ -272,7 +320,7 @@ def swiglu_weighted_backward_triton(gate_up: Tensor, w: Tensor, dh: Tensor, orde
     dgate_up = torch.empty_like(gate_up)
     dweights = torch.empty(n_rows, device=gate_up.device, dtype=dw_dtype)
     block_r, block_f = _row_blocks(ffn)
-    _swiglu_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
+    _swiglu_bwd_kernel[(cdiv(n_rows, block_r),)](
         gate_up.contiguous(), w.contiguous(), dh.contiguous(), order, dgate_up, dweights, n_rows,
         ffn, BLOCK_R=block_r, BLOCK_F=block_f, F_CONST=_const(ffn), num_warps=8)
     return dgate_up, dweights
@@ -353,7 +401,7 @@ def _descriptor_operands_ok(a: Tensor, b: Tensor, on_gpu: bool) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return a.dtype == torch.float16
-    return on_gpu and a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+    return on_gpu and a.is_cuda and capability(a.device) >= (9, 0)
 
 
 def wgrad_triton_ok(a: Tensor, b: Tensor) -> bool:
@@ -378,7 +426,7 @@ def grouped_wgrad_triton(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dt
     sms = sm_count(a.device) if a.is_cuda else 1  # the interpreter: one program at a time
     cfg = _wgrad_config(m, n, experts, sms)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), experts)
+    grid = (cdiv(m, bm) * cdiv(n, bn), experts)
     _wgrad_kernel[grid](
         TensorDescriptor.from_tensor(a, [bk, bm]), TensorDescriptor.from_tensor(b, [bk, bn]),
         out, offs, m, n, out.stride(0), s_m, s_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -544,11 +592,11 @@ def _grouped_mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool, cfg: dict,
     hidden = torch.empty(rows, n // 2, device=a.device, dtype=a.dtype) if swiglu else None
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     w_block = [1, bn, bk] if trans_b else [1, bk, bn]
-    grid = (triton.cdiv(n // 2 if swiglu else n, bn) * (triton.cdiv(rows, bm) + experts),)
+    grid = (cdiv(n // 2 if swiglu else n, bn) * (cdiv(rows, bm) + experts),)
     _grouped_mm_kernel[grid](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
         out, offs, w_sorted if swiglu else offs, hidden if swiglu else out, experts, n, k,
         out.stride(0), hidden.stride(0) if swiglu else 0, TRANS_B=trans_b, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, E_PAD=max(16, triton.next_power_of_2(experts)), SWIGLU=swiglu,
+        BLOCK_N=bn, BLOCK_K=bk, E_PAD=max(16, next_power_of_2(experts)), SWIGLU=swiglu,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, hidden

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megacpp.kernels.device import cdiv
 from megacpp.kernels.ops.muon.reference import check_grad_scale, muon_polynomial_reference
 
 BLOCK, NUM_WARPS = 4096, 8
@@ -110,7 +111,7 @@ def _check_stacked(name: str, stacked: Tensor, tensors: list[Tensor]) -> None:
 
 
 def _grid(tensors: list[Tensor]) -> tuple[int, int]:
-    return triton.cdiv(max(t.numel() for t in tensors), BLOCK), len(tensors)
+    return cdiv(max(t.numel() for t in tensors), BLOCK), len(tensors)
 
 
 def muon_momentum_triton(bufs: list[Tensor], grads: list[Tensor], momentum: float,
@@ -248,7 +249,7 @@ def muon_polynomial_triton(gram: Tensor, a: float, b: float, c: float,
     batch, m, _ = gram.shape
     bm, bk = POLY_LAUNCH["BM"], POLY_LAUNCH["BK"]
     out = torch.empty_like(gram)
-    nt = triton.cdiv(m, bm)
+    nt = cdiv(m, bm)
     _polynomial[(nt * (nt + 1) // 2, batch)](
         TensorDescriptor.from_tensor(gram, [1, bm, bk]), gram, out, m, nt, float(a), float(b),
         float(c), float(normalize_eps or 0.0), BM=bm, BK=bk, NORMALIZE=normalize_eps is not None,

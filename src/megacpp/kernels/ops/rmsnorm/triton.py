@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megacpp.kernels.device import sm_count
+from megacpp.kernels.device import cdiv, next_power_of_2, sm_count
 from megacpp.kernels.ops.rmsnorm.reference import check_fanout, check_rope, copies
 from megacpp.kernels.ops.sum_rows import sum_rows
 
@@ -151,7 +151,7 @@ NARROW_FWD_ELEMS, NARROW_BWD_ELEMS, NARROW_BWD_PROGRAMS_PER_SM = 1024, 2048, 4
 
 
 def _block(n_cols: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     return block, min(max(block // 256, 1), 16)  # BLOCK, num_warps
 
 
@@ -227,7 +227,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         seq_len = shape[-2] if rope else 1
         block, warps = _block(n_cols)
         rows = _fwd_rows(block)
-        _rmsnorm_fwd[(triton.cdiv(n_rows, rows),)](
+        _rmsnorm_fwd[(cdiv(n_rows, rows),)](
             x2, r2, weight, y, h, rstd, cos, sin, n_rows, n_cols, eps,
             *(rows_at or _CONTIGUOUS_ROWS), seq_len, HAS_RESIDUAL=has_residual,
             STRIDED=rows_at is not None, ROPE=rope, ROWS=rows, BLOCK=block, num_warps=warps)
@@ -262,8 +262,8 @@ class _FusedRMSNorm(torch.autograd.Function):
         block, warps = _block(n_cols)
         tile, per_sm, warps = _bwd_launch(block, warps)
         n_programs = min(n_rows, _max_programs(h.device, per_sm))
-        rows_per_program = triton.cdiv(n_rows, n_programs)
-        n_programs = triton.cdiv(n_rows, rows_per_program)
+        rows_per_program = cdiv(n_rows, n_programs)
+        n_programs = cdiv(n_rows, rows_per_program)
         dw_partial = torch.empty(n_programs, n_cols, device=h.device, dtype=torch.float32)
         # a residual of another dtype (a bf16 mixer output added to the float32 stream) gets
         # its gradient written by the kernel in that dtype

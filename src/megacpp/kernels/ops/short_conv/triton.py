@@ -38,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
+from megacpp.kernels.device import cdiv, next_power_of_2
 from megacpp.kernels.ops.sum_rows import sum_rows
 
 BLOCK_T = 32  # tokens per program
@@ -169,7 +170,7 @@ def _checked(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor | None
 
 def _grid(x: Tensor) -> tuple[int, int, int]:
     B, L, C = x.shape
-    return triton.cdiv(L, BLOCK_T), triton.cdiv(C, BLOCK_C), B
+    return cdiv(L, BLOCK_T), cdiv(C, BLOCK_C), B
 
 
 class _ShortConvFn(torch.autograd.Function):
@@ -193,12 +194,12 @@ class _ShortConvFn(torch.autograd.Function):
         grid = _grid(x)
         meta = {"KW": w.shape[1], "BT": BLOCK_T, "BC": BLOCK_C, "HAS_DOC": doc is not None,
                 "num_warps": NUM_WARPS}
-        groups = triton.cdiv(grid[0], DACC_BLOCKS)
+        groups = cdiv(grid[0], DACC_BLOCKS)
         dacc = torch.empty(B, L, C, device=x.device, dtype=torch.float32)
         parts = torch.empty(B * groups, C, w.shape[1], device=x.device, dtype=torch.float32)
         _short_conv_dacc[(groups, grid[1], B)](
             x, w, doc, dy, dacc, parts, L, C, x.stride(0), x.stride(1), L, dy.stride(0),
-            dy.stride(1), KWP=triton.next_power_of_2(w.shape[1]), TPP=DACC_BLOCKS, **meta)
+            dy.stride(1), KWP=next_power_of_2(w.shape[1]), TPP=DACC_BLOCKS, **meta)
         dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
         _short_conv_dx[grid](dacc, w, doc, dx, L, C, L, **meta)
         dw = sum_rows(parts.view(parts.shape[0], -1)).view(C, w.shape[1])
