@@ -177,7 +177,9 @@ def _interpreter_check() -> dict:
         kernels.plan_permute_triton(idx, w, experts, x[:-1])
     src, inv, want = _scatter_case(53, 37, 8, 3, "cpu", 0, (1, 5))  # 53 % 4, 37 % 16 tails
     assert torch.equal(kernels.scatter_rows_triton(src, inv), want)
-    for skip in ((), (1, 5)):  # forward and backward of the whole path vs the loop reference
+    # forward and backward of the whole path vs the loop reference; the permute in the plan's
+    # kernel, and (PLAN_PERMUTE off) the row scatter's own launch
+    for skip, kernels.PLAN_PERMUTE in (((), True), ((1, 5), True), ((1, 5), False)):
         x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
         cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(3))
         # with skipped experts, an addend too (added by the gather-sum kernel)
@@ -186,7 +188,7 @@ def _interpreter_check() -> dict:
         ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot, addend)
         assert len(got) == len(ref) == (6 if skip else 5)
         for name, a, b in zip(NAMES, got, ref):
-            result[f"skip{len(skip)}/{name}"] = _rel(a, b)
+            result[f"skip{len(skip)}/permute{int(kernels.PLAN_PERMUTE)}/{name}"] = _rel(a, b)
             assert _rel(a, b) < 1e-5, (skip, name, _rel(a, b))
         for e in skip:
             assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0

@@ -62,7 +62,7 @@ def dispatch_plan(expert_idx: Tensor, n_experts: int, weights: Tensor | None = N
     :func:`megacpp.kernels.ops.moe.triton.plan_triton`; its w_sorted is float32). Else a
     stable torch.sort of uint8/int32 keys and the group ends from a binary search of the
     sorted keys (no bincount: it syncs)."""
-    if _use_triton(expert_idx.device) and n_experts <= 256:
+    if _use_triton(expert_idx.device) and n_experts <= 256:  # MAX_PLAN_EXPERTS
         from megacpp.kernels.ops.moe.triton import plan_triton
 
         if weights is None:
@@ -183,10 +183,10 @@ def _ops(device: torch.device) -> _Ops:
 
         def plan_permute(expert_idx: Tensor, n_experts: int, weights: Tensor, x: Tensor
                          ) -> tuple[DispatchPlan, Tensor]:
-            if n_experts <= kernels.MAX_PLAN_EXPERTS:
+            if n_experts <= kernels.MAX_PLAN_EXPERTS and kernels.PLAN_PERMUTE:
                 plan, x_sorted = kernels.plan_permute_triton(expert_idx, weights, n_experts, x)
                 return DispatchPlan(*plan), x_sorted
-            plan = dispatch_plan_torch(expert_idx, n_experts, weights)
+            plan = dispatch_plan(expert_idx, n_experts, weights)
             return plan, kernels.scatter_rows_triton(x, plan.inv)
 
         return _Ops(plan_permute, kernels.scatter_rows_triton, kernels.gather_sum_triton,

@@ -45,10 +45,15 @@ SCATTER_TOKENS = 16  # source rows (tokens) per program of the row scatter
 SCATTER_COLS = 1024  # columns per inner step of the row scatter
 SCATTER_WARPS = 8
 # the permute inside the plan's second kernel (plan_permute_triton): columns per program (the
-# grid's second dimension) and the most elements of its [pairs, columns] row tile
-PERMUTE_COLS = 128
-PERMUTE_TILE = 16384
-PERMUTE_WARPS = 8
+# grid's second dimension), the most elements of its [pairs, columns] row tile, warps. H100
+# sweep (benchmarks/results/kernels/h100_s32, call 2; do_bench medians, plan + permute): e64_k8
+# 161.8 us at (256, 8192, 4) against the plan then the row scatter's 158.1; 128-column slices
+# took 212-347 us, 64-column ones 356-594 (e16_k2's numbers there are host-bound)
+PERMUTE_COLS = 256
+PERMUTE_TILE = 8192
+PERMUTE_WARPS = 4
+# the forward's permute in the plan's kernel (False: the plan, then the row scatter's own launch)
+PLAN_PERMUTE = True
 
 
 def _const(n: int) -> int:
