@@ -17,7 +17,7 @@ def test_cdiv_and_next_power_of_2_values():
 
 def test_match_triton():
     triton = pytest.importorskip("triton")
-    for n in range(0, 5000):
+    for n in range(5000):
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for b in (1, 3, 16, 64, 1024):
             assert cdiv(n, b) == triton.cdiv(n, b), (n, b)

@@ -158,28 +158,17 @@ def _interpreter_check() -> dict:
     from megacpp.kernels.ops.moe import triton as kernels
 
     kernels.PLAN_BLOCK, kernels.SCATTER_TOKENS, kernels.SCATTER_COLS = 32, 4, 16
-    kernels.PERMUTE_COLS, kernels.PERMUTE_TILE = 16, 256  # 3 column slices of 37, ragged
     result = {}
     for tokens, experts, k, skip in _plan_cases():  # the counting sort == the stable torch sort
-        x, idx, w, _, _ = _inputs(tokens, 37, experts, k, 8, torch.float32, "cpu", tokens, skip)
+        _, idx, w, _, _ = _inputs(tokens, 8, experts, k, 8, torch.float32, "cpu", tokens, skip)
         got = dispatch_plan(idx, experts, w)  # takes the Triton plan under the interpreter
         want = dispatch_plan_torch(idx, experts, w)
         for name, a, b in zip(got._fields, got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (tokens, experts, name)
-        # the plan with the permute in its second kernel: the same plan, and every row of
-        # x_sorted is its token's row (compared whole: an unwritten row would differ)
-        plan, x_sorted = kernels.plan_permute_triton(idx, w, experts, x)
-        for name, a, b in zip(got._fields, plan, want):
-            assert a.dtype == b.dtype and torch.equal(a, b), (tokens, experts, "permute", name)
-        assert torch.equal(x_sorted, scatter_rows_torch(x, want.inv)), (tokens, experts)
         result[f"plan_t{tokens}_e{experts}"] = "exact"
-    with pytest.raises(ValueError, match="x has 19 rows for 160"):
-        kernels.plan_permute_triton(idx, w, experts, x[:-1])
     src, inv, want = _scatter_case(53, 37, 8, 3, "cpu", 0, (1, 5))  # 53 % 4, 37 % 16 tails
     assert torch.equal(kernels.scatter_rows_triton(src, inv), want)
-    # forward and backward of the whole path vs the loop reference; the permute in the plan's
-    # kernel, and (PLAN_PERMUTE off) the row scatter's own launch
-    for skip, kernels.PLAN_PERMUTE in (((), True), ((1, 5), True), ((1, 5), False)):
+    for skip in ((), (1, 5)):  # forward and backward of the whole path vs the loop reference
         x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
         cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(3))
         # with skipped experts, an addend too (added by the gather-sum kernel)
@@ -188,7 +177,7 @@ def _interpreter_check() -> dict:
         ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot, addend)
         assert len(got) == len(ref) == (6 if skip else 5)
         for name, a, b in zip(NAMES, got, ref):
-            result[f"skip{len(skip)}/permute{int(kernels.PLAN_PERMUTE)}/{name}"] = _rel(a, b)
+            result[f"skip{len(skip)}/{name}"] = _rel(a, b)
             assert _rel(a, b) < 1e-5, (skip, name, _rel(a, b))
         for e in skip:
             assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
@@ -346,26 +335,6 @@ def test_moe_plan_triton_matches_torch_sort():
         want = dispatch_plan_torch(idx, experts, w)
         for name, a, b in zip(got._fields, got, want):
             assert torch.equal(a, b.to(a.dtype)), (tokens, experts, name)
-
-
-@pytest.mark.gpu
-def test_moe_plan_permute_triton_matches_plan_and_row_scatter():
-    """The plan whose second kernel also permutes x: the same plan as the torch sort, and
-    x_sorted equal to the row scatter's (bf16 copies: exact), every row written (the output's
-    memory held NaN before), at the bench's shapes and ragged ones."""
-    from megacpp.kernels.ops.moe import triton as kernels
-
-    for tokens, dim, experts, k, skip in ((16384, 1024, 64, 8, (5,)), (16384, 1024, 16, 2, ()),
-                                          (1003, 1000, 64, 8, ()), (5000, 768, 256, 4, (0,)),
-                                          (700, 3000, 16, 3, (1, 2))):
-        x, idx, w, _, _ = _inputs(tokens, dim, experts, k, 8, torch.bfloat16, "cuda", 2, skip)
-        want = dispatch_plan_torch(idx, experts, w)
-        poison = torch.full((tokens * k, dim), float("nan"), device="cuda", dtype=torch.bfloat16)
-        del poison  # the caching allocator hands this block to x_sorted
-        plan, x_sorted = kernels.plan_permute_triton(idx, w, experts, x)
-        for name, a, b in zip(want._fields, plan, want):
-            assert torch.equal(a, b.to(a.dtype)), (tokens, experts, name)
-        assert torch.equal(x_sorted, x[want.order // k]), (tokens, dim, experts, k)
 
 
 @pytest.mark.gpu

@@ -5,8 +5,7 @@ Forward (N = T * k routed rows, sorted by expert; offsets stay on the device)::
     plan       stable sort of the flat expert ids -> order [N], inverse inv [T, k], offs [E],
                routing weights in sorted order w_sorted [N] (on CUDA, E <= 256: a two-launch
                Triton counting sort; else torch.sort + searchsorted)
-    permute    x_sorted[inv[t, j]] = x[t]                                            [N, D]
-               (with the Triton plan, by its second kernel; else a row scatter)
+    permute    x_sorted[inv[t, j]] = x[t]   (a row scatter: each row of x read once)  [N, D]
     gate|up    grouped GEMM x_sorted @ w_in[e]^T                        [N, 2F]
     SwiGLU     hidden = silu(gate) * up * w     (routing weight folded in here)   [N, F]
                (in the gate|up GEMM's epilogue where the Triton kernel serves it)
@@ -62,7 +61,7 @@ def dispatch_plan(expert_idx: Tensor, n_experts: int, weights: Tensor | None = N
     :func:`megacpp.kernels.ops.moe.triton.plan_triton`; its w_sorted is float32). Else a
     stable torch.sort of uint8/int32 keys and the group ends from a binary search of the
     sorted keys (no bincount: it syncs)."""
-    if _use_triton(expert_idx.device) and n_experts <= 256:  # MAX_PLAN_EXPERTS
+    if _use_triton(expert_idx.device) and n_experts <= 256:
         from megacpp.kernels.ops.moe.triton import plan_triton
 
         if weights is None:
@@ -149,7 +148,6 @@ def _use_triton(device: torch.device) -> bool:
 
 
 class _Ops(NamedTuple):
-    plan_permute: Callable[..., tuple[DispatchPlan, Tensor]]  # (expert_idx, E, weights, x)
     scatter_rows: Callable[..., Tensor]
     gather_sum: Callable[..., Tensor]
     gate_up_swiglu: Callable[..., tuple[Tensor, Tensor]]  # (x_sorted, w_in, offs, w_sorted)
@@ -181,43 +179,29 @@ def _ops(device: torch.device) -> _Ops:
             gate_up = mm(a, w_in, offs, True)
             return gate_up, kernels.swiglu_weighted_triton(gate_up, w_sorted)
 
-        def plan_permute(expert_idx: Tensor, n_experts: int, weights: Tensor, x: Tensor
-                         ) -> tuple[DispatchPlan, Tensor]:
-            if n_experts <= kernels.MAX_PLAN_EXPERTS and kernels.PLAN_PERMUTE:
-                plan, x_sorted = kernels.plan_permute_triton(expert_idx, weights, n_experts, x)
-                return DispatchPlan(*plan), x_sorted
-            plan = dispatch_plan(expert_idx, n_experts, weights)
-            return plan, kernels.scatter_rows_triton(x, plan.inv)
-
-        return _Ops(plan_permute, kernels.scatter_rows_triton, kernels.gather_sum_triton,
-                    gate_up_swiglu, kernels.swiglu_weighted_backward_triton, wgrad, mm)
+        return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton, gate_up_swiglu,
+                    kernels.swiglu_weighted_backward_triton, wgrad, mm)
 
     def gate_up_swiglu_torch(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
                              ) -> tuple[Tensor, Tensor]:
         gate_up = grouped_mm_torch(a, w_in, offs, True)
         return gate_up, swiglu_weighted_torch(gate_up, w_sorted)
 
-    def plan_permute_torch(expert_idx: Tensor, n_experts: int, weights: Tensor, x: Tensor
-                           ) -> tuple[DispatchPlan, Tensor]:
-        plan = dispatch_plan_torch(expert_idx, n_experts, weights)
-        return plan, scatter_rows_torch(x, plan.inv)
-
-    return _Ops(plan_permute_torch, scatter_rows_torch, gather_sum_torch, gate_up_swiglu_torch,
+    return _Ops(scatter_rows_torch, gather_sum_torch, gate_up_swiglu_torch,
                 swiglu_weighted_backward_torch, grouped_wgrad_torch, grouped_mm_torch)
 
 
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
-                expert_idx: Tensor, addend: Tensor | None, compute_dtype: torch.dtype) -> Tensor:
+                order: Tensor, inv: Tensor, offs: Tensor, w_sorted: Tensor,
+                addend: Tensor | None, compute_dtype: torch.dtype) -> Tensor:
         ops = _ops(x.device)
-        # the plan, then x in expert order [N, D] (on CUDA both from the plan's two launches)
-        (order, inv, offs, w_sorted), x_sorted = ops.plan_permute(expert_idx, w_in.shape[0],
-                                                                  weights, x)
         # the weights arrive in their own dtype (float32 masters under autocast) and are cast
         # here, so that their gradients can be returned in that dtype by the wgrad GEMMs
         ctx.w_dtypes = (w_in.dtype, w_out.dtype)
         w_in, w_out = w_in.to(compute_dtype), w_out.to(compute_dtype)
+        x_sorted = ops.scatter_rows(x, inv)  # [N, D]
         # [N, 2F], and [N, F] = silu(gate) * up * w (the routing weight folded in)
         gate_up, hidden = ops.gate_up_swiglu(x_sorted, w_in, offs, w_sorted)
         y_sorted = ops.mm(hidden, w_out, offs, True)  # [N, D]
@@ -248,8 +232,8 @@ class _GroupedExperts(torch.autograd.Function):
             dw_in = ops.wgrad(dgate_up, x_sorted, offs, ctx.w_dtypes[0])  # [E, 2F, D]
         dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
         # the addend's gradient is the output's
-        daddend = dout.to(ctx.addend_dtype) if ctx.needs_input_grad[5] else None
-        return dx, dweights, dw_in, dw_out, None, daddend, None
+        daddend = dout.to(ctx.addend_dtype) if ctx.needs_input_grad[8] else None
+        return dx, dweights, dw_in, dw_out, None, None, None, None, daddend, None
 
 
 def moe_experts_grouped(
@@ -265,4 +249,5 @@ def moe_experts_grouped(
     if effective_dtype(w_out) != compute:
         raise TypeError(f"moe_experts: w_in and w_out compute in {compute} and "
                         f"{effective_dtype(w_out)}; give both in one dtype")
-    return _GroupedExperts.apply(x, weights, w_in, w_out, expert_idx, addend, compute)
+    plan = dispatch_plan(expert_idx, w_in.shape[0], weights)
+    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan, addend, compute)

@@ -4,9 +4,7 @@
   sort, no searchsorted, no host sync), for up to 256 experts: per-block expert counts, then
   each block's rows scattered to ``expert start + rows of that expert in earlier blocks +
   rank in this block``, writing the sort order, the inverse permutation, the routing weights
-  in sorted order and the grouped GEMM's group ends;
-  :func:`plan_permute_triton` -- the same, whose second kernel also writes the permuted rows
-  of x (the forward's permute, without a launch of its own).
+  in sorted order and the grouped GEMM's group ends.
 * :func:`scatter_rows_triton` -- the permute (and the combine's backward): each token's row
   read once, in token order, and written to its ``k`` sorted rows through the inverse
   permutation.
@@ -44,16 +42,6 @@ PLAN_BLOCK = 1024  # (token, choice) pairs per program of the two plan kernels
 SCATTER_TOKENS = 16  # source rows (tokens) per program of the row scatter
 SCATTER_COLS = 1024  # columns per inner step of the row scatter
 SCATTER_WARPS = 8
-# the permute inside the plan's second kernel (plan_permute_triton): columns per program (the
-# grid's second dimension), the most elements of its [pairs, columns] row tile, warps. H100
-# sweep (benchmarks/results/kernels/h100_s32, call 2; do_bench medians, plan + permute): e64_k8
-# 161.8 us at (256, 8192, 4) against the plan then the row scatter's 158.1; 128-column slices
-# took 212-347 us, 64-column ones 356-594 (e16_k2's numbers there are host-bound)
-PERMUTE_COLS = 256
-PERMUTE_TILE = 8192
-PERMUTE_WARPS = 4
-# the forward's permute in the plan's kernel (False: the plan, then the row scatter's own launch)
-PLAN_PERMUTE = True
 
 
 def _const(n: int) -> int:
@@ -85,15 +73,10 @@ def _expert_counts_kernel(IDS, COUNTS, n, E_PAD: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, X, XS, n, n_blocks,
-                         n_experts, n_cols, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                         SUB: tl.constexpr, RB: tl.constexpr, NB_CONST: tl.constexpr,
-                         K: tl.constexpr, BLOCK_C: tl.constexpr, PERMUTE: tl.constexpr):
-    """Grid (blocks, column slices). Every program ranks its block's pairs; the first slice
-    stores the plan, and with PERMUTE each slice also copies its BLOCK_C columns of the pairs'
-    token rows, XS[pos] = X[pair // K] (the permute, read from the block's own positions)."""
+def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, n, n_blocks, n_experts,
+                         E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                         RB: tl.constexpr, NB_CONST: tl.constexpr):
     pid = tl.program_id(0)
-    first = tl.program_id(1) == 0
     experts = tl.arange(0, E_PAD)
     total = tl.zeros((E_PAD,), tl.int32)  # rows of each expert, all blocks
     before = tl.zeros((E_PAD,), tl.int32)  # rows of each expert in blocks before this one
@@ -104,9 +87,8 @@ def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, X, XS, n, n
         total += tl.sum(tile, axis=0)
         before += tl.sum(tl.where((b < pid)[:, None], tile, 0), axis=0)
     ends = tl.cumsum(total, axis=0)  # group ends of the grouped GEMM
-    tl.store(OFFS + experts, ends, mask=(experts < n_experts) & (pid == 0) & first)
+    tl.store(OFFS + experts, ends, mask=(experts < n_experts) & (pid == 0))
     base = ends - total + before  # [E_PAD] first sorted row of this block's rows of each expert
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     for s in range(0, BLOCK, SUB):
         p = pid * BLOCK + s + tl.arange(0, SUB)
         e = tl.load(IDS + p, mask=p < n, other=-1).to(tl.int32)  # [SUB]
@@ -117,14 +99,10 @@ def _plan_scatter_kernel(IDS, W, COUNTS, ORDER, INV, W_SORTED, OFFS, X, XS, n, n
         ok = (p < n) & (e >= 0) & (e < E_PAD)  # an id out of range writes nothing
         pair = p.to(tl.int64)
         pos64 = pos.to(tl.int64)
-        tl.store(ORDER + pos64, pair, mask=ok & first)
-        tl.store(INV + pair, pos64, mask=ok & first)
-        w = tl.load(W + p, mask=ok & first, other=0.0).to(tl.float32)
-        tl.store(W_SORTED + pos64, w, mask=ok & first)
-        if PERMUTE:
-            mask = ok[:, None] & (cols < n_cols)[None, :]
-            rows = tl.load(X + (pair // K)[:, None] * n_cols + cols[None, :], mask=mask)
-            tl.store(XS + pos64[:, None] * n_cols + cols[None, :], rows, mask=mask)
+        tl.store(ORDER + pos64, pair, mask=ok)
+        tl.store(INV + pair, pos64, mask=ok)
+        w = tl.load(W + p, mask=ok, other=0.0).to(tl.float32)
+        tl.store(W_SORTED + pos64, w, mask=ok)
 
 
 def plan_triton(expert_idx: Tensor, weights: Tensor, n_experts: int
@@ -132,58 +110,29 @@ def plan_triton(expert_idx: Tensor, weights: Tensor, n_experts: int
     """expert_idx [T, k] (ids in [0, E), E <= 256), weights [T, k] -> order [N], inv [T, k]
     (int64), offs [E] int32 (group ends), w_sorted [N] float32; N = T * k.
     Stable: rows of one expert keep their (token, choice) order."""
-    return _plan(expert_idx, weights, n_experts, None)[0]
-
-
-def plan_permute_triton(expert_idx: Tensor, weights: Tensor, n_experts: int, x: Tensor
-                        ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """:func:`plan_triton` and the permute of x [T, D] in the same two launches: (the plan,
-    x_sorted [N, D] with x_sorted[inv[t, j]] = x[t]), what :func:`scatter_rows_triton` of the
-    plan's inv gives. The plan's second kernel copies the rows (one program per block of pairs
-    and slice of PERMUTE_COLS columns), so the forward issues one launch fewer before its first
-    GEMM (each launch on an idle GPU costs the host 40-60 us on the H100 machine)."""
-    return _plan(expert_idx, weights, n_experts, x)
-
-
-def _plan(expert_idx: Tensor, weights: Tensor, n_experts: int, x: Tensor | None
-          ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor | None]:
     if n_experts > MAX_PLAN_EXPERTS:
         raise ValueError(f"plan_triton takes at most {MAX_PLAN_EXPERTS} experts, got {n_experts}")
     n = expert_idx.numel()
     if n >= 2**31:
         raise ValueError(f"plan_triton needs fewer than 2**31 (token, choice) pairs, got {n}")
-    # (the host calls are counted: this runs before the forward's first GEMM, on an idle GPU)
+    # (the kernels index the flat [T * k] pairs: contiguous [T, k] tensors are passed as they
+    # are, with no reshape / detach / contiguous calls, host time before the first GEMM)
     ids = expert_idx if expert_idx.is_contiguous() else expert_idx.contiguous()
-    w = weights if weights.is_contiguous() else weights.contiguous()  # read through, not saved
-    device = ids.device
+    w = weights if weights.is_contiguous() else weights.contiguous()
     e_pad = max(16, next_power_of_2(n_experts))
     sub = min(PLAN_BLOCK, max(16, 8192 // e_pad))
     n_blocks = cdiv(n, PLAN_BLOCK)
-    idx64 = torch.empty(2, n, device=device, dtype=torch.int64)
-    order, inv = idx64.unbind(0)
-    counts, offs = torch.empty(n_blocks * e_pad + n_experts, device=device,
-                               dtype=torch.int32).split([n_blocks * e_pad, n_experts])
-    w_sorted = torch.empty(n, device=device, dtype=torch.float32)
+    idx64 = torch.empty(2, n, device=ids.device, dtype=torch.int64)  # order, inv
+    buf32 = torch.empty(n_blocks * e_pad + e_pad, device=ids.device, dtype=torch.int32)
+    counts, offs = buf32[: n_blocks * e_pad], buf32[n_blocks * e_pad:][:n_experts]
+    w_sorted = torch.empty(n, device=ids.device, dtype=torch.float32)
     _expert_counts_kernel[(n_blocks,)](ids, counts, n, E_PAD=e_pad, BLOCK=PLAN_BLOCK, SUB=sub,
                                        num_warps=4)
-    if x is None:
-        xs, n_cols, block_c, slices, x_arg, xs_arg = None, 0, 16, 1, ids, ids
-    else:
-        n_tokens, n_cols = x.shape
-        if n_tokens * expert_idx.shape[1] != n:
-            raise ValueError(f"plan_permute_triton: x has {n_tokens} rows for {n} "
-                             f"(token, choice) pairs of {expert_idx.shape[1]} choices")
-        x_arg = x if x.is_contiguous() else x.contiguous()
-        xs_arg = xs = torch.empty(n, n_cols, device=device, dtype=x.dtype)
-        block_c = min(next_power_of_2(n_cols), PERMUTE_COLS)
-        slices = cdiv(n_cols, block_c)
-        sub = min(sub, PERMUTE_TILE // block_c)  # the [SUB, BLOCK_C] row tile
-    _plan_scatter_kernel[(n_blocks, slices)](
-        ids, w, counts, order, inv, w_sorted, offs, x_arg, xs_arg, n, n_blocks, n_experts,
-        n_cols, E_PAD=e_pad, BLOCK=PLAN_BLOCK, SUB=sub, RB=max(1, 4096 // e_pad),
-        NB_CONST=_const(n_blocks), K=expert_idx.shape[1] if expert_idx.dim() == 2 else 1,
-        BLOCK_C=block_c, PERMUTE=x is not None, num_warps=4 if x is None else PERMUTE_WARPS)
-    return (order, inv.view(expert_idx.shape), offs, w_sorted), xs
+    _plan_scatter_kernel[(n_blocks,)](
+        ids, w, counts, idx64[0], idx64[1], w_sorted, offs, n, n_blocks, n_experts, E_PAD=e_pad,
+        BLOCK=PLAN_BLOCK, SUB=sub, RB=max(1, 4096 // e_pad), NB_CONST=_const(n_blocks),
+        num_warps=4)
+    return idx64[0], idx64[1].view(expert_idx.shape), offs, w_sorted
 
 
 # -- the row scatter (the permute) and the gather-sum (the combine) -------------------------------
