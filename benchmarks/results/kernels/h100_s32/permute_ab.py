@@ -4,6 +4,9 @@ launch (off), alternating, ROUNDS rounds, as ``benchmarks/kernels.py`` times the
 (``time_fwd_bwd``, ``time_fwd_bwd_graphed``: medians of 10).
 
 usage: python3 permute_ab.py OUT_JSON
+
+Ran at 7df7251: ``plan_permute_triton`` and ``PLAN_PERMUTE`` were taken out after call 3
+(704c7e5), so this script runs only on that tree.
 """
 
 from __future__ import annotations

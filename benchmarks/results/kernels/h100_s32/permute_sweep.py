@@ -4,6 +4,9 @@ against the plan then the row scatter (plan_triton + scatter_rows_triton), GPU t
 permute: (PERMUTE_COLS, PERMUTE_TILE, PERMUTE_WARPS).
 
 usage: python3 permute_sweep.py OUT_JSON
+
+Ran at 8870f00 (7df7251 then chose its setting): ``plan_permute_triton`` and ``PLAN_PERMUTE`` were taken out after call 3
+(704c7e5), so this script runs only on that tree.
 """
 
 from __future__ import annotations
