@@ -67,7 +67,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
-from megacpp.kernels.device import capability, cdiv, next_power_of_2, sm_count
+from megacpp.kernels.device import cdiv, next_power_of_2, sm_count
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, _check_inputs
 from megacpp.kernels.ops.sum_rows import sum_rows
 
@@ -121,9 +121,6 @@ TUNING = {
     # dz, instead of _bwd_dx forming it again from S_in (a [T, N] x [N, P] and a [T, T] x [T, P]
     # product and S_in's read per chunk)
     "save_y_pre": True,
-    # _bwd_dqk reads x, dy, z and the chunk states (S_in, G) through TMA tensor descriptors
-    # (no per-element addresses held in registers; the kernel runs at the register limit)
-    "dqk_tma": True,
 }
 MAX_HEADDIM = 64
 MAX_D_STATE = 128
@@ -326,44 +323,13 @@ def _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p, sz_b, sz_l, s
                 HAS_Z: tl.constexpr):
     """(do, dy, z, sigmoid(z)) [T, BP] in float32: do = dy * silu(z), or dy without z."""
     dy = tl.load(DY + _tp(b, tok, h, p, sy_b, sy_l, sy_h, sy_p), mask=mask, other=0.0)
-    z = dy
-    if HAS_Z:
-        z = tl.load(Z + _tp(b, tok, h, p, sz_b, sz_l, sz_h, sz_p), mask=mask, other=0.0)
-    return _gate(dy, z, HAS_Z)
-
-
-@triton.jit
-def _gate(dy, z, HAS_Z: tl.constexpr):
-    """(do, dy, z, sigmoid(z)) in float32 from loaded dy, z: do = dy * silu(z), or dy."""
     dy = dy.to(tl.float32)
     if HAS_Z:
+        z = tl.load(Z + _tp(b, tok, h, p, sz_b, sz_l, sz_h, sz_p), mask=mask, other=0.0)
         z = z.to(tl.float32)
         sig = tl.sigmoid(z)
         return dy * z * sig, dy, z, sig
     return dy, dy, dy, dy
-
-
-@triton.jit
-def _tp_tile(X, b, c, tok, h, p, mask, s_b, s_l, s_h, s_p, T: tl.constexpr, BP: tl.constexpr,
-             TMA: tl.constexpr):
-    """The chunk's [T, BP] tile of a [B, L, H, P] tensor (0 past L and P): through its tensor
-    descriptor (block [1, T, 1, BP]) when TMA, else by pointer."""
-    if TMA:  # (an else, not an early return: Triton compiles what follows a return too)
-        tile = tl.reshape(X.load([b, c * T, h, 0]), [T, BP])
-    else:
-        tile = tl.load(X + _tp(b, tok, h, p, s_b, s_l, s_h, s_p), mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit
-def _state_tile(S, bhc, col0, off, mp, BP: tl.constexpr, JD: tl.constexpr, TMA: tl.constexpr):
-    """A state tile [BP, JD] of chunk ``bhc`` (0 past P) from columns ``col0`` on: through S's
-    descriptor over [B * H * C, P, 2 * N2B] (block [1, BP, JD]) when TMA, else at ``off``."""
-    if TMA:
-        tile = tl.reshape(S.load([bhc, 0, col0]), [BP, JD])
-    else:
-        tile = tl.load(S + off, mask=mp[:, None], other=0.0)
-    return tile
 
 
 # -- per-head operands -----------------------------------------------------------------------
@@ -714,7 +680,7 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
              B, L, H, G, NC, P, N, R,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
              HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-             JD: tl.constexpr, PAIRED: tl.constexpr, TMA: tl.constexpr):
+             JD: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head, JD of its pairs (grid (H * N2B / JD, C, B): a head's pair tiles
     run next to each other and share its x, dy, z in L2, 2.10 -> 2.02 ms at L 4096 on the H100
     against tiles a grid apart; h100_s12): d(q, k) of those pairs, rotated back and stored per
@@ -745,12 +711,9 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
     q_e, q_o = _rotated(Q, xrow, live, j, jt * JD, N, qb_e, qb_o, cos, sin, DOT, PAIRED)
     kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
     k_e, k_o = _rotated(K, xrow, live, j, jt * JD, N, kb_e, kb_o, cos, sin, DOT, PAIRED)
-    x = _tp_tile(V, b, c, tok, h, p, mask, sv_b, sv_l, sv_h, sv_p, T, BP, TMA)
-    dy = _tp_tile(DY, b, c, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p, T, BP, TMA)
-    z = dy
-    if HAS_Z:
-        z = _tp_tile(Z, b, c, tok, h, p, mask, sz_b, sz_l, sz_h, sz_p, T, BP, TMA)
-    do, _dy, _z, _sig = _gate(dy, z, HAS_Z)
+    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
+    do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
+                                    sz_b, sz_l, sz_h, sz_p, HAS_Z)
     hrow = ((b * L + tok).to(tl.int64) * H + h) * (2 * N2B)  # rows of DQH, DKH
     brow = ((b * NC + c) * H + h) * (2 * N2B)  # the bias grads' parts
 
@@ -770,8 +733,8 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
 
     # dq: intra + the carried state's read-out
     s_off = _state_offsets(bhc, p, j, P, 2 * N2B)
-    s_e = _state_tile(SIN, bhc, jt * JD, s_off, mp, BP, JD, TMA)
-    s_o = _state_tile(SIN, bhc, N2B + jt * JD, s_off + N2B, mp, BP, JD, TMA)
+    s_e = tl.load(SIN + s_off, mask=mp[:, None], other=0.0)
+    s_o = tl.load(SIN + s_off + N2B, mask=mp[:, None], other=0.0)
     dos_e = _mm(do, s_e, DOT)  # [T, JD]
     dos_o = _mm(do, s_o, DOT)
     dq_e = _mm(d_qk, k_e, DOT) + carry[:, None] * dos_e
@@ -784,8 +747,8 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
                      N2B)
 
     # dk: intra + k's use in the chunk state (m = x^T G per token)
-    g_e = _state_tile(GST, bhc, jt * JD, s_off, mp, BP, JD, TMA)
-    g_o = _state_tile(GST, bhc, N2B + jt * JD, s_off + N2B, mp, BP, JD, TMA)
+    g_e = tl.load(GST + s_off, mask=mp[:, None], other=0.0)
+    g_o = tl.load(GST + s_off + N2B, mask=mp[:, None], other=0.0)
     m_e = _mm(x, g_e, DOT)  # [T, JD]
     m_o = _mm(x, g_o, DOT)
     d_qk_t = tl.trans(d_qk)
@@ -897,43 +860,6 @@ def _state_pairs(heads: int, n2b: int, sms: int) -> int:
     while pairs > 16 and heads * (n2b // pairs) < TUNING["min_state_programs_per_sm"] * sms:
         pairs //= 2
     return pairs
-
-
-def _dqk_tma(v: Tensor, z: Tensor | None, dy: Tensor, s_in: Tensor, geo: _Geometry, T: int,
-             jd: int) -> bool:
-    """Whether _bwd_dqk reads x, dy, z and the chunk states through tensor descriptors
-    (``TUNING["dqk_tma"]``; sm90+ or the interpreter): every [B, L, H, P] operand must have a
-    unit last stride, 16-byte aligned other strides and base, and 16-byte tile rows."""
-    if not TUNING["dqk_tma"]:
-        return False
-    if v.device.type == "cuda":
-        if capability(v.device) < (9, 0):
-            return False
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    for t in (v, dy, s_in) + ((z,) if z is not None else ()):
-        size = t.element_size()
-        if (t.stride(-1) != 1 or t.data_ptr() % 16
-                or any(st <= 0 or (st * size) % 16 for st in t.stride()[:-1])):
-            return False
-    return (geo.BP * v.element_size()) % 16 == 0 and (jd * s_in.element_size()) % 16 == 0 \
-        and (geo.BP * dy.element_size()) % 16 == 0
-
-
-def _dqk_descriptors(v: Tensor, z: Tensor | None, dy: Tensor, s_in: Tensor, g_st: Tensor,
-                     geo: _Geometry, T: int, jd: int) -> tuple:
-    """Host tensor descriptors of _bwd_dqk's x, z, dy ([B, L, H, P], block [1, T, 1, BP]) and
-    chunk states (viewed [B * H * C, P, 2 * N2B], block [1, BP, jd]); z None stays None."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    def tp(t: Tensor | None):
-        return None if t is None else TensorDescriptor.from_tensor(t, [1, T, 1, geo.BP])
-
-    def state(t: Tensor):
-        return TensorDescriptor.from_tensor(t.view(-1, t.shape[-3], t.shape[-2] * t.shape[-1]),
-                                            [1, geo.BP, jd])
-
-    return tp(v), tp(z), tp(dy), state(s_in), state(g_st)
 
 
 def _launch(kernel: str, geo: _Geometry) -> dict[str, int]:
@@ -1068,16 +994,9 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
     dadt_part = torch.empty(njd, B, H, NC * T, **f32)  # shares of _bwd_dqk's pair tiles
     d_sg = torch.empty(2, njd, B, H, NC * T, **f32)  # d scale, d gamma
-    tma = _dqk_tma(v, z, dy, s_in, geo, T, jd)
-    if tma:
-        tiles = _dqk_descriptors(v, z, dy, s_in, g_st, geo, T, jd)
-    else:
-        tiles = (v, z, dy, s_in, g_st)
-    x_t, z_t, dy_t, s_t, g_t = tiles
     _bwd_dqk[(H * njd, NC, B)](
-        *_qk_args(args, ops), x_t, z_t, dy_t, ops.sc, rst, s_t, g_t, dqh, dkh, dqb_part,
-        dkb_part, d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, TMA=tma, **const,
-        **_launch("bwd_dqk", geo))
+        *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
+        d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk", geo))
     dadt = torch.empty(B, L, H, device=dev, dtype=adt.dtype)
     ddt = torch.empty(B, L, H, device=dev, dtype=dt.dtype)
     dtrap = torch.empty(B, L, H, device=dev, dtype=trap.dtype)
