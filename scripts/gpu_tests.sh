@@ -39,7 +39,7 @@ fi
 
 # the modules that hold GPU tests (collecting only these: the serving and Megatron modules
 # need packages the GPU machine does not have)
-mapfile -t files < <(grep -rlE 'mark\.gpu|pytestmark *= *pytest\.mark\.gpu' tests --include='test_*.py' | sort)
+mapfile -t files < <(grep -rlE 'mark\.gpu' tests --include='test_*.py' | sort)
 [ "${#files[@]}" -gt 0 ] || { echo "gpu_tests: no module under tests/ has a gpu mark" >&2; exit 1; }
 
 # The groups are fixed by tests/gpu_durations.json (pytest-split reads its durations and writes
