@@ -46,6 +46,5 @@ def sum_rows(partials: Tensor) -> Tensor:
     if n_rows == 0:
         return out.zero_()
     _sum_rows[(cdiv(n_cols, BLOCK_C),)](partials, out, n_rows, n_cols, partials.stride(0),
-                                               BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-                                               num_warps=NUM_WARPS)
+                                        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
     return out

@@ -115,10 +115,9 @@ def plan_triton(expert_idx: Tensor, weights: Tensor, n_experts: int
     n = expert_idx.numel()
     if n >= 2**31:
         raise ValueError(f"plan_triton needs fewer than 2**31 (token, choice) pairs, got {n}")
-    # (the kernels index the flat [T * k] pairs: contiguous [T, k] tensors are passed as they
-    # are, with no reshape / detach / contiguous calls, host time before the first GEMM)
-    ids = expert_idx if expert_idx.is_contiguous() else expert_idx.contiguous()
-    w = weights if weights.is_contiguous() else weights.contiguous()
+    # the kernels index the flat [T * k] pairs of the [T, k] tensors (no reshape or detach:
+    # host time before the first GEMM; contiguous() returns a contiguous tensor itself)
+    ids, w = expert_idx.contiguous(), weights.contiguous()
     e_pad = max(16, next_power_of_2(n_experts))
     sub = min(PLAN_BLOCK, max(16, 8192 // e_pad))
     n_blocks = cdiv(n, PLAN_BLOCK)
@@ -305,8 +304,7 @@ def _wgrad_config(m: int, n: int, experts: int, sms: int) -> dict:
     (dw_in, the e64 / e16 cases) 128x256 was 6-9% faster (s18/call_a_h100)."""
     def cost(cfg: dict) -> int:
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        tiles = -(-m // bm) * -(-n // bn) * experts
-        return -(-tiles // sms) * bm * bn
+        return cdiv(cdiv(m, bm) * cdiv(n, bn) * experts, sms) * bm * bn
     return min(WGRAD_CONFIGS, key=cost)  # min keeps the first of equals
 
 
