@@ -108,9 +108,6 @@ TUNING = {
     # pairs per program of _bwd_dqk: 32 halves its pair-dimension tiles, so at 4 warps two
     # programs fit an SM (benchmarks/results/kernels/h100_s7)
     "dqk_pairs": 32,
-    # every matmul over pairs with the pairs interleaved (one [*, 2 pairs] product per even/odd
-    # pair of products): session 34's probe
-    "joined": True,
     "max_chunk": 64,
     # chunks' phi per load of _final (one at a time it took 50 us at L 4096 on the H100)
     "final_chunks": 32,
@@ -390,7 +387,7 @@ def _state_fwd(K, KBIAS, CS, V, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_
                B, L, H, G, NC, P, N, R,
                T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
                JB: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-               FAST: tl.constexpr, PAIRED: tl.constexpr, JOINED: tl.constexpr):
+               FAST: tl.constexpr, PAIRED: tl.constexpr):
     """Walks one head's chunks for a tile of JB pairs: stores S_in[c], then the final state.
     S_in[c + 1] = rot(-phi_c)(decay_c S_in[c] + sum_s w_state_s x_s k_s^T)."""
     pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -419,13 +416,8 @@ def _state_fwd(K, KBIAS, CS, V, SC, PHI, RESET, SIN, SFIN, sv_b, sv_l, sv_h, sv_
         cos, sin = _rot_table(CS, row, j, R, RB)
         k_e, k_o = _rotated(K, _qk_rows(b, tok, g, L, G, N), live, j, pid_j * JB, N, kb_e, kb_o,
                             cos, sin, DOT, PAIRED)
-        if JOINED:
-            xk_e, xk_o = _unjoin(_mm(xw, _join(k_e, k_o), DOT))
-            u_e = decay * s_e + xk_e
-            u_o = decay * s_o + xk_o
-        else:
-            u_e = decay * s_e + _mm(xw, k_e, DOT)
-            u_o = decay * s_o + _mm(xw, k_o, DOT)
+        u_e = decay * s_e + _mm(xw, k_e, DOT)
+        u_o = decay * s_o + _mm(xw, k_o, DOT)
         cp, sp = _cos_sin(tl.load(PHI + bhc * RB + j, mask=j < R, other=0.0), FAST)
         cp, sp = cp[None, :], sp[None, :]
         s_e, s_o = u_e * cp + u_o * sp, u_o * cp - u_e * sp
@@ -449,26 +441,17 @@ def _chunk_program(SC, RESET, B, L, H, NC, P, T: tl.constexpr, BP: tl.constexpr,
 
 
 @triton.jit
-def _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T: tl.constexpr, DOT: tl.constexpr,
-                  JOINED: tl.constexpr):
+def _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T: tl.constexpr, DOT: tl.constexpr):
     """scores = (q k^T) * W [T, T] of a chunk's q, k halves; carry and w_state."""
     carry, _to_end, w_state, _decay = _weights(a, scale, seg, T)
     w, _decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    if JOINED:
-        qk = _mm(_join(q_e, q_o), tl.trans(_join(k_e, k_o)), DOT)
-    else:
-        qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)
+    qk = _mm(q_e, tl.trans(k_e), DOT) + _mm(q_o, tl.trans(k_o), DOT)
     return qk * w, carry, w_state
 
 
 @triton.jit
-def _state_dot(X_e, X_o, S, bhc, p, mp, P, N2B: tl.constexpr, DOT: tl.constexpr,
-               JOINED: tl.constexpr):
+def _state_dot(X_e, X_o, S, bhc, p, mp, P, N2B: tl.constexpr, DOT: tl.constexpr):
     """X S^T [T, BP] of the [T, N2B] halves X_e, X_o and chunk ``bhc``'s state tile of S."""
-    if JOINED:
-        c = tl.arange(0, 2 * N2B)
-        s_j = _state_t(S, bhc, p, mp, (c % 2) * N2B + c // 2, P, 2 * N2B)  # [2 N2B, BP]
-        return _mm(_join(X_e, X_o), s_j, DOT)
     j = tl.arange(0, N2B)
     s_e = _state_t(S, bhc, p, mp, j, P, 2 * N2B)  # [N2B, BP]
     s_o = _state_t(S, bhc, p, mp, N2B + j, P, 2 * N2B)
@@ -477,10 +460,10 @@ def _state_dot(X_e, X_o, S, bhc, p, mp, P, N2B: tl.constexpr, DOT: tl.constexpr,
 
 @triton.jit
 def _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, mp, P, N2B: tl.constexpr,
-              DOT: tl.constexpr, JOINED: tl.constexpr):
+              DOT: tl.constexpr):
     """y before the gate [T, BP]: intra (scores x) + carry q S_in^T + D x."""
     return (_mm(scores, x, DOT) + carry[:, None] * _state_dot(q_e, q_o, SIN, bhc, p, mp, P, N2B,
-                                                              DOT, JOINED)
+                                                              DOT)
             + d_skip * x.to(tl.float32))
 
 
@@ -489,21 +472,19 @@ def _out_fwd(Q, K, QBIAS, KBIAS, CS, V, Z, Y, YP, SC, DSKIP, RESET, SIN,
              sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, B, L, H, G, NC, P, N, R,
              T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
              HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
-             DOT: tl.constexpr, STORE_YP: tl.constexpr, PAIRED: tl.constexpr,
-             JOINED: tl.constexpr):
+             DOT: tl.constexpr, STORE_YP: tl.constexpr, PAIRED: tl.constexpr):
     """y of one chunk of one head: (intra + carry q S_in^T + D x) * silu(z); STORE_YP: also
     y before the gate (YP, for dz)."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
         SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, 1)
     q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
                                    tok < L, L, G, N, R, N2B, RB, DOT, PAIRED)
-    scores, carry, _w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT,
-                                            JOINED)
+    scores, carry, _w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(DSKIP + h).to(tl.float32)
-    y = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, p < P, P, N2B, DOT, JOINED)
+    y = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, p < P, P, N2B, DOT)
     out = ((b * L + tok[:, None]).to(tl.int64) * H + h) * P + p[None, :]
     if HAS_Z:
         if STORE_YP:
@@ -561,8 +542,7 @@ def _state_bwd(Q, QBIAS, CS, Z, DY, SC, PHI, RESET, GST,
                sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p, B, L, H, G, NC, P, N, R,
                T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
                JB: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
-               DOT: tl.constexpr, FAST: tl.constexpr, PAIRED: tl.constexpr,
-               JOINED: tl.constexpr):
+               DOT: tl.constexpr, FAST: tl.constexpr, PAIRED: tl.constexpr):
     """dS[c] = dL/dS_in[c] walking backwards for a tile of JB pairs; stores
     G_c = dL/dU_c = rot(-phi_c)^T dS[c + 1]."""
     pid_j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -594,13 +574,8 @@ def _state_bwd(Q, QBIAS, CS, Z, DY, SC, PHI, RESET, GST,
         cos, sin = _rot_table(CS, row, j, R, RB)
         q_e, q_o = _rotated(Q, _qk_rows(b, tok, g, L, G, N), live, j, pid_j * JB, N, qb_e, qb_o,
                             cos, sin, DOT, PAIRED)
-        if JOINED:
-            dq_e, dq_o = _unjoin(_mm(do_t, _join(q_e, q_o), DOT))
-            ds_e = decay * g_e + dq_e
-            ds_o = decay * g_o + dq_o
-        else:
-            ds_e = decay * g_e + _mm(do_t, q_e, DOT)
-            ds_o = decay * g_o + _mm(do_t, q_o, DOT)
+        ds_e = decay * g_e + _mm(do_t, q_e, DOT)
+        ds_o = decay * g_o + _mm(do_t, q_o, DOT)
 
 
 @triton.jit
@@ -609,8 +584,7 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
             B, L, H, G, NC, P, N, R,
             T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
             HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
-            DOT: tl.constexpr, LOAD_YP: tl.constexpr, PAIRED: tl.constexpr,
-            JOINED: tl.constexpr):
+            DOT: tl.constexpr, LOAD_YP: tl.constexpr, PAIRED: tl.constexpr):
     """One chunk of one head: dx (intra, skip, and x's use in the chunk state), dz, dD;
     LOAD_YP: dz from the forward's y before the gate (YP) instead of forming it again."""
     h, _c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
@@ -618,8 +592,7 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
     mp = p < P
     q_e, q_o, k_e, k_o = _chunk_qk(Q, K, QBIAS, KBIAS, CS, b, h, h // (H // G), tok, row,
                                    tok < L, L, G, N, R, N2B, RB, DOT, PAIRED)
-    scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT,
-                                           JOINED)
+    scores, carry, w_state = _chunk_scores(q_e, q_o, k_e, k_o, a, scale, gamma, seg, T, DOT)
     x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
     do, dy, z, sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
                                  sz_b, sz_l, sz_h, sz_p, HAS_Z)
@@ -632,12 +605,11 @@ def _bwd_dx(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, DSKIP, RESET, SIN, GST, YP, DV
         if LOAD_YP:
             y_pre = tl.load(YP + out, mask=mask, other=0.0).to(tl.float32)
         else:
-            y_pre = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, mp, P, N2B, DOT,
-                              JOINED)
+            y_pre = _read_out(SIN, scores, x, q_e, q_o, carry, d_skip, bhc, p, mp, P, N2B, DOT)
         tl.store(DZ + out, (dy * y_pre * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty),
                  mask=mask)
     dx = (_mm(tl.trans(scores), do, DOT) + d_skip * do
-          + w_state[:, None] * _state_dot(k_e, k_o, GST, bhc, p, mp, P, N2B, DOT, JOINED))
+          + w_state[:, None] * _state_dot(k_e, k_o, GST, bhc, p, mp, P, N2B, DOT))
     tl.store(DV + out, dx.to(DV.dtype.element_ty), mask=mask)
 
 
@@ -812,110 +784,6 @@ def _bwd_dqk(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
 
 
 @triton.jit
-def _join(e, o):
-    """[R, pairs] even and odd halves -> [R, 2 pairs] with the pairs interleaved."""
-    return tl.reshape(tl.join(e, o), [e.shape[0], 2 * e.shape[1]])
-
-
-@triton.jit
-def _unjoin(x):
-    """[R, 2 pairs] interleaved -> its even and odd halves, [R, pairs] each."""
-    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-
-
-@triton.jit
-def _state_joined(S, bhc, p, mp, j0, P, JD: tl.constexpr, N2B: tl.constexpr):
-    """Chunk ``bhc``'s state tile of pairs j0 .. j0 + JD from a halves-layout buffer, [BP, 2 JD]
-    with the pairs interleaved (0 past P)."""
-    c = tl.arange(0, 2 * JD)
-    cols = (c % 2) * N2B + j0 + c // 2
-    return tl.load(S + _state_offsets(bhc, p, cols, P, 2 * N2B), mask=mp[:, None], other=0.0)
-
-
-@triton.jit
-def _bwd_dqk_joined(Q, K, QBIAS, KBIAS, CS, V, Z, DY, SC, RESET, SIN, GST,
-                    DQH, DKH, DQB, DKB, DELL, DADT, DSG,
-                    sv_b, sv_l, sv_h, sv_p, sz_b, sz_l, sz_h, sz_p, sy_b, sy_l, sy_h, sy_p,
-                    B, L, H, G, NC, P, N, R,
-                    T: tl.constexpr, BP: tl.constexpr, N2B: tl.constexpr, RB: tl.constexpr,
-                    HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, DOT: tl.constexpr,
-                    JD: tl.constexpr, PAIRED: tl.constexpr):
-    """_bwd_dqk with every product over a pair tile as one matmul: q, k and the state tiles
-    held with their pairs interleaved ([*, 2 JD]), so each even/odd pair of [*, JD] products
-    is one [*, 2 JD] product (6 matmuls instead of 11)."""
-    h, c, b, tok, p, mask, bhc, row, a, scale, gamma, seg = _chunk_program(
-        SC, RESET, B, L, H, NC, P, T, BP, HAS_RESET, N2B // JD)
-    jt = tl.program_id(0) % (N2B // JD)
-    t = tl.arange(0, T)
-    live = tok < L
-    mp = p < P
-    j = jt * JD + tl.arange(0, JD)
-    carry, to_end, w_state, decay = _weights(a, scale, seg, T)
-    w, decay_tt = _intra_weights(a, scale, gamma, seg, T)
-    xrow = _qk_rows(b, tok, h // (H // G), L, G, N)
-    cos, sin = _rot_table(CS, row, j, R, RB)
-    qb_e, qb_o = _bias_pairs(QBIAS, h, j, N, N, 1)
-    q_j = _join(*_rotated(Q, xrow, live, j, jt * JD, N, qb_e, qb_o, cos, sin, DOT, PAIRED))
-    kb_e, kb_o = _bias_pairs(KBIAS, h, j, N, N, 1)
-    k_j = _join(*_rotated(K, xrow, live, j, jt * JD, N, kb_e, kb_o, cos, sin, DOT, PAIRED))
-    x = tl.load(V + _tp(b, tok, h, p, sv_b, sv_l, sv_h, sv_p), mask=mask, other=0.0)
-    do, _dy, _z, _sig = _gated_grad(DY, Z, b, tok, h, p, mask, sy_b, sy_l, sy_h, sy_p,
-                                    sz_b, sz_l, sz_h, sz_p, HAS_Z)
-    hrow = ((b * L + tok).to(tl.int64) * H + h) * (2 * N2B)
-    brow = ((b * NC + c) * H + h) * (2 * N2B)
-
-    qk = _mm(q_j, tl.trans(k_j), DOT)  # [T, T]
-    d_scores = _mm(do, tl.trans(x), DOT)
-    d_qk = (d_scores * w).to(DOT)
-    d_w = d_scores * qk
-    z_dec = d_w * decay_tt
-    z_w = z_dec * scale[None, :]
-    dz_dec = tl.sum(z_dec, axis=0)
-    dz_w = tl.sum(z_w, axis=1) - tl.sum(z_w, axis=0)
-    d_gamma = tl.sum(tl.where(t[:, None] == t[None, :], d_w, 0.0), axis=1)
-
-    s_j = _state_joined(SIN, bhc, p, mp, jt * JD, P, JD, N2B)  # [BP, 2 JD]
-    dos = _mm(do, s_j, DOT)  # [T, 2 JD]
-    dq = _mm(d_qk, k_j, DOT) + carry[:, None] * dos
-    q_s = tl.sum(q_j.to(tl.float32) * dos, axis=1)
-    q_e, q_o = _unjoin(q_j.to(tl.float32))
-    dq_e, dq_o = _unjoin(dq)
-    d_ell = q_e * dq_o - q_o * dq_e
-    _store_unrotated(DQH, DQB, hrow, brow, live, j, dq_e, dq_o, *_rot_table(CS, row, j, R, RB),
-                     N2B)
-
-    g_j = _state_joined(GST, bhc, p, mp, jt * JD, P, JD, N2B)
-    m = _mm(x, g_j, DOT)  # [T, 2 JD]
-    dk = _mm(tl.trans(d_qk), q_j, DOT) + w_state[:, None] * m
-    k_f = k_j.to(tl.float32)
-    mk = tl.sum(m * k_f, axis=1)
-    k_e, k_o = _unjoin(k_f)
-    dk_e, dk_o = _unjoin(dk)
-    d_ell += k_e * dk_o - k_o * dk_e
-    _store_unrotated(DKH, DKB, hrow, brow, live, j, dk_e, dk_o, *_rot_table(CS, row, j, R, RB),
-                     N2B)
-
-    g_f, s_f = g_j.to(tl.float32), s_j.to(tl.float32)
-    g_e, g_o = _unjoin(g_f)
-    s_e, s_o = _unjoin(s_f)
-    m_e, m_o = _unjoin(m)
-    d_phi = (tl.sum(w_state[:, None] * (m_e * k_o - m_o * k_e), axis=0)
-             + decay * tl.sum(g_e * s_o - g_o * s_e, axis=0))
-    d_ell += tl.where((t == T - 1)[:, None], d_phi[None, :], 0.0)
-    d_dec = tl.sum(g_f * s_f)
-
-    tl.store(DELL + row.to(tl.int64)[:, None] * RB + j[None, :], d_ell, mask=(j < R)[None, :])
-    sc = jt * (B * H * NC * T) + row
-    w_mk = w_state * mk
-    d_scale = dz_dec + to_end * mk
-    d_a = dz_w + carry * q_s - w_mk
-    d_a += tl.where(t == T - 1, tl.sum(w_mk, axis=0) + d_dec * decay, 0.0)
-    tl.store(DADT + sc, tl.cumsum(d_a, axis=0, reverse=True))
-    tl.store(DSG + sc, d_scale)
-    tl.store(DSG + (N2B // JD) * B * H * NC * T + sc, d_gamma + d_scale)
-
-
-@triton.jit
 def _head_sum(DH, D, base, m, out, m_out, ROWS: tl.constexpr, N2B: tl.constexpr):
     """One of _group_sum's two sums: the [ROWS, heads, 2 N2B] rows (halves layout, one load)
     summed over the heads and stored interleaved, one contiguous row each."""
@@ -1076,7 +944,7 @@ def _forward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dot,
     dev = v.device
     dims = (B, L, H, G, NC, P, N, R)
     const = {"T": T, "BP": geo.BP, "N2B": geo.N2B, "RB": geo.RB, "HAS_RESET": rst is not None,
-             "DOT": dot, "PAIRED": geo.PAIRED, "JOINED": TUNING["joined"]}
+             "DOT": dot, "PAIRED": geo.PAIRED}
     s_in = torch.empty(B, H, NC, P, 2, geo.N2B, device=dev, dtype=_operand_dtype(v))
     s_fin = torch.empty(B, H, P, 2, geo.N2B, device=dev, dtype=torch.float32)
     _state_fwd[(geo.N2B // geo.JB, H, B)](
@@ -1100,8 +968,7 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     f32 = {"device": dev, "dtype": torch.float32}
     dims = (B, L, H, G, NC, P, N, R)
     const = {"T": T, "BP": geo.BP, "N2B": geo.N2B, "RB": geo.RB, "HAS_Z": z is not None,
-             "HAS_RESET": rst is not None, "DOT": dot, "PAIRED": geo.PAIRED,
-             "JOINED": TUNING["joined"]}
+             "HAS_RESET": rst is not None, "DOT": dot, "PAIRED": geo.PAIRED}
     strides = (*st["v"], *st["z"], *dy.stride())
     g_st = torch.empty_like(s_in)
     _state_bwd[(geo.N2B // geo.JB, H, B)](
@@ -1127,8 +994,7 @@ def _backward(geo: _Geometry, args: tuple, st: dict, ops: _Operands, dy: Tensor,
     d_ell = torch.empty(B, H, NC * T, geo.RB, **f32)
     dadt_part = torch.empty(njd, B, H, NC * T, **f32)  # shares of _bwd_dqk's pair tiles
     d_sg = torch.empty(2, njd, B, H, NC * T, **f32)  # d scale, d gamma
-    joined = const.pop("JOINED")
-    (_bwd_dqk_joined if joined else _bwd_dqk)[(H * njd, NC, B)](
+    _bwd_dqk[(H * njd, NC, B)](
         *_qk_args(args, ops), v, z, dy, ops.sc, rst, s_in, g_st, dqh, dkh, dqb_part, dkb_part,
         d_ell, dadt_part, d_sg, *strides, *dims, JD=jd, **const, **_launch("bwd_dqk", geo))
     dadt = torch.empty(B, L, H, device=dev, dtype=adt.dtype)
