@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from megacpp.errors import ConfigError
+from megacpp.kernels import check as check_module
+from megacpp.kernels import peers
 from megacpp.kernels.catalog import (
     Backend,
     Catalog,
@@ -19,7 +21,7 @@ from megacpp.kernels.catalog import (
     select,
     smem_needs,
 )
-from megacpp.kernels.check import check_backend
+from megacpp.kernels.check import CheckAborted, check_backend, check_catalog
 from megacpp.kernels.ops.moe.grouped import moe_experts_grouped
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.runtime import chosen_kernels, kernel_mode_override, resolve, set_kernel_mode
@@ -127,6 +129,98 @@ def test_check_fails_a_wrong_or_nan_backend() -> None:
         result = check_backend(catalog.surface("moe_experts"), backend, torch.device("cpu"),
                                "float32", 0)
         assert not result.passed
+
+
+def _two_backend_catalog(first_fn, guard=None) -> Catalog:
+    """moe_experts with two CPU candidates: ``first_fn`` (checked first) and the reference."""
+    catalog = Catalog()
+    surface = default_catalog().surface("moe_experts")
+    catalog.add_surface(surface)
+    catalog.add(Backend("first", "moe_experts", "chosen", Requirements(devices=("cpu",)),
+                        first_fn, check_guard=guard))
+    catalog.add(Backend("second", "moe_experts", "chosen", Requirements(devices=("cpu",)),
+                        surface.reference))
+    return catalog
+
+
+def test_check_records_a_raising_backend_and_goes_on() -> None:
+    def raises(**kw):
+        raise RuntimeError("boom\nsecond line")
+
+    results = check_catalog(_two_backend_catalog(raises), torch.device("cpu"), CPU, ["float32"])
+    assert [(r.backend, r.passed) for r in results] == [("first", False), ("second", True)]
+    assert results[0].error == "RuntimeError: boom" and results[0].skipped is None
+
+
+def test_check_stops_when_a_backend_leaves_the_device_unusable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An illegal address is sticky: the check stops after the backend that caused it, names
+    it, and keeps the results so far (the device probe is what tells, so it is faked here)."""
+    def faults(**kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    real_probe = check_module.device_usable
+    monkeypatch.setattr(check_module, "device_usable", lambda device: False)
+    seen = []
+    with pytest.raises(CheckAborted, match=r"moe_experts/first \(float32\) failed with "
+                       r"RuntimeError: CUDA error: an illegal memory access.*did not run") as exc:
+        check_catalog(_two_backend_catalog(faults), torch.device("cpu"), CPU, ["float32"],
+                      on_result=seen.append)
+    assert [r.backend for r in exc.value.results] == ["first"] == [r.backend for r in seen]
+    assert real_probe(torch.device("cpu"))  # the real probe, on the CPU
+
+
+def test_cli_check_reports_the_error_and_the_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`megacpp kernels check`: a raising backend is an ERROR row (exit 1, no traceback); one
+    that leaves the device unusable ends the run with a one-line error after the table."""
+    from typer.testing import CliRunner
+
+    import megacpp.cli.kernels as cli
+
+    def raises(**kw):
+        raise ValueError("bad shapes")
+
+    monkeypatch.setattr(cli, "default_catalog", lambda: _two_backend_catalog(raises))
+    runner = CliRunner()
+    ran = runner.invoke(cli.app, ["check", "--surface", "moe_experts", "--dtype", "float32"])
+    assert ran.exit_code == 1
+    assert "ERROR ValueError:" in ran.output and "bad shapes" in ran.output  # (cell wraps)
+    assert "pass" in ran.output and "Traceback" not in ran.output  # the second backend ran
+    monkeypatch.setattr(check_module, "device_usable", lambda device: False)
+    stopped = runner.invoke(cli.app, ["check", "--surface", "moe_experts", "--dtype", "float32"])
+    assert stopped.exit_code == 1 and "Traceback" not in stopped.output
+    assert "error:" in stopped.output and "the remaining checks did not run" in stopped.output
+    assert "second" not in stopped.output  # the run stopped after the failing backend
+
+
+def test_check_guard_skips_a_backend_the_device_cannot_check() -> None:
+    calls = []
+
+    def never(**kw):
+        calls.append(kw)
+        raise AssertionError("a guarded backend must not run")
+
+    catalog = _two_backend_catalog(never, guard=lambda facts: f"not on {facts.type}")
+    results = check_catalog(catalog, torch.device("cpu"), CPU, ["float32"])
+    assert results[0].skipped == "not on cpu" and not calls
+    assert results[1].passed
+
+
+def test_fla_check_guard_names_hopper_with_triton_before_3_7_1(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    version = peers._version
+    assert version("torch")[0] >= 2 and version("no-such-distribution") is None
+    fla = next(b for b in default_catalog().of("gated_delta") if b.name == "fla")
+    assert fla.check_guard is peers.fla_check_guard
+    for triton, facts, refused in [((3, 6, 0), H100, True), ((3, 4, 0), H100, True),
+                                   ((3, 7, 1), H100, False), ((3, 3, 1), H100, False),
+                                   ((3, 6, 0), A100, False), (None, H100, False),
+                                   ((3, 6, 0), CPU, False)]:
+        monkeypatch.setattr(peers, "_version", lambda package, v=triton: v)
+        why = peers.fla_check_guard(facts)
+        assert (why is not None) == refused, (triton, facts.name)
+        if refused:
+            assert "fla issue 640" in why and ".".join(map(str, triton)) in why
 
 
 def test_runtime_modes_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

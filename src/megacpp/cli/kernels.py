@@ -19,12 +19,13 @@ from rich.text import Text
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.catalog import DTYPE_NAMES, device_facts, rejection
-from megacpp.kernels.check import check_catalog
+from megacpp.kernels.check import CheckAborted, check_catalog
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.timing import time_fwd_bwd, time_fwd_bwd_graphed
 
 app = typer.Typer(no_args_is_help=True, help="The kernel catalog: list, check, bench.")
 console = Console()
+err_console = Console(stderr=True)
 
 _ROLE_STYLE = {"chosen": "bold green", "fallback": "cyan", "donor": "magenta", "deferred": "dim"}
 
@@ -87,14 +88,20 @@ def check(
     seed: int = typer.Option(0, help="seed of the fresh random inputs"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Every qualifying backend vs the float64 reference, forward and backward."""
+    """Every qualifying backend vs the float64 reference, forward and backward. A backend
+    that raises is a failure with its error; one that leaves the GPU unusable (an illegal
+    address) stops the run after it, with the results so far."""
     dtypes = _check_dtypes(dtype or [_default_dtype()])
     surfaces = _check_surfaces(surface)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    aborted = None
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("checking", total=None)
-        results = check_catalog(default_catalog(), device, device_facts(device), dtypes, surfaces,
-                                seed, on_result=lambda r: progress.advance(task))
+        try:
+            results = check_catalog(default_catalog(), device, device_facts(device), dtypes,
+                                    surfaces, seed, on_result=lambda r: progress.advance(task))
+        except CheckAborted as exc:
+            results, aborted = exc.results, str(exc)
     if as_json:
         typer.echo(json.dumps([{**r.__dict__, "passed": r.passed} for r in results], indent=2))
     else:
@@ -102,12 +109,16 @@ def check(
         for col in ("surface", "backend", "dtype", "worst rel. err", "tol", "result"):
             table.add_column(col)
         for r in results:
-            verdict = (f"[dim]skip: {r.skipped}[/]" if r.skipped else
-                       "[green]pass[/]" if r.passed else f"[red]FAIL[/] {r.errors}")
-            worst = "" if r.skipped else f"{r.worst:.2e}"
+            verdict = (f"[dim]skip: {escape(r.skipped)}[/]" if r.skipped else
+                       "[green]pass[/]" if r.passed else
+                       f"[red]ERROR[/] {escape(r.error)}" if r.error else
+                       f"[red]FAIL[/] {r.errors}")
+            worst = "" if r.skipped or r.error else f"{r.worst:.2e}"
             table.add_row(r.surface, r.backend, r.dtype, worst, f"{r.tolerance:.0e}", verdict)
         console.print(table)
-    if any(r.skipped is None and not r.passed for r in results):
+    if aborted:
+        err_console.print(f"[red]error:[/] {escape(aborted)}")
+    if aborted or any(r.skipped is None and not r.passed for r in results):
         raise typer.Exit(1)
 
 

@@ -91,7 +91,10 @@ class Requirements:
 @dataclass(frozen=True)
 class Backend:
     """One implementation of a surface. ``fn`` is ``None`` only for deferred rows and donors
-    whose package is absent (the row still documents them)."""
+    whose package is absent (the row still documents them). ``check_guard(facts)`` says why
+    ``kernels check`` must not run a backend that qualifies on a device (a peer known to give
+    wrong results or to fault on that stack; ``None``: it may run); list, bench and selection
+    ignore it."""
 
     name: str
     surface: str
@@ -99,6 +102,7 @@ class Backend:
     requirements: Requirements
     fn: Callable[..., Any] | None
     reason: str = ""  # why this row has its role (mandatory for donor / deferred)
+    check_guard: Callable[[DeviceFacts], str | None] | None = None
 
     @property
     def key(self) -> str:

@@ -1,6 +1,11 @@
 """``kernels check``: every qualifying backend against the reference, forward and backward
 (forward only for a surface without autograd), on fresh random inputs, by relative error
-‖out − ref‖ / ‖ref‖ (reference in float64)."""
+‖out − ref‖ / ‖ref‖ (reference in float64).
+
+A backend that raises is a failed result with its error, and the check goes on -- unless the
+error left the CUDA context unusable (an illegal address is sticky: every later call in the
+process fails). Then :class:`CheckAborted` stops the run, naming the backend, with the results
+so far."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megacpp.errors import MegaCppError
 from megacpp.kernels.catalog import (
     DTYPE_NAMES,
     Backend,
@@ -33,10 +39,11 @@ class CheckResult:
     errors: dict[str, float] = field(default_factory=dict)  # "out" / "d<arg>" -> rel. error
     tolerance: float = 0.0
     skipped: str | None = None  # why it was not run
+    error: str | None = None  # what the backend raised, when it did
 
     @property
     def passed(self) -> bool:
-        return self.skipped is None and all(
+        return self.skipped is None and self.error is None and all(
             not math.isnan(e) and e <= self.tolerance for e in self.errors.values()
         )
 
@@ -106,11 +113,39 @@ def check_backend(
     return result
 
 
+class CheckAborted(MegaCppError):
+    """A backend's error left the device unusable; ``results`` holds every result so far (the
+    failing one last)."""
+
+    def __init__(self, message: str, results: list[CheckResult]):
+        super().__init__(message)
+        self.results = results
+
+
+def device_usable(device: torch.device) -> bool:
+    """Whether the device still runs work: a CUDA error such as an illegal address is sticky,
+    and every later launch or synchronize in the process raises it again."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception:  # noqa: BLE001 -- any failure here means the context is gone
+        return False
+    return True
+
+
+def _error_text(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 def check_catalog(
     catalog: Catalog, device: torch.device, facts: DeviceFacts, dtypes: list[str],
     surfaces: list[str] | None = None, seed: int = 0, on_result: Callable | None = None,
 ) -> list[CheckResult]:
-    """Check every backend with an implementation that qualifies here, for each dtype."""
+    """Check every backend with an implementation that qualifies here, for each dtype; a
+    backend whose ``check_guard`` objects on this device is skipped with its reason."""
     results = []
     for name in surfaces or list(catalog.surfaces):
         surface = catalog.surface(name)
@@ -119,11 +154,24 @@ def check_catalog(
                 continue
             for dtype in dtypes:
                 why = rejection(backend, facts, dtype)
+                if why is None and backend.check_guard is not None:
+                    why = backend.check_guard(facts)
                 if surface.make_inputs is None:
                     why = "surface has no check inputs (documented row)"
-                result = (CheckResult(name, backend.name, dtype, skipped=why) if why else
-                          check_backend(surface, backend, device, dtype, seed))
+                if why:
+                    result = CheckResult(name, backend.name, dtype, skipped=why)
+                else:
+                    try:
+                        result = check_backend(surface, backend, device, dtype, seed)
+                    except Exception as exc:  # noqa: BLE001 -- this backend's failure
+                        result = CheckResult(name, backend.name, dtype,
+                                             tolerance=TOLERANCE[dtype], error=_error_text(exc))
                 results.append(result)
                 if on_result is not None:
                     on_result(result)
+                if result.error is not None and not device_usable(device):
+                    raise CheckAborted(
+                        f"{name}/{backend.name} ({dtype}) failed with {result.error}, and the "
+                        f"{device.type} device is unusable after it; the remaining checks did "
+                        "not run (rerun with --surface to check the others)", results)
     return results

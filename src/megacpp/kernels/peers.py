@@ -6,11 +6,14 @@ They adapt call conventions to the surface contracts; none of them is on the tra
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import re
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from megacpp.kernels.catalog import DeviceFacts
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
 from megacpp.kernels.ops.short_conv.reference import short_conv_reference
 
@@ -108,6 +111,29 @@ def mamba3_siso_combined(
                 Input_States=states, chunk_size=chunk_size)
 
 
+def _version(package: str) -> tuple[int, ...] | None:
+    """The installed distribution's version as numbers (``3.6.0`` -> (3, 6, 0)), or None."""
+    try:
+        return tuple(int(n) for n in re.findall(r"\d+", importlib.metadata.version(package))[:3])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fla_check_guard(facts: DeviceFacts) -> str | None:
+    """Why ``kernels check`` cannot run fla's gated delta rule here: fla refuses its gated
+    backward on Hopper with Triton 3.4.0 up to 3.7.1 (``chunk_bwd_dqkwg`` is miscompiled, fla
+    issue 640). :func:`fla_chunk_gated_delta_rule` lifts that guard so the bench can time it,
+    but its gradients cannot be checked: on an H100 with Triton 3.6 the check case faulted with
+    an illegal memory access (session 34)."""
+    triton = _version("triton")
+    hopper = facts.type == "cuda" and facts.capability is not None and facts.capability[0] == 9
+    if hopper and triton is not None and (3, 4, 0) <= triton < (3, 7, 1):
+        return ("fla refuses its gated backward on Hopper with Triton 3.4.0-3.7.0 (a miscompile, "
+                f"fla issue 640; this Triton is {'.'.join(map(str, triton))}); the bench times "
+                "it with the guard lifted, its gradients are not checkable here")
+    return None
+
+
 def fla_chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
     initial_state: Tensor | None = None, reset: Tensor | None = None,
@@ -121,9 +147,10 @@ def fla_chunk_gated_delta_rule(
     and row b's final state is its last document's. fla always runs 64-token chunks here.
 
     fla >= 0.5 refuses its gated backward on Hopper with Triton 3.4-3.7.0 (a Triton miscompile
-    of ``chunk_bwd_dqkwg`` at BK = 64, fla issue 640; this project's GPU stack has Triton 3.6).
-    The peer is measured for speed, so the guard is lifted here: fla's gradients at head_k_dim
-    64 may be wrong on that stack (its K = 32 check case and K = 128 are not affected).
+    of ``chunk_bwd_dqkwg``, fla issue 640; this project's GPU stack has Triton 3.6). The peer
+    is measured for speed, so the guard is lifted here, and its gradients on that stack are not
+    to be trusted: ``kernels check`` skips the row there (:func:`fla_check_guard`), since its
+    check case (K = 32, documents) faulted with an illegal memory access on an H100.
     """
     import fla.ops.common.chunk_o as fla_chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule

@@ -39,6 +39,7 @@ from megacpp.kernels.ops.muon.reference import (
 )
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
 from megacpp.kernels.ops.short_conv.reference import short_conv_reference
+from megacpp.kernels.peers import fla_check_guard
 
 FLOATS = ("float32", "bfloat16", "float16")
 HALF = ("bfloat16", "float16")
@@ -551,7 +552,8 @@ def _backends() -> list[Backend]:
                 Requirements(devices=("cuda",), min_capability=(8, 0), packages=("fla",),
                              dtypes=HALF), _lazy("megacpp.kernels.peers", "fla_chunk_gated_delta_rule"),
                 "peer: flash-linear-attention 0.6.0 (fla-core) chunk_gated_delta_rule, doc resets "
-                "as cu_seqlens; the speed bar for our Triton kernel, not on the training path"),
+                "as cu_seqlens; the speed bar for our Triton kernel, not on the training path",
+                check_guard=fla_check_guard),
         # Muon's elementwise passes (the optimizer, not the model)
         Backend("triton_multi_tensor", "muon_momentum", "chosen", triton_fp32,
                 _lazy("megacpp.kernels.ops.muon.triton", "muon_momentum_triton")),
