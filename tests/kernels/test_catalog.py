@@ -14,6 +14,7 @@ from megacpp.kernels import check as check_module
 from megacpp.kernels import peers
 from megacpp.kernels.catalog import (
     Backend,
+    BackendUnsupported,
     Catalog,
     DeviceFacts,
     KernelSelectionError,
@@ -204,6 +205,24 @@ def test_check_guard_skips_a_backend_the_device_cannot_check() -> None:
     results = check_catalog(catalog, torch.device("cpu"), CPU, ["float32"])
     assert results[0].skipped == "not on cpu" and not calls
     assert results[1].passed
+
+
+def test_a_backend_that_refuses_the_inputs_is_skipped_with_its_reason() -> None:
+    def narrower(**kw):
+        raise BackendUnsupported("this peer takes no documents")
+
+    results = check_catalog(_two_backend_catalog(narrower), torch.device("cpu"), CPU,
+                            ["float32"])
+    assert results[0].skipped == "this peer takes no documents" and results[0].error is None
+    assert results[1].passed
+    # the mamba_ssm adapter refuses packed documents before touching the peer (absent here)
+    inputs = default_catalog().surface("mamba3_scan").make_inputs(
+        {"batch": 1, "seq": 40, "groups": 1, "heads": 2, "d_state": 8, "headdim": 4,
+         "angles": 2, "chunk": 16, "resets": 1}, torch.float32, torch.device("cpu"),
+        torch.Generator().manual_seed(0))
+    inputs["reset"][0, 20] = True
+    with pytest.raises(BackendUnsupported, match="without packed documents"):
+        peers.mamba3_siso_combined(**inputs)
 
 
 def test_fla_check_guard_names_hopper_with_triton_before_3_7_1(

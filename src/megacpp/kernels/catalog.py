@@ -39,6 +39,11 @@ class KernelSelectionError(MegaCppError):
     """No backend of a surface may run here (the message lists every candidate's reason)."""
 
 
+class BackendUnsupported(MegaCppError):
+    """A backend refuses inputs outside what it serves (a peer's narrower contract), before
+    running anything; ``kernels check`` records the call as skipped, with this message."""
+
+
 @dataclass(frozen=True)
 class Surface:
     """One op contract and its plain-PyTorch reference.

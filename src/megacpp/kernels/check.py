@@ -2,7 +2,9 @@
 (forward only for a surface without autograd), on fresh random inputs, by relative error
 ‖out − ref‖ / ‖ref‖ (reference in float64).
 
-A backend that raises is a failed result with its error, and the check goes on -- unless the
+A backend that refuses the check case's inputs (:class:`BackendUnsupported`, a peer's narrower
+contract) is skipped with its reason. One that raises anything else is a failed result with its
+error, and the check goes on -- unless the
 error left the CUDA context unusable (an illegal address is sticky: every later call in the
 process fails). Then :class:`CheckAborted` stops the run, naming the backend, with the results
 so far."""
@@ -21,6 +23,7 @@ from megacpp.errors import MegaCppError
 from megacpp.kernels.catalog import (
     DTYPE_NAMES,
     Backend,
+    BackendUnsupported,
     Catalog,
     DeviceFacts,
     Surface,
@@ -163,6 +166,8 @@ def check_catalog(
                 else:
                     try:
                         result = check_backend(surface, backend, device, dtype, seed)
+                    except BackendUnsupported as exc:  # a peer's narrower contract
+                        result = CheckResult(name, backend.name, dtype, skipped=str(exc))
                     except Exception as exc:  # noqa: BLE001 -- this backend's failure
                         result = CheckResult(name, backend.name, dtype,
                                              tolerance=TOLERANCE[dtype], error=_error_text(exc))

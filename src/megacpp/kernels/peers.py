@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megacpp.kernels.catalog import DeviceFacts
+from megacpp.kernels.catalog import BackendUnsupported, DeviceFacts
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
 from megacpp.kernels.ops.short_conv.reference import short_conv_reference
 
@@ -81,30 +81,20 @@ def mamba3_siso_combined(
     initial_state: Any = None, chunk_size: int = 64, output_final_state: bool = True,
 ) -> Tensor:
     """mamba_ssm's Mamba-3 SISO Triton op on the ``mamba3_scan`` surface's arguments -> y
-    (it returns no final state whatever ``output_final_state`` says).
+    (it returns no final state whatever ``output_final_state`` says). Per-head scalars go to
+    its [B, H, L] layout.
 
-    Per-head scalars go to its [B, H, L] layout. Packed documents (``reset``) become its
-    varlen form: the rows are concatenated into one sequence cut at every row start and
-    reset (``cu_seqlens``); the angle restarts per document there, which changes no output.
-    """
-    peer = _mamba3_siso_module().mamba3_siso_combined
-    seqlen = v.shape[1]
+    Packed documents (``reset``) are refused (:class:`BackendUnsupported`). Its varlen form,
+    the rows cut into sequences at every document start (``cu_seqlens``), did not give this
+    surface's function on an H100 (session 34, ``h100_s34/peer_nan_probe.py``): 10-21%
+    relative error against the float64 reference, and NaN at the end of some documents, while
+    the same inputs without documents agreed to 3e-3. Whether its varlen path or that
+    adaptation is at fault was not settled. The bench cases have no documents."""
     if reset is not None and bool(reset.any()):
-        if initial_state is not None:
-            raise ValueError("mamba_ssm's varlen mode takes no initial state")
-        starts = (reset | (torch.arange(seqlen, device=v.device) == 0)).flatten()
-        cu = torch.cat([starts.nonzero().flatten(), starts.new_tensor([starts.numel()]).long()])
-
-        def flat(t: Tensor) -> Tensor:
-            return t.flatten(0, 1)[None]
-
-        def per_head(t: Tensor) -> Tensor:
-            return flat(t).transpose(1, 2).contiguous()
-
-        y = peer(flat(q), flat(k), flat(v), per_head(adt), per_head(dt), per_head(trap), q_bias,
-                 k_bias, flat(angles), D, None if z is None else flat(z),
-                 chunk_size=chunk_size, cu_seqlens=cu.to(torch.int32))
-        return y.reshape(v.shape)
+        raise BackendUnsupported(
+            "mamba_ssm is measured without packed documents: its varlen form gave 10-21% "
+            "relative error and NaN against this surface's reference on an H100 (session 34)")
+    peer = _mamba3_siso_module().mamba3_siso_combined
     states = None if initial_state is None else tuple(initial_state)
     return peer(q, k, v, adt.transpose(1, 2).contiguous(), dt.transpose(1, 2).contiguous(),
                 trap.transpose(1, 2).contiguous(), q_bias, k_bias, angles, D, z,

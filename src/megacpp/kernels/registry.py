@@ -529,8 +529,9 @@ def _backends() -> list[Backend]:
                              dtypes=("bfloat16",)),
                 _lazy("megacpp.kernels.peers", "mamba3_siso_combined"),
                 "peer: mamba_ssm 2.3.2's mamba3_siso_combined (Triton, bf16), called through an "
-                "adapter from this surface's layout; the speed bar for our Triton scan, not a "
-                "dependency of the training path"),
+                "adapter from this surface's layout (no packed documents: its varlen form did not "
+                "match this surface); the speed bar for our Triton scan, not a dependency of the "
+                "training path"),
         Backend("tilelang_mimo", "mamba3_scan", "deferred",
                 Requirements(devices=("cuda",), packages=("tilelang",)), None,
                 "TileLang MIMO variant: tilelang is not installable here and the model uses SISO"),
