@@ -114,7 +114,8 @@ def check(
                        f"[red]ERROR[/] {escape(r.error)}" if r.error else
                        f"[red]FAIL[/] {r.errors}")
             worst = "" if r.skipped or r.error else f"{r.worst:.2e}"
-            table.add_row(r.surface, r.backend, r.dtype, worst, f"{r.tolerance:.0e}", verdict)
+            tol = "" if r.skipped else f"{r.tolerance:.0e}"
+            table.add_row(r.surface, r.backend, r.dtype, worst, tol, verdict)
         console.print(table)
     if aborted:
         err_console.print(f"[red]error:[/] {escape(aborted)}")
