@@ -4,10 +4,9 @@
 
 A backend that refuses the check case's inputs (:class:`BackendUnsupported`, a peer's narrower
 contract) is skipped with its reason. One that raises anything else is a failed result with its
-error, and the check goes on -- unless the
-error left the CUDA context unusable (an illegal address is sticky: every later call in the
-process fails). Then :class:`CheckAborted` stops the run, naming the backend, with the results
-so far."""
+error, and the check goes on -- unless the error left the CUDA context unusable (an illegal
+address is sticky: every later call in the process fails). Then :class:`CheckAborted` stops
+the run, naming the backend, with the results so far."""
 
 from __future__ import annotations
 
