@@ -34,7 +34,8 @@ if ! "$PY" -c "import pytest_split" 2>/dev/null; then
       --target /tmp/site .whl/*.whl || exit 1
   fi
   "$PY" -c "import pytest_split" 2>/dev/null \
-    || { echo "gpu_tests: pytest-split is not installed (pip install -e '.[dev]')" >&2; exit 1; }
+    || { echo "gpu_tests: pytest-split is not installed (pip install -e '.[dev]'; on a machine" \
+              "without network, carry .whl filled by scripts/peer_wheels.sh)" >&2; exit 1; }
 fi
 
 # the modules that hold GPU tests (collecting only these: the serving and Megatron modules

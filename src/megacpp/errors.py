@@ -22,3 +22,10 @@ class MegaCppError(Exception):
 
 class ConfigError(MegaCppError):
     """An invalid configuration value: names the field and the allowed values."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """The exception's type and the first line of its message: how a caught failure is named
+    in one line (a graph capture's, a kernel check's)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__

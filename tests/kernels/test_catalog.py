@@ -100,10 +100,11 @@ def test_requirements_smem_packages_ops_and_bad_names() -> None:
         catalog.add(Backend("peer", "rmsnorm", "donor", Requirements(), abs))
 
 
-def _cpu_catalog(fn) -> tuple[Catalog, Backend]:
+def _cpu_catalog(fn, name: str = "candidate", guard=None) -> tuple[Catalog, Backend]:
     catalog = Catalog()
     catalog.add_surface(default_catalog().surface("moe_experts"))
-    backend = Backend("candidate", "moe_experts", "chosen", Requirements(devices=("cpu",)), fn)
+    backend = Backend(name, "moe_experts", "chosen", Requirements(devices=("cpu",)), fn,
+                      check_guard=guard)
     catalog.add(backend)
     return catalog, backend
 
@@ -134,13 +135,9 @@ def test_check_fails_a_wrong_or_nan_backend() -> None:
 
 def _two_backend_catalog(first_fn, guard=None) -> Catalog:
     """moe_experts with two CPU candidates: ``first_fn`` (checked first) and the reference."""
-    catalog = Catalog()
-    surface = default_catalog().surface("moe_experts")
-    catalog.add_surface(surface)
-    catalog.add(Backend("first", "moe_experts", "chosen", Requirements(devices=("cpu",)),
-                        first_fn, check_guard=guard))
+    catalog, _ = _cpu_catalog(first_fn, "first", guard)
     catalog.add(Backend("second", "moe_experts", "chosen", Requirements(devices=("cpu",)),
-                        surface.reference))
+                        catalog.surface("moe_experts").reference))
     return catalog
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megacpp.errors import MegaCppError
+from megacpp.errors import MegaCppError, describe_error
 from megacpp.kernels.catalog import (
     DTYPE_NAMES,
     Backend,
@@ -137,11 +137,6 @@ def device_usable(device: torch.device) -> bool:
     return True
 
 
-def _error_text(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
-
-
 def check_catalog(
     catalog: Catalog, device: torch.device, facts: DeviceFacts, dtypes: list[str],
     surfaces: list[str] | None = None, seed: int = 0, on_result: Callable | None = None,
@@ -169,7 +164,7 @@ def check_catalog(
                         result = CheckResult(name, backend.name, dtype, skipped=str(exc))
                     except Exception as exc:  # noqa: BLE001 -- this backend's failure
                         result = CheckResult(name, backend.name, dtype,
-                                             tolerance=TOLERANCE[dtype], error=_error_text(exc))
+                                             tolerance=TOLERANCE[dtype], error=describe_error(exc))
                 results.append(result)
                 if on_result is not None:
                     on_result(result)

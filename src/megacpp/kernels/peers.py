@@ -1,4 +1,5 @@
-"""Thin adapters to peer (donor) implementations, imported only when a donor row is run.
+"""Thin adapters to peer (donor) implementations; each imports its peer package only when a
+donor row is run (the registry imports this module for :func:`fla_check_guard`).
 
 They adapt call conventions to the surface contracts; none of them is on the training path.
 """
@@ -6,13 +7,12 @@ They adapt call conventions to the surface contracts; none of them is on the tra
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import re
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from megacpp.contract.versions import version_tuple
 from megacpp.kernels.catalog import BackendUnsupported, DeviceFacts
 from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
 from megacpp.kernels.ops.short_conv.reference import short_conv_reference
@@ -102,11 +102,11 @@ def mamba3_siso_combined(
 
 
 def _version(package: str) -> tuple[int, ...] | None:
-    """The installed distribution's version as numbers (``3.6.0`` -> (3, 6, 0)), or None."""
-    try:
-        return tuple(int(n) for n in re.findall(r"\d+", importlib.metadata.version(package))[:3])
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed distribution's version as numbers (``3.6.0`` -> (3, 6, 0)), or None: the
+    environment contract's reading of it."""
+    from megacpp.contract.fingerprint import package_versions  # (not at the registry's import)
+
+    return version_tuple(package_versions([package])[package], 3)
 
 
 def fla_check_guard(facts: DeviceFacts) -> str | None:

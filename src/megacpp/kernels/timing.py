@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from megacpp.errors import MegaCppError
+from megacpp.errors import MegaCppError, describe_error
 from megacpp.kernels.check import outputs_of
 
 T = TypeVar("T")
@@ -218,13 +218,6 @@ def _release_pool(pool: Any) -> None:
     except RuntimeError:
         return  # capture_end got past this step: the graph's reset() releases the pool
     torch._C._cuda_releasePool(index, pool)
-
-
-def describe_error(exc: BaseException) -> str:
-    """The exception's type and the first line of its message (a capture failure's
-    reason, here and in :mod:`megacpp.train.graphs`)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 
 
 def _cotangents(fn, inputs) -> list[torch.Tensor]:

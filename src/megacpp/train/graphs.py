@@ -48,7 +48,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from megacpp.kernels.timing import GraphCaptureError, describe_error
+from megacpp.errors import describe_error
+from megacpp.kernels.timing import GraphCaptureError
 from megacpp.train.optim import Optimizers
 
 WARMUP_STEPS = 3  # eager steps before capture (the PyTorch CUDA-graph notes use 3)
