@@ -1,0 +1,255 @@
+"""Render the README's tables of current numbers from benchmarks/results/<benchmark>/<device>/.
+
+    python benchmarks/readme_table.py            # print the tables
+    python benchmarks/readme_table.py --write    # rewrite them in README.md
+    python benchmarks/readme_table.py --check    # exit 1 if README.md differs (a CPU test runs this)
+
+Each table sits in README.md between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``.
+Every row is read from a benchmark's latest JSON; its command is that folder's command.txt.
+A benchmark with no results yet renders no rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _command(folder: Path, stem: str | None = None) -> str:
+    name = "command.txt" if stem is None else f"{stem}.command.txt"
+    path = folder / name
+    return path.read_text().strip() if path.is_file() else "(no command recorded)"
+
+
+def _link(folder: Path) -> str:
+    rel = folder.relative_to(ROOT).as_posix()
+    return f"[{folder.parent.name}/{folder.name}]({rel})"
+
+
+def _devices(benchmark: str) -> Iterator[Path]:
+    base = RESULTS / benchmark
+    if base.is_dir():
+        yield from sorted(p for p in base.iterdir() if p.is_dir())
+
+
+def _fmt(x: float, digits: int = 1) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
+
+
+# ---- the headline table: one row per benchmark and device ---------------------------------
+
+def _train_step(folder: Path) -> list[list[str]]:
+    data = _load(folder / "train_step.json")
+    if not data:
+        return []
+    rows = {(r["model"], r["mode"]): r for r in data["results"] if not r.get("error")}
+    hybrid = [r for (m, mode), r in rows.items() if not m.startswith("llama")]
+    peers = [r for (m, _), r in rows.items() if m.startswith("llama")]
+    if not hybrid:
+        return []
+    best = min(hybrid, key=lambda r: r["step_ms"])
+    text = (f"{best['model']} ({best['mode']}): {_fmt(best['step_ms'])} ms/step, "
+            f"{_fmt(best['tokens_per_s'], 0)} tokens/s, MFU {100 * best['mfu']:.1f}% of the "
+            f"measured {best['matmul_peak_tflops']:.0f} TFLOP/s")
+    if peers:
+        peer = min(peers, key=lambda r: r["step_ms"])
+        text += (f"; same-size Llama ({peer['mode']}) {_fmt(peer['tokens_per_s'], 0)} "
+                 f"tokens/s: **{best['tokens_per_s'] / peer['tokens_per_s']:.2f}x**")
+    return [["training step, nam56r-350m vs Llama", text]]
+
+
+def _serve(folder: Path) -> list[list[str]]:
+    data = _load(folder / "serve_decode.json")
+    if not data:
+        return []
+    out = []
+    for batch, ratio in sorted(data.get("engine_over_hf", {}).items(), key=lambda kv: int(kv[0])):
+        eng = next((r for r in data["results"]
+                    if r["system"] == "engine" and r["batch"] == int(batch)), None)
+        if eng is None or int(batch) != max(int(b) for b in data["engine_over_hf"]):
+            continue
+        out.append(["serving decode, nam56r-350m, batch " + batch,
+                    (f"{_fmt(eng['decode_tok_s'], 0)} tokens/s, {ratio['decode_tok_s']:.1f}x "
+                     "transformers `generate` with its default dynamic cache (not its "
+                     "static-cache compiled path)")])
+    return out
+
+
+def _muon(folder: Path) -> list[list[str]]:
+    data = _load(folder / "muon_step.json")
+    if not data:
+        return []
+    by = {r["mode"]: r for r in data["results"]}
+    ref = by.get("reference")
+    fast = next((r for m, r in by.items() if m != "reference"), None)
+    if not (ref and fast):
+        return []
+    return [["AdamW + Muon optimizer step, nam56r-350m",
+             (f"{_fmt(fast['replay_ms'])} ms replayed vs {_fmt(ref['replay_ms'])} ms for the "
+              f"foreach reference ({ref['replay_ms'] / fast['replay_ms']:.2f}x)")]]
+
+
+def _data_pipeline(folder: Path) -> list[list[str]]:
+    data = _load(folder / "data_pipeline.json")
+    if not data:
+        return []
+    stages = {s["stage"]: s for s in data["stages"]}
+    e2e = stages.get("end to end, tokenizer given")
+    enc = stages.get("encode (megacpp, 2 processes)")
+    text = f"{_fmt(e2e['mb_per_s'], 2)} MB/s end to end" if e2e else ""
+    if enc:
+        text += f", encoder {_fmt(enc['mb_per_s'])} MB/s"
+    cpus = data.get("machine", {}).get("cpus")
+    return [[f"data build, {data['source_mb']:.0f} MB of C++ ({cpus} cores)", text]]
+
+
+def _verifier(folder: Path) -> list[list[str]]:
+    data = _load(folder / "verifier_throughput.json")
+    if not data:
+        return []
+    best = max(data["rows"], key=lambda r: r["programs_per_s"])
+    return [[f"verifier, HumanEval-X C++ references ({data['workers']} workers)",
+             (f"{best['programs_per_s']:.2f} programs/s ({best['config']}), "
+              f"{best['cpu_s_per_program']:.3f} CPU-s per program, "
+              f"{best['passed']}/{best['programs']} pass")]]
+
+
+def _scaling(folder: Path) -> list[list[str]]:
+    data = _load(folder / "scaling.json")
+    if not data:
+        return []
+    out = []
+    for row in data.get("rows", []):
+        if row.get("error") or row.get("world_size", 1) == 1:
+            continue
+        out.append([f"training, {row['preset']}, {row['world_size']} GPUs, {row['strategy']}",
+                    (f"{_fmt(row['tokens_per_s'], 0)} tokens/s, "
+                     f"{row['speedup']:.2f}x the best single-GPU step")])
+    return out
+
+
+def _quality(folder: Path) -> list[list[str]]:
+    data = _load(folder / "quality.json")
+    if not data:
+        return []
+    out = []
+    for cand in data.get("candidates", []):
+        if cand.get("final_val_bpb") is None:
+            continue
+        out.append([f"quality, {cand['name']} ({data.get('minutes', '?')} GPU-min)",
+                    f"val {cand['final_val_bpb']:.3f} bits/byte"])
+    return out
+
+
+HEADLINE: list[tuple[str, Callable[[Path], list[list[str]]]]] = [
+    ("quality", _quality),
+    ("scaling", _scaling),
+    ("train_step", _train_step),
+    ("muon_step", _muon),
+    ("serve_decode", _serve),
+    ("data_pipeline", _data_pipeline),
+    ("verifier_throughput", _verifier),
+]
+
+
+def headline_table() -> str:
+    lines = ["| what | device | result | command |", "|---|---|---|---|"]
+    for benchmark, render in HEADLINE:
+        for folder in _devices(benchmark):
+            for what, text in render(folder):
+                lines.append(f"| {what} | {_link(folder)} | {text} | "
+                             f"`{_command(folder)}` |")
+    return "\n".join(lines)
+
+
+# ---- the kernels table: ours against the best peer, per surface and case ------------------
+
+def _kernel_runs(folder: Path) -> Iterator[tuple[str, dict]]:
+    for path in sorted(folder.glob("*.json")):
+        data = _load(path)
+        if data and "rows" in data and "ceilings" in data:
+            yield path.stem, data
+
+
+def kernels_table() -> str:
+    lines = [("| surface | case | ours (chosen): per call / replay ms "
+              "| peer: per call / replay ms | ours vs peer, per call / replay |"),
+             "|---|---|---|---|---|"]
+    commands = []
+    for folder in _devices("kernels"):
+        cases: dict[tuple[str, str], list[dict]] = {}
+        for stem, data in _kernel_runs(folder):
+            commands.append(_command(folder, None if stem == "kernels" else stem))
+            for row in data["rows"]:
+                cases.setdefault((row["surface"], row["case"]), []).append(row)
+        for (surface, case), rows in cases.items():
+            chosen = next((r for r in rows if r["role"] == "chosen" and r.get("ms")), None)
+            others = [r for r in rows if r is not chosen and r.get("ms")]
+            if chosen is None or not others:
+                continue
+            donors = [r for r in others if r["role"] == "donor"]  # a named peer, where one ran
+            peer = min(donors or others, key=lambda r: r.get("graphed_ms") or r["ms"])
+            replay = (f"{chosen['graphed_ms']:.3f}" if chosen.get("graphed_ms") else "n/a")
+            peer_replay = f"{peer['graphed_ms']:.3f}" if peer.get("graphed_ms") else "no replay"
+            ratio = f"{peer['ms'] / chosen['ms']:.2f}x"
+            if chosen.get("graphed_ms") and peer.get("graphed_ms"):
+                ratio += f" / {peer['graphed_ms'] / chosen['graphed_ms']:.2f}x"
+            lines.append(f"| {surface} | {case} | {chosen['backend']}: {chosen['ms']:.3f} / "
+                         f"{replay} | {peer['backend']} ({peer['role']}): {peer['ms']:.3f} / "
+                         f"{peer_replay} | {ratio} |")
+    if commands:
+        lines += ["", "Commands (H100, the peers' wheels from `scripts/peer_wheels.sh`):", ""]
+        lines += [f"    {c}" for c in commands]
+    return "\n".join(lines)
+
+
+TABLES = {"results": headline_table, "kernels": kernels_table}
+
+
+def render(readme: str) -> str:
+    for name, make in TABLES.items():
+        pattern = re.compile(rf"(<!-- table:{name} -->\n)(.*?)(<!-- /table:{name} -->)", re.DOTALL)
+        if not pattern.search(readme):
+            raise SystemExit(f"error: README.md has no <!-- table:{name} --> block")
+        table = make()
+        readme = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(3), readme)
+    return readme
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the tables in README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 if README.md is stale")
+    args = ap.parse_args()
+    if not (args.write or args.check):
+        for name, make in TABLES.items():
+            print(f"<!-- table:{name} -->\n{make()}\n")
+        return 0
+    current = README.read_text()
+    rendered = render(current)
+    if args.write:
+        README.write_text(rendered)
+    elif args.check and rendered != current:
+        print("error: README.md's tables differ from benchmarks/results; run "
+              "python benchmarks/readme_table.py --write", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
