@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,7 +54,6 @@ SANDBOX_UID = 65534  # nobody: the identity a root-started sandbox drops to
 SANDBOX_GID = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 _READ_CHUNK = 1 << 16
-log = logging.getLogger("megacpp.eval")
 
 
 class Isolation(str, Enum):
@@ -330,9 +329,10 @@ _warned: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
+    """One stderr line per missing guarantee and process (every eval command builds a Sandbox)."""
     if message not in _warned:
         _warned.add(message)
-        log.warning("warning: %s", message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _mib(n: int) -> str:
