@@ -12,7 +12,7 @@ from megacpp.contract.sandbox_host import CGROUP_ENV, find_memory_cgroup
 from megacpp.errors import ConfigError
 from megacpp.eval import Isolation, Limits, Mount, Sandbox, SandboxError
 from megacpp.eval import sandbox as sandbox_module
-from megacpp.eval.cgroup import RUN_PREFIX
+from megacpp.eval.cgroup import RUN_PREFIX, RunCgroup
 from megacpp.eval.launcher import jail_binary
 from megacpp.eval.sandbox import ISOLATION_ENV, _Capture, _execution
 from megacpp.eval.verdict import Status, run_verdict
@@ -201,3 +201,11 @@ def test_the_cgroup_kills_what_escaped_the_process_group():
     ran = sh(Sandbox("rlimits"), "setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo started")
     assert ran.stdout == b"started\n"
     assert set(sandbox_processes()) - before == set()
+
+
+def test_oom_kills_are_read_from_either_cgroup_version(tmp_path):
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 3\noom_kill 2\n")
+    (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    assert RunCgroup(2, tmp_path, 1 << 20).oom_kills() == 2
+    assert RunCgroup(1, tmp_path, 1 << 20).oom_kills() == 1
+    assert RunCgroup(2, tmp_path / "gone", 1 << 20).oom_kills() == 0
