@@ -53,6 +53,8 @@ def test_informational_fields_do_not_break_the_contract(cpu_facts):
         (("toolchain", "nvcc"), "12.9.86", "13.0.88", True),
         (("env", "TORCH_CUDA_ARCH_LIST"), None, "9.0a", True),
         (("python", "version"), "3.11.7", "3.12.3", True),
+        (("sandbox", "memory_cgroup"), "cgroup v1 /sys/fs/cgroup/memory/a", None, False),
+        (("sandbox", "seccomp"), True, False, False),
     ],
 )
 def test_classification_table(cpu_facts, field_path, a, b, contract):

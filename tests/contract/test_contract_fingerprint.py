@@ -36,6 +36,9 @@ def test_cpu_capture_has_real_fields_and_nulls_for_gpu(cpu_fingerprint):
     assert fp["packages"]["mamba-ssm"] is None  # a contract package that is not installed
     assert fp["python"]["version"].count(".") == 2
     assert fp["host"]["cpu_count"] >= 1 and fp["host"]["memory_bytes"] > 0
+    sandbox = fp["sandbox"]
+    assert isinstance(sandbox["seccomp"], bool) and sandbox["memory_cgroup_note"]
+    assert sandbox["memory_cgroup"] is None or sandbox["memory_cgroup"].startswith("cgroup v")
     json.dumps(fp)  # JSON-able as captured
 
 

@@ -247,3 +247,39 @@ def test_require_preflight_refuses_then_runs_when_the_rule_is_named(cpu_facts, t
     report = require_preflight(facts, lean, skip=["triton-ptxas-arch"])
     assert report.skipped == ["triton-ptxas-arch"]
     assert (tmp_path / "cache" / ROUTING_FILE).is_file()  # routing recorded once it passed
+
+
+# --- (h) the C++ sandbox's host guarantees ---------------------------------------------------
+
+
+def _sandbox(cpu_facts, **changes):
+    facts = json.loads(json.dumps(cpu_facts))
+    facts["sandbox"] = {"seccomp": True, "user_namespaces": 15000,
+                        "memory_cgroup": "cgroup v2 /sys/fs/cgroup/eval",
+                        "memory_cgroup_note": "chosen by MEGACPP_SANDBOX_CGROUP=/sys/fs/cgroup/eval",
+                        **changes}
+    return facts
+
+
+def test_sandbox_host_passes_when_every_guarantee_is_there(cpu_facts):
+    assert severities(_sandbox(cpu_facts), "sandbox-host") == ["pass"]
+    no_section = json.loads(json.dumps(cpu_facts))
+    no_section.pop("sandbox", None)
+    assert severities(no_section, "sandbox-host") == ["n/a"]
+
+
+@pytest.mark.parametrize(("changes", "says"), [
+    ({"seccomp": False}, "no seccomp filters"),
+    ({"memory_cgroup": None, "memory_cgroup_note": "cgroup v1 memory: this cgroup is not "
+                                                   "writable"}, "this cgroup is not writable"),
+    ({"user_namespaces": 0}, "max_user_namespaces is 0"),
+])
+def test_sandbox_host_warns_once_per_missing_guarantee(cpu_facts, changes, says):
+    (finding,) = findings(_sandbox(cpu_facts, **changes), "sandbox-host")
+    assert finding.severity == "warning" and says in finding.message and finding.fix
+    assert "\n" not in finding.message
+
+
+def test_the_live_fingerprint_feeds_the_sandbox_rule(cpu_facts):
+    (finding, *_) = findings(cpu_facts, "sandbox-host")
+    assert finding.severity in ("pass", "warning")

@@ -114,6 +114,46 @@ def measure_responsiveness(interval_s: float = 0.1) -> Iterator[Responsiveness]:
         thread.join()
 
 
+@dataclass
+class HostShmem:
+    """Peak growth of the host's shared memory (tmpfs, shmem) seen while some work ran."""
+
+    baseline_kb: int
+    peak_kb: int = 0
+
+    @property
+    def growth_bytes(self) -> int:
+        return max(0, self.peak_kb - self.baseline_kb) * 1024
+
+
+def _shmem_kb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
+    raise AssertionError("/proc/meminfo has no Shmem line")
+
+
+@contextmanager
+def watch_host_shmem(interval_s: float = 0.02) -> Iterator[HostShmem]:
+    """Sample the host's Shmem (every tmpfs page, in every mount namespace) until the block ends."""
+    result = HostShmem(baseline_kb=_shmem_kb())
+    result.peak_kb = result.baseline_kb
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            result.peak_kb = max(result.peak_kb, _shmem_kb())
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+
+
 is_root = os.geteuid() == 0
 
 

@@ -100,3 +100,24 @@ def test_the_console_script_prints_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2
     assert "error:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_eval_path_warns_in_one_line_when_the_host_lacks_a_guarantee(tmp_path):
+    """A real ``megacpp eval run`` process: one warning line, the verdict still comes, and it
+    names the weaker memory bound."""
+    good = tmp_path / "good.cpp"
+    good.write_text('#include <cstdio>\nint main() { std::puts("hello"); }\n')
+    env = {**os.environ, "MEGACPP_SANDBOX_CGROUP": "off"}
+    done = subprocess.run([sys.executable, "-m", "megacpp", "eval", "run", str(good),
+                           "--json"], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    (warning,) = done.stderr.splitlines()
+    assert warning.startswith("warning: no memory cgroup for sandboxed runs (disabled by "
+                              "MEGACPP_SANDBOX_CGROUP=off): memory is bounded per process")
+    assert json.loads(done.stdout)["memory_bound"].startswith("rlimits only:")
+    bad = subprocess.run([sys.executable, "-m", "megacpp", "eval", "run", str(good)],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env={**env, "MEGACPP_SANDBOX_CGROUP": str(tmp_path)})
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert bad.stderr.startswith("error: MEGACPP_SANDBOX_CGROUP=") and "Traceback" not in bad.stderr

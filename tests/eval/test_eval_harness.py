@@ -81,6 +81,11 @@ def test_pass_at_k_from_a_generator(selected, humaneval_verifier, tmp_path):
     assert receipt.config["model"] == {"name": "scripted", "step": 0}
     assert receipt.config["sampling"]["seed"] == 7
     assert receipt.config["isolation"] == "namespaces"
+    sandbox = receipt.config["sandbox"]  # which guarantees were in force
+    assert sandbox["seccomp"] is humaneval_verifier.sandbox.seccomp
+    assert sandbox["run_memory_bound"] == humaneval_verifier.sandbox.memory_bound(
+        humaneval_verifier.run_limits)
+    assert sandbox["run_memory_bound"] == lines[0]["memory_bound"]
     assert set(verify_artifacts(receipt, tmp_path / RECEIPT_FILE).values()) == {"ok"}
 
 

@@ -12,13 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from megacpp.contract.sandbox_host import find_memory_cgroup
 from megacpp.eval import Status
 from tests.eval.conftest import (
     TEST_COMPILE_LIMITS,
     TEST_RUN_LIMITS,
     is_root,
+    make_verifier,
     measure_responsiveness,
     sandbox_processes,
+    watch_host_shmem,
     with_run_limits,
 )
 from tests.eval.hostile_programs import (
@@ -27,10 +30,15 @@ from tests.eval.hostile_programs import (
     CONNECT,
     ENDLESS_STDERR,
     ENDLESS_STDOUT,
+    ESCAPE_ATTEMPT,
+    ESCAPE_VARIANTS,
+    FILL_TMP,
     FORK_BOMB,
     GROW_UNTIL_REFUSED,
     INCLUDE_DEV_ZERO,
+    MOUNT_TMPFS_ESCAPE,
     NESTED_USERNS_FORK_BOMB,
+    ORDINARY_PROCESSES,
     READ_OUTSIDE,
     SIGNAL_HOST,
     SLEEPER,
@@ -172,3 +180,57 @@ def test_compiler_bombs_end_as_compile_errors_without_hanging(verifier, program)
     assert verdict.status is Status.COMPILE_ERROR, verdict
     assert elapsed < TEST_COMPILE_LIMITS.wall_s + 5
     assert host.worst < MAX_LATENCY_S, host.latencies
+
+
+def test_a_tmpfs_of_its_own_cannot_be_mounted_to_escape_the_memory_limit(any_verifier):
+    """unshare(user + mount) is refused, so no tmpfs outside the jail's caps ever exists."""
+    with watch_host_shmem() as shmem:
+        verdict = any_verifier.verify(MOUNT_TMPFS_ESCAPE)
+    assert verdict.status is Status.FAILED, verdict
+    assert "unshare: Operation not permitted" in verdict.stderr
+    assert "wrote" not in verdict.stdout
+    assert shmem.growth_bytes < TEST_RUN_LIMITS.run_memory_bytes(), shmem
+
+
+@pytest.mark.parametrize("name", sorted(ESCAPE_VARIANTS))
+def test_namespace_and_mount_calls_are_refused(any_verifier, name):
+    attempt, errno_text = ESCAPE_VARIANTS[name]
+    verdict = any_verifier.verify(ESCAPE_ATTEMPT.replace("ATTEMPT", attempt))
+    assert verdict.status is Status.PASSED, verdict  # exit 0: the call failed
+    assert verdict.stdout == f"refused: {errno_text}\n", verdict.stdout
+    assert "ESCAPED" not in verdict.stdout
+
+
+def test_threads_fork_and_spawn_still_work_under_the_syscall_filter(any_verifier):
+    verdict = any_verifier.verify(ORDINARY_PROCESSES)
+    assert verdict.status is Status.PASSED, verdict
+    assert verdict.stdout == "10100 42 7 spawned\n"
+
+
+_cgroup_base, _no_cgroup_why = find_memory_cgroup()
+
+
+@pytest.mark.skipif(_cgroup_base is None,
+                    reason=f"the host gives the sandbox no memory cgroup ({_no_cgroup_why})")
+def test_tmpfs_pages_count_against_the_runs_memory_cgroup(verifier):
+    """/tmp may hold 256 MiB, but the run as a whole only 96 MiB: the cgroup stops it."""
+    bounded = with_run_limits(verifier, tmp_bytes=256 << 20, file_bytes=16 << 20,
+                              memory_bytes=64 << 20, cgroup_memory_bytes=96 << 20)
+    with watch_host_shmem() as shmem:
+        verdict = bounded.verify(FILL_TMP.replace("SIZE_MB", "200"))
+    assert verdict.status is Status.MEMORY_LIMIT, verdict
+    assert "OOM-killed" in verdict.detail
+    assert f"cgroup v{_cgroup_base.version}: 96 MiB" in verdict.memory_bound
+    assert shmem.growth_bytes < 160 << 20, shmem
+
+
+def test_without_a_memory_cgroup_tmp_is_still_capped(monkeypatch):
+    """The fallback: no cgroup, but /tmp's size cap stops the same program, and says so."""
+    monkeypatch.setenv("MEGACPP_SANDBOX_CGROUP", "off")
+    fallback = with_run_limits(make_verifier(), tmp_bytes=32 << 20)
+    with watch_host_shmem() as shmem:
+        verdict = fallback.verify(FILL_TMP.replace("SIZE_MB", "200"))
+    assert verdict.status is Status.FAILED, verdict
+    assert "No space left on device" in verdict.stderr
+    assert verdict.memory_bound.startswith("rlimits only:"), verdict.memory_bound
+    assert shmem.growth_bytes < 96 << 20, shmem

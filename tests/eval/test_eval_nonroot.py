@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.eval.hostile_programs import CONNECT, FORK_BOMB, READ_OUTSIDE, WRITE_OUTSIDE, c_strings
+import megacpp
+from tests.eval.hostile_programs import (
+    CONNECT,
+    FORK_BOMB,
+    MOUNT_TMPFS_ESCAPE,
+    READ_OUTSIDE,
+    WRITE_OUTSIDE,
+    c_strings,
+)
 
 USER = 4242  # an unprivileged uid with no home and no other processes
 
@@ -50,7 +58,8 @@ def user_dir():
 
 
 def _run_as_user(programs: dict[str, str], home: Path) -> dict[str, dict]:
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "MEGACPP_CACHE_DIR": str(home / "cache")}
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "MEGACPP_CACHE_DIR": str(home / "cache"),
+           "PYTHONPATH": str(Path(megacpp.__file__).parents[1])}  # the megacpp under test
     done = subprocess.run(
         ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
          sys.executable, "-c", HARNESS],
@@ -76,6 +85,7 @@ def test_a_non_root_harness_still_contains_hostile_programs(user_dir, loopback_s
         "read": READ_OUTSIDE.replace("PATHS", c_strings([user_secret, "/etc/shadow"])),
         "write": WRITE_OUTSIDE.replace("PATHS", c_strings([escape, user_dir / "escape"])),
         "connect": CONNECT.replace("PORT", str(port)),
+        "mount_tmpfs": MOUNT_TMPFS_ESCAPE,
     }
     verdicts = _run_as_user(programs, user_dir)
     assert verdicts["whoami"]["status"] == "passed"
@@ -86,3 +96,5 @@ def test_a_non_root_harness_still_contains_hostile_programs(user_dir, loopback_s
     assert not escape.exists() and not (user_dir / "escape").exists()
     assert verdicts["connect"]["status"] == "passed", verdicts["connect"]["stdout"]
     assert accepted == []
+    assert verdicts["mount_tmpfs"]["status"] == "failed", verdicts["mount_tmpfs"]
+    assert "unshare: Operation not permitted" in verdicts["mount_tmpfs"]["stderr"]

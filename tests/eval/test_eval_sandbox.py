@@ -8,10 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from megacpp.contract.sandbox_host import CGROUP_ENV, find_memory_cgroup
 from megacpp.errors import ConfigError
 from megacpp.eval import Isolation, Limits, Mount, Sandbox, SandboxError
+from megacpp.eval import sandbox as sandbox_module
+from megacpp.eval.cgroup import RUN_PREFIX, RunCgroup
 from megacpp.eval.launcher import jail_binary
-from megacpp.eval.sandbox import ISOLATION_ENV
+from megacpp.eval.sandbox import ISOLATION_ENV, _Capture, _execution
+from megacpp.eval.verdict import Status, run_verdict
+from tests.eval.conftest import sandbox_processes
 
 LIMITS = Limits(cpu_s=2, wall_s=10.0)
 
@@ -112,7 +117,8 @@ def test_the_launcher_is_built_into_the_cache_dir(monkeypatch, tmp_path):
 
 def test_describe_names_every_active_mechanism(sandbox):
     mechanisms = dict(sandbox.describe())
-    for name in ("network namespace", "mount namespace", "pid namespace", "rlimits"):
+    for name in ("network namespace", "mount namespace", "pid namespace", "rlimits", "seccomp",
+                 "memory bound"):
         assert name in mechanisms
     weak = dict(Sandbox("rlimits").describe())
     assert weak["network"].startswith("NOT")
@@ -124,3 +130,82 @@ def test_sandbox_paths_under_each_isolation(tmp_path):
     assert Sandbox("rlimits").jail_path(mount) == str(tmp_path)
     assert Sandbox("namespaces").scratch_dir(mount) == "/tmp"
     assert Path(Sandbox("rlimits").scratch_dir(mount)) == tmp_path
+
+
+def test_the_program_runs_under_the_filter_with_no_namespaces_to_spare(sandbox):
+    ran = sh(sandbox, "grep Seccomp: /proc/self/status; cat /proc/sys/user/max_user_namespaces "
+                      "/proc/sys/user/max_mnt_namespaces /proc/self/oom_score_adj")
+    assert ran.stdout.decode().split() == ["Seccomp:", "2", "0", "0", "1000"], ran
+    fallback = sh(Sandbox("rlimits"), "grep Seccomp: /proc/self/status")
+    assert fallback.stdout.decode().split() == ["Seccomp:", "2"]
+
+
+def test_an_explicit_cgroup_setting_fails_closed_and_off_warns_once(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(CGROUP_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="is not a directory"):
+        Sandbox()
+    monkeypatch.setenv(CGROUP_ENV, str(tmp_path))
+    with pytest.raises(ConfigError, match="not inside a cgroup"):
+        Sandbox()
+    monkeypatch.setenv(CGROUP_ENV, "off")
+    monkeypatch.setattr(sandbox_module, "_warned", set())
+    capsys.readouterr()
+    first, second = Sandbox(), Sandbox("rlimits")
+    assert first.cgroups is None and second.cgroups is None
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "memory cgroup" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("warning: no memory cgroup") and "=off" in warnings[0]
+    assert first.memory_bound(Limits()).startswith("rlimits only: 1024 MiB address space")
+    assert first.guarantees()["memory_cgroup"] is None
+
+
+def test_a_run_killed_with_its_jail_by_the_oom_killer_is_a_memory_limit():
+    """When the OOM killer also ends the jail (memory kept in a tmpfs outlives the program),
+    no exit report comes back: the cgroup's record alone decides the verdict."""
+    capture = _Capture(bytearray(), bytearray(), oom_killed=True, memory_bound="cgroup v2: 1 MiB")
+    execution = _execution("", capture, 0.5, -9, "main")
+    assert execution.oom_killed and execution.exit_code is None
+    verdict = run_verdict(execution, Limits(), compile_s=0.1)
+    assert verdict.status is Status.MEMORY_LIMIT and "cgroup v2: 1 MiB" in verdict.detail
+    with pytest.raises(SandboxError, match="without reporting"):
+        _execution("", _Capture(bytearray(), bytearray()), 0.5, -9, "main")
+
+
+_base, _why = find_memory_cgroup()
+needs_cgroup = pytest.mark.skipif(_base is None, reason=f"no memory cgroup here: {_why}")
+
+
+@needs_cgroup
+def test_each_run_gets_its_own_limited_cgroup_and_leaves_none_behind(sandbox):
+    ran = sh(sandbox, "cat /proc/self/cgroup")
+    own = [line for line in ran.stdout.decode().splitlines()
+           if RUN_PREFIX in line and (line.startswith("0::") or ":memory:" in line)]
+    assert len(own) == 1, ran.stdout
+    # Without namespaces the host's cgroup files are visible: read the run's own limit.
+    limit_file = "memory.max" if _base.version == 2 else "memory.limit_in_bytes"
+    script = (f"name=$(grep -E '^0::|:memory:' /proc/self/cgroup | grep {RUN_PREFIX} | "
+              f"sed 's|.*/||'); cat {_base.path}/$name/{limit_file}")
+    limited = Sandbox("rlimits").execute(["/bin/sh", "-c", script], mounts=[], cwd="/",
+                                         limits=LIMITS.replace(cgroup_memory_bytes=80 << 20))
+    assert limited.stdout == b"83886080\n" and "80 MiB" in limited.memory_bound, limited
+    run_dir = _base.path / own[0].rsplit("/", 1)[1]
+    assert not run_dir.exists() and not list(_base.path.glob(f"{RUN_PREFIX}{os.getpid()}-*"))
+
+
+@needs_cgroup
+@pytest.mark.skipif(os.geteuid() != 0, reason="counts the sandbox uid's processes on the host")
+def test_the_cgroup_kills_what_escaped_the_process_group():
+    """Without namespaces, setsid takes a daemon out of the process group the harness kills;
+    it is still in the run's cgroup, which is emptied when the run ends."""
+    before = set(sandbox_processes())
+    ran = sh(Sandbox("rlimits"), "setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo started")
+    assert ran.stdout == b"started\n"
+    assert set(sandbox_processes()) - before == set()
+
+
+def test_oom_kills_are_read_from_either_cgroup_version(tmp_path):
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 3\noom_kill 2\n")
+    (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    assert RunCgroup(2, tmp_path, 1 << 20).oom_kills() == 2
+    assert RunCgroup(1, tmp_path, 1 << 20).oom_kills() == 1
+    assert RunCgroup(2, tmp_path / "gone", 1 << 20).oom_kills() == 0

@@ -4,7 +4,8 @@ A difference is *contract-breaking* when results from the two environments canno
 compared as if they meant the same thing: torch minor version, CUDA runtime major.minor,
 compiler major, device (name, arch, SM count), Triton minor and its ptxas, any other
 contract package version, kernel-affecting environment variables, applied patches.
-Everything else (hostname, capture time, memory, driver, git commit) is informational.
+Everything else (hostname, capture time, memory, driver, git commit, what the C++ sandbox
+can rely on) is informational.
 A field this table does not know is contract-breaking: fail closed.
 """
 
@@ -108,6 +109,7 @@ _FIELD_RULES: list[tuple[str, Classifier]] = [
     ("env.*", _contract("kernel-affecting environment variable")),
     ("git.*", _info("git state (comparing commits is what receipts are for)")),
     ("patches", _contract("applied patches")),
+    ("sandbox.*", _info("what the C++ sandbox can rely on (preflight rule sandbox-host)")),
     ("*", _contract("field unknown to this megacpp (fail closed)")),
 ]
 

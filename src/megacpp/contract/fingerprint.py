@@ -20,6 +20,7 @@ from typing import Any
 from megacpp.contract import probes
 from megacpp.contract.gitinfo import capture_git
 from megacpp.contract.patches import applied_patches
+from megacpp.contract.sandbox_host import sandbox_host
 from megacpp.errors import MegaCppError
 
 FINGERPRINT_SCHEMA = "megacpp.fingerprint"
@@ -126,6 +127,7 @@ def capture_fingerprint(
         "env": kernel_env(env),
         "git": capture_git(project_root, env),
         "patches": applied_patches(),
+        "sandbox": sandbox_host(env),
     }
 
 

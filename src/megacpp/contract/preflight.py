@@ -26,6 +26,7 @@ from megacpp.contract.config import ContractConfig, KernelSmem
 from megacpp.contract.devices import profile_for_fingerprint
 from megacpp.contract.integrity import IntegrityReport, describe_problems, verify_site
 from megacpp.contract.patches import INDUCTOR_MIN_SMS
+from megacpp.contract.sandbox_host import CGROUP_ENV
 from megacpp.contract.triton_ptxas import PTXAS_ENV_VARS, PtxasRouting, ptxas_routing
 from megacpp.contract.versions import short_version, version_at_least, version_tuple
 from megacpp.errors import MegaCppError
@@ -473,6 +474,39 @@ def check_device_profile(inputs: PreflightInputs) -> list[Finding]:
     return findings
 
 
+# --- (h) what the C++ verifier sandbox can guarantee on this host ----------------------------------
+
+
+def check_sandbox_host(inputs: PreflightInputs) -> list[Finding]:
+    """One warning per guarantee of ``megacpp eval``'s sandbox this host cannot give."""
+    rule = "sandbox-host"
+    host = inputs.facts.get("sandbox")
+    if not isinstance(host, dict):
+        return _na(rule, "the fingerprint has no sandbox section")
+    findings = []
+    if not host.get("seccomp"):
+        findings.append(Finding(
+            rule, "warning",
+            "the kernel takes no seccomp filters: the C++ sandbox cannot deny namespace and "
+            "mount calls (under --isolation rlimits a program can mount a tmpfs of its own)",
+            "use a kernel with CONFIG_SECCOMP_FILTER, or a container profile that allows "
+            "seccomp(2)"))
+    if not host.get("memory_cgroup"):
+        findings.append(Finding(
+            rule, "warning",
+            f"no memory cgroup for the C++ sandbox ({host.get('memory_cgroup_note')}): a run's "
+            "memory is bounded per process and /tmp by its size cap, not as a whole",
+            f"run as root with a writable memory cgroup, or set {CGROUP_ENV} to a delegated "
+            "cgroup v2 directory with +memory in its cgroup.subtree_control (docs/eval.md)"))
+    if host.get("user_namespaces") == 0:
+        findings.append(Finding(
+            rule, "warning",
+            "user.max_user_namespaces is 0: the C++ sandbox's namespace isolation cannot start",
+            "sysctl -w user.max_user_namespaces=15000 (or use --isolation rlimits, which "
+            "isolates no files or network)"))
+    return findings
+
+
 RULES: dict[str, Rule] = {
     rule.id: rule
     for rule in (
@@ -492,6 +526,11 @@ RULES: dict[str, Rule] = {
         Rule("site-integrity", "contract packages match their RECORD hashes", check_site_integrity),
         Rule(
             "device-profile", "the device has a known profile (peaks for MFU)", check_device_profile
+        ),
+        Rule(
+            "sandbox-host",
+            "the C++ sandbox has seccomp, user namespaces and a memory cgroup",
+            check_sandbox_host,
         ),
     )
 }

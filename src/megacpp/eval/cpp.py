@@ -99,8 +99,10 @@ class CppVerifier:
         self._compiler = _resolve_compiler(self.build.compiler, self.sandbox)
         if self.build.sanitize:
             # ASan reserves terabytes of shadow address space: RLIMIT_AS cannot apply.
+            # ASan's own limits and the memory cgroup (when there is one) bound it instead.
             self._asan_memory_mb = (self.run_limits.memory_bytes or 1 << 30) >> 20
-            self.run_limits = self.run_limits.replace(memory_bytes=None)
+            self.run_limits = self.run_limits.replace(
+                memory_bytes=None, cgroup_memory_bytes=self.run_limits.run_memory_bytes())
         if self.build.pch and not self.sandbox.namespaces:
             raise ConfigError("precompiled headers need namespace isolation (the rlimits "
                               "sandbox cannot mount them); build without pch")

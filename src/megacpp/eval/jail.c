@@ -12,10 +12,16 @@
  *              /tmp), pivots into it, forks the program and waits for it. When init exits
  *              the kernel kills every process left in the namespace.
  *       program  drops to an unprivileged uid inside a fresh user namespace of its own
- *                (so RLIMIT_NPROC counts only this run's processes), sets rlimits and
- *                niceness, and execs with the given environment only.
+ *                (so RLIMIT_NPROC counts only this run's processes), caps the namespaces
+ *                that user namespace may create at zero, sets rlimits and niceness,
+ *                installs the seccomp filter and execs with the given environment only.
  * Isolation "rlimits" (fallback without namespaces): the launcher forks the program
- * directly; it still drops root, sets rlimits and niceness, and scrubs the environment.
+ * directly; it still drops root, sets rlimits and niceness, installs the seccomp filter
+ * and scrubs the environment.
+ *
+ * Both levels: with --cgroup DIR the launcher first moves itself into that (memory-limited)
+ * cgroup, so every process of the run is charged to it, page cache and tmpfs included. The
+ * program raises its own oom_score_adj to 1000, so the OOM killer ends it before the jail.
  *
  * The launcher writes to --status-fd exactly one of:
  *   "exit <wait-status> <maxrss-kb> <user-us> <sys-us>\n"  the program ran (any outcome)
@@ -27,9 +33,13 @@
 #include <getopt.h>
 #include <grp.h>
 #include <limits.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +67,8 @@ struct bind {
 
 struct config {
     int namespaces; /* 1: full isolation, 0: rlimits fallback */
+    int seccomp;    /* 1: install the syscall filter before exec (--no-seccomp: 0) */
+    const char *cgroup; /* the run's cgroup directory, joined first; NULL: none */
     int status_fd;
     struct bind binds[MAX_BINDS];
     int n_binds;
@@ -119,7 +131,7 @@ static void add_bind(struct config *cfg, const char *spec, int writable) {
 
 static void parse_args(int argc, char **argv, struct config *cfg) {
     enum { O_ISOLATION = 1, O_STATUS, O_BIND, O_RWBIND, O_TMP, O_CWD, O_ENV, O_CPU, O_AS,
-           O_FSIZE, O_NPROC, O_NOFILE, O_NICE, O_UID, O_GID };
+           O_FSIZE, O_NPROC, O_NOFILE, O_NICE, O_UID, O_GID, O_CGROUP, O_NO_SECCOMP };
     static const struct option options[] = {
         {"isolation", required_argument, 0, O_ISOLATION},
         {"status-fd", required_argument, 0, O_STATUS},
@@ -136,10 +148,13 @@ static void parse_args(int argc, char **argv, struct config *cfg) {
         {"nice", required_argument, 0, O_NICE},
         {"uid", required_argument, 0, O_UID},
         {"gid", required_argument, 0, O_GID},
+        {"cgroup", required_argument, 0, O_CGROUP},
+        {"no-seccomp", no_argument, 0, O_NO_SECCOMP},
         {0, 0, 0, 0},
     };
     memset(cfg, 0, sizeof(*cfg));
     cfg->namespaces = 1;
+    cfg->seccomp = 1;
     cfg->status_fd = -1;
     cfg->cwd_fd = -1;
     cfg->tmp_bytes = 64ULL << 20;
@@ -170,6 +185,8 @@ static void parse_args(int argc, char **argv, struct config *cfg) {
         case O_NICE: cfg->nice = (int)parse_number(optarg, "--nice"); break;
         case O_UID: cfg->drop_uid = (uid_t)parse_number(optarg, "--uid"); break;
         case O_GID: cfg->drop_gid = (gid_t)parse_number(optarg, "--gid"); break;
+        case O_CGROUP: cfg->cgroup = optarg; break;
+        case O_NO_SECCOMP: cfg->seccomp = 0; break;
         default: die_msg("unknown option");
         }
     }
@@ -321,7 +338,8 @@ static void build_root(struct config *cfg) {
     if (mount("proc", NEW_ROOT "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
         die("mount /proc");
     make_dirs("/tmp");
-    snprintf(opts, sizeof opts, "mode=1777,size=%llu", cfg->tmp_bytes);
+    /* nr_inodes: empty files use no blocks, so size= alone would not bound their inodes. */
+    snprintf(opts, sizeof opts, "mode=1777,size=%llu,nr_inodes=16384", cfg->tmp_bytes);
     if (mount("tmpfs", NEW_ROOT "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts))
         die("mount /tmp tmpfs");
     if (chdir(NEW_ROOT)) die("chdir new root");
@@ -356,8 +374,151 @@ static void drop_root(const struct config *cfg) {
     if (setresuid(cfg->drop_uid, cfg->drop_uid, cfg->drop_uid)) die("setresuid");
 }
 
+/* Move this process (and so everything it starts) into the run's cgroup. */
+static void join_cgroup(const char *dir) {
+    char path[PATH_MAX], pid[32];
+    if (snprintf(path, sizeof path, "%s/cgroup.procs", dir) >= (int)sizeof path) die_msg(dir);
+    snprintf(pid, sizeof pid, "%d\n", (int)getpid());
+    write_file(path, pid);
+}
+
+/* Under memory pressure the OOM killer should pick the program, never the jail's init or
+ * launcher (which report the outcome). Raising one's own score needs no privilege. */
+static void prefer_for_oom_kill(void) {
+    write_file("/proc/self/oom_score_adj", "1000\n");
+}
+
+/* In the program's own user namespace, where it still holds CAP_SYS_RESOURCE until exec:
+ * allow zero child namespaces of any kind. A second wall behind the seccomp filter against
+ * unshare(CLONE_NEWUSER | CLONE_NEWNS) + mount, with which a program could mount a tmpfs
+ * outside the /tmp size cap and every rlimit. A kernel without a given sysctl skips it. */
+static void forbid_nested_namespaces(void) {
+    static const char *kinds[] = {"user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time"};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/sys/user/max_%s_namespaces", kinds[i]);
+        int fd = open(path, O_WRONLY | O_CLOEXEC);
+        if (fd < 0 && errno == ENOENT) continue;
+        if (fd < 0 || write(fd, "0\n", 2) != 2) die(path);
+        close(fd);
+    }
+}
+
+/* --- the seccomp filter ------------------------------------------------------------------- */
+
+#if defined(__x86_64__)
+#define JAIL_AUDIT_ARCH AUDIT_ARCH_X86_64
+#elif defined(__aarch64__)
+#define JAIL_AUDIT_ARCH AUDIT_ARCH_AARCH64
+#else
+#error "megacpp-jail's seccomp filter is written for x86_64 and aarch64"
+#endif
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "megacpp-jail's seccomp filter reads the low half of a 64-bit argument (little-endian)"
+#endif
+
+/* Numbers of the newer mount calls, identical on every architecture; older headers lack them. */
+#ifndef __NR_open_tree
+#define __NR_open_tree 428
+#endif
+#ifndef __NR_move_mount
+#define __NR_move_mount 429
+#endif
+#ifndef __NR_fsopen
+#define __NR_fsopen 430
+#endif
+#ifndef __NR_fsconfig
+#define __NR_fsconfig 431
+#endif
+#ifndef __NR_fsmount
+#define __NR_fsmount 432
+#endif
+#ifndef __NR_fspick
+#define __NR_fspick 433
+#endif
+#ifndef __NR_clone3
+#define __NR_clone3 435
+#endif
+#ifndef __NR_mount_setattr
+#define __NR_mount_setattr 442
+#endif
+#ifndef __NR_memfd_secret
+#define __NR_memfd_secret 447
+#endif
+#ifndef __NR_open_tree_attr
+#define __NR_open_tree_attr 467
+#endif
+#ifndef CLONE_NEWTIME
+#define CLONE_NEWTIME 0x00000080
+#endif
+
+/* Any of these in clone()/unshare() flags creates a namespace. (In clone() the low byte is
+ * the exit signal; a valid signal never sets 0x80, so CLONE_NEWTIME only meets bad calls.) */
+#define NAMESPACE_FLAGS (CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | \
+                         CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWTIME)
+
+#define DENY(nr, err)                                             \
+    BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (nr), 0, 1),              \
+    BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ((err) & SECCOMP_RET_DATA))
+
+/* Deny the program every way to a new namespace or a new mount, and the memory holders
+ * that would escape RLIMIT_AS and the /tmp cap where no memory cgroup counts them. Inside a
+ * new user namespace a program holds CAP_SYS_ADMIN over a new mount namespace and can mount
+ * a tmpfs with no size limit: a way around every memory limit but a cgroup. */
+static void install_seccomp(void) {
+    struct sock_filter filter[] = {
+        /* Another ABI's syscall numbers (int 0x80 on x86_64) would bypass the table. */
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, JAIL_AUDIT_ARCH, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+#if defined(__x86_64__)
+        /* x32 ABI numbers (bit 30) reach the same kernel functions under other numbers. */
+        BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+#endif
+        /* clone3 passes its flags in memory, which a filter cannot read: refuse the call as
+         * unknown, and glibc (threads, posix_spawn) falls back to clone, checked below. */
+        DENY(__NR_clone3, ENOSYS),
+        /* Joining an existing namespace. */
+        DENY(__NR_setns, EPERM),
+        /* Mounting, unmounting, changing root: the classic and the file-descriptor API. */
+        DENY(__NR_mount, EPERM),
+        DENY(__NR_umount2, EPERM),
+        DENY(__NR_pivot_root, EPERM),
+        DENY(__NR_open_tree, EPERM),
+        DENY(__NR_open_tree_attr, EPERM),
+        DENY(__NR_move_mount, EPERM),
+        DENY(__NR_fsopen, EPERM),
+        DENY(__NR_fsconfig, EPERM),
+        DENY(__NR_fsmount, EPERM),
+        DENY(__NR_fspick, EPERM),
+        DENY(__NR_mount_setattr, EPERM),
+        /* Anonymous shared memory outside any address space and any tmpfs size cap: memfds
+         * (up to RLIMIT_FSIZE each, per open file) and SysV segments (kept after exit). */
+        DENY(__NR_memfd_create, EPERM),
+        DENY(__NR_memfd_secret, EPERM),
+        DENY(__NR_shmget, EPERM),
+        DENY(__NR_msgget, EPERM),
+        /* clone() and unshare(): allowed (threads, fork) unless a namespace flag is set. */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 1, 0),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_unshare, 0, 3),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),
+        BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, NAMESPACE_FLAGS, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog program = {
+        .len = (unsigned short)(sizeof filter / sizeof filter[0]),
+        .filter = filter,
+    };
+    /* Needs no_new_privs (set by the caller), so an unprivileged process may install it. */
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &program)) die("seccomp filter");
+}
+
 /* In the program's process: lose every privilege, apply limits, exec. Never returns. */
 static void enter_program(const struct config *cfg) {
+    prefer_for_oom_kill();
     if (cfg->namespaces) {
         if (cfg->caller_uid == 0) {
             drop_root(cfg);
@@ -369,6 +530,7 @@ static void enter_program(const struct config *cfg) {
              * capabilities the new namespace grants are dropped by execve (uid != 0). */
             enter_user_namespace(cfg->caller_uid, 0, cfg->caller_gid, 0);
         }
+        forbid_nested_namespaces();
         if (chdir(cfg->cwd)) die(cfg->cwd);
     } else {
         if (cfg->caller_uid == 0) drop_root(cfg);
@@ -381,6 +543,7 @@ static void enter_program(const struct config *cfg) {
     apply_limits(cfg);
     /* Every inherited fd above stderr closes at exec, the status fd included. */
     syscall(SYS_close_range, 3U, ~0U, 4U /* CLOSE_RANGE_CLOEXEC */);
+    if (cfg->seccomp) install_seccomp();
     execve(cfg->argv[0], cfg->argv, (char **)cfg->env);
     die(cfg->argv[0]);
 }
@@ -406,6 +569,9 @@ int main(int argc, char **argv) {
     parse_args(argc, argv, &cfg);
     status_fd = cfg.status_fd;
     if (status_fd >= 0 && fcntl(status_fd, F_SETFD, FD_CLOEXEC)) die("status fd");
+    /* First, before any namespace or privilege change: every process of the run is then
+     * charged to the run's cgroup, and the caller's permission on it is what counts. */
+    if (cfg.cgroup) join_cgroup(cfg.cgroup);
     if (!cfg.namespaces) {
         /* Opened while still privileged: the dropped uid may not traverse its parents. */
         cfg.cwd_fd = open(cfg.cwd, O_PATH | O_DIRECTORY | O_CLOEXEC);

@@ -14,25 +14,39 @@ Every process goes through ``megacpp-jail`` (see ``jail.c``). Two isolation leve
     when started as root, the ``nobody`` uid. No network or filesystem isolation.
 
 Both levels: CPU time, address space, file size, process and open-file limits; a wall-clock
-deadline that SIGKILLs the whole process group; stdout+stderr captured up to a byte limit.
+deadline that SIGKILLs the whole process group; stdout+stderr captured up to a byte limit; a
+seccomp filter that denies namespace and mount calls (where the kernel takes filters); and,
+where the host lets us create one, a memory cgroup per run that bounds everything the run
+holds, page cache and tmpfs included (:mod:`megacpp.eval.cgroup`). Which memory bound was in
+force is part of every :class:`Execution` (and so of every verdict and receipt); a host that
+cannot provide the cgroup or the filter gets a one-line warning.
 Classification into verdicts lives in :mod:`megacpp.eval.verdict`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from megacpp.contract.sandbox_host import (
+    CGROUP_ENV,
+    CGROUP_OFF,
+    find_memory_cgroup,
+    seccomp_available,
+)
 from megacpp.errors import ConfigError
+from megacpp.eval.cgroup import MemoryCgroups, RunCgroup
 from megacpp.eval.launcher import SandboxError, jail_binary
 
 ISOLATION_ENV = "MEGACPP_SANDBOX_ISOLATION"
@@ -60,6 +74,9 @@ class Limits:
     processes: int = 32  # RLIMIT_NPROC (counted per run under namespaces isolation)
     open_files: int = 64  # RLIMIT_NOFILE
     nice: int = 10  # scheduling niceness, so a runaway program cannot starve the host
+    # The whole run (every process, page cache, tmpfs) where a memory cgroup is available;
+    # None = memory_bytes + tmp_bytes (no cgroup limit when memory_bytes is None too).
+    cgroup_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("cpu_s", "wall_s", "file_bytes", "tmp_bytes", "output_bytes",
@@ -67,13 +84,21 @@ class Limits:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"sandbox limit {name} must be > 0, got {getattr(self, name)}")
-        if self.memory_bytes is not None and self.memory_bytes <= 0:
-            raise ConfigError(f"sandbox limit memory_bytes must be > 0 or None, got {self.memory_bytes}")
+        for name in ("memory_bytes", "cgroup_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"sandbox limit {name} must be > 0 or None, got {value}")
         if not 0 <= self.nice <= 19:
             raise ConfigError(f"sandbox limit nice must be in 0..19, got {self.nice}")
 
     def replace(self, **changes: object) -> Limits:
         return dataclasses.replace(self, **changes)
+
+    def run_memory_bytes(self) -> int | None:
+        """The memory cgroup limit for one run (None: no limit)."""
+        if self.cgroup_memory_bytes is not None:
+            return self.cgroup_memory_bytes
+        return None if self.memory_bytes is None else self.memory_bytes + self.tmp_bytes
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,8 @@ class Execution:
     max_rss_kb: int | None
     timed_out: bool  # the harness killed it at the wall-clock deadline
     output_exceeded: bool  # the harness killed it for writing more than output_bytes
+    oom_killed: bool = False  # the run's memory cgroup OOM-killed a process of the run
+    memory_bound: str = ""  # the memory guarantee that was in force (Sandbox.memory_bound)
 
 
 class Sandbox:
@@ -106,6 +133,12 @@ class Sandbox:
     def __init__(self, isolation: Isolation | str | None = None) -> None:
         self.isolation = resolve_isolation(isolation)
         self._jail = jail_binary()
+        host = _host_guarantees(os.environ.get(CGROUP_ENV, "").strip())
+        self.seccomp = host.seccomp
+        self.cgroups = host.cgroups
+        self.cgroup_note = host.cgroup_note
+        for warning in host.warnings:
+            _warn_once(warning)
 
     def probe(self) -> None:
         """Run ``true`` in the jail; raise :class:`SandboxError` if this level cannot work here."""
@@ -126,6 +159,26 @@ class Sandbox:
         """A writable working directory private to one run."""
         return "/tmp" if self.namespaces else str(work.host)
 
+    def memory_bound(self, limits: Limits) -> str:
+        """One line: what bounds a run's memory under ``limits`` on this host."""
+        whole_run = limits.run_memory_bytes()
+        if self.cgroups is not None and whole_run is not None:
+            return (f"cgroup v{self.cgroups.version}: {_mib(whole_run)} for the whole run "
+                    f"(every process, page cache, tmpfs)")
+        per_process = ("address space unlimited" if limits.memory_bytes is None
+                       else f"{_mib(limits.memory_bytes)} address space per process")
+        tmp = f"/tmp {_mib(limits.tmp_bytes)}" if self.namespaces else "host /tmp (not private)"
+        return f"rlimits only: {per_process}, {tmp}, files {_mib(limits.file_bytes)}"
+
+    def guarantees(self) -> dict[str, object]:
+        """What this sandbox relies on here (for receipts)."""
+        return {
+            "isolation": self.isolation.value,
+            "seccomp": self.seccomp,
+            "memory_cgroup": self.cgroups.base.describe() if self.cgroups else None,
+            "memory_cgroup_note": self.cgroup_note,
+        }
+
     def prepare_workdir(self, path: Path) -> None:
         """Let the sandbox identity write into ``path`` (a root-started sandbox runs as nobody)."""
         if os.geteuid() == 0:
@@ -141,8 +194,19 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
     ) -> Execution:
         """Run ``argv`` (paths as the jail sees them) and wait for it within ``limits``."""
+        whole_run = limits.run_memory_bytes()
+        run_cgroup = (self.cgroups.create(whole_run)
+                      if self.cgroups is not None and whole_run is not None else None)
+        try:
+            return self._execute(argv, mounts, cwd, limits, env or {}, run_cgroup)
+        finally:
+            if run_cgroup is not None:
+                run_cgroup.remove()
+
+    def _execute(self, argv: Sequence[str], mounts: Sequence[Mount], cwd: str, limits: Limits,
+                 env: Mapping[str, str], run_cgroup: RunCgroup | None) -> Execution:
         read_fd, write_fd = os.pipe()
-        command = self._command(argv, mounts, cwd, limits, env or {}, write_fd)
+        command = self._command(argv, mounts, cwd, limits, env, write_fd, run_cgroup)
         started = time.monotonic()
         try:
             process = subprocess.Popen(
@@ -166,6 +230,8 @@ class Sandbox:
             with os.fdopen(read_fd, "rb") as status:
                 report = status.read().decode("utf-8", "replace")
         wall_s = time.monotonic() - started
+        capture.oom_killed = run_cgroup is not None and run_cgroup.oom_kills() > 0
+        capture.memory_bound = self.memory_bound(limits)
         try:
             return _execution(report, capture, wall_s, process.returncode, argv[0])
         except SandboxError as exc:
@@ -181,11 +247,16 @@ class Sandbox:
         limits: Limits,
         env: Mapping[str, str],
         status_fd: int,
+        run_cgroup: RunCgroup | None = None,
     ) -> list[str]:
         command = [str(self._jail), "--isolation", self.isolation.value,
                    "--status-fd", str(status_fd), "--cwd", cwd,
                    "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
         command += _limit_args(limits)
+        if run_cgroup is not None:
+            command += ["--cgroup", str(run_cgroup.path)]
+        if not self.seccomp:
+            command.append("--no-seccomp")
         if self.namespaces:
             for mount in mounts:
                 if ":" in str(mount.host) or not mount.jail.startswith("/"):
@@ -211,7 +282,61 @@ class Sandbox:
 
     def describe(self) -> list[tuple[str, str]]:
         """(mechanism, what it does here) for the active isolation level."""
-        return describe_mechanisms(self.isolation, os.geteuid())
+        return describe_mechanisms(self.isolation, os.geteuid(), seccomp=self.seccomp,
+                                   memory_cgroup=self.cgroups.base.describe() if self.cgroups
+                                   else None, cgroup_note=self.cgroup_note)
+
+
+@dataclass(frozen=True)
+class _Host:
+    """What this host provides the sandbox, resolved once per process (per cgroup setting)."""
+
+    seccomp: bool
+    cgroups: MemoryCgroups | None
+    cgroup_note: str
+    warnings: tuple[str, ...]
+
+
+@functools.cache
+def _host_guarantees(cgroup_setting: str) -> _Host:
+    """Seccomp support and the memory cgroup base; an explicit ``$MEGACPP_SANDBOX_CGROUP``
+    that cannot be used fails closed, the automatic choice degrades with a warning."""
+    warnings = []
+    seccomp = seccomp_available()
+    if not seccomp:
+        warnings.append("the kernel takes no seccomp filters: sandboxed programs may create "
+                        "namespaces and mount file systems (docs/eval.md, threat model)")
+    base, note = find_memory_cgroup({CGROUP_ENV: cgroup_setting})
+    cgroups = None
+    if base is not None:
+        cgroups = MemoryCgroups(base)
+        try:
+            cgroups.probe()
+        except SandboxError as exc:
+            if cgroup_setting:
+                raise ConfigError(f"{CGROUP_ENV}={cgroup_setting} cannot be used: {exc}") from None
+            cgroups, note = None, str(exc)
+    elif cgroup_setting and cgroup_setting != CGROUP_OFF:
+        raise ConfigError(f"{note}; set {CGROUP_ENV} to a cgroup directory the sandbox may "
+                          f"create children in, or to {CGROUP_OFF}")
+    if cgroups is None:
+        warnings.append(f"no memory cgroup for sandboxed runs ({note}): memory is bounded per "
+                        f"process and /tmp by its size cap, not per run (docs/eval.md)")
+    return _Host(seccomp, cgroups, note, tuple(warnings))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """One stderr line per missing guarantee and process (every eval command builds a Sandbox)."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"
 
 
 def resolve_isolation(requested: Isolation | str | None) -> Isolation:
@@ -238,7 +363,9 @@ _NAMESPACE_HINT = (
 )
 
 
-def describe_mechanisms(isolation: Isolation, euid: int) -> list[tuple[str, str]]:
+def describe_mechanisms(isolation: Isolation, euid: int, *, seccomp: bool = True,
+                        memory_cgroup: str | None = None,
+                        cgroup_note: str = "") -> list[tuple[str, str]]:
     """The layered defences for ``isolation`` when the harness runs as ``euid``."""
     identity = (f"uid {SANDBOX_UID} (nobody); the harness runs as root" if euid == 0
                 else f"the caller's uid {euid}, no capabilities")
@@ -249,6 +376,11 @@ def describe_mechanisms(isolation: Isolation, euid: int) -> list[tuple[str, str]
         ("environment", "scrubbed: PATH, HOME, TMPDIR, LC_ALL, LANG (+ sanitizer options)"),
         ("niceness", "programs run niced so the host stays responsive"),
         ("no_new_privs", "set-uid binaries cannot raise privileges"),
+        ("seccomp", "namespace, mount, memfd and SysV shared-memory calls denied" if seccomp
+         else "NOT available: the kernel takes no seccomp filters"),
+        ("memory bound", f"{memory_cgroup}: one limit per run, page cache and tmpfs included"
+         if memory_cgroup else f"per process only (RLIMIT_AS, /tmp size, file size): "
+                               f"{cgroup_note}"),
     ]
     if isolation is Isolation.RLIMITS:
         return [
@@ -263,7 +395,7 @@ def describe_mechanisms(isolation: Isolation, euid: int) -> list[tuple[str, str]
                      "program in a nested one"))
     return [
         ("identity", identity),
-        ("user namespace", user_ns),
+        ("user namespace", user_ns + "; it may create no namespaces of its own"),
         ("network namespace", "no interfaces up: loopback and outside addresses unreachable"),
         ("mount namespace", ("private root: /usr /bin /lib* /etc read-only, own /proc, "
                              "size-limited private /tmp, the run's directory")),
@@ -288,6 +420,8 @@ class _Capture:
     stderr: bytearray
     timed_out: bool = False
     output_exceeded: bool = False
+    oom_killed: bool = False
+    memory_bound: str = ""
 
 
 def _capture(process: subprocess.Popen, deadline: float, output_bytes: int) -> _Capture:
@@ -338,7 +472,9 @@ def _execution(report: str, capture: _Capture, wall_s: float, launcher_code: int
     if errors:
         raise SandboxError(f"the sandbox could not run {program}: {errors[0]}")
     exits = [line.split() for line in lines if line.startswith("exit ")]
-    killed = capture.timed_out or capture.output_exceeded
+    # The OOM killer may have ended the jail itself (memory held in a tmpfs outlives the
+    # program it killed first): then only the cgroup tells what happened.
+    killed = capture.timed_out or capture.output_exceeded or capture.oom_killed
     if not exits:
         if not killed:
             raise SandboxError(
@@ -346,7 +482,8 @@ def _execution(report: str, capture: _Capture, wall_s: float, launcher_code: int
                 f"{program}; stderr: {bytes(capture.stderr[:500]).decode('utf-8', 'replace')}"
             )
         return Execution(None, signal.SIGKILL, bytes(capture.stdout), bytes(capture.stderr),
-                         wall_s, None, None, capture.timed_out, capture.output_exceeded)
+                         wall_s, None, None, capture.timed_out, capture.output_exceeded,
+                         capture.oom_killed, capture.memory_bound)
     wait_status, max_rss_kb, user_us, sys_us = (int(field) for field in exits[0][1:5])
     exited = os.WIFEXITED(wait_status)
     return Execution(
@@ -359,4 +496,6 @@ def _execution(report: str, capture: _Capture, wall_s: float, launcher_code: int
         max_rss_kb=max_rss_kb,
         timed_out=capture.timed_out,
         output_exceeded=capture.output_exceeded,
+        oom_killed=capture.oom_killed,
+        memory_bound=capture.memory_bound,
     )

@@ -46,6 +46,7 @@ class Verdict:
     compile_s: float = 0.0
     run_s: float | None = None  # None when it never ran
     max_rss_kb: int | None = None
+    memory_bound: str = ""  # the memory guarantee in force (a cgroup per run, or rlimits only)
 
     @property
     def passed(self) -> bool:
@@ -65,6 +66,8 @@ def compile_verdict(execution: Execution, limits: Limits) -> Verdict | None:
         detail = f"the compiler exceeded the {limits.wall_s:g} s wall-clock limit"
     elif execution.output_exceeded:
         detail = f"the compiler wrote more than {limits.output_bytes} bytes of diagnostics"
+    elif execution.oom_killed:
+        detail = f"the compiler was OOM-killed at the run's memory limit ({execution.memory_bound})"
     elif execution.signal is not None:
         detail = f"the compiler was killed by {_signal_name(execution.signal)}"
     else:
@@ -76,6 +79,7 @@ def compile_verdict(execution: Execution, limits: Limits) -> Verdict | None:
         exit_code=execution.exit_code,
         signal=_signal_name(execution.signal),
         compile_s=execution.wall_s,
+        memory_bound=execution.memory_bound,
     )
 
 
@@ -92,6 +96,7 @@ def run_verdict(execution: Execution, limits: Limits, compile_s: float) -> Verdi
         compile_s=compile_s,
         run_s=execution.wall_s,
         max_rss_kb=execution.max_rss_kb,
+        memory_bound=execution.memory_bound,
     )
 
 
@@ -99,6 +104,8 @@ def _classify(execution: Execution, limits: Limits) -> tuple[Status, str]:
     sig = execution.signal
     if execution.output_exceeded:
         return Status.OUTPUT_LIMIT, f"wrote more than {limits.output_bytes} bytes to stdout/stderr"
+    if execution.oom_killed:  # whatever the exit status: the run hit its memory cgroup's limit
+        return Status.MEMORY_LIMIT, f"OOM-killed at the run's memory limit ({execution.memory_bound})"
     if execution.timed_out:
         return Status.TIMEOUT, f"still running at the {limits.wall_s:g} s wall-clock limit"
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and (execution.cpu_s or 0) >= limits.cpu_s):
