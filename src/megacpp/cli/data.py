@@ -24,7 +24,7 @@ def build(
     sources: Annotated[list[Path], typer.Argument(help="Source directories or files.")],
     out: Annotated[Path, typer.Option("--out", help="Dataset directory to create.")],
     config: Annotated[
-        Path | None, typer.Option("--config", help="Build config TOML (configs/data/*.toml).")
+        Path | None, typer.Option("--config", help="Build config: a TOML file or a shipped name (tiny, cpp).")
     ] = None,
     tokenizer: Annotated[
         Path | None,

@@ -48,7 +48,7 @@ T = TypeVar("T")
 
 ProblemsOpt = Annotated[Path | None, typer.Option(
     "--problems", help="HumanEval-X C++ jsonl.gz (default: $MEGACPP_EVAL_DATA, then "
-                       "<repo>/../shared/eval/humaneval-x-cpp.jsonl.gz).")]
+                       "the copy shipped in the package).")]
 WorkersOpt = Annotated[int, typer.Option(help="Parallel compile+run workers.")]
 LimitOpt = Annotated[int | None, typer.Option(help="Only the first N problems.")]
 TaskOpt = Annotated[list[str] | None, typer.Option(

@@ -26,7 +26,7 @@ from megacpp.errors import MegaCppError
 
 app = typer.Typer()
 
-DATA_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "data" / "tiny.toml"
+DATA_CONFIG = "tiny"  # shipped in megacpp/configs/data/
 RUN_CONFIG = "tiny-cpu"
 # Small header-only libraries that Debian packages put under /usr/include (used when present).
 EXTRA_SOURCES = ("fmt", "nlohmann", "gtest", "gmock")
