@@ -35,7 +35,7 @@ from megacpp.contract import capture_fingerprint, require_preflight, run_preflig
 from megacpp.contract.devices import device_profile, profile_for_fingerprint
 from megacpp.contract.preflight import PreflightError, PreflightReport, record_cache_routings
 from megacpp.data.loader import IGNORE_INDEX, PackedLoader
-from megacpp.data.shards import ShardedDataset
+from megacpp.data.shards import TOKENIZER_FILE, ShardedDataset
 from megacpp.errors import ConfigError, MegaCppError
 from megacpp.kernels.runtime import chosen_kernels
 from megacpp.model.config import ModelConfig
@@ -46,6 +46,7 @@ from megacpp.train.checkpoint import (
     MARKER,
     CheckpointManager,
     capture_rng_state,
+    inference_files,
     restore_rng_state,
 )
 from megacpp.train.config import RunConfig, to_toml
@@ -235,6 +236,7 @@ class _Session:
         self.preflight = on_main(env, self._run_preflight)
         dataset = self._open_dataset()
         self.model_cfg = self._model_config(dataset)
+        self.inference_files = inference_files(self.model_cfg, dataset.root / TOKENIZER_FILE)
         self._check_graphable()
         torch.manual_seed(cfg.run.seed)
         model = HybridLM(self.model_cfg).to(env.device)
@@ -657,7 +659,8 @@ class _Session:
         rank_state = {"data": self.train_loader.state_dict(),
                       "rng": capture_rng_state(self.env.device)}
         self.last_checkpoint = self.checkpoints.save(
-            self.step, self.model, list(self.optimizers), trainer_state, rank_state)
+            self.step, self.model, list(self.optimizers), trainer_state, rank_state,
+            files=self.inference_files)
         self.checkpoint_step = self.step
 
     def _finish_training(self) -> None:
