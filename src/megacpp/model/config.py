@@ -306,6 +306,31 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     return ModelConfig.from_toml_text(text, f"preset {name_or_path}")
 
 
+def config_from_pattern(pattern: str, preset: str | Path = "tiny", **overrides: Any) -> ModelConfig:
+    """A validated model config: ``preset`` (a shipped name or a TOML path) with ``pattern``
+    (a pattern string such as ``"AEMR"`` or a named one such as ``"NAM56R"``) and overrides.
+
+    Overrides are ``[model]`` keys (``d_model=256``, ``vocab_size=4096``) or whole tables as
+    dicts (``attention={"n_heads": 4}``). Every value is checked; a bad pattern or key raises
+    :class:`~megacpp.errors.ConfigError` naming it and what is accepted.
+    """
+    data = load_config(preset).to_dict()
+    data["model"]["pattern"] = pattern
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key].update(value)
+        elif isinstance(value, dict):
+            data[key] = value  # an unknown table: from_dict names it
+        else:
+            data["model"][key] = value
+    cfg = ModelConfig.from_dict(data)
+    try:
+        require_buildable(load(cfg.pattern))
+    except PatternError as exc:
+        raise ConfigError(f"pattern {pattern!r} is invalid: {exc}") from None
+    return cfg
+
+
 # -- helpers --------------------------------------------------------------------------------
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
     for n in names:
