@@ -3,7 +3,8 @@ the parallelism of a training run (a TOML file, or a name shipped in ``megacpp/c
 
 Tables and their keys (defaults in the dataclasses below; unknown keys are errors)::
 
-    [run]         name, out_dir, seed, device, check_site_integrity, plots, cpu_threads
+    [run]         name, out_dir, seed, device, check_site_integrity, plots, cpu_threads,
+                  loggers (["jsonl"] + "tensorboard" / "wandb": megacpp.train.loggers)
     [model]       preset = "tiny" plus any model-config key to override
                   (d_model = 64, [model.attention] n_heads = 2, vocab_size = "dataset")
     [data]        dir, num_workers, val_batches, shuffle
@@ -36,6 +37,7 @@ from megacpp._config import build_section, check, choice
 from megacpp.contract.config import ContractConfig, config_from_dict
 from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig, load_config
+from megacpp.train.loggers import check_loggers
 
 VOCAB_FROM_DATASET = "dataset"
 
@@ -49,9 +51,11 @@ class RunSection:
     check_site_integrity: bool = True  # preflight hashes the contract packages' files
     plots: bool = True  # write loss/throughput PNGs when the run ends
     cpu_threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
+    loggers: tuple[str, ...] = ("jsonl",)  # + "tensorboard", "wandb" (optional extras)
 
     def validate(self) -> None:
         choice("run.device", self.device, ("auto", "cpu", "cuda"))
+        check_loggers(self.loggers)
         check(self.seed >= 0, "run.seed", self.seed, "an integer >= 0")
         check(self.cpu_threads >= 0, "run.cpu_threads", self.cpu_threads, "an integer >= 0")
 

@@ -52,6 +52,7 @@ from megacpp.train.checkpoint import (
 from megacpp.train.config import RunConfig, to_toml
 from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
 from megacpp.train.guards import SpikeDetector, check_finite
+from megacpp.train.loggers import ExperimentLoggers
 from megacpp.train.metrics import (
     METRICS_FILE,
     MetricsLog,
@@ -172,6 +173,7 @@ class _Session:
         self.show_progress = show_progress
         self.run_dir = cfg.out_dir
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE, enabled=env.is_main)
+        self.loggers = ExperimentLoggers([])  # TensorBoard / W&B on rank 0, opened in _setup
         self.fingerprint: dict[str, Any] | None = None
         self.preflight: PreflightReport | None = None
         self.skip_preflight: tuple[str, ...] = ()
@@ -207,10 +209,12 @@ class _Session:
             self._loop()
             self._finish_training()
         except BaseException as exc:  # every run ends with a receipt, also on Ctrl-C and bugs
+            self.loggers.close()
             receipt = self._write_receipt(error=exc)
             if isinstance(exc, MegaCppError):
                 raise TrainingFailed(str(exc), receipt, exc.exit_code) from None
             raise
+        self.loggers.close()
         receipt = self._write_receipt(error=None)
         return self._result(receipt)
 
@@ -258,7 +262,13 @@ class _Session:
         else:
             on_main(env, self.metrics.reset)
         on_main(env, self._write_config)
+        on_main(env, self._open_loggers)
         self._print(self._describe_setup())
+
+    def _open_loggers(self) -> None:
+        self.loggers = ExperimentLoggers.open(self.cfg.run.loggers, self.run_dir,
+                                              self.cfg.run.name, self.cfg.to_dict(self.model_cfg),
+                                              start_step=self.step)
 
     def _check_graphable(self) -> None:
         if not self.graphed:
@@ -621,6 +631,7 @@ class _Session:
         if not self.env.is_main:
             return
         self.metrics.write(record)
+        self.loggers.log(record)
         if record["type"] == "train":
             self.progress.update(record)
         if self.on_record is not None:
