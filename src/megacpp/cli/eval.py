@@ -258,7 +258,7 @@ def humaneval_x(
     problems: ProblemsOpt = None,
     k: Annotated[list[int] | None, typer.Option(
         "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the run's).")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     workers: WorkersOpt = DEFAULT_WORKERS,
     std: StdOpt = "c++17",
