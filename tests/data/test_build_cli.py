@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from megacpp import configs
 from megacpp._io import sha256_file
 from megacpp.cli.main import main
 from megacpp.data.build import BuildConfig, build_dataset
@@ -82,12 +83,15 @@ def built(tmp_path_factory, corpus, config_file) -> Path:
 # ---- config --------------------------------------------------------------------------------
 
 
-def test_example_configs_parse():
-    paths = sorted((REPO / "configs" / "data").glob("*.toml"))
-    assert paths
-    for path in paths:
-        cfg = BuildConfig.from_toml(path)
+def test_shipped_configs_parse_by_name():
+    names = configs.names("data")
+    assert {"cpp", "tiny"} <= set(names)
+    for name in names:
+        cfg = BuildConfig.from_toml(name)
         assert BuildConfig.from_dict(cfg.to_dict()) == cfg
+    assert BuildConfig.from_toml("tiny").packing.seq_len == 256
+    with pytest.raises(ConfigError, match="unknown data build config 'nope'; shipped: cpp, tiny"):
+        BuildConfig.from_toml("nope")
 
 
 def test_config_errors_name_the_field(tmp_path):

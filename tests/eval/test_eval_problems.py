@@ -18,13 +18,14 @@ from megacpp.eval import (
 )
 from megacpp.eval.problems import DATA_ENV, default_problems_path
 
-# Recorded in shared/eval/README.md.
+# Recorded in src/megacpp/eval/data/README.md.
 DATA_SHA256 = "dcf2e280a1e91bbc3c5f90edb41397e8a9ac1ccc9f5d2b70082f0b0fbfb6dbb0"
 
 
 def test_the_default_file_is_the_documented_one():
     path = default_problems_path()
-    assert path.name == "humaneval-x-cpp.jsonl.gz" and path.parent.name == "eval"
+    assert path.name == "humaneval-x-cpp.jsonl.gz" and path.parent.name == "data"
+    assert path.parent.parent.name == "eval"
     assert sha256_file(path) == DATA_SHA256
 
 

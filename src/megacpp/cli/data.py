@@ -21,10 +21,12 @@ app = typer.Typer(no_args_is_help=True)
 
 @app.command()
 def build(
-    sources: Annotated[list[Path], typer.Argument(help="Source directories or files.")],
+    sources: Annotated[list[Path], typer.Argument(
+        help="Source directories or files; .parquet / .jsonl[.gz|.zst] files are document "
+             "tables (a content column, optional path, repo, license).")],
     out: Annotated[Path, typer.Option("--out", help="Dataset directory to create.")],
     config: Annotated[
-        Path | None, typer.Option("--config", help="Build config TOML (configs/data/*.toml).")
+        Path | None, typer.Option("--config", help="Build config: a TOML file or a shipped name (tiny, cpp).")
     ] = None,
     tokenizer: Annotated[
         Path | None,

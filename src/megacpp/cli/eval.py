@@ -48,7 +48,7 @@ T = TypeVar("T")
 
 ProblemsOpt = Annotated[Path | None, typer.Option(
     "--problems", help="HumanEval-X C++ jsonl.gz (default: $MEGACPP_EVAL_DATA, then "
-                       "<repo>/../shared/eval/humaneval-x-cpp.jsonl.gz).")]
+                       "the copy shipped in the package).")]
 WorkersOpt = Annotated[int, typer.Option(help="Parallel compile+run workers.")]
 LimitOpt = Annotated[int | None, typer.Option(help="Only the first N problems.")]
 TaskOpt = Annotated[list[str] | None, typer.Option(
@@ -258,7 +258,7 @@ def humaneval_x(
     problems: ProblemsOpt = None,
     k: Annotated[list[int] | None, typer.Option(
         "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the run's).")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     workers: WorkersOpt = DEFAULT_WORKERS,
     std: StdOpt = "c++17",

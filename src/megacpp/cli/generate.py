@@ -30,7 +30,7 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop sequence (repeatable).")] = None,
     function_body: Annotated[bool, typer.Option(
         "--function-body", help="Complete a C++ function body: stop at its closing brace.")] = False,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the run's).")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
 ) -> None:

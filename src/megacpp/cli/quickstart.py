@@ -26,7 +26,7 @@ from megacpp.errors import MegaCppError
 
 app = typer.Typer()
 
-DATA_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "data" / "tiny.toml"
+DATA_CONFIG = "tiny"  # shipped in megacpp/configs/data/
 RUN_CONFIG = "tiny-cpu"
 # Small header-only libraries that Debian packages put under /usr/include (used when present).
 EXTRA_SOURCES = ("fmt", "nlohmann", "gtest", "gmock")
@@ -84,7 +84,7 @@ def quickstart(
     entropy = unigram_entropy_nats(data_dir)
     run_dir = fresh_run_dir(out)
     result = train_tiny(console, data_dir, run_dir, steps, threads)
-    sample_completion(console, result.checkpoint, data_dir, prompt)
+    sample_completion(console, result.checkpoint, prompt)
     report(console, result, entropy)
 
 
@@ -161,14 +161,14 @@ def _fmt(value, spec: str = ".3f") -> str:
     return "" if value is None else format(value, spec)
 
 
-def sample_completion(console: Console, checkpoint: Path, data_dir: Path, prompt: str) -> None:
-    from megacpp.data.shards import ShardedDataset
+def sample_completion(console: Console, checkpoint: Path, prompt: str) -> None:
     from megacpp.infer.generate import TextGenerator
     from megacpp.infer.sampling import SamplingParams
-    from megacpp.train.checkpoint import load_trained_model
+    from megacpp.pretrained import load_pretrained
 
     console.rule("[bold]3. sampling")
-    generator = TextGenerator(load_trained_model(checkpoint), ShardedDataset.open(data_dir, verify=False).tokenizer())
+    trained = load_pretrained(checkpoint)  # the model and the tokenizer stored with it
+    generator = TextGenerator(trained.model, trained.tokenizer)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=160, seed=0)
     (completion,) = generator.complete(prompt, 1, params)
     console.print(Panel(Syntax(prompt + completion.text, "cpp", theme="ansi_dark"),

@@ -44,7 +44,7 @@ def serve(
     checkpoint: Annotated[list[str] | None, typer.Option(
         help="[NAME=]DIR: a run directory or checkpoints/step_N (repeatable: specialists).")] = None,
     tokenizer: Annotated[Path | None, typer.Option(
-        help="tokenizer.json for every checkpoint (default: each run's dataset tokenizer).")] = None,
+        help="tokenizer.json for every checkpoint (default: each checkpoint's own).")] = None,
     router: Annotated[Path | None, typer.Option(
         help="Router model JSON (from `megacpp serve router-train`) for model 'auto'.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",

@@ -18,7 +18,7 @@ app = typer.Typer()
 @app.command()
 def train(
     config: Annotated[
-        Path, typer.Option("--config", help="Run config TOML (or a name under configs/runs/).")
+        Path, typer.Option("--config", help="Run config: a TOML file or a shipped name (tiny-cpu).")
     ],
     set_: Annotated[
         list[str] | None,

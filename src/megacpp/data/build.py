@@ -52,7 +52,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from megacpp import __version__
+from megacpp import __version__, configs
 from megacpp._io import sha256_file
 from megacpp.data.config import CorpusConfig
 from megacpp.data.curate import curate_stream
@@ -164,6 +164,12 @@ class BuildConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> BuildConfig:
+        """A TOML file, or the name of one shipped in ``megacpp/configs/data/`` (``tiny``)."""
+        if not configs.is_path(path):
+            text = configs.shipped("data", path)
+            if text is None:
+                raise configs.unknown("data", path)
+            return cls.from_dict(tomllib.loads(text))
         path = Path(path)
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -379,7 +379,10 @@ def license_verdict(expression: str, allow: Sequence[str], deny: Sequence[str]) 
 class LicenseStep(Step):
     """Records ``doc.license`` and applies the policy. Drop reasons: ``license_denied``,
     ``license_not_allowed``, ``unknown_license`` (when ``keep_unknown`` is false). Notes
-    count every license expression seen (``license=<expr>``) for the manifest's mix."""
+    count every license expression seen (``license=<expr>``) for the manifest's mix.
+
+    The license is the one the source declares (``meta["declared_license"]``: a table
+    row's license column, :mod:`megacpp.data.tables`), else the one detected in the text."""
 
     name = "license"
 
@@ -391,7 +394,8 @@ class LicenseStep(Step):
         # has a handful of distinct expressions; parsing and matching each once is enough)
 
     def process(self, doc: Document, stats: StageStats) -> Document | Drop:
-        doc.license = detect_license(require_text(doc, self.name))
+        text = require_text(doc, self.name)
+        doc.license = doc.meta.get("declared_license") or detect_license(text)
         stats.notes[f"license={doc.license}"] += 1
         if doc.license == UNKNOWN:
             return doc if self.keep_unknown else Drop("unknown_license")

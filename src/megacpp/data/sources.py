@@ -12,6 +12,8 @@ directory already walked through another path), ``special_file`` (FIFO, socket, 
 (over ``max_bytes``; such files are never read) and ``undecodable_path`` (a path that is not
 valid UTF-8 cannot be recorded as provenance). A root that does not exist is a user error
 (:class:`MegaCppError`), raised when :func:`iter_sources` is called.
+
+A parquet or JSONL root is a table of documents, read by :mod:`megacpp.data.tables`.
 """
 
 from __future__ import annotations
@@ -241,12 +243,15 @@ def _read_rest(fd: int, limit: int) -> bytes:
 def iter_sources(
     roots: Sequence[str | os.PathLike[str]], cfg: CorpusConfig, stats: StageStats
 ) -> Iterator[Document]:
-    """Every C/C++ file under ``roots`` (directories or single files), lazily, in walk order.
+    """Every C/C++ file under ``roots`` (directories or single files), lazily, in walk order;
+    a parquet or JSONL root yields one document per row (:mod:`megacpp.data.tables`).
 
     ``stats`` (conventionally named ``sources``) counts files seen, kept, bytes and every
     skip reason. Raises :class:`MegaCppError` at call time if a root is missing or not a
     regular file/directory.
     """
+    from megacpp.data import tables  # it uses looks_like_cpp_header from here
+
     paths = [Path(root) for root in roots]
     if not paths:
         raise MegaCppError("no source roots given: name at least one directory or file")
@@ -257,5 +262,13 @@ def iter_sources(
             )
         if not (path.is_dir() or path.is_file()):
             raise MegaCppError(f"source root {str(path)!r} is not a directory or regular file")
+        if path.is_file() and tables.is_table(path):
+            tables.check_table(path)
     walker = _Walker(cfg, stats)
-    return itertools.chain.from_iterable(walker.walk(path) for path in paths)
+
+    def documents(path: Path) -> Iterator[Document]:
+        if path.is_file() and tables.is_table(path):
+            return tables.iter_table(path, cfg, stats, walker.extensions)
+        return walker.walk(path)
+
+    return itertools.chain.from_iterable(documents(path) for path in paths)

@@ -1,7 +1,8 @@
 """HumanEval-X C++: load the problems and assemble a program from prompt + completion + tests.
 
 The data file is found, in order: an explicit path (``--problems``), ``$MEGACPP_EVAL_DATA``,
-then ``<repo>/../shared/eval/humaneval-x-cpp.jsonl.gz``. A program passes when
+then the copy shipped in the package (``megacpp/eval/data/humaneval-x-cpp.jsonl.gz``, with its
+licence and provenance in the same folder). A program passes when
 ``prompt + completion + "\\n" + test`` compiles and exits with status 0.
 """
 
@@ -14,6 +15,7 @@ import shutil
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from megacpp.errors import MegaCppError
@@ -48,9 +50,8 @@ class Problem:
 
 
 def default_problems_path() -> Path:
-    """``<repo>/../shared/eval/humaneval-x-cpp.jsonl.gz`` (the repo holds ``src/megacpp``)."""
-    repo = Path(__file__).resolve().parents[3]
-    return repo.parent / "shared" / "eval" / DATA_NAME
+    """The shipped ``megacpp/eval/data/humaneval-x-cpp.jsonl.gz`` (package data)."""
+    return Path(str(resources.files("megacpp.eval") / "data" / DATA_NAME))
 
 
 def locate_problems(path: str | os.PathLike[str] | None = None) -> Path:
@@ -64,7 +65,7 @@ def locate_problems(path: str | os.PathLike[str] | None = None) -> Path:
     if not candidate.is_file():
         raise ProblemSetError(
             f"HumanEval-X C++ data not found at {candidate} (from {source}); pass --problems "
-            f"PATH or set {DATA_ENV} to the {DATA_NAME} file (see shared/eval/README.md)"
+            f"PATH or set {DATA_ENV} to the {DATA_NAME} file (see megacpp/eval/data/README.md)"
         )
     return candidate
 

@@ -78,6 +78,24 @@ class TextGenerator:
         return [[c.text for c in self.complete(p, n, params)] for p in prompts]
 
 
+def generate(
+    model: HybridLM, tokenizer: CppTokenizer, prompt: str, max_new_tokens: int = 128,
+    temperature: float = 0.8, top_p: float = 0.95, top_k: int = 0, seed: int | None = None,
+    stop: tuple[str, ...] = (),
+) -> str:
+    """One sampled completion of ``prompt`` (the text after it), on the model's device.
+
+    ``temperature = 0`` is greedy; ``top_p = 1`` and ``top_k = 0`` turn those filters off;
+    the same ``seed`` gives the same text. Generation ends at EOS, at a ``stop`` string (not
+    included) or after ``max_new_tokens``.
+    """
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed)
+    device = next(model.parameters()).device
+    (completion,) = TextGenerator(model, tokenizer, device).complete(prompt, 1, params)
+    return completion.text
+
+
 CPP_BODY_STOP = "\n}"  # a closing brace in column 0 ends the function being completed
 
 

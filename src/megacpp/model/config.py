@@ -3,7 +3,8 @@
 Every field is checked on load; an error names the field (``moe.top_k``) and the allowed
 values. Unknown keys are rejected (a typo never silently falls back to a default).
 
-A preset is a TOML file under ``configs/`` (``tiny``, ``nam56r-small``, ...) with a
+A preset is a TOML file shipped in ``megacpp/configs/models/`` (``tiny``, ``nam56r-small``,
+...) or any TOML file with a
 ``[model]`` table and one table per family::
 
     [model]        pattern, vocab_size, d_model, norm_eps, tie_embeddings, init_std
@@ -27,11 +28,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from megacpp import configs
 from megacpp._config import build_section, check
 from megacpp.errors import ConfigError
 from megacpp.pattern import PatternError, load, require_buildable
-
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 
 
 @dataclass(frozen=True)
@@ -164,15 +164,24 @@ class ModelConfig:
     def from_toml(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        return cls.from_toml_text(text, str(path))
+
+    @classmethod
+    def from_toml_text(cls, text: str, source: str) -> ModelConfig:
+        """Parse and validate TOML text; errors start with ``source`` (a path or a name)."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML ({exc})") from None
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+            raise ConfigError(f"{source}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": {}}
@@ -280,21 +289,46 @@ class ModelConfig:
 
 # -- presets ------------------------------------------------------------------------------
 def list_presets() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+    """The shipped model presets (``megacpp/configs/models/*.toml``)."""
+    return configs.names("model")
 
 
 def load_config(name_or_path: str | Path) -> ModelConfig:
-    """A preset name (``tiny``) or a path to a TOML file."""
-    path = Path(name_or_path)
-    if path.suffix == ".toml" or path.exists():
-        return ModelConfig.from_toml(path)
-    preset = CONFIG_DIR / f"{name_or_path}.toml"
-    if not preset.exists():
+    """A shipped preset name (``tiny``) or a path to a TOML file."""
+    if configs.is_path(name_or_path):
+        return ModelConfig.from_toml(name_or_path)
+    text = configs.shipped("model", name_or_path)
+    if text is None:
         raise ConfigError(
             f"unknown preset {str(name_or_path)!r}; presets: {', '.join(list_presets())} "
             "(or pass a path to a .toml file)"
         )
-    return ModelConfig.from_toml(preset)
+    return ModelConfig.from_toml_text(text, f"preset {name_or_path}")
+
+
+def config_from_pattern(pattern: str, preset: str | Path = "tiny", **overrides: Any) -> ModelConfig:
+    """A validated model config: ``preset`` (a shipped name or a TOML path) with ``pattern``
+    (a pattern string such as ``"AEMR"`` or a named one such as ``"NAM56R"``) and overrides.
+
+    Overrides are ``[model]`` keys (``d_model=256``, ``vocab_size=4096``) or whole tables as
+    dicts (``attention={"n_heads": 4}``). Every value is checked; a bad pattern or key raises
+    :class:`~megacpp.errors.ConfigError` naming it and what is accepted.
+    """
+    data = load_config(preset).to_dict()
+    data["model"]["pattern"] = pattern
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key].update(value)
+        elif isinstance(value, dict):
+            data[key] = value  # an unknown table: from_dict names it
+        else:
+            data["model"][key] = value
+    cfg = ModelConfig.from_dict(data)
+    try:
+        require_buildable(load(cfg.pattern))
+    except PatternError as exc:
+        raise ConfigError(f"pattern {pattern!r} is invalid: {exc}") from None
+    return cfg
 
 
 # -- helpers --------------------------------------------------------------------------------

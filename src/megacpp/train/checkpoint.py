@@ -6,7 +6,15 @@ Layout of ``RUN_DIR/checkpoints/step_000100/``::
                                    its own shards; replicated tensors are written once)
     trainer_state.json             step, tokens, loss-spike detector, model config, world size
     rank_00000.json, ...           per rank: data position and RNG states
+    model.toml                     the resolved model config (a model preset file)
+    tokenizer.json                 the tokenizer the model was trained with
     COMPLETE                       written last: the sha256 and size of every file above
+
+With ``model.toml`` and ``tokenizer.json`` inside, a checkpoint (or its run directory) works
+for inference wherever it is moved: :func:`resolve_checkpoint` takes a run directory or a
+checkpoint directory, :func:`load_trained_model` and :func:`load_checkpoint_tokenizer` read
+it. A checkpoint without its own tokenizer.json falls back to the tokenizer of the dataset
+named in ``RUN_DIR/config.toml``.
 
 A checkpoint is written into ``.tmp-step_000100/``; the marker is written (and fsynced)
 after every file, then the directory is renamed to ``step_000100``. A crash at any point
@@ -26,6 +34,7 @@ import random
 import re
 import shutil
 import time
+import tomllib
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,14 +48,19 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from megacpp._io import _fsync_dir, atomic_write_json, sha256_file
+from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
 from megacpp.model.config import ModelConfig
 from megacpp.model.model import HybridLM
+from megacpp.train.config import to_toml
 from megacpp.train.parallelize import DistEnv, barrier, broadcast_object
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
+MODEL_CONFIG_FILE = "model.toml"
+TOKENIZER_FILE = "tokenizer.json"
+RUN_CONFIG_FILE = "config.toml"
 FORMAT = "megacpp-checkpoint"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -228,8 +242,10 @@ class CheckpointManager:
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-             trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
-        """Write a checkpoint of ``step`` (collective: every rank calls it)."""
+             trainer_state: dict[str, Any], rank_state: dict[str, Any],
+             files: dict[str, bytes] | None = None) -> Path:
+        """Write a checkpoint of ``step`` (collective: every rank calls it). ``files`` (name ->
+        content, from :func:`inference_files`) are written beside the state by rank 0."""
         name = step_dir_name(step)
         tmp, final = self.root / f"{_TMP_PREFIX}{name}", self.root / name
         if self.env.is_main:
@@ -243,6 +259,8 @@ class CheckpointManager:
         atomic_write_json(tmp / rank_file(self.env.rank), rank_state)
         barrier()
         if self.env.is_main:
+            for file_name, content in (files or {}).items():
+                (tmp / file_name).write_bytes(content)
             atomic_write_json(tmp / TRAINER_STATE, trainer_state)
             if step == self.stall_step:
                 time.sleep(STALL_S)
@@ -332,10 +350,62 @@ def _read_json(file: Path, checkpoint: Path) -> dict[str, Any]:
 
 
 # -- inference ------------------------------------------------------------------------------------------
-def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> HybridLM:
-    """A HybridLM with the weights of checkpoint ``path`` (verified first), in eval mode."""
+def inference_files(model_config: ModelConfig, tokenizer_json: Path) -> dict[str, bytes]:
+    """What makes a checkpoint self-contained: the model config and the tokenizer."""
+    header = "The model config of this checkpoint (a model preset: megacpp model describe -c FILE)."
+    return {MODEL_CONFIG_FILE: to_toml(model_config.to_dict(), header=header).encode(),
+            TOKENIZER_FILE: Path(tokenizer_json).read_bytes()}
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: ``path`` itself when it is a checkpoint, or a
+    run directory's newest complete checkpoint (``RUN_DIR/checkpoints/step_NNNNNN``).
+
+    Raises :class:`CheckpointError` naming what was looked for and what was found.
+    """
     path = Path(path)
-    verify_checkpoint(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint or run directory not found: {path} does not exist")
+    if _looks_like_checkpoint(path):
+        verify_checkpoint(path)
+        return path
+    if not (path / CHECKPOINTS_DIR).is_dir():
+        raise CheckpointError(
+            f"{path} is neither a run directory (no {CHECKPOINTS_DIR}/ folder) nor a checkpoint "
+            f"(no {MARKER} marker or {TRAINER_STATE}); found: {_listing(path)}")
+    candidates = [p for _, p in reversed(_published_in(path / CHECKPOINTS_DIR))]
+    if not candidates:
+        raise CheckpointError(f"run directory {path} has no checkpoint: looked for "
+                              f"{path / CHECKPOINTS_DIR}/step_NNNNNN, found: "
+                              f"{_listing(path / CHECKPOINTS_DIR)}")
+    problems = []
+    for candidate in candidates:
+        try:
+            verify_checkpoint(candidate)
+            return candidate
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    raise CheckpointError(f"run directory {path} has no complete checkpoint: "
+                          + "; ".join(problems))
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (bool(_STEP_DIR.match(path.name)) or (path / MARKER).exists()
+                              or (path / TRAINER_STATE).exists())
+
+
+def _listing(path: Path, limit: int = 8) -> str:
+    if not path.is_dir():
+        return "not a directory"
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return (", ".join(names[:limit]) + more) if names else "nothing (empty)"
+
+
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> HybridLM:
+    """A HybridLM with the weights of a checkpoint (verified first), in eval mode. ``path`` is
+    a checkpoint directory or a run directory (its newest complete checkpoint)."""
+    path = resolve_checkpoint(path)
     state = _read_json(path / TRAINER_STATE, path)
     model = HybridLM(ModelConfig.from_dict(state["model_config"]))
     weights = {"model": model.state_dict()}
@@ -343,3 +413,27 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> 
         dcp.load(weights, checkpoint_id=path, no_dist=_no_dist())
     model.load_state_dict(weights["model"])
     return model.to(device).eval()
+
+
+def load_checkpoint_tokenizer(path: str | Path) -> CppTokenizer:
+    """The tokenizer of a checkpoint (or a run directory's newest): its own tokenizer.json,
+    else the tokenizer of the dataset named in the run's config.toml."""
+    checkpoint = resolve_checkpoint(path)
+    own = checkpoint / TOKENIZER_FILE
+    if own.is_file():
+        return CppTokenizer.load(own)
+    config = checkpoint.parent.parent / RUN_CONFIG_FILE
+    try:
+        data_dir = tomllib.loads(config.read_text(encoding="utf-8"))["data"]["dir"]
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"no tokenizer for checkpoint {checkpoint}: it has no {TOKENIZER_FILE}, and its "
+            f"run's dataset cannot be read from {config} ({type(exc).__name__}: {exc}); pass "
+            "a tokenizer.json (--tokenizer)") from None
+    dataset_tokenizer = Path(data_dir) / TOKENIZER_FILE
+    if not dataset_tokenizer.is_file():
+        raise CheckpointError(
+            f"no tokenizer for checkpoint {checkpoint}: looked for {own} and for the run's "
+            f"dataset tokenizer {dataset_tokenizer} (data.dir in {config}); neither exists. "
+            "Pass a tokenizer.json (--tokenizer)")
+    return CppTokenizer.load(dataset_tokenizer)

@@ -1,9 +1,10 @@
 """The run config: one TOML file naming the model, the data, the optimizer, the schedule and
-the parallelism of a training run (``configs/runs/*.toml``).
+the parallelism of a training run (a TOML file, or a name shipped in ``megacpp/configs/runs/``).
 
 Tables and their keys (defaults in the dataclasses below; unknown keys are errors)::
 
-    [run]         name, out_dir, seed, device, check_site_integrity, plots, cpu_threads
+    [run]         name, out_dir, seed, device, check_site_integrity, plots, cpu_threads,
+                  loggers (["jsonl"] + "tensorboard" / "wandb": megacpp.train.loggers)
     [model]       preset = "tiny" plus any model-config key to override
                   (d_model = 64, [model.attention] n_heads = 2, vocab_size = "dataset")
     [data]        dir, num_workers, val_batches, shuffle
@@ -31,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megacpp import configs
 from megacpp._config import build_section, check, choice
 from megacpp.contract.config import ContractConfig, config_from_dict
 from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig, load_config
+from megacpp.train.loggers import check_loggers
 
 VOCAB_FROM_DATASET = "dataset"
-RUN_CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs" / "runs"
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,11 @@ class RunSection:
     check_site_integrity: bool = True  # preflight hashes the contract packages' files
     plots: bool = True  # write loss/throughput PNGs when the run ends
     cpu_threads: int = 0  # torch intra-op threads; 0 = torch's default (one per core)
+    loggers: tuple[str, ...] = ("jsonl",)  # + "tensorboard", "wandb" (optional extras)
 
     def validate(self) -> None:
         choice("run.device", self.device, ("auto", "cpu", "cuda"))
+        check_loggers(self.loggers)
         check(self.seed >= 0, "run.seed", self.seed, "an integer >= 0")
         check(self.cpu_threads >= 0, "run.cpu_threads", self.cpu_threads, "an integer >= 0")
 
@@ -290,21 +294,19 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a run config TOML (a path, or a name under ``configs/runs/``) and apply
-    ``key=value`` overrides."""
-    path = _resolve_path(path)
+    """Read a run config TOML (a path, or a name shipped in ``megacpp/configs/runs/``) and
+    apply ``key=value`` overrides."""
+    text, source, stem = _read_run_config(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read run config {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from None
     for item in overrides:
         apply_override(data, item)
     try:
-        return RunConfig.from_dict(data, name=path.stem, overrides=tuple(overrides))
+        return RunConfig.from_dict(data, name=stem, overrides=tuple(overrides))
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -366,15 +368,22 @@ def _toml_value(value: Any) -> str:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _resolve_path(path: str | Path) -> Path:
-    path = Path(path)
-    if path.exists() or path.suffix == ".toml":
-        return path
-    named = RUN_CONFIGS_DIR / f"{path}.toml"
-    if named.exists():
-        return named
-    known = ", ".join(sorted(p.stem for p in RUN_CONFIGS_DIR.glob("*.toml")))
-    raise ConfigError(f"run config {str(path)!r} not found (a .toml path, or one of: {known})")
+def _read_run_config(name_or_path: str | Path) -> tuple[str, str, str]:
+    """``(TOML text, where it came from, run name)`` of a path or a shipped run config."""
+    if configs.is_path(name_or_path):
+        path = Path(name_or_path)
+        try:
+            return path.read_text(encoding="utf-8"), str(path), path.stem
+        except OSError as exc:
+            raise ConfigError(f"cannot read run config {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    text = configs.shipped("run", name_or_path)
+    if text is None:
+        known = ", ".join(configs.names("run"))
+        raise ConfigError(f"run config {str(name_or_path)!r} not found (a .toml path, or one "
+                          f"of: {known})")
+    return text, f"run config {name_or_path}", str(name_or_path)
 
 
 def _table(data: dict[str, Any], key: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from megacpp.contract import capture_fingerprint, require_preflight, run_preflig
 from megacpp.contract.devices import device_profile, profile_for_fingerprint
 from megacpp.contract.preflight import PreflightError, PreflightReport, record_cache_routings
 from megacpp.data.loader import IGNORE_INDEX, PackedLoader
-from megacpp.data.shards import ShardedDataset
+from megacpp.data.shards import TOKENIZER_FILE, ShardedDataset
 from megacpp.errors import ConfigError, MegaCppError
 from megacpp.kernels.runtime import chosen_kernels
 from megacpp.model.config import ModelConfig
@@ -46,11 +46,13 @@ from megacpp.train.checkpoint import (
     MARKER,
     CheckpointManager,
     capture_rng_state,
+    inference_files,
     restore_rng_state,
 )
 from megacpp.train.config import RunConfig, to_toml
 from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
 from megacpp.train.guards import SpikeDetector, check_finite
+from megacpp.train.loggers import ExperimentLoggers
 from megacpp.train.metrics import (
     METRICS_FILE,
     MetricsLog,
@@ -171,6 +173,7 @@ class _Session:
         self.show_progress = show_progress
         self.run_dir = cfg.out_dir
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE, enabled=env.is_main)
+        self.loggers = ExperimentLoggers([])  # TensorBoard / W&B on rank 0, opened in _setup
         self.fingerprint: dict[str, Any] | None = None
         self.preflight: PreflightReport | None = None
         self.skip_preflight: tuple[str, ...] = ()
@@ -206,10 +209,12 @@ class _Session:
             self._loop()
             self._finish_training()
         except BaseException as exc:  # every run ends with a receipt, also on Ctrl-C and bugs
+            self.loggers.close()
             receipt = self._write_receipt(error=exc)
             if isinstance(exc, MegaCppError):
                 raise TrainingFailed(str(exc), receipt, exc.exit_code) from None
             raise
+        self.loggers.close()
         receipt = self._write_receipt(error=None)
         return self._result(receipt)
 
@@ -235,6 +240,7 @@ class _Session:
         self.preflight = on_main(env, self._run_preflight)
         dataset = self._open_dataset()
         self.model_cfg = self._model_config(dataset)
+        self.inference_files = inference_files(self.model_cfg, dataset.root / TOKENIZER_FILE)
         self._check_graphable()
         torch.manual_seed(cfg.run.seed)
         model = HybridLM(self.model_cfg).to(env.device)
@@ -256,7 +262,13 @@ class _Session:
         else:
             on_main(env, self.metrics.reset)
         on_main(env, self._write_config)
+        on_main(env, self._open_loggers)
         self._print(self._describe_setup())
+
+    def _open_loggers(self) -> None:
+        self.loggers = ExperimentLoggers.open(self.cfg.run.loggers, self.run_dir,
+                                              self.cfg.run.name, self.cfg.to_dict(self.model_cfg),
+                                              start_step=self.step)
 
     def _check_graphable(self) -> None:
         if not self.graphed:
@@ -619,6 +631,7 @@ class _Session:
         if not self.env.is_main:
             return
         self.metrics.write(record)
+        self.loggers.log(record)
         if record["type"] == "train":
             self.progress.update(record)
         if self.on_record is not None:
@@ -657,7 +670,8 @@ class _Session:
         rank_state = {"data": self.train_loader.state_dict(),
                       "rng": capture_rng_state(self.env.device)}
         self.last_checkpoint = self.checkpoints.save(
-            self.step, self.model, list(self.optimizers), trainer_state, rank_state)
+            self.step, self.model, list(self.optimizers), trainer_state, rank_state,
+            files=self.inference_files)
         self.checkpoint_step = self.step
 
     def _finish_training(self) -> None:
