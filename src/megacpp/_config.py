@@ -26,7 +26,8 @@ def build_section(cls: type, table: Any, section: str, skip: frozenset[str] = fr
 
 
 def coerce(value: Any, hint: Any, name: str) -> Any:
-    """``value`` as a ``hint`` (bool, int, float -- ints accepted -- or str), or ConfigError."""
+    """``value`` as a ``hint`` (bool, int, float -- ints accepted --, str, or a list of strings
+    as ``tuple[str, ...]``), or ConfigError."""
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -43,6 +44,10 @@ def coerce(value: Any, hint: Any, name: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{name} = {value!r}: expected a string")
+    if hint == tuple[str, ...]:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{name} = {value!r}: expected a list of strings")
     raise TypeError(f"unsupported config type {hint} for {name}")  # a bug, not user input
 
 

@@ -332,14 +332,24 @@ def _read_json(file: Path, checkpoint: Path) -> dict[str, Any]:
 
 
 # -- inference ------------------------------------------------------------------------------------------
-def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> HybridLM:
-    """A HybridLM with the weights of checkpoint ``path`` (verified first), in eval mode."""
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu",
+                       merge_adapters: bool = True) -> HybridLM:
+    """A HybridLM with the weights of checkpoint ``path`` (verified first), in eval mode. A
+    LoRA run's adapters are merged into the weights (``merge_adapters=False``: kept as peft
+    layers)."""
+    from megacpp.train.finetune import add_lora, merge_lora, read_lora_state
+
     path = Path(path)
     verify_checkpoint(path)
     state = _read_json(path / TRAINER_STATE, path)
     model = HybridLM(ModelConfig.from_dict(state["model_config"]))
+    lora = read_lora_state(state)
+    if lora is not None:
+        add_lora(model, lora)
     weights = {"model": model.state_dict()}
     with _single_process_note_silenced():
         dcp.load(weights, checkpoint_id=path, no_dist=_no_dist())
     model.load_state_dict(weights["model"])
+    if lora is not None and merge_adapters:
+        merge_lora(model)
     return model.to(device).eval()
