@@ -81,7 +81,7 @@ def test_the_model_card_comes_from_the_receipt(run_dir, tmp_path, capsys):
     assert f"| 2 | {val2:.4f} |" in card and "| 4 |" not in card
     train_tokens = json.loads((Path(receipt["config"]["run"]["data"]["dir"])
                                / "manifest.json").read_text())["splits"]["train"]["tokens"]
-    assert f"| train | " in card and f"{train_tokens:,}" in card
+    assert "| train | " in card and f"{train_tokens:,}" in card
     assert receipt["git"]["sha"] in card
     assert "No evaluation was given" in card
     assert "trust_remote_code=True" in card and "pip install megacpp" in card
