@@ -16,6 +16,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from megacpp.errors import MegaCppError
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="megacpp")
     except MegaCppError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+                          soft_wrap=True)
         sys.exit(exc.exit_code)
 
 

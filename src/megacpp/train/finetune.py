@@ -10,7 +10,9 @@ Run config keys (``megacpp.train.config``)::
   checkpoint, one checkpoint, or a ``megacpp export hf`` directory; the optimizer state and
   the data position start fresh. The run's model config must build the same tensors: the
   first tensor that differs stops the run, named.
-* ``freeze`` patterns name parameters (see :func:`name_matches`); each must match one.
+* ``freeze`` patterns name parameters, ``[lora] targets`` linear layers (a prefix such as
+  ``blocks.0``, a suffix such as ``mixer.q_proj``, one component such as ``norm``, globs
+  allowed: :func:`name_matches`); each pattern must match something.
 * LoRA goes through ``peft`` (``inject_adapter_in_model``: the HybridLM keeps its class and
   names, each targeted ``nn.Linear`` becomes a ``lora.Linear`` around it). Only the adapters
   train. peft's LoRA adapts ``nn.Linear`` modules called as modules; the MoE's 3-D expert
@@ -58,14 +60,16 @@ LORA_NAME_PARTS = ("base_layer", "default")  # peft's parts in parameter names
 
 # -- names ------------------------------------------------------------------------------------
 def name_matches(name: str, pattern: str) -> bool:
-    """Whether dotted ``name`` is named by ``pattern``: the name or one of its dotted prefixes
-    matches the pattern (globs allowed: ``blocks.0``, ``blocks.*.norm``), or -- for a pattern
-    without a dot -- one of its components does (``q_proj``, ``norm``)."""
+    """Whether dotted ``name`` is named by ``pattern`` (globs allowed): the pattern matches
+    the name, a dotted prefix of it (``blocks.0``: everything in block 0), a dotted suffix
+    (``mixer.q_proj``, ``norm.weight``) or -- a pattern without a dot -- any one component
+    (``q_proj``, ``norm``)."""
     parts = name.split(".")
-    prefixes = (".".join(parts[: i + 1]) for i in range(len(parts)))
-    if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
-        return True
-    return "." not in pattern and any(fnmatch.fnmatchcase(part, pattern) for part in parts)
+    spans = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    spans += [".".join(parts[i:]) for i in range(1, len(parts))]
+    if "." not in pattern:
+        spans += parts
+    return any(fnmatch.fnmatchcase(span, pattern) for span in spans)
 
 
 def _examples(names: Iterable[str], n: int = 4) -> str:
