@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
+from safetensors.torch import load_file
 
 from megacpp.data.loader import PackedLoader
 from megacpp.data.shards import ShardedDataset
@@ -30,7 +32,9 @@ from megacpp.train.finetune import (
     newest_complete_checkpoint,
 )
 from megacpp.train.trainer import TrainingFailed, train
-from tests.train.helpers import run_config, train_losses, write_config
+from tests.train.helpers import megacpp, run_config, train_losses, write_config
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -208,7 +212,9 @@ def test_lora_adapters_are_saved_in_peft_format_and_merge_on_export(lora_run, so
         expected = with_adapter(ids).logits
         got = hf_model(ids).logits
         untuned = load_model(source_run)(ids).logits
+        loaded = load_model(run_dir)(ids).logits  # what generate/serve/eval load: merged
     assert (got - expected).abs().max().item() <= 1e-5
+    assert (loaded - expected).abs().max().item() <= 1e-5
     assert (got - untuned).abs().max().item() > 1e-3  # the adapter matters
     assert "LoRA | r=2" in (merged_dir / "README.md").read_text()
 
@@ -288,3 +294,23 @@ def test_lora_targets_only_linears_called_as_modules():
     bypassed = with_random_adapters(["blocks.1.mixer.router"])
     logits, _ = outputs(bypassed)
     assert (logits - outputs(merge_lora(bypassed))[0]).abs().max().item() > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_under_two_processes_matches_one(strategy, tmp_path, cpp_dataset, source_run):
+    """torchrun, 2 processes (gloo): the LoRA run's losses are the one-process run's of the
+    same global batch, and rank 0 writes the whole adapter (gathered under FSDP2)."""
+    sections = {"train": {"steps": 2, "eval_every": 0, "init_from": str(source_run)},
+                "optim": {"lr": 1e-2}, "lora": {"r": 2, "targets": LORA_TARGETS}}
+    one, _ = _train(tmp_path, cpp_dataset, "one", **sections)
+    config = write_config(tmp_path / "two.toml", run_config(
+        cpp_dataset, tmp_path / "two", **{**sections, "train": {
+            **sections["train"], "micro_batch_size": 2}}, parallel={"strategy": strategy}))
+    megacpp("train", "--config", str(config), "--no-progress", launcher=TORCHRUN)
+    assert train_losses(tmp_path / "two") == pytest.approx(train_losses(one.run_dir), rel=2e-5)
+    adapter = "adapters/step_000002/adapter_model.safetensors"
+    expected, got = load_file(one.run_dir / adapter), load_file(tmp_path / "two" / adapter)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6)

@@ -18,7 +18,7 @@ Run config keys (``megacpp.train.config``)::
   train. peft's LoRA adapts ``nn.Linear`` modules called as modules; the MoE's 3-D expert
   weights are plain parameters, and a few linears are applied through their weight directly
   (:func:`direct_weight_linears`), so those are not LoRA targets. The adapters train with
-  AdamW (they are marked ``_no_muon``).
+  AdamW (their modules are marked ``_no_muon``).
 * A MoE layer's routing bias is a buffer nudged after each step; it stays fixed where the
   layer's router is frozen (a LoRA run: the base model, adapters apart, stays as loaded, so a
   merged export equals base + adapter).
@@ -213,12 +213,17 @@ def add_lora(model: HybridLM, lora: LoraState) -> None:
     """Wrap ``lora.targets`` in peft LoRA layers, in place; only the adapters train."""
     from peft import inject_adapter_in_model
 
+    from peft.tuners.lora import LoraLayer
+
     inject_adapter_in_model(lora.peft_config(), model)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for adapter in (*module.lora_A.values(), *module.lora_B.values()):
+                # adapters train with AdamW (megacpp.train.optim); marked on the module, which
+                # FSDP2 keeps (it replaces the parameters)
+                adapter._no_muon = True
     for name, p in model.named_parameters():
-        adapter = ".lora_A." in name or ".lora_B." in name
-        p.requires_grad_(adapter)
-        if adapter:
-            p._no_muon = True  # adapters train with AdamW (megacpp.train.optim)
+        p.requires_grad_(".lora_A." in name or ".lora_B." in name)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

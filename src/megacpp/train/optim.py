@@ -4,7 +4,7 @@ Grouping (:func:`group_parameters`):
 
 * **Muon** -- the hidden weight matrices: the weight of every ``nn.Linear`` inside the blocks
   (attention q/kv/out, Mamba/gated-delta in/out projections, SwiGLU and shared-expert
-  projections) except the MoE router and weights marked ``_no_muon`` (LoRA adapters), plus the
+  projections) except the MoE router and modules marked ``_no_muon`` (LoRA adapters), plus the
   MoE's 3-D expert weights ``w_in`` [E, 2F, D] and ``out_proj`` [E, D, F], orthogonalized per
   expert (batched).
 * **AdamW with weight decay** -- the embedding / LM head, the MoE router, other >= 2-D
@@ -256,7 +256,7 @@ def _muon_param_ids(model: nn.Module) -> set[int]:
     ids = set()
     for module in blocks.modules():
         if (isinstance(module, nn.Linear) and id(module) not in routers
-                and not getattr(module.weight, "_no_muon", False)):
+                and not getattr(module, "_no_muon", False)):
             ids.add(id(module.weight))
         if isinstance(module, MoE):
             ids.update((id(module.w_in), id(module.out_proj)))
