@@ -212,7 +212,6 @@ class LoraState:
 def add_lora(model: HybridLM, lora: LoraState) -> None:
     """Wrap ``lora.targets`` in peft LoRA layers, in place; only the adapters train."""
     from peft import inject_adapter_in_model
-
     from peft.tuners.lora import LoraLayer
 
     inject_adapter_in_model(lora.peft_config(), model)
