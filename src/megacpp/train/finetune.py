@@ -211,10 +211,11 @@ class LoraState:
 
 def add_lora(model: HybridLM, lora: LoraState) -> None:
     """Wrap ``lora.targets`` in peft LoRA layers, in place; only the adapters train."""
+    config = lora.peft_config()  # first: a clear error when peft is missing
     from peft import inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
-    inject_adapter_in_model(lora.peft_config(), model)
+    inject_adapter_in_model(config, model)
     for module in model.modules():
         if isinstance(module, LoraLayer):
             for adapter in (*module.lora_A.values(), *module.lora_B.values()):
