@@ -14,6 +14,7 @@ model's by construction (a copy would drift); the recipient installs megacpp.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tomllib
 from dataclasses import dataclass, field
@@ -50,8 +51,6 @@ def _load_source(path: Path, tokenizer: Path | None = None,
                  merge_adapters: bool = True) -> Source:
     """The model, tokenizer and provenance of a run directory (its newest complete
     checkpoint) or a checkpoint directory. The one place that finds a trained model."""
-    import json
-
     from megacpp.data.shards import ShardedDataset
     from megacpp.train.checkpoint import TRAINER_STATE, load_trained_model
     from megacpp.train.finetune import newest_complete_checkpoint
@@ -140,6 +139,8 @@ def export_run(path: Path, out: Path, *, max_shard_size: int | str = "2GB",
                tokenizer: Path | None = None, eval_dirs: tuple[Path, ...] = (),
                adapter_only: bool = False) -> Path:
     """``megacpp export hf``: write the model of run/checkpoint ``path`` to ``out``."""
+    if not Path(path).exists():
+        raise MegaCppError(f"checkpoint or run directory not found: {path}")
     if adapter_only:
         return export_adapter(path, out)
     source = _load_source(path, tokenizer)
@@ -161,8 +162,6 @@ def export_adapter(path: Path, out: Path) -> Path:
     )
 
     checkpoint = newest_complete_checkpoint(Path(path))
-    import json
-
     state = json.loads((checkpoint / TRAINER_STATE).read_text("utf-8"))
     lora = read_lora_state(state)
     if lora is None:
