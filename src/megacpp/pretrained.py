@@ -5,15 +5,14 @@
 * a run directory (``runs/tiny-cpu``: its newest complete checkpoint),
 * a checkpoint directory (``runs/tiny-cpu/checkpoints/step_000300``, or a copy of one made
   anywhere: a checkpoint holds its model config and tokenizer), or
-* a Hugging Face export directory (``config.json`` with ``"model_type": "megacpp"``), read by
-  ``megacpp.export.hf.load_hf_export(path, device=...)`` -> ``(HybridLM, CppTokenizer)``.
+* a Hugging Face export directory (``megacpp export hf``: ``config.json`` with
+  ``"model_type": "megacpp"``), read by :func:`megacpp.export.hf.load_hf_export`.
 
 The CLI's ``generate``, ``serve`` and ``eval`` load through it.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,6 @@ from megacpp.train.checkpoint import (
 
 HF_CONFIG = "config.json"
 HF_MODEL_TYPE = "megacpp"
-HF_EXPORT_MODULE = "megacpp.export.hf"  # provides load_hf_export(path, device=...)
 
 
 @dataclass
@@ -104,13 +102,7 @@ def is_hf_export(path: Path) -> bool:
 
 
 def _load_hf_export(path: Path, device: torch.device) -> tuple[HybridLM, CppTokenizer]:
-    try:
-        module = importlib.import_module(HF_EXPORT_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("megacpp.export", HF_EXPORT_MODULE):
-            raise
-        raise MegaCppError(f"{path} is a Hugging Face export (model_type {HF_MODEL_TYPE!r}); "
-                           f"reading one needs {HF_EXPORT_MODULE}, which this install lacks"
-                           ) from None
-    model, tokenizer = module.load_hf_export(path, device=device)
-    return model.to(device).eval(), tokenizer
+    from megacpp.export.hf import load_hf_export
+
+    model, tokenizer, _ = load_hf_export(path, device=device)
+    return model, tokenizer

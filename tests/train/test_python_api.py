@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from rich.console import Console
 
 import megacpp
 from megacpp.errors import ConfigError, MegaCppError
-from megacpp.train.checkpoint import load_checkpoint_tokenizer, load_trained_model
 from megacpp.train.config import RunConfig
 from megacpp.train.trainer import train
 from tests.train.helpers import run_config, single_thread_env
@@ -99,17 +97,11 @@ def test_config_from_pattern_validates():
         assert needle in str(err.value)
 
 
-# -- the Hugging Face export hook -------------------------------------------------------------------
+# -- Hugging Face exports -------------------------------------------------------------------
 def _export_dir(root: Path, model_type: str = "megacpp") -> Path:
     root.mkdir()
     (root / "config.json").write_text(json.dumps({"model_type": model_type}))
     return root
-
-
-def test_an_hf_export_without_the_export_module_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "megacpp.export.hf", None)  # as if not installed
-    with pytest.raises(MegaCppError, match="is a Hugging Face export .* needs megacpp.export.hf"):
-        megacpp.load_pretrained(_export_dir(tmp_path / "export"))
 
 
 def test_an_hf_config_of_another_model_is_refused(tmp_path):
@@ -117,21 +109,13 @@ def test_an_hf_config_of_another_model_is_refused(tmp_path):
         megacpp.load_pretrained(_export_dir(tmp_path / "llama", "llama"))
 
 
-def test_an_hf_export_loads_through_megacpp_export_hf(workdir, tmp_path, monkeypatch):
-    """The hook calls ``megacpp.export.hf.load_hf_export(path, device=...)``; here that is a
-    reader of this run's checkpoint, standing in for the export module."""
+def test_an_hf_export_loads_like_its_run(workdir, tmp_path):
+    """``megacpp export hf`` of the run, then load_pretrained of the export: same samples."""
+    from megacpp.export.hf import export_run
+
     run = workdir / "runs" / "tiny-cpu"
-    calls = []
-
-    def load_hf_export(path, device):
-        calls.append((Path(path), str(device)))
-        return load_trained_model(run), load_checkpoint_tokenizer(run)
-
-    module = types.ModuleType("megacpp.export.hf")
-    module.load_hf_export = load_hf_export
-    monkeypatch.setitem(sys.modules, "megacpp.export.hf", module)
-    export = _export_dir(tmp_path / "export")
+    export = export_run(run, tmp_path / "export")
     lm = megacpp.load_pretrained(export)
-    assert calls == [(export, "cpu")] and lm.source == export and not lm.model.training
+    assert lm.source == export and not lm.model.training
     assert lm.generate("int x", max_new_tokens=5, seed=0) == megacpp.load_pretrained(
         run).generate("int x", max_new_tokens=5, seed=0)

@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("megacpp.cli.generate", "Sample completions from a checkpoint."),
     "eval": ("megacpp.cli.eval", "Verifier-first C++ evaluation."),
     "serve": ("megacpp.cli.serve", "OpenAI-compatible HTTP server."),
+    "export": ("megacpp.cli.export", "Export a trained model (Hugging Face format)."),
     "kernels": ("megacpp.cli.kernels", "The kernel catalog: list, check, bench."),
     "env": ("megacpp.cli.env", "The environment contract: capture, diff, preflight, integrity."),
     "receipts": ("megacpp.cli.receipts", "Show and compare run/bench/eval receipts."),

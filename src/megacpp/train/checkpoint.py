@@ -402,16 +402,25 @@ def _listing(path: Path, limit: int = 8) -> str:
     return (", ".join(names[:limit]) + more) if names else "nothing (empty)"
 
 
-def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> HybridLM:
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu",
+                       merge_adapters: bool = True) -> HybridLM:
     """A HybridLM with the weights of a checkpoint (verified first), in eval mode. ``path`` is
-    a checkpoint directory or a run directory (its newest complete checkpoint)."""
+    a checkpoint directory or a run directory (its newest complete checkpoint). A LoRA run's
+    adapters are merged into the weights (``merge_adapters=False``: kept as peft layers)."""
+    from megacpp.train.finetune import add_lora, merge_lora, read_lora_state
+
     path = resolve_checkpoint(path)
     state = _read_json(path / TRAINER_STATE, path)
     model = HybridLM(ModelConfig.from_dict(state["model_config"]))
+    lora = read_lora_state(state)
+    if lora is not None:
+        add_lora(model, lora)
     weights = {"model": model.state_dict()}
     with _single_process_note_silenced():
         dcp.load(weights, checkpoint_id=path, no_dist=_no_dist())
     model.load_state_dict(weights["model"])
+    if lora is not None and merge_adapters:
+        merge_lora(model)
     return model.to(device).eval()
 
 

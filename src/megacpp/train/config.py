@@ -8,7 +8,8 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
     [model]       preset = "tiny" plus any model-config key to override
                   (d_model = 64, [model.attention] n_heads = 2, vocab_size = "dataset")
     [data]        dir, num_workers, val_batches, shuffle
-    [train]       steps, micro_batch_size, grad_accum_steps, max_grad_norm, eval_every, dtype
+    [train]       steps, micro_batch_size, grad_accum_steps, max_grad_norm, eval_every, dtype,
+                  init_from, freeze                   (fine-tuning: see train/finetune.py)
     [optim]       lr, weight_decay, beta1, beta2, eps, muon, muon_momentum, muon_nesterov,
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
@@ -16,6 +17,7 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
     [checkpoint]  every, keep_last
     [guards]      spike_zscore, spike_warmup_steps, spike_ema
     [debug]       nan_step, nan_target, checkpoint_stall_step
+    [lora]        r, alpha, dropout, targets          (LoRA adapters through peft; r = 0: off)
     [contract], [preflight]   read by megacpp.contract (package list, rules to skip)
 
 ``--set key=value`` overrides (``train.steps=10``, ``model.attention.n_heads=2``) are applied
@@ -81,6 +83,10 @@ class TrainSection:
     max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still measured)
     eval_every: int = 100  # 0 = only at the end
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU | fp32 | bf16
+    # a run dir, checkpoint dir or `megacpp export hf` dir whose weights start this run (not its
+    # optimizer or data position)
+    init_from: str = ""
+    freeze: tuple[str, ...] = ()  # parameter name prefixes or globs ("embed", "blocks.0.*")
 
     def validate(self) -> None:
         check(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
@@ -91,6 +97,8 @@ class TrainSection:
         check(self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm, ">= 0")
         check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0")
         choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        check(all(self.freeze), "train.freeze", list(self.freeze),
+              "non-empty parameter name prefixes or globs")
 
 
 @dataclass(frozen=True)
@@ -189,10 +197,29 @@ class DebugSection:
                self.checkpoint_stall_step, "an integer >= 0")
 
 
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters (through peft) on the model's linear layers; ``r = 0`` turns LoRA off."""
+
+    r: int = 0  # adapter rank
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input
+    # module name patterns (a name component such as "q_proj", or a dotted name / glob such as
+    # "blocks.0.*"); empty: every linear layer LoRA supports
+    targets: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        check(self.r >= 0, "lora.r", self.r, "an integer >= 0 (0 turns LoRA off)")
+        check(self.alpha > 0, "lora.alpha", self.alpha, "a number > 0")
+        check(0 <= self.dropout < 1, "lora.dropout", self.dropout, "a number in [0, 1)")
+        check(all(self.targets), "lora.targets", list(self.targets),
+              "non-empty module name patterns")
+
+
 _SECTIONS: dict[str, type] = {
     "run": RunSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
     "schedule": ScheduleSection, "parallel": ParallelSection, "checkpoint": CheckpointSection,
-    "guards": GuardSection, "debug": DebugSection,
+    "guards": GuardSection, "debug": DebugSection, "lora": LoraSection,
 }  # fmt: skip
 _CONTRACT_TABLES = ("contract", "preflight")
 
@@ -212,6 +239,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     guards: GuardSection = field(default_factory=GuardSection)
     debug: DebugSection = field(default_factory=DebugSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     contract_tables: dict[str, Any] = field(default_factory=dict)
     overrides: tuple[str, ...] = ()  # the --set arguments, as given
 

@@ -4,10 +4,11 @@ Grouping (:func:`group_parameters`):
 
 * **Muon** -- the hidden weight matrices: the weight of every ``nn.Linear`` inside the blocks
   (attention q/kv/out, Mamba/gated-delta in/out projections, SwiGLU and shared-expert
-  projections) except the MoE router, plus the MoE's 3-D expert weights ``w_in`` [E, 2F, D]
-  and ``out_proj`` [E, D, F], orthogonalized per expert (batched).
+  projections) except the MoE router and modules marked ``_no_muon`` (LoRA adapters), plus the
+  MoE's 3-D expert weights ``w_in`` [E, 2F, D] and ``out_proj`` [E, D, F], orthogonalized per
+  expert (batched).
 * **AdamW with weight decay** -- the embedding / LM head, the MoE router, other >= 2-D
-  weights (the gated-delta short-conv kernel).
+  weights (the gated-delta short-conv kernel, LoRA adapters).
 * **AdamW without weight decay** -- norms, biases (including Mamba's ``B_bias``/``C_bias``
   and ``dt_bias``), and parameters the mixers mark ``_no_weight_decay`` (``A_log``, ``D``...).
 
@@ -254,7 +255,8 @@ def _muon_param_ids(model: nn.Module) -> set[int]:
     routers = {id(m.router) for m in blocks.modules() if isinstance(m, MoE)}
     ids = set()
     for module in blocks.modules():
-        if isinstance(module, nn.Linear) and id(module) not in routers:
+        if (isinstance(module, nn.Linear) and id(module) not in routers
+                and not getattr(module, "_no_muon", False)):
             ids.add(id(module.weight))
         if isinstance(module, MoE):
             ids.update((id(module.w_in), id(module.out_proj)))
@@ -282,11 +284,11 @@ class Optimizers:
             {"params": [p for _, p in g.adamw_decay], "weight_decay": cfg.weight_decay},
             {"params": [p for _, p in g.adamw_no_decay], "weight_decay": 0.0},
         ]
+        adamw_groups = [group for group in adamw_groups if group["params"]]
         self.adamw = torch.optim.AdamW(
-            [group for group in adamw_groups if group["params"]], lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type == "cuda",
-            capturable=capturable,
-        )
+            adamw_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            fused=device.type == "cuda", capturable=capturable,
+        ) if adamw_groups else None  # None: every trainable parameter is Muon's (fine-tuning)
         self.muon = Muon(
             [p for _, p in g.muon], lr=cfg.lr, weight_decay=cfg.weight_decay,
             momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
@@ -294,7 +296,8 @@ class Optimizers:
         ) if g.muon else None
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
-        yield self.adamw
+        if self.adamw is not None:
+            yield self.adamw
         if self.muon is not None:
             yield self.muon
 
@@ -333,7 +336,8 @@ class Optimizers:
     def step(self, muon_grad_scale: torch.Tensor | None = None) -> None:
         """Step both; ``muon_grad_scale``: Muon takes its gradients times it (see
         :meth:`Muon.step`; only where :attr:`muon_takes_grad_scale`)."""
-        self.adamw.step()
+        if self.adamw is not None:
+            self.adamw.step()
         if self.muon is not None:
             self.muon.step(grad_scale=muon_grad_scale)
         elif muon_grad_scale is not None:

@@ -50,6 +50,7 @@ from megacpp.train.checkpoint import (
     restore_rng_state,
 )
 from megacpp.train.config import RunConfig, to_toml
+from megacpp.train.finetune import FineTuning
 from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
 from megacpp.train.guards import SpikeDetector, check_finite
 from megacpp.train.loggers import ExperimentLoggers
@@ -189,6 +190,7 @@ class _Session:
         self.mfu_meter: MfuMeter | None = None
         self.mfu_values: list[float] = []
         self.spikes = SpikeDetector.from_config(cfg.guards)
+        self.finetuning = FineTuning(cfg)  # init_from, freeze, LoRA (no-ops for a plain run)
         self.model_cfg: ModelConfig | None = None
         self.cost = None  # the model's analytic ModelCost, once built
         self.seq_len = 0
@@ -242,9 +244,15 @@ class _Session:
         self.model_cfg = self._model_config(dataset)
         self.inference_files = inference_files(self.model_cfg, dataset.root / TOKENIZER_FILE)
         self._check_graphable()
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, env,
+                                             stall_step=cfg.debug.checkpoint_stall_step,
+                                             warn=self._warn)
+        on_main(env, self._note_partial_checkpoints)
+        path = self.checkpoints.resolve(resume, fallback) if resume else None
         torch.manual_seed(cfg.run.seed)
-        model = HybridLM(self.model_cfg).to(env.device)
-        self.model = parallelize(model, cfg.parallel, env)
+        model = HybridLM(self.model_cfg)
+        self.finetuning.prepare(model, restoring=path is not None, log=self._print)
+        self.model = parallelize(model.to(env.device), cfg.parallel, env)
         self.base = base_model(self.model)
         self.named_params = [(clean_name(n), p) for n, p in self.model.named_parameters()]
         self.optimizers = Optimizers(self.base, cfg.optim, env.device, capturable=self.graphed)
@@ -252,11 +260,6 @@ class _Session:
             self.loss_poison = torch.ones((), device=env.device)
         self._setup_data(dataset)
         self._setup_metrics(dataset.seq_len)
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, env,
-                                             stall_step=cfg.debug.checkpoint_stall_step,
-                                             warn=self._warn)
-        on_main(env, self._note_partial_checkpoints)
-        path = self.checkpoints.resolve(resume, fallback) if resume else None
         if path is not None:
             self._restore(path)
         else:
@@ -665,7 +668,7 @@ class _Session:
         trainer_state = {
             "step": self.step, "tokens": self.tokens, "last_loss": self.last_loss,
             "spikes": self.spikes.state_dict(), "model_config": self.model_cfg.to_dict(),
-            "world_size": self.env.world_size,
+            "world_size": self.env.world_size, **self.finetuning.checkpoint_state(),
         }
         rank_state = {"data": self.train_loader.state_dict(),
                       "rng": capture_rng_state(self.env.device)}
@@ -673,6 +676,8 @@ class _Session:
             self.step, self.model, list(self.optimizers), trainer_state, rank_state,
             files=self.inference_files)
         self.checkpoint_step = self.step
+        self.finetuning.after_checkpoint(self.base, self.run_dir, self.last_checkpoint,
+                                         self.env.is_main)
 
     def _finish_training(self) -> None:
         if self.cfg.train.eval_every == 0 or self.step % self.cfg.train.eval_every:
