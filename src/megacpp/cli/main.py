@@ -16,6 +16,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from megacpp.errors import MegaCppError
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="megacpp")
     except MegaCppError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        # the message is text, not markup (a backend's "[/path/file.cc:537]" is no closing tag)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+                          soft_wrap=True)
         sys.exit(exc.exit_code)
 
 
