@@ -66,3 +66,44 @@ def test_compiled_blocks_stay_compiled_through_validation() -> None:
             else:
                 _train_validate_train(model)
     torch._dynamo.reset()
+
+
+def test_flat_reducer_gradients_are_views_that_accumulate_and_zero() -> None:
+    """The flat buffer holds every gradient: backward accumulates into it across
+    micro-batches, ``zero`` clears it without reallocating, and with one rank ``reduce``
+    leaves it as it is (the sum over ranks and the 1/N scale run under gloo in
+    tests/train/test_world_size.py)."""
+    from megacpp.train.parallelize import FlatGradReducer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    reducer = FlatGradReducer(list(model.parameters()), world_size=1)
+    x = torch.randn(5, 4)
+
+    def loss(weights, inputs):
+        h = inputs @ weights[0].T + weights[1]
+        return (h @ weights[2].T + weights[3]).square().sum()
+
+    for _ in range(2):  # two steps of two micro-batches
+        reducer.zero()
+        for chunk in x.split(3):
+            model(chunk).square().sum().backward()
+        reducer.reduce()
+        for ref in reference:
+            ref.grad = None
+        for chunk in x.split(3):
+            loss(reference, chunk).backward()
+        for p, ref in zip(model.parameters(), reference, strict=True):
+            assert p.grad.data_ptr() >= reducer.flat.data_ptr()  # a view into the buffer
+            torch.testing.assert_close(p.grad, ref.grad)
+    assert reducer.nbytes == 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_flat_reducer_needs_one_dtype() -> None:
+    from megacpp.errors import ConfigError
+    from megacpp.train.parallelize import FlatGradReducer
+
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2).double())]
+    with pytest.raises(ConfigError, match="parameters of one dtype"):
+        FlatGradReducer(params, world_size=2)

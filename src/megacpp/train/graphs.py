@@ -94,7 +94,7 @@ class StepGraphs:
                 with torch.cuda.graph(self.update_graph, pool=self.accumulate_graph.pool(),
                                       stream=stream, capture_error_mode=capture_error_mode):
                     self.balance = update(self.norm)
-        except RuntimeError as exc:
+        except Exception as exc:  # any failure inside a capture fails the capture
             raise GraphCaptureError(
                 f"parallel.cuda_graph: capturing the training step failed "
                 f"({describe_error(exc)}). The step "

@@ -57,7 +57,7 @@ from megacpp.train.checkpoint import (
 )
 from megacpp.train.config import RunConfig, to_toml
 from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
-from megacpp.train.guards import SpikeDetector, check_finite
+from megacpp.train.guards import SpikeDetector, StepWatchdog, check_finite
 from megacpp.train.metrics import (
     METRICS_FILE,
     MetricsLog,
@@ -217,6 +217,7 @@ class _Session:
         self.eager_steps = 0  # in this process
         self.loss_poison: torch.Tensor | None = None  # debug.nan_target = "loss"
         self.pending: PendingStep | None = None  # launched, its record not yet emitted
+        self.watchdog: StepWatchdog | None = None  # replayed steps of a multi-GPU run
         self.started = time.perf_counter()
 
     # -- the whole run -------------------------------------------------------------------------
@@ -302,11 +303,27 @@ class _Session:
         else:
             on_main(env, self.metrics.reset)
         on_main(env, self._write_config)
+        if self.graphed and env.distributed:
+            self.watchdog = StepWatchdog(cfg.parallel.timeout_s, self._step_hung)
+            scope.callback(self.watchdog.close)
         self._emit({"type": "setup", "step": self.step, "world_size": env.world_size,
                     "strategy": env.strategy, "modes": self.plan.to_dict(),
                     "global_batch": self._global_batch(),
                     "mfu_peak_tflops": self.peak.tflops, "mfu_peak_source": self.peak.source})
         self._print(self._describe_setup())
+
+    def _step_hung(self, seconds: float) -> None:
+        """The watchdog's last act (from its thread; the process exits after it): the error
+        line and, on rank 0, the receipt."""
+        error = MegaCppError(
+            f"rank {self.env.rank}: step {self.step + 1} did not finish in {seconds:.0f} s "
+            f"(parallel.timeout_s = {self.cfg.parallel.timeout_s}): a collective inside the "
+            "replayed CUDA graph is waiting for a rank that stopped (see its log). Nothing "
+            f"after the newest complete checkpoint ({self.last_checkpoint or 'none yet'}) is "
+            "kept: restart with --resume auto", exit_code=1)
+        receipt = self._write_receipt(error=error)
+        suffix = f" (receipt: {receipt})" if receipt else ""
+        os.write(2, f"error: {error}{suffix}\n".encode())
 
     def _global_batch(self) -> int:
         """Rows per optimizer step over all ranks."""
@@ -480,6 +497,8 @@ class _Session:
             self.loss_poison.fill_(math.nan)
         if self.graphed and self.graphs is None and self.eager_steps >= WARMUP_STEPS:
             self._capture(micro)
+        if self.watchdog is not None and self.graphs is not None:
+            self.watchdog.arm()  # (eager collectives have the process group's timeout)
         with self._warmup_stream():
             if self.graphs is not None:
                 figures = self.graphs.accumulate(micro)
@@ -503,6 +522,8 @@ class _Session:
                     self.optimizers.zero_grad()
                 self.eager_steps += 1
         self._settle(started)  # the previous step's record, while this update runs
+        if self.watchdog is not None:
+            self.watchdog.disarm()
         return PendingStep(step, loss, aux_loss, mtp_loss if self.base.mtp is not None else None,
                            grad_norm_value, lr, balance, started)
 
