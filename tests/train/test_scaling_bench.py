@@ -1,0 +1,45 @@
+"""benchmarks/scaling.py for real on CPU: `megacpp train` under torchrun with gloo at world
+sizes 1 and 2 for the tiny model, then the table, results.json, the PNG, the receipts and the
+exact command. (Its numbers mean nothing here; the GPU machine's are the point.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.kernels.interpreter import ROOT
+from tests.train.helpers import run_config, single_thread_env, write_config
+
+
+@pytest.mark.slow
+def test_scaling_benchmark_runs_world_sizes_and_writes_its_results(tmp_path, cpp_dataset):
+    config = write_config(tmp_path / "tiny-scaling.toml",
+                          run_config(cpp_dataset, tmp_path / "unused", run={"device": "cpu"}))
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--presets", str(config),
+           "--strategies", "ddp", "--world-sizes", "1", "2", "--steps", "4", "--skip-steps",
+           "2", "--micro-batch", "2", "--data", str(cpp_dataset), "--device", "cpu",
+           "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=single_thread_env(),
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "weak scaling on cpu: median of steps 3-4" in result.stdout
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["preset"], r["strategy"], r["world_size"], r["status"]) for r in rows] == [
+        ("tiny-scaling", "single", 1, "ok"), ("tiny-scaling", "ddp", 2, "ok")]
+    single, ddp = rows
+    assert single["efficiency"] == 1.0 and single["measured_steps"] == 2
+    assert ddp["global_batch"] == 4 and ddp["seq_len"] == 64  # 2 rows on each of 2 ranks
+    assert ddp["tokens_per_s"] == pytest.approx(4 * 64 / (ddp["step_ms"] / 1e3))
+    assert ddp["efficiency"] == pytest.approx(ddp["tokens_per_s_per_gpu"]
+                                              / single["tokens_per_s_per_gpu"])
+    assert ddp["modes"]["compile"] is False and ddp["peak_mem_gib"] > 0
+    assert (out / "scaling.png").stat().st_size > 10_000
+    assert sorted(p.name for p in (out / "receipts").iterdir()) == [
+        "tiny-scaling-ddp-w2.json", "tiny-scaling-single-w1.json"]
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["kind"] == "bench" and "tiny-scaling.ddp.w2.step_ms" in receipt["metrics"]
+    assert (out / "command.txt").read_text().split()[1:] == cmd[1:]
