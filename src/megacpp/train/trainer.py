@@ -409,12 +409,15 @@ class _Session:
         """The bf16 matmul peak MFU divides by: measured once per run on every rank's GPU (the
         mean over the ranks), the datasheet's where it cannot be measured."""
         peak = bf16_matmul_peak(self.env.device, profile)
-        if not (self.env.distributed and peak.measured):
+        if not self.env.distributed:
             return peak
-        total = all_reduce_(torch.tensor([peak.tflops], dtype=torch.float64,
-                                         device=self.env.device))
-        mean = float(total.item()) / self.env.world_size
-        return PeakFlops(mean, f"{peak.source}, mean over {self.env.world_size} ranks", True)
+        measured = float(peak.measured)  # every rank joins the sum, measured or not
+        total, count = all_reduce_(torch.tensor([measured and peak.tflops, measured],
+                                                dtype=torch.float64, device=self.env.device)
+                                   ).tolist()
+        if count < self.env.world_size:  # a rank could not measure: this rank's own figure
+            return peak
+        return PeakFlops(total / count, f"{peak.source}, mean over {int(count)} ranks", True)
 
     def _use_bf16(self) -> bool:
         dtype, cuda = self.cfg.train.dtype, self.env.device.type == "cuda"
