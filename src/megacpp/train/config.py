@@ -13,7 +13,7 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
     [parallel]    strategy, backend, activation_checkpointing, compile, cuda_graph, kernels,
-                  grad_sync, reduce_dtype, reshard_after_forward, timeout_s
+                  grad_sync, reduce_dtype, bucket_mb, reshard_after_forward, timeout_s
     [checkpoint]  every, keep_last, final
     [guards]      spike_zscore, spike_warmup_steps, spike_ema
     [debug]       nan_step, nan_target, checkpoint_stall_step
@@ -175,11 +175,12 @@ class ParallelSection:
     compile: bool | str = AUTO  # torch.compile each block (regional compilation)
     cuda_graph: bool | str = AUTO  # capture the step as CUDA graphs
     kernels: str = "default"  # default | reference | auto | fast (MEGACPP_KERNELS overrides)
-    # DDP's gradient all-reduce: "flat" = one all-reduce over a flat gradient buffer after
+    # DDP's gradient all-reduce: "flat" = a flat gradient buffer summed in buckets during
     # backward (capturable), "ddp" = torch's DistributedDataParallel (bucketed, overlapped);
     # auto: flat when the step is graphed, else ddp
     grad_sync: str = AUTO
     reduce_dtype: str = "fp32"  # the dtype gradients are summed in across ranks: fp32 | bf16
+    bucket_mb: float = 25.0  # DDP: MiB of gradients per all-reduce (flat buckets, DDP's cap)
     reshard_after_forward: bool = True  # FSDP2: free each block's gathered weights after forward
     timeout_s: int = 600  # a collective waiting longer than this fails the run
 
@@ -197,6 +198,7 @@ class ParallelSection:
         choice("parallel.grad_sync", self.grad_sync, (AUTO, "flat", "ddp"))
         choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         check(self.timeout_s >= 1, "parallel.timeout_s", self.timeout_s, "an integer >= 1")
+        check(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "a number > 0")
 
 
 @dataclass(frozen=True)

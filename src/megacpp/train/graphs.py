@@ -36,8 +36,9 @@ Several processes capture too, each its own graphs, with their collectives insid
 order, which the identical step guarantees):
 
 * DDP runs without the DistributedDataParallel wrapper (whose reducer does host work each
-  step): the gradients are views into one flat buffer, and ``accumulate`` ends with one
-  all-reduce of it (:class:`megacpp.train.parallelize.FlatGradReducer`), then the norm;
+  step): the gradients are views into one flat buffer whose buckets are all-reduced as
+  backward completes them (:class:`megacpp.train.parallelize.FlatGradReducer`), and
+  ``accumulate`` waits for the sums before the norm;
 * FSDP2 is captured as it runs: its per-block all-gathers and reduce-scatters, on its own
   streams, become branches of the graph (the root keeps its weights gathered after forward,
   which capture needs); the optimizer steps on the local shards in ``update``.

@@ -10,9 +10,9 @@ The defaults are the fast path where it is valid and today's behaviour on CPU:
   FSDP2), off on CPU or with the reference kernels (their host syncs cannot be captured).
   A capture that fails under ``auto`` leaves the run eager with the reason in the log and the
   receipt; under ``true`` it stops the run;
-* ``grad_sync`` (DDP) -- ``auto``: ``flat`` (one all-reduce over a flat gradient buffer,
-  captured with the step) when the step is graphed, else ``ddp`` (torch's
-  DistributedDataParallel: bucketed all-reduces overlapped with backward).
+* ``grad_sync`` (DDP) -- ``auto``: ``flat`` (a flat gradient buffer whose buckets are
+  all-reduced during backward, captured with the step) when the step is graphed, else
+  ``ddp`` (torch's DistributedDataParallel: bucketed all-reduces overlapped with backward).
 
 An explicit value that cannot hold (a graph on CPU, a graph with ``grad_sync = "ddp"``) is a
 one-line :class:`ConfigError`.
@@ -76,7 +76,7 @@ def plan_execution(cfg: ParallelSection, device: torch.device, strategy: str,
     if ddp:
         if cfg.grad_sync == AUTO:
             grad_sync = "flat" if graph else "ddp"
-            grad_sync_why = ("default with cuda_graph: one all-reduce, captured" if graph
+            grad_sync_why = ("default with cuda_graph: bucketed all-reduces, captured" if graph
                              else "default without cuda_graph: DistributedDataParallel")
         else:
             grad_sync, grad_sync_why = cfg.grad_sync, f"parallel.grad_sync = \"{cfg.grad_sync}\""

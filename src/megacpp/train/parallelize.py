@@ -8,7 +8,7 @@
 2. regional ``torch.compile``: each block compiled in place (parameter names unchanged);
 3. data parallelism: DDP -- torch's DistributedDataParallel, or (``grad_sync = "flat"``, the
    graphed step's) the plain model with its gradients in one flat buffer that
-   :class:`FlatGradReducer` all-reduces once per step -- or FSDP2 (``fully_shard`` on every
+   :class:`FlatGradReducer` sums in buckets during backward -- or FSDP2 (``fully_shard`` on every
    block, then the root).
 
 Parameter names stay the plain model's FQNs for checkpoints (torch.distributed.checkpoint's
@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,7 +125,8 @@ def parallelize(model: nn.Module, cfg: ParallelSection, env: DistEnv, *, compile
         # applies the same all-reduced update.
         device_ids = [env.device.index] if env.device.type == "cuda" else None
         hook_state = None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
+                                      bucket_cap_mb=cfg.bucket_mb)
         if cfg.reduce_dtype == "bf16":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
                 bf16_compress_hook,
@@ -222,18 +225,24 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 class FlatGradReducer:
     """The gradients of a replicated model as views into one flat buffer, summed across the
-    ranks by one all-reduce per step and scaled by 1 / world_size (DDP's average).
+    ranks in buckets that start while backward still runs (DDP's overlap, without DDP).
 
-    Written for the graphed DDP step: the views are bound once and stay (a CUDA graph's
-    backward accumulates into them, its all-reduce reads the buffer), and the whole
-    reduction is one collective that a graph captures. Hand-written rather than DDP because
-    the DistributedDataParallel reducer does host work every step (bucket rebuilds, sampled
-    timing) that a capture cannot contain; there is no overlap with backward, so the step
-    pays the all-reduce of ``4 x parameters`` bytes after backward. ``reduce_dtype`` bf16
-    sums a bfloat16 copy (half the bytes, coarser sums); float32 by default."""
+    Written for the graphed DDP step. The views are bound once and stay: a CUDA graph's
+    backward accumulates into them and its collectives read the buffer. The buffer is laid
+    out in reverse model order (roughly the order backward finishes gradients) and cut into
+    buckets of ``bucket_bytes``; in the step's last backward, each parameter's
+    post-accumulate hook counts down its bucket, and a bucket whose gradients are all in is
+    all-reduced (asynchronously) as soon as every bucket before it was -- the same order on
+    every rank, so a graph captures the same collectives everywhere. :meth:`reduce` starts
+    what is left and waits for all. The gradients are *summed*: the trainer's objective is
+    scaled for a sum (no 1/N pass over the buffer). ``reduce_dtype`` bf16 sums a bfloat16 copy
+    of each bucket (half the bytes, coarser sums); float32 by default.
 
-    def __init__(self, params: list[nn.Parameter], world_size: int,
-                 reduce_dtype: str = "fp32") -> None:
+    Hand-written rather than DistributedDataParallel because DDP's reducer does host work every
+    step (bucket rebuilds, sampled timing with events) that a capture cannot contain."""
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, reduce_dtype: str = "fp32",
+                 bucket_bytes: int = 25 << 20) -> None:
         self.params = [p for p in params if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
@@ -241,12 +250,28 @@ class FlatGradReducer:
                               f"{sorted(str(d) for d in dtypes)}")
         numel = sum(p.numel() for p in self.params)
         self.flat = torch.zeros(numel, dtype=self.params[0].dtype, device=self.params[0].device)
-        self.views, offset = [], 0
-        for p in self.params:
-            self.views.append(self.flat[offset: offset + p.numel()].view_as(p))
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        self.bucket_of = [0] * len(self.params)
+        self.buckets: list[tuple[int, int]] = []  # [start, end) of the buffer
+        offset, start = 0, 0
+        for index in reversed(range(len(self.params))):  # backward order, roughly
+            p = self.params[index]
+            self.views[index] = self.flat[offset: offset + p.numel()].view_as(p)
+            self.bucket_of[index] = len(self.buckets)
             offset += p.numel()
+            if (offset - start) * self.flat.element_size() >= bucket_bytes or index == 0:
+                self.buckets.append((start, offset))
+                start = offset
+        self.counts = [self.bucket_of.count(b) for b in range(len(self.buckets))]
         self.world_size = world_size
         self.reduce_dtype = torch.bfloat16 if reduce_dtype == "bf16" else None
+        self._armed = False
+        self._pending: list[int] = []
+        self._next = 0
+        self._works: list[tuple[Any, torch.Tensor | None, torch.Tensor]] = []
+        if world_size > 1:
+            for index, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
 
     @property
     def nbytes(self) -> int:
@@ -259,18 +284,44 @@ class FlatGradReducer:
             if p.grad is not view:
                 p.grad = view
         self.flat.zero_()
+        self._armed = False
+
+    def arm(self) -> None:
+        """Before the step's last backward: buckets start as their gradients complete."""
+        self._pending, self._next, self._works = list(self.counts), 0, []
+        self._armed = self.world_size > 1
+
+    def _ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._pending[self.bucket_of[index]] -= 1
+        self._launch(finished=False)
+
+    def _launch(self, finished: bool) -> None:
+        """Start the buckets in order, each once all of its gradients are in (``finished``:
+        backward is over, start every one left)."""
+        while self._next < len(self.buckets) and (finished or not self._pending[self._next]):
+            start, end = self.buckets[self._next]
+            chunk = self.flat[start:end]
+            low = chunk.to(self.reduce_dtype) if self.reduce_dtype is not None else None
+            work = dist.all_reduce(chunk if low is None else low, async_op=True)
+            self._works.append((work, low, chunk))
+            self._next += 1
 
     def reduce(self) -> None:
-        """After the step's last backward: sum the buffer across the ranks, then divide by
-        their number. No host syncs (a graph captures it)."""
+        """After the step's last backward: start the buckets not started yet (their
+        gradients never came: the parameter had none) and wait for every sum. No host syncs
+        on CUDA (a graph captures it)."""
         if self.world_size == 1:
             return
-        if self.reduce_dtype is None:
-            all_reduce_(self.flat)
-        else:
-            low = self.flat.to(self.reduce_dtype)
-            self.flat.copy_(all_reduce_(low))
-        self.flat.mul_(1.0 / self.world_size)
+        if not self._armed:
+            self.arm()
+        self._launch(finished=True)
+        for work, low, chunk in self._works:
+            work.wait()
+            if low is not None:
+                chunk.copy_(low)
+        self._works, self._armed = [], False
 
 
 def clean_name(name: str) -> str:

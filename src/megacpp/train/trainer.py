@@ -14,7 +14,7 @@ How the step runs -- kernels, compile, CUDA graphs, DDP's gradient sync -- is de
 With CUDA graphs the step's two device-only halves (forward + backward of the micro-batches
 and the gradient reduction; clipping + optimizer + MoE bias update) are captured once and
 replayed around the same eager guard (:mod:`megacpp.train.graphs`), in one process, under
-DDP (one flat all-reduce, captured) and under FSDP2.
+DDP (a flat gradient buffer, its all-reduces captured) and under FSDP2.
 """
 
 from __future__ import annotations
@@ -287,7 +287,8 @@ class _Session:
         self.named_params = [(clean_name(n), p) for n, p in self.model.named_parameters()]
         if self.plan.grad_sync == "flat":
             self.reducer = FlatGradReducer([p for _, p in self.named_params], env.world_size,
-                                           cfg.parallel.reduce_dtype)
+                                           cfg.parallel.reduce_dtype,
+                                           int(cfg.parallel.bucket_mb * (1 << 20)))
         self.optimizers = Optimizers(self.base, cfg.optim, env.device, capturable=self.graphed)
         if cfg.debug.nan_target == "loss":
             self.loss_poison = torch.ones((), device=env.device)
@@ -593,13 +594,21 @@ class _Session:
         n_targets = all_reduce_(torch.stack(counts).sum())
         sums = torch.zeros(3, device=env.device)
         mtp_weight = self.base.mtp.loss_weight if self.base.mtp is not None else 0.0
+        # DDP and FSDP2 average the ranks' gradients, the flat buffer sums them: the objective
+        # is scaled so that either gives the global batch's mean (aux, MTP: of micro-batches)
+        summed = self.reducer is not None
+        ce_scale = 1 if summed else env.world_size
+        aux_scale = len(micro) * (env.world_size if summed else 1)
         for i, (batch, count) in enumerate(zip(micro, counts, strict=True)):
-            with gradient_sync(self.model, i == len(micro) - 1):
+            last = i == len(micro) - 1
+            if summed and last:
+                self.reducer.arm()  # its buckets start as their gradients come in
+            with gradient_sync(self.model, last):
                 ce_sum, aux, mtp = self._forward(batch, count)
                 if self.loss_poison is not None:
                     ce_sum = ce_sum * self.loss_poison
-                objective = (ce_sum * env.world_size / n_targets.clamp_min(1)
-                             + (aux + mtp_weight * mtp) / len(micro))
+                objective = (ce_sum * ce_scale / n_targets.clamp_min(1)
+                             + (aux + mtp_weight * mtp) / aux_scale)
                 objective.backward()
             sums += torch.stack([ce_sum.detach(), aux.detach(), mtp.detach()])
         return sums, n_targets
