@@ -22,7 +22,10 @@ with configs/runs/P-gpu.toml). Without ``--data`` it first builds a dataset from
 2048-token rows; about 15 s on 2 CPU cores) into OUT/data. World size 1 runs once per preset
 (strategy ``single``). ``--out`` gets ``results.json``, ``scaling.png``, ``command.txt``,
 ``receipt.json`` (this benchmark's) and ``receipts/`` (every run's own receipt), and keeps
-the runs' directories and logs under ``runs/``.
+the runs' directories and logs under ``runs/``. A second invocation with the same ``--out``
+on the same machine adds its rows to the first's (a row of the same preset, strategy and
+world size is replaced), so a sweep longer than one sitting can be split and still relate to
+one single-GPU run; ``command.txt`` then lists every invocation.
 """
 
 from __future__ import annotations
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"{args.skip_steps}")
     available = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "command.txt").write_text(_command() + "\n")
+    with open(args.out / "command.txt", "a") as commands:
+        commands.write(_command() + "\n")
     data = args.data or build_dataset(args.sources, args.out / "data",
                                       workers=min(16, os.cpu_count() or 1))
     configs = {p: resolve_config(p) for p in args.presets}
@@ -359,13 +363,38 @@ def main(argv: list[str] | None = None) -> None:
                       f"{_fmt(row.tokens_per_s, ',.0f')} tokens/s ({row.wall_s:.0f} s)"
                       + (f" -- {row.error}" if row.error else ""))
         rows.append(row)
+    failed = any(r.status == "failed" for r in rows)
+    rows = merged(earlier_rows(args.out / "results.json"), rows)
     relate(rows)
     title = (f"megacpp train, weak scaling on {_device_name()}: median of steps "
              f"{args.skip_steps + 1}-{args.steps}, {args.micro_batch or 'preset'} rows/GPU")
     print_table(rows, title)
     save(rows, args, title, data)
-    if any(r.status == "failed" for r in rows):
+    if failed:
         sys.exit(1)
+
+
+def earlier_rows(results: Path) -> list[Row]:
+    """The rows of an earlier invocation with the same --out (on the same machine), so a
+    sweep can be split over several calls and still relate to one single-GPU run."""
+    if not results.is_file():
+        return []
+    earlier = json.loads(results.read_text())
+    if earlier.get("device") != _device_name():
+        sys.exit(f"error: {results} holds rows measured on {earlier.get('device')!r}, not on "
+                 f"{_device_name()!r}: use another --out")
+    return [Row(**row) for row in earlier["rows"]]
+
+
+def merged(earlier: list[Row], new: list[Row]) -> list[Row]:
+    """``earlier`` with the rows of the same preset, strategy and world size replaced by
+    ``new``'s, ordered by preset, then world size."""
+    key = lambda r: (r.preset, r.strategy, r.world_size)
+    fresh = {key(r) for r in new}
+    rows = [r for r in earlier if key(r) not in fresh] + new
+    presets = list(dict.fromkeys(r.preset for r in rows))
+    return sorted(rows, key=lambda r: (presets.index(r.preset), r.world_size,
+                                       r.strategy != "ddp"))
 
 
 if __name__ == "__main__":

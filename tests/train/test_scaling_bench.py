@@ -43,3 +43,27 @@ def test_scaling_benchmark_runs_world_sizes_and_writes_its_results(tmp_path, cpp
     receipt = json.loads((out / "receipt.json").read_text())
     assert receipt["kind"] == "bench" and "tiny-scaling.ddp.w2.step_ms" in receipt["metrics"]
     assert (out / "command.txt").read_text().split()[1:] == cmd[1:]
+
+
+def _scaling():
+    """benchmarks/scaling.py as a module."""
+    import importlib.util
+
+    name = "benchmarks_scaling"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "scaling.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def test_a_second_sitting_adds_its_rows_and_relates_them_to_the_first_single_run():
+    scaling = _scaling()
+    first = [scaling.Row("p", "single", 1, tokens_per_s=100.0, tokens_per_s_per_gpu=100.0),
+             scaling.Row("p", "ddp", 2, tokens_per_s=190.0, tokens_per_s_per_gpu=95.0)]
+    second = [scaling.Row("p", "fsdp", 2, tokens_per_s=180.0, tokens_per_s_per_gpu=90.0),
+              scaling.Row("p", "ddp", 2, tokens_per_s=196.0, tokens_per_s_per_gpu=98.0)]
+    rows = scaling.merged(first, second)
+    scaling.relate(rows)
+    assert [(r.strategy, r.world_size, r.efficiency, r.speedup) for r in rows] == [
+        ("single", 1, 1.0, 1.0), ("ddp", 2, 0.98, 1.96), ("fsdp", 2, 0.9, 1.8)]
