@@ -72,7 +72,7 @@ def test_flat_reducer_gradients_are_views_that_accumulate_and_zero() -> None:
     """The flat buffer holds every gradient: backward accumulates into it across
     micro-batches, ``zero`` clears it without reallocating, and with one rank ``reduce``
     leaves it as it is (the sum over two ranks runs under gloo in
-    tests/train/test_world_size.py)."""
+    tests/train/test_distributed.py)."""
     from megacpp.train.parallelize import FlatGradReducer
 
     torch.manual_seed(0)
