@@ -18,7 +18,7 @@ measured in each run, named in its receipt). Run on a GPU machine::
 
 ``--presets`` takes run configs (a path, a name under configs/runs/, or a model preset P
 with configs/runs/P-gpu.toml). Without ``--data`` it first builds a dataset from
-``--sources`` (default /usr/include/c++/12) with configs/data/cpp.toml (32k vocabulary,
+``--sources`` (default: the newest /usr/include/c++/N) with configs/data/cpp.toml (32k vocabulary,
 2048-token rows; about 15 s on 2 CPU cores) into OUT/data. World size 1 runs once per preset
 (strategy ``single``). ``--out`` gets ``results.json``, ``scaling.png``, ``command.txt``,
 ``receipt.json`` (this benchmark's) and ``receipts/`` (every run's own receipt), and keeps
@@ -53,7 +53,15 @@ from megacpp.receipts import write_receipt
 from megacpp.train.config import RUN_CONFIGS_DIR, load_run_config
 from megacpp.train.metrics import read_metrics
 
-DEFAULT_SOURCES = Path("/usr/include/c++/12")
+
+def _libstdcxx() -> Path:
+    """The newest installed libstdc++ header directory (/usr/include/c++/<version>)."""
+    versions = [p for p in Path("/usr/include/c++").glob("*") if (p / "utility").is_file()]
+    return max(versions, key=lambda p: int(p.name) if p.name.isdigit() else -1,
+               default=Path("/usr/include/c++/12"))
+
+
+DEFAULT_SOURCES = _libstdcxx()
 DATA_CONFIG = ROOT / "configs" / "data" / "cpp.toml"
 console = Console(highlight=False, width=max(160, shutil.get_terminal_size().columns))
 
