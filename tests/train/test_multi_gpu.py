@@ -88,7 +88,7 @@ def test_graphed_fsdp2_trains_as_eager_fsdp2(tmp_path, cpp_dataset, eager_ddp):
     graphed_dir = _two_gpus(tmp_path, cpp_dataset, "graphed", strategy="fsdp", cuda_graph=True)
     assert _modes(graphed_dir)["cuda_graph"] is True  # captured, not fallen back
     assert train_losses(graphed_dir) == pytest.approx(eager, rel=1e-3)
-    assert eager == pytest.approx(train_losses(eager_ddp), rel=2e-3)
+    assert eager == pytest.approx(train_losses(eager_ddp), rel=1e-2)
 
 
 def test_graphed_two_gpu_checkpoint_resumes_graphed_on_one(tmp_path, cpp_dataset, graphed_ddp):
