@@ -24,7 +24,9 @@ counts 2 x every weight used in a matmul (LM head included, embedding lookup exc
 attention's 4 x seq_len x (heads x head_dim) per layer (full L x L scores). For the dense
 Llama this is exactly the PaLM formula 6N + 12 L d s (N = matmul weights). For the hybrid,
 the analytic counter (``megacpp.model.counting``) also counts the scan's chunk terms and
-only the k active experts. MFU = FLOPs/token x tokens/s / measured matmul peak.
+only the k active experts. MFU = FLOPs/token x tokens/s / measured matmul peak: the
+project's one MFU (``megacpp.contract.mfu`` over ``megacpp.train.metrics.bf16_matmul_peak``,
+the figure ``megacpp train`` reports too); each row and receipt names the peak and its source.
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
+from megacpp.contract.devices import mfu, profile_for_fingerprint
 from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, set_kernel_mode
-from megacpp.kernels.timing import capture_graph, cuda_times_ms, matmul_peak_tflops
+from megacpp.kernels.timing import capture_graph, cuda_times_ms
 from megacpp.model.config import load_config
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM, next_token_labels
 from megacpp.receipts import write_receipt
+from megacpp.train.metrics import PeakFlops, bf16_matmul_peak
 
 
 @dataclass
@@ -172,7 +176,8 @@ def bench_one(
         step_ms=ms,
         step_ms_spread=max(times) - min(times),
         tokens_per_s=tok_s,
-        mfu=flops * tok_s / (peak * 1e12),
+        mfu=mfu(flops, tok_s, PROFILE, "bf16", peak_tflops=peak.tflops,
+                peak_source=peak.source).mfu,
         peak_mem_gib=peak_mem,
         kernels=chosen_kernels(),
     )
@@ -259,11 +264,13 @@ def main() -> None:
     preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_peak_tflops()
-    print(
-        f"device: {torch.cuda.get_device_name()}  measured bf16 matmul peak: {peak:.0f} TFLOP/s",
-        flush=True,
-    )
+    global PROFILE
+    PROFILE = profile_for_fingerprint(facts)
+    peak = bf16_matmul_peak(torch.device("cuda", torch.cuda.current_device()), PROFILE)
+    if peak.tflops is None:
+        sys.exit(f"no bf16 peak to divide by: {peak.source}")
+    print(f"device: {torch.cuda.get_device_name()}  MFU peak: {peak.tflops:.0f} TFLOP/s "
+          f"({peak.source})", flush=True)
     results: list[Result] = []
     cfg = load_config(args.preset)
     hybrid_shape = (count_model(cfg).params, cfg.vocab_size, cfg.d_model)
@@ -330,14 +337,18 @@ def main() -> None:
 FLOP_FORMULA = "3 x forward matmul FLOPs (6N + 12*L*d*s for the dense peer)"
 
 
-def save_row(out: Path, r: Result, peak: float, preflight, facts) -> None:
+PROFILE = None  # the device profile MFU is named by (set in main)
+
+
+def save_row(out: Path, r: Result, peak: PeakFlops, preflight, facts) -> None:
     """Merge ``r`` into the results JSON (keyed by model, mode, seq_len) and write its receipt.
 
     Rows from earlier invocations with other keys are kept, so a long sweep can be split
     over several runs (each row records the matmul peak measured in its own run)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = json.loads(out.read_text()) if out.exists() else {"results": []}
-    row = {**r.__dict__, "matmul_peak_tflops": peak, "device": torch.cuda.get_device_name()}
+    row = {**r.__dict__, "matmul_peak_tflops": peak.tflops, "mfu_peak_source": peak.source,
+           "device": torch.cuda.get_device_name()}
     key = (r.model, r.mode, r.seq_len)
     rows = [x for x in payload["results"] if (x["model"], x["mode"], x["seq_len"]) != key]
     payload.update(torch=torch.__version__, flop_formula=FLOP_FORMULA, results=rows + [row])
@@ -354,12 +365,13 @@ def save_row(out: Path, r: Result, peak: float, preflight, facts) -> None:
         "optimizer": "AdamW(fused)",
         "kernels": r.kernels,
         "flop_formula": FLOP_FORMULA,
+        "mfu_peak_source": peak.source,
     }
     metrics = {
         k: float(getattr(r, k))
         for k in ("tokens_per_s", "step_ms", "mfu", "peak_mem_gib", "flops_per_token")
     }
-    metrics["matmul_peak_tflops"] = peak
+    metrics["matmul_peak_tflops"] = peak.tflops
     receipt = out.parent / f"{out.stem}_receipts" / f"{r.model}_{r.mode}_L{r.seq_len}.json"
     write_receipt(receipt, "bench", config, metrics, preflight=preflight, fingerprint=facts)
 

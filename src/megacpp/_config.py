@@ -4,8 +4,9 @@ and run configs). Every error names the field and what it accepts."""
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import fields
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 from megacpp.errors import ConfigError
 
@@ -26,8 +27,17 @@ def build_section(cls: type, table: Any, section: str, skip: frozenset[str] = fr
 
 
 def coerce(value: Any, hint: Any, name: str) -> Any:
-    """``value`` as a ``hint`` (bool, int, float -- ints accepted --, str, or tuple[str, ...]
-    from a list of strings), or ConfigError."""
+    """``value`` as a ``hint`` (bool, int, float -- ints accepted --, str, tuple[str, ...] from a
+    list of strings, or a union of them such as ``bool | str``: the first that fits), or
+    ConfigError."""
+    if isinstance(hint, types.UnionType):
+        for option in get_args(hint):
+            try:
+                return coerce(value, option, name)
+            except ConfigError:
+                continue
+        names = " or ".join(getattr(option, "__name__", str(option)) for option in get_args(hint))
+        raise ConfigError(f"{name} = {value!r}: expected a {names}")
     if hint is bool:
         if isinstance(value, bool):
             return value

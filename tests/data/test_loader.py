@@ -127,7 +127,7 @@ def test_resume_continues_exactly(dataset):
     it = iter(first)
     head = [int(r) for _, b in zip(range(3), it) for r in b["row"]]
     state = first.state_dict()
-    assert (state["epoch"], state["batch_in_epoch"]) == (0, 3)
+    assert (state["epoch"], state["sample_in_epoch"]) == (0, 6)
 
     resumed = PackedLoader(dataset, batch_size=2, seed=9, num_workers=2)
     resumed.load_state_dict(state)
@@ -136,12 +136,40 @@ def test_resume_continues_exactly(dataset):
     assert [int(r) for b in resumed for r in b["row"]] == epoch1
 
 
-def test_resume_refuses_another_layout(dataset):
+def test_resume_continues_on_another_world_size_at_the_global_sample(dataset):
+    """Two ranks of 2 rows and one rank of 4 consume the same rows per batch: a position written
+    by either continues on the other (and with an older per-rank batch count)."""
+    order = [int(r) for b in PackedLoader(dataset, batch_size=4, seed=9) for r in b["row"]]
+    two = [PackedLoader(dataset, batch_size=2, seed=9, rank=r, world_size=2) for r in range(2)]
+    iters = [iter(loader) for loader in two]
+    head = [int(r) for _ in range(3) for it in iters for r in next(it)["row"]]
+    assert sorted(head) == sorted(order[:12])
+    state = two[1].state_dict()
+    assert state["sample_in_epoch"] == 12 and state == {**two[0].state_dict(), "rank": 1}
+    one = PackedLoader(dataset, batch_size=4, seed=9)
+    one.load_state_dict(state)
+    assert [int(r) for b in one for r in b["row"]] == order[12:]
+
+    legacy = {**state, "batch_in_epoch": 3}  # a per-rank batch count, as older loaders wrote
+    del legacy["sample_in_epoch"]
+    one.load_state_dict(legacy)
+    assert one.state_dict()["sample_in_epoch"] == 12
+
+
+def test_resume_refuses_another_order(dataset):
     state = PackedLoader(dataset, batch_size=2, seed=9).state_dict()
-    with pytest.raises(MegaCppError, match="batch_size was 2"):
-        PackedLoader(dataset, batch_size=4, seed=9).load_state_dict(state)
-    with pytest.raises(MegaCppError, match="world_size"):
-        PackedLoader(dataset, batch_size=2, seed=9, rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(MegaCppError, match="seed was 9"):
+        PackedLoader(dataset, batch_size=2, seed=3).load_state_dict(state)
+    with pytest.raises(MegaCppError, match="shuffle"):
+        PackedLoader(dataset, batch_size=2, seed=9, shuffle=False).load_state_dict(state)
+
+
+def test_step_samples_end_every_rank_at_the_same_whole_step(dataset):
+    n = dataset.num_rows("train")
+    per_rank = [[len(b["row"]) for b in PackedLoader(dataset, batch_size=3, seed=1, rank=r,
+                                                     world_size=2, step_samples=12)]
+                for r in range(2)]
+    assert per_rank[0] == per_rank[1] == [3] * (n // 12 * 2)
 
 
 def test_loader_refuses_corrupt_dataset(dataset_dir, tmp_path):

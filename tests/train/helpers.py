@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,18 @@ def megacpp(*args: str, check: bool = True, timeout: float = 300,
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
                              f"{result.stdout}\n{result.stderr}")
     return result
+
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a rendezvous on 127.0.0.1)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(nproc: int) -> tuple[str, ...]:
+    """The launcher of ``nproc`` local processes (gloo on CPU)."""
+    return (*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc))

@@ -23,9 +23,13 @@ from tests.train.helpers import megacpp, run_config, train_losses, write_config
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_run(tmp_path, dataset, name: str, **sections):
+EAGER = {"compile": False, "cuda_graph": False, "kernels": "reference"}  # the plain step
+
+
+def _gpu_run(tmp_path, dataset, name: str, parallel: dict | None = None, **sections):
     cfg = RunConfig.from_dict(run_config(dataset, tmp_path / name, run={"device": "cuda"},
-                                         train={"steps": 6, "micro_batch_size": 8}, **sections))
+                                         train={"steps": 6, "micro_batch_size": 8},
+                                         parallel={**EAGER, **(parallel or {})}, **sections))
     return train(cfg, console=Console(file=io.StringIO()))
 
 
@@ -54,7 +58,7 @@ def test_two_gpus_over_nccl(tmp_path, cpp_dataset, strategy):
     one = train_losses(_gpu_run(tmp_path, cpp_dataset, "one").run_dir)
     config = write_config(tmp_path / "two.toml", run_config(
         cpp_dataset, tmp_path / "two", run={"device": "cuda"},
-        train={"steps": 6, "micro_batch_size": 4}, parallel={"strategy": strategy}))
+        train={"steps": 6, "micro_batch_size": 4}, parallel={**EAGER, "strategy": strategy}))
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2")
     megacpp("train", "--config", str(config), "--no-progress", launcher=torchrun)

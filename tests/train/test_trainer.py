@@ -171,5 +171,5 @@ def test_bad_data_and_vocab_are_clear_errors_with_a_receipt(tmp_path, cpp_datase
 
     big_batch = RunConfig.from_dict(run_config(cpp_dataset, tmp_path / "r3",
                                                train={"micro_batch_size": 100000}))
-    with pytest.raises(TrainingFailed, match="needs at least 100000 train rows per rank"):
+    with pytest.raises(TrainingFailed, match=r"a step needs at least 100000 train rows \(micro_batch_size 100000 x 1"):
         train(big_batch, console=Console(file=io.StringIO()))

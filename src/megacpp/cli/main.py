@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="megacpp")
     except MegaCppError as exc:
-        # escaped: messages quote TOML tables and pip extras ([model], megacpp[wandb])
+        # escaped: messages are text, not markup ([model], megacpp[wandb], "[/path/f.cc:537]")
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
                           soft_wrap=True)
         sys.exit(exc.exit_code)

@@ -168,10 +168,14 @@ def mfu(
     profile: DeviceProfile,
     dtype: str = "bf16",
     peak_tflops: float | None = None,
+    peak_source: str | None = None,
 ) -> MfuResult:
     """``flops_per_token * tokens_per_s / peak``; n/a when the device's peak is unknown.
 
-    ``peak_tflops`` overrides the table (stated as user-supplied in the result).
+    The one MFU formula of the project (``megacpp env mfu``, the trainer, the benchmarks).
+    ``peak_tflops`` overrides the table: a peak measured on the device
+    (:func:`megacpp.train.metrics.bf16_matmul_peak`), named by ``peak_source``, or one the
+    user gave (the default source).
     """
     if dtype not in DTYPES:
         raise MegaCppError(f"unknown dtype {dtype!r}; MFU peaks exist for: {', '.join(DTYPES)}")
@@ -182,7 +186,7 @@ def mfu(
         raise MegaCppError(f"--peak must be a positive number of TFLOP/s, got {peak_tflops}")
     achieved = flops_per_token * tokens_per_s / 1e12
     if peak_tflops is not None:
-        peak, source = peak_tflops, "given by the user (--peak)"
+        peak, source = peak_tflops, peak_source or "given by the user (--peak)"
     else:
         peak = profile.peak(dtype)
         source = profile.sources.get("peak_dense_tflops") or profile.sources.get("*", "")

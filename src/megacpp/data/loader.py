@@ -11,11 +11,17 @@ The contract the model and trainer rely on (also in docs/data.md). Each sample i
 * ``row``           LongTensor[]          the row's index within its split (for debugging)
 
 Order: an epoch permutes the row groups of the split and the rows inside each group, both from
-``(seed, epoch)``. Rank ``r`` of ``world_size`` takes every ``world_size``-th row of that
-order; inside a rank, batch ``b`` is produced by DataLoader worker ``b % num_workers`` -- so
+``(seed, epoch)``. The position in an epoch is a *global sample index*: the number of rows of
+that order all ranks together have consumed. From position ``p``, rank ``r`` of
+``world_size`` takes every ``world_size``-th row (positions ``p + r``, ``p + r + world_size``,
+...); inside a rank, batch ``b`` is produced by DataLoader worker ``b % num_workers`` -- so
 ranks (and workers) are disjoint and together cover the split, and the batches come out in
-the same order for any number of workers. :class:`PackedLoader` counts the batches it has
-handed out; ``state_dict()`` / ``load_state_dict()`` resume exactly there.
+the same order for any number of workers. A batch of ``batch_size`` rows on each of
+``world_size`` ranks consumes ``batch_size x world_size`` positions, whatever the split
+between the two, so :class:`PackedLoader`'s ``state_dict()`` (epoch and global position)
+resumes on another number of ranks or another micro-batch size at the same row of the order.
+With ``step_samples`` (the rows of one optimizer step over all ranks) an epoch ends at the
+last whole step: every rank gets only full batches and all ranks the same number.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class PackedRowsDataset(IterableDataset):
         batch_size: int = 1,
         rank: int | None = None,
         world_size: int | None = None,
+        step_samples: int = 0,
     ) -> None:
         super().__init__()
         self.dataset = (
@@ -91,6 +98,10 @@ class PackedRowsDataset(IterableDataset):
             raise MegaCppError(f"rank {self.rank} is outside world_size {self.world_size}")
         if batch_size < 1:
             raise MegaCppError(f"batch_size must be >= 1, got {batch_size}")
+        if step_samples % (batch_size * self.world_size):
+            raise MegaCppError(f"step_samples = {step_samples} is not a multiple of batch_size "
+                               f"{batch_size} x world_size {self.world_size}")
+        self.step_samples = step_samples  # 0: keep the epoch's last partial batches
         self.split = split
         self.seed = seed
         self.shuffle = shuffle
@@ -98,28 +109,36 @@ class PackedRowsDataset(IterableDataset):
         self.groups = self.dataset.row_groups(split)  # [(file, group, rows)]
         self.group_offsets = np.cumsum([0] + [g[2] for g in self.groups])  # [n_groups + 1]
         self.epoch = 0
-        self.start_batch = 0
+        self.start_sample = 0
 
-    def set_position(self, epoch: int, start_batch: int = 0) -> None:
-        """Where the next iteration starts: batch ``start_batch`` of ``epoch``."""
-        self.epoch, self.start_batch = epoch, start_batch
+    def set_position(self, epoch: int, start_sample: int = 0) -> None:
+        """Where the next iteration starts: global position ``start_sample`` of ``epoch``."""
+        self.epoch, self.start_sample = epoch, start_sample
 
-    def rank_rows(self, epoch: int) -> np.ndarray:
-        """int64[n] the rows (indices within the split) this rank sees in ``epoch``, in order."""
-        return self._epoch_order(epoch)[self.rank :: self.world_size]
+    def epoch_length(self) -> int:
+        """Positions of an epoch: the split's rows, cut to whole steps with ``step_samples``."""
+        n = int(self.group_offsets[-1])
+        return n - n % self.step_samples if self.step_samples else n
+
+    def rank_rows(self, epoch: int, start_sample: int = 0) -> np.ndarray:
+        """int64[n] the rows (indices within the split) this rank sees in ``epoch`` from global
+        position ``start_sample``, in order."""
+        order = self._epoch_order(epoch)[: self.epoch_length()]
+        return order[start_sample + self.rank :: self.world_size]
 
     def num_batches(self) -> int:
-        """Batches per epoch for this rank (the last one may be partial)."""
+        """Batches per epoch for this rank (the last one may be partial without
+        ``step_samples``)."""
         n = len(self.rank_rows(0))
         return -(-n // self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        rows = self.rank_rows(self.epoch)
+        rows = self.rank_rows(self.epoch, self.start_sample)
         blocks: dict[int, RowBlock] = {}
         n_batches = -(-len(rows) // self.batch_size)
-        for batch in range(self.start_batch + worker, n_batches, workers):
+        for batch in range(worker, n_batches, workers):
             for row in rows[batch * self.batch_size : (batch + 1) * self.batch_size]:
                 yield self._sample(int(row), blocks)
 
@@ -168,6 +187,7 @@ class PackedLoader:
         world_size: int | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
+        step_samples: int = 0,
     ) -> None:
         self.rows = PackedRowsDataset(
             dataset,
@@ -177,17 +197,23 @@ class PackedLoader:
             batch_size=batch_size,
             rank=rank,
             world_size=world_size,
+            step_samples=step_samples,
         )
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.epoch = 0
-        self.batch_in_epoch = 0
+        self.sample_in_epoch = 0  # global position: rows consumed by all ranks this epoch
 
     def __len__(self) -> int:
         return self.rows.num_batches()
 
+    @property
+    def samples_per_batch(self) -> int:
+        """Global positions one batch consumes: ``batch_size`` rows on each rank."""
+        return self.rows.batch_size * self.rows.world_size
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        self.rows.set_position(self.epoch, self.batch_in_epoch)
+        self.rows.set_position(self.epoch, self.sample_in_epoch)
         loader = DataLoader(
             self.rows,
             batch_size=self.rows.batch_size,
@@ -196,17 +222,19 @@ class PackedLoader:
             persistent_workers=False,
         )
         for batch in loader:
-            self.batch_in_epoch += 1
+            self.sample_in_epoch += self.samples_per_batch
             yield batch
         self.epoch += 1
-        self.batch_in_epoch = 0
+        self.sample_in_epoch = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position (plus what must match to resume it)."""
+        """The data position -- the epoch and the global sample index in it, the same on
+        every rank -- plus what must match to resume it (and, for the record, the layout that
+        wrote it: batch size and world size, which may differ on resume)."""
         r = self.rows
         return {
             "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
+            "sample_in_epoch": self.sample_in_epoch,
             "split": r.split,
             "seed": r.seed,
             "shuffle": r.shuffle,
@@ -217,21 +245,18 @@ class PackedLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``'s position; refuses a state from a different data layout."""
+        """Resume at ``state``'s global position (written with any batch size and number of
+        ranks); refuses a state of another data order (split, seed, shuffle, dataset)."""
         mine = self.state_dict()
-        for key in (
-            "split",
-            "seed",
-            "shuffle",
-            "batch_size",
-            "rank",
-            "world_size",
-            "manifest_sha256",
-        ):
+        for key in ("split", "seed", "shuffle", "manifest_sha256"):
             if state.get(key) != mine[key]:
                 raise MegaCppError(
                     f"cannot resume the data position: {key} was {state.get(key)!r}, "
                     f"this loader has {mine[key]!r}"
                 )
-        self.epoch = int(state["epoch"])
-        self.batch_in_epoch = int(state["batch_in_epoch"])
+        if "sample_in_epoch" in state:
+            sample = int(state["sample_in_epoch"])
+        else:  # a per-rank batch count (an older checkpoint): batches x rows x ranks
+            sample = int(state["batch_in_epoch"]) * int(state["batch_size"]) * int(
+                state["world_size"])
+        self.epoch, self.sample_in_epoch = int(state["epoch"]), sample

@@ -8,7 +8,9 @@ The mode is a process-wide runtime flag (environment ``MEGACPP_KERNELS`` or
   explicitly by choosing this mode; the fallback and its reasons are recorded).
 * ``fast``   -- the chosen backend or a :class:`KernelSelectionError` (fail closed).
 
-Under ``torch.compile`` tracing, ``auto`` resolves to the reference (inductor fuses it).
+Under ``torch.compile`` both ``auto`` and ``fast`` call the chosen backend, opaque to the
+compiler (a graph break per call), so a compiled model runs the same kernels as an eager one.
+``megacpp train`` picks ``auto`` on CUDA by default (:mod:`megacpp.train.modes`).
 :func:`chosen_kernels` returns ``{surface: backend}`` of every resolution so far, the
 ``kernels=`` field of a receipt.
 """
@@ -41,6 +43,16 @@ def kernel_mode() -> str:
     return mode
 
 
+def kernel_mode_setting() -> tuple[str, str] | None:
+    """The mode and who set it (``set_kernel_mode`` by the caller, or ``MEGACPP_KERNELS``),
+    or None when neither did and a caller's own default applies."""
+    if _mode is not None:
+        return _mode, "set by the caller (set_kernel_mode)"
+    if ENV_VAR in os.environ:
+        return kernel_mode(), f"{ENV_VAR}={os.environ[ENV_VAR]}"
+    return None
+
+
 def set_kernel_mode(mode: str | None) -> None:
     """Set the mode for this process (``None``: back to the environment variable)."""
     global _mode
@@ -66,8 +78,6 @@ def resolve(surface: str, like: torch.Tensor) -> Backend:
     Under ``torch.autocast`` a float32 ``like`` selects for the autocast dtype (the dtype its
     matmuls run in); see :mod:`megacpp.kernels.amp`."""
     mode = kernel_mode()
-    if mode == "auto" and torch.compiler.is_compiling():
-        mode = "reference"
     key = (surface, str(like.device), dtype_name(effective_dtype(like)), mode)
     if key not in _resolved:
         _resolved[key] = _select(surface, like.device, key[2], mode)

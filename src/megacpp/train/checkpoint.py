@@ -4,8 +4,10 @@ Layout of ``RUN_DIR/checkpoints/step_000100/``::
 
     .metadata, __0_0.distcp, ...   DCP files: {"model": ..., "optim": ...} (every rank writes
                                    its own shards; replicated tensors are written once)
-    trainer_state.json             step, tokens, loss-spike detector, model config, world size
-    rank_00000.json, ...           per rank: data position and RNG states
+    trainer_state.json             step, tokens, loss-spike detector, model config, world size,
+                                   global batch
+    rank_00000.json, ...           per rank: the data position (global: the same on every
+                                   rank) and RNG states
     model.toml                     the resolved model config (a model preset file)
     tokenizer.json                 the tokenizer the model was trained with
     COMPLETE                       written last: the sha256 and size of every file above
@@ -286,7 +288,10 @@ class CheckpointManager:
              model_config: ModelConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore model and optimizer state in place; returns (trainer state, this rank's state).
 
-        Refuses a checkpoint of another model or another number of ranks.
+        Refuses a checkpoint of another model. One written by another number of ranks loads
+        through DCP's resharding (every tensor is stored by its global shape); the data
+        position in each rank file is global (the same in all), and a rank the writer did not
+        have takes the RNG state of rank ``rank % writer's ranks``.
         """
         trainer_state = _read_json(path / TRAINER_STATE, path)
         saved = ModelConfig.from_dict(trainer_state["model_config"]).to_dict()
@@ -295,17 +300,13 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} is of another model ({', '.join(differ)}); "
                                   "resume with the run's own config.toml")
         saved_world = int(trainer_state["world_size"])
-        if saved_world != self.env.world_size:
-            raise CheckpointError(f"checkpoint {path} was written by {saved_world} rank(s); this "
-                                  f"run has {self.env.world_size}: the per-rank data positions "
-                                  "cannot be mapped (launch the same number of processes)")
         model_sd, optim_sd = get_state_dict(model, optimizers)  # also initialises optim state
         state = {"model": model_sd, "optim": optim_sd}
         with _single_process_note_silenced():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        return trainer_state, _read_json(path / rank_file(self.env.rank), path)
+        return trainer_state, _read_json(path / rank_file(self.env.rank % saved_world), path)
 
 
 def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:

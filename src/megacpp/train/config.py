@@ -8,13 +8,14 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
     [model]       preset = "tiny" plus any model-config key to override
                   (d_model = 64, [model.attention] n_heads = 2, vocab_size = "dataset")
     [data]        dir, num_workers, val_batches, shuffle
-    [train]       steps, micro_batch_size, grad_accum_steps, max_grad_norm, eval_every, dtype,
-                  init_from, freeze                   (fine-tuning: see train/finetune.py)
+    [train]       steps, micro_batch_size, grad_accum_steps, global_batch_size, max_grad_norm,
+                  eval_every, dtype, init_from, freeze   (fine-tuning: see train/finetune.py)
     [optim]       lr, weight_decay, beta1, beta2, eps, muon, muon_momentum, muon_nesterov,
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
-    [parallel]    strategy, backend, activation_checkpointing, compile, cuda_graph
-    [checkpoint]  every, keep_last
+    [parallel]    strategy, backend, activation_checkpointing, compile, cuda_graph, kernels,
+                  grad_sync, reduce_dtype, bucket_mb, reshard_after_forward, timeout_s
+    [checkpoint]  every, keep_last, final
     [guards]      spike_zscore, spike_warmup_steps, spike_ema
     [debug]       nan_step, nan_target, checkpoint_stall_step
     [lora]        r, alpha, dropout, targets          (LoRA adapters through peft; r = 0: off)
@@ -80,6 +81,10 @@ class TrainSection:
     steps: int = 0  # optimizer steps
     micro_batch_size: int = 8  # rows per rank per micro-step
     grad_accum_steps: int = 1
+    # rows per optimizer step over all ranks; 0 = micro_batch_size x grad_accum_steps x ranks.
+    # Set, it fixes the step whatever the number of ranks: grad_accum_steps is then derived
+    # (global / (micro_batch_size x ranks)), so a run resumes on another world size unchanged
+    global_batch_size: int = 0
     max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still measured)
     eval_every: int = 100  # 0 = only at the end
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU | fp32 | bf16
@@ -94,11 +99,36 @@ class TrainSection:
                "an integer >= 1")
         check(self.grad_accum_steps >= 1, "train.grad_accum_steps", self.grad_accum_steps,
                "an integer >= 1")
+        check(self.global_batch_size >= 0, "train.global_batch_size", self.global_batch_size,
+              "an integer >= 0 (0 = micro_batch_size x grad_accum_steps x ranks)")
+        check(not (self.global_batch_size and self.grad_accum_steps != 1),
+              "train.grad_accum_steps", self.grad_accum_steps,
+              "1 (the default) when train.global_batch_size is set: it is derived from it")
         check(self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm, ">= 0")
         check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0")
         choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
         check(all(self.freeze), "train.freeze", list(self.freeze),
               "non-empty parameter name prefixes or globs")
+
+    def accumulation(self, world_size: int) -> int:
+        """Micro-batches per rank per step on ``world_size`` ranks: ``grad_accum_steps``, or
+        what ``global_batch_size`` implies (a ConfigError when it does not divide)."""
+        total, micro = self.global_batch_size, self.micro_batch_size
+        if not total:
+            return self.grad_accum_steps
+        if total % world_size:
+            lower = total - total % world_size
+            raise ConfigError(
+                f"train.global_batch_size = {total} rows does not divide over the {world_size} "
+                f"processes of this run; use a multiple of {world_size} (e.g. "
+                f"{lower or world_size}) or launch a number of processes that divides {total}")
+        per_rank = total // world_size
+        if per_rank % micro:
+            raise ConfigError(
+                f"train.global_batch_size = {total} gives {per_rank} rows per process on "
+                f"{world_size}, not a multiple of train.micro_batch_size = {micro}; set "
+                f"micro_batch_size to a divisor of {per_rank}")
+        return per_rank // micro
 
 
 @dataclass(frozen=True)
@@ -140,13 +170,30 @@ class ScheduleSection:
                "a number in (0, 1]")
 
 
+AUTO = "auto"
+KERNEL_CHOICES = ("default", "reference", "auto", "fast")
+
+
 @dataclass(frozen=True)
 class ParallelSection:
+    """How the step runs. ``compile`` and ``cuda_graph`` take true, false or "auto" (on where
+    valid: on CUDA; off on CPU); ``kernels`` = "default" is the catalog's chosen backends on
+    CUDA and the references on CPU (:mod:`megacpp.train.modes` decides and says why)."""
+
     strategy: str = "auto"  # auto (ddp when launched with >1 process) | single | ddp | fsdp
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU | nccl | gloo
     activation_checkpointing: str = ""  # block letters to recompute in backward, e.g. "ME"
-    compile: bool = False  # torch.compile each block (regional compilation)
-    cuda_graph: bool = False  # capture the step as CUDA graphs (one CUDA process, fast kernels)
+    compile: bool | str = AUTO  # torch.compile each block (regional compilation)
+    cuda_graph: bool | str = AUTO  # capture the step as CUDA graphs
+    kernels: str = "default"  # default | reference | auto | fast (MEGACPP_KERNELS overrides)
+    # DDP's gradient all-reduce: "flat" = a flat gradient buffer summed in buckets during
+    # backward (capturable), "ddp" = torch's DistributedDataParallel (bucketed, overlapped);
+    # auto: flat when the step is graphed, else ddp
+    grad_sync: str = AUTO
+    reduce_dtype: str = "fp32"  # the dtype gradients are summed in across ranks: fp32 | bf16
+    bucket_mb: float = 25.0  # DDP: MiB of gradients per all-reduce (flat buckets, DDP's cap)
+    reshard_after_forward: bool = True  # FSDP2: free each block's gathered weights after forward
+    timeout_s: int = 600  # a collective waiting longer than this fails the run
 
     def validate(self) -> None:
         choice("parallel.strategy", self.strategy, ("auto", "single", "ddp", "fsdp"))
@@ -154,12 +201,22 @@ class ParallelSection:
         bad = sorted(set(self.activation_checkpointing) - set("AEMRD"))
         check(not bad, "parallel.activation_checkpointing", self.activation_checkpointing,
                "block letters from A E M R D (e.g. \"ME\"), or \"\" for none")
+        for name in ("compile", "cuda_graph"):
+            value = getattr(self, name)
+            check(isinstance(value, bool) or value == AUTO, f"parallel.{name}", value,
+                  "true | false | \"auto\"")
+        choice("parallel.kernels", self.kernels, KERNEL_CHOICES)
+        choice("parallel.grad_sync", self.grad_sync, (AUTO, "flat", "ddp"))
+        choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        check(self.timeout_s >= 1, "parallel.timeout_s", self.timeout_s, "an integer >= 1")
+        check(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "a number > 0")
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
     every: int = 100  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3
+    final: bool = True  # write one at the end of the run (benchmarks turn it off)
 
     def validate(self) -> None:
         check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0")

@@ -31,9 +31,22 @@ run computes (a GPU test compares the two loss curves). Gradients are never free
 capture (the graph owns their memory): the trainer skips ``zero_grad`` in this mode, since
 the first micro-batch's backward overwrites them.
 
-One CUDA process only (no DDP/FSDP: their collectives and hooks are not captured here), and
-the graph is fixed at capture: anything that changes the step's work (a new shape, another
-kernel choice) needs a new run segment.
+Several processes capture too, each its own graphs, with their collectives inside (NCCL
+>= 2.9.6 captures collectives; every rank must capture and replay the same ones in the same
+order, which the identical step guarantees):
+
+* DDP runs without the DistributedDataParallel wrapper (whose reducer does host work each
+  step): the gradients are views into one flat buffer whose buckets are all-reduced as
+  backward completes them (:class:`megacpp.train.parallelize.FlatGradReducer`), and
+  ``accumulate`` waits for the sums before the norm;
+* FSDP2 is captured as it runs: its per-block all-gathers and reduce-scatters, on its own
+  streams, become branches of the graph (the root keeps its weights gathered after forward,
+  which capture needs); the optimizer steps on the local shards in ``update``.
+
+Captures of several processes use ``capture_error_mode="thread_local"``: the process group's
+watchdog thread queries its events while the main thread captures. The graph is fixed at
+capture: anything that changes the step's work (a new shape, another kernel choice) needs a
+new run segment.
 
 The capture does not go through :func:`megacpp.kernels.timing.capture_graph` (the benchmarks'):
 that one warms up and captures a single function into a pool of its own on a stream it makes,
@@ -65,7 +78,8 @@ class StepGraphs:
 
     def __init__(self, accumulate: Callable[[list[Batch]], Tensor],
                  update: Callable[[Tensor], Tensor | None], optimizers: Optimizers,
-                 example: list[Batch], device: torch.device, stream: torch.cuda.Stream) -> None:
+                 example: list[Batch], device: torch.device, stream: torch.cuda.Stream,
+                 capture_error_mode: str = "global") -> None:
         self.inputs = [{key: torch.empty_like(batch[key], device=device) for key in INPUT_KEYS}
                        for batch in example]
         self.norm = torch.zeros((), device=device)
@@ -75,18 +89,20 @@ class StepGraphs:
         optimizers.zero_grad()  # the capture's first backward allocates the gradients
         try:
             with optimizers.device_lr(device):
-                with torch.cuda.graph(self.accumulate_graph, stream=stream):
+                with torch.cuda.graph(self.accumulate_graph, stream=stream,
+                                      capture_error_mode=capture_error_mode):
                     self.figures = accumulate(self.inputs)
                 with torch.cuda.graph(self.update_graph, pool=self.accumulate_graph.pool(),
-                                      stream=stream):
+                                      stream=stream, capture_error_mode=capture_error_mode):
                     self.balance = update(self.norm)
-        except RuntimeError as exc:
+        except Exception as exc:  # any failure inside a capture fails the capture
             raise GraphCaptureError(
                 f"parallel.cuda_graph: capturing the training step failed "
                 f"({describe_error(exc)}). The step "
-                "must run without host syncs: use the catalog's fast kernels "
-                "(MEGACPP_KERNELS=fast; the reference MoE loop and others sync), or set "
-                "parallel.cuda_graph = false") from exc
+                "must run without host syncs: use the catalog's kernels "
+                "(parallel.kernels = \"auto\" or \"fast\", or MEGACPP_KERNELS=fast; the "
+                "reference MoE loop and others sync), or set parallel.cuda_graph = false"
+                ) from exc
 
     def _copy_inputs(self, micro: list[Batch]) -> None:
         if len(micro) != len(self.inputs):

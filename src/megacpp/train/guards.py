@@ -1,5 +1,5 @@
 """Guards: stop on a non-finite loss or gradient before it reaches the weights; warn on
-loss spikes.
+loss spikes; end a multi-GPU run whose step hangs (:class:`StepWatchdog`).
 
 A non-finite value is checked after backward and before the optimizer step, so the step
 that produced it never updates the parameters and no checkpoint is ever written from that
@@ -9,7 +9,10 @@ state. The error names the first parameter (in model order) whose gradient is no
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,3 +106,47 @@ class SpikeDetector:
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.mean, self.var = float(state["mean"]), float(state["var"])
         self.count, self.spikes = int(state["count"]), int(state["spikes"])
+
+
+class StepWatchdog:
+    """Ends the process when a step runs longer than ``timeout_s``: the backstop for the
+    collectives inside a replayed CUDA graph, which the process group's own timeout does not
+    watch (a rank that dies there would leave the others spinning in NCCL forever).
+
+    ``arm()`` at a step's start, ``disarm()`` at its end; a thread checks once a second. On
+    expiry it calls ``on_expire(seconds)`` (the trainer writes its receipt and prints the
+    error line) and then ``exit_process(1)`` -- ``os._exit``: the main thread is blocked in
+    the device and cannot raise."""
+
+    def __init__(self, timeout_s: float, on_expire: Callable[[float], None],
+                 exit_process: Callable[[int], None] = os._exit, poll_s: float = 1.0) -> None:
+        self.timeout_s = timeout_s
+        self.on_expire = on_expire
+        self.exit_process = exit_process
+        self.poll_s = poll_s
+        self._armed_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="megacpp-step-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        self._armed_at = time.monotonic()
+
+    def disarm(self) -> None:
+        self._armed_at = None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            armed = self._armed_at
+            if armed is None or time.monotonic() - armed <= self.timeout_s:
+                continue
+            try:
+                self.on_expire(time.monotonic() - armed)
+            finally:
+                self.exit_process(1)
+            return

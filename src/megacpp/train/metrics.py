@@ -8,7 +8,10 @@
   DSA indexer KL) and ``mtp_loss`` the multi-token-prediction loss before its weight, null
   without MTP; ``mfu`` is null where the device's peak is unknown; ``moe_balance`` is the
   worst MoE layer's max/mean expert load over the step, null without MoE layers);
-* ``{"type": "val", "step", "val_loss", "val_tokens"}`` per evaluation.
+* ``{"type": "val", "step", "val_loss", "val_tokens"}`` per evaluation;
+* ``{"type": "setup", "step", "world_size", "strategy", "modes", "global_batch",
+  "mfu_peak_tflops", "mfu_peak_source"}`` when a run (or a resumed segment) starts: how it
+  runs and what MFU divides by.
 
 On resume the log is cut back to the checkpoint's step, so every step appears once.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -27,7 +31,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from megacpp._io import atomic_write_text
 from megacpp.contract.devices import DeviceProfile, mfu
-from megacpp.errors import MegaCppError
+from megacpp.errors import MegaCppError, describe_error
+from megacpp.kernels.timing import matmul_peak_tflops
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -91,25 +96,62 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
-class MfuMeter:
-    """MFU = analytic training FLOPs per token x tokens/s per device / the device's peak."""
+@dataclass(frozen=True)
+class PeakFlops:
+    """The bf16 rate MFU divides by, and how it was obtained."""
 
-    def __init__(self, train_flops_per_token: int, profile: DeviceProfile, dtype: str) -> None:
+    tflops: float | None  # None: unknown (MFU is n/a)
+    source: str
+    measured: bool = False
+
+
+def bf16_matmul_peak(device: torch.device, profile: DeviceProfile) -> PeakFlops:
+    """The bf16 matmul peak of ``device``: measured (an 8192^3 GEMM after the clock settles,
+    :func:`megacpp.kernels.timing.matmul_peak_tflops`, about 3 s) on CUDA; the device
+    profile's datasheet peak where it cannot be measured, saying so; unknown on CPU."""
+    if device.type == "cuda":
+        try:
+            with torch.cuda.device(device):
+                value = matmul_peak_tflops()
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            return _datasheet(profile, f"measuring it failed: {describe_error(exc)}")
+        name = torch.cuda.get_device_name(device)
+        return PeakFlops(value, f"measured in this run: bf16 8192^3 matmul on {name}", True)
+    return _datasheet(profile, f"nothing to measure on {device.type}")
+
+
+def _datasheet(profile: DeviceProfile, why: str) -> PeakFlops:
+    value = profile.peak("bf16")
+    if value is None:
+        return PeakFlops(None, f"no measured or published dense bf16 peak for {profile.name} "
+                               f"({why})")
+    source = profile.sources.get("peak_dense_tflops") or profile.sources.get("*", "")
+    return PeakFlops(value, f"datasheet dense bf16 of {profile.name} ({why}; {source})".rstrip())
+
+
+class MfuMeter:
+    """MFU = analytic training FLOPs per token x tokens/s per device / the bf16 peak ``peak``
+    (measured on the device: :func:`bf16_matmul_peak`), through :func:`megacpp.contract.mfu`."""
+
+    def __init__(self, train_flops_per_token: int, profile: DeviceProfile, dtype: str,
+                 peak: PeakFlops) -> None:
         self.flops_per_token = train_flops_per_token
         self.profile = profile
         self.dtype = dtype  # "bf16" (autocast) or "fp32"
+        self.peak = peak
         if dtype != "bf16":
             self.note = (f"n/a: {profile.name} runs fp32 here and MFU is quoted against dense "
                          "bf16/fp8/fp4 peaks only")
-        elif profile.peak("bf16") is None:
-            self.note = f"n/a: no published dense bf16 peak for {profile.name}"
+        elif peak.tflops is None:
+            self.note = f"n/a: {peak.source}"
         else:
-            self.note = f"against {profile.peak('bf16')} TFLOP/s dense bf16 ({profile.name})"
+            self.note = f"against {peak.tflops:.0f} TFLOP/s bf16, {peak.source}"
 
     def __call__(self, tokens_per_s_per_device: float) -> float | None:
-        if self.dtype != "bf16" or tokens_per_s_per_device <= 0:
+        if self.dtype != "bf16" or self.peak.tflops is None or tokens_per_s_per_device <= 0:
             return None
-        return mfu(self.flops_per_token, tokens_per_s_per_device, self.profile, "bf16").mfu
+        return mfu(self.flops_per_token, tokens_per_s_per_device, self.profile, "bf16",
+                   peak_tflops=self.peak.tflops, peak_source=self.peak.source).mfu
 
 
 class TrainProgress:

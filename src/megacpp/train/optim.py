@@ -20,10 +20,11 @@ lr scaling: the orthogonalized update has RMS ~ 1/sqrt(max(rows, cols)); it is m
 Moonlight (Liu et al., 2025). Muon therefore shares AdamW's lr, schedule and decoupled
 weight decay (``p *= 1 - lr * wd``): ``optim.lr`` is the one knob.
 
-Sharded parameters (FSDP2 DTensors): the momentum lives on the local shard; the update of
-a matrix is all-gathered, orthogonalized in full on every rank (the same inputs give the
-same result everywhere), and each rank keeps its own slice. 3-D expert weights sharded on
-the expert dimension hold whole experts, so they are orthogonalized locally.
+Sharded parameters (FSDP2 DTensors): the momentum lives on the local shard; the updates of
+all matrices of one shape are all-gathered in one collective (each rank's rows padded to the
+shard size), orthogonalized in full and batched on every rank (the same inputs give the same
+result everywhere), and each rank keeps its own rows. 3-D expert weights sharded on the
+expert dimension hold whole experts, so they are orthogonalized locally.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -132,8 +134,11 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             live = [p for p in group["params"] if p.grad is not None]
+            rows_sharded = [p for p in live if _row_sharded(p)]
+            for batch in _same_shape_batches(rows_sharded):  # FSDP2 matrices: one gather each
+                self._update_sharded_batch(batch, group)
             for p in live:
-                if isinstance(p, DTensor):  # sharded (FSDP2): orthogonalized one by one
+                if isinstance(p, DTensor) and not _row_sharded(p):  # e.g. experts: whole ones
                     self._update(p, group)
             for batch in _same_shape_batches([p for p in live if not isinstance(p, DTensor)]):
                 self._update_batch(batch, group, grad_scale)
@@ -156,11 +161,52 @@ class Muon(torch.optim.Optimizer):
         return bufs
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
+        if isinstance(p, DTensor) and p.ndim == 3 and tuple(p.placements) == (Shard(0),):
+            # experts sharded whole (FSDP2, dim 0): every step on the local experts
+            (buf,) = self._bufs([p])
+            (update,) = muon_momentum_reference([buf.to_local()], [p.grad.to_local()],
+                                                group["momentum"], group["nesterov"])
+            ortho = newton_schulz(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
+            muon_apply_reference([p.to_local()], [ortho], group["lr"], group["weight_decay"],
+                                 muon_scale(p.shape))
+            return
         (update,) = muon_momentum_reference(self._bufs([p]), [p.grad], group["momentum"],
                                             group["nesterov"])
         ortho = _orthogonalize(update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
         muon_apply_reference([p], [ortho], group["lr"], group["weight_decay"],
                              muon_scale(p.shape))
+
+    def _update_sharded_batch(self, params: list[DTensor], group: dict) -> None:
+        """Row-sharded matrices of one shape (FSDP2's dim-0 shards): momentum on the local rows,
+        the updates all-gathered in one collective, one batched Newton-Schulz over the full
+        matrices, and each rank applies its own rows -- what :meth:`_update_batch` computes
+        for the unsharded matrices, with one gather instead of one per matrix."""
+        mesh = params[0].device_mesh
+        world, rank = mesh.size(), mesh.get_local_rank()
+        rows, cols = params[0].shape
+        chunk = -(-rows // world)  # torch.chunk's shard rows (the last ranks may hold fewer)
+        start = min(rank * chunk, rows)
+        local_rows = min(chunk, rows - start)
+        dtype = getattr(torch, group["ns_dtype"])
+        grads = [p.grad.to_local() for p in params]
+        bufs = [b.to_local() for b in self._bufs(params)]
+        if any(g.shape != (local_rows, cols) for g in grads):  # not torch.chunk's layout
+            for p in params:
+                self._update(p, group)
+            return
+        updates = muon_momentum_reference(bufs, grads, group["momentum"], group["nesterov"])
+        padded = grads[0].new_zeros((len(params), chunk, cols), dtype=dtype)  # [k, chunk, n]
+        for i, update in enumerate(updates):
+            padded[i, :local_rows].copy_(update)
+        gathered = padded.new_empty((world * len(params), chunk, cols))  # ranks' blocks
+        dist.all_gather_into_tensor(gathered, padded, group=mesh.get_group())
+        full = (gathered.view(world, len(params), chunk, cols).transpose(0, 1)
+                .reshape(len(params), world * chunk, cols)[:, :rows])  # [k, rows, n]
+        ortho = newton_schulz(full, group["ns_steps"], dtype)  # [k, rows, n]
+        if local_rows:
+            mine = ortho[:, start: start + local_rows]
+            muon_apply_reference([p.to_local() for p in params], mine, group["lr"],
+                                 group["weight_decay"], muon_scale(params[0].shape))
 
     def _update_batch(self, params: list[torch.Tensor], group: dict,
                       grad_scale: torch.Tensor | None = None) -> None:
@@ -209,6 +255,12 @@ def _same_shape_batches(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             size += p.numel()
         batches.append(batch)
     return batches
+
+
+def _row_sharded(p: torch.Tensor) -> bool:
+    """A matrix sharded by rows over a 1-D mesh (FSDP2's layout of a 2-D weight)."""
+    return (isinstance(p, DTensor) and p.ndim == 2 and p.device_mesh.ndim == 1
+            and tuple(p.placements) == (Shard(0),))
 
 
 def _orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:

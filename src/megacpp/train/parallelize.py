@@ -6,7 +6,10 @@
 1. activation checkpointing per block letter (``parallel.activation_checkpointing = "ME"``
    recomputes every M and E block in backward and keeps the others' activations);
 2. regional ``torch.compile``: each block compiled in place (parameter names unchanged);
-3. data parallelism: DDP, or FSDP2 (``fully_shard`` on every block, then the root).
+3. data parallelism: DDP -- torch's DistributedDataParallel, or (``grad_sync = "flat"``, the
+   graphed step's) the plain model with its gradients in one flat buffer that
+   :class:`FlatGradReducer` sums in buckets during backward -- or FSDP2 (``fully_shard`` on every
+   block, then the root).
 
 Parameter names stay the plain model's FQNs for checkpoints (torch.distributed.checkpoint's
 state-dict helpers drop the wrapper prefixes), so a checkpoint written under one strategy
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +62,8 @@ class DistEnv:
 
 
 def init_distributed(cfg: ParallelSection, device: str = "auto") -> DistEnv:
-    """Pick the device and strategy; start the process group under torchrun."""
+    """Pick the device and strategy; start the process group under torchrun (a collective
+    that waits longer than ``parallel.timeout_s`` fails instead of hanging)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -71,7 +77,7 @@ def init_distributed(cfg: ParallelSection, device: str = "auto") -> DistEnv:
         if use_cuda:
             torch.cuda.set_device(torch_device)
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=dt.timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.timeout_s))
     return DistEnv(rank, world_size, local_rank, torch_device, strategy)
 
 
@@ -97,24 +103,50 @@ def _strategy(strategy: str, world_size: int) -> str:
 
 
 # -- applying parallelism ----------------------------------------------------------------------
-def parallelize(model: nn.Module, cfg: ParallelSection, env: DistEnv) -> nn.Module:
+def parallelize(model: nn.Module, cfg: ParallelSection, env: DistEnv, *, compile: bool,
+                grad_sync: str | None) -> nn.Module:
     """Activation checkpointing, compile and DDP/FSDP2 applied to a HybridLM on ``env.device``.
 
+    ``compile`` and ``grad_sync`` come from the run's :class:`~megacpp.train.modes.ExecutionPlan`
+    (``grad_sync``: "ddp" wraps the model in DistributedDataParallel; "flat" leaves it plain
+    for :class:`FlatGradReducer`, after making every rank's weights rank 0's, as DDP does).
     Returns the module to call for training (the DDP wrapper, or ``model`` itself, sharded
     in place, for FSDP2 and single-process runs).
     """
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    if cfg.compile:
+    if compile:
         compile_blocks(model)
     if env.strategy == "ddp" and env.distributed:
+        if grad_sync == "flat":
+            broadcast_module_state(model)
+            return model
         # broadcast_buffers=False: each rank keeps its own MoE load counters until the
         # trainer all-reduces them; the expert bias stays identical because every rank
         # applies the same all-reduced update.
         device_ids = [env.device.index] if env.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        hook_state = None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
+                                      bucket_cap_mb=cfg.bucket_mb)
+        if cfg.reduce_dtype == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                bf16_compress_hook,
+            )
+
+            ddp.register_comm_hook(hook_state, bf16_compress_hook)
+        return ddp
     if env.strategy == "fsdp":
-        apply_fsdp(model, env)
+        apply_fsdp(model, env, reshard_after_forward=cfg.reshard_after_forward,
+                   reduce_dtype=cfg.reduce_dtype)
     return model
+
+
+def broadcast_module_state(model: nn.Module) -> None:
+    """Every rank's parameters and buffers become rank 0's (what DDP does at construction)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 # compiled variants of one block kind: grad on (training) and off (validation, no_grad), each
@@ -150,15 +182,22 @@ def apply_activation_checkpointing(model: nn.Module, letters: str) -> None:
             model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def apply_fsdp(model: nn.Module, env: DistEnv) -> None:
-    """FSDP2: shard each block's parameters (dim 0) across the ranks, then the root's."""
+def apply_fsdp(model: nn.Module, env: DistEnv, reshard_after_forward: bool = True,
+               reduce_dtype: str = "fp32") -> None:
+    """FSDP2: shard each block's parameters (dim 0) across the ranks, then the root's.
+
+    ``reshard_after_forward`` frees a block's gathered weights after its forward (gathered
+    again in backward); the root keeps its own (FSDP2 never reshards the root after forward).
+    ``reduce_dtype = "bf16"`` reduce-scatters gradients in bfloat16 (fp32 by default)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else None)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -182,6 +221,107 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+class FlatGradReducer:
+    """The gradients of a replicated model as views into one flat buffer, summed across the
+    ranks in buckets that start while backward still runs (DDP's overlap, without DDP).
+
+    Written for the graphed DDP step. The views are bound once and stay: a CUDA graph's
+    backward accumulates into them and its collectives read the buffer. The buffer is laid
+    out in reverse model order (roughly the order backward finishes gradients) and cut into
+    buckets of ``bucket_bytes``; in the step's last backward, each parameter's
+    post-accumulate hook counts down its bucket, and a bucket whose gradients are all in is
+    all-reduced (asynchronously) as soon as every bucket before it was -- the same order on
+    every rank, so a graph captures the same collectives everywhere. :meth:`reduce` starts
+    what is left and waits for all. The gradients are *summed*: the trainer's objective is
+    scaled for a sum (no 1/N pass over the buffer). ``reduce_dtype`` bf16 sums a bfloat16 copy
+    of each bucket (half the bytes, coarser sums); float32 by default.
+
+    Hand-written rather than DistributedDataParallel because DDP's reducer does host work every
+    step (bucket rebuilds, sampled timing with events) that a capture cannot contain."""
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, reduce_dtype: str = "fp32",
+                 bucket_bytes: int = 25 << 20) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ConfigError(f"parallel.grad_sync = \"flat\" needs parameters of one dtype, got "
+                              f"{sorted(str(d) for d in dtypes)}")
+        numel = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        self.bucket_of = [0] * len(self.params)
+        self.buckets: list[tuple[int, int]] = []  # [start, end) of the buffer
+        offset, start = 0, 0
+        for index in reversed(range(len(self.params))):  # backward order, roughly
+            p = self.params[index]
+            self.views[index] = self.flat[offset: offset + p.numel()].view_as(p)
+            self.bucket_of[index] = len(self.buckets)
+            offset += p.numel()
+            if (offset - start) * self.flat.element_size() >= bucket_bytes or index == 0:
+                self.buckets.append((start, offset))
+                start = offset
+        self.counts = [self.bucket_of.count(b) for b in range(len(self.buckets))]
+        self.world_size = world_size
+        self.reduce_dtype = torch.bfloat16 if reduce_dtype == "bf16" else None
+        self._armed = False
+        self._pending: list[int] = []
+        self._next = 0
+        self._works: list[tuple[Any, torch.Tensor | None, torch.Tensor]] = []
+        if world_size > 1:
+            for index, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def zero(self) -> None:
+        """Before a step's first backward: every gradient a zeroed view of the buffer, so
+        backward accumulates into it (one fill, no allocation)."""
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is not view:
+                p.grad = view
+        self.flat.zero_()
+        self._armed = False
+
+    def arm(self) -> None:
+        """Before the step's last backward: buckets start as their gradients complete."""
+        self._pending, self._next, self._works = list(self.counts), 0, []
+        self._armed = self.world_size > 1
+
+    def _ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._pending[self.bucket_of[index]] -= 1
+        self._launch(finished=False)
+
+    def _launch(self, finished: bool) -> None:
+        """Start the buckets in order, each once all of its gradients are in (``finished``:
+        backward is over, start every one left)."""
+        while self._next < len(self.buckets) and (finished or not self._pending[self._next]):
+            start, end = self.buckets[self._next]
+            chunk = self.flat[start:end]
+            low = chunk.to(self.reduce_dtype) if self.reduce_dtype is not None else None
+            work = dist.all_reduce(chunk if low is None else low, async_op=True)
+            self._works.append((work, low, chunk))
+            self._next += 1
+
+    def reduce(self) -> None:
+        """After the step's last backward: start the buckets not started yet (their
+        gradients never came: the parameter had none) and wait for every sum. No host syncs
+        on CUDA (a graph captures it)."""
+        if self.world_size == 1:
+            return
+        if not self._armed:
+            self.arm()
+        self._launch(finished=True)
+        for work, low, chunk in self._works:
+            work.wait()
+            if low is not None:
+                chunk.copy_(low)
+        self._works, self._armed = [], False
 
 
 def clean_name(name: str) -> str:

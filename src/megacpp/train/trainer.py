@@ -9,16 +9,22 @@ micro-batch of every rank) plus the MoE auxiliary loss: each micro-batch's summe
 cross-entropy is divided by the global count of target tokens, so one process and N
 processes with the same global batch optimize the same objective.
 
-With ``parallel.cuda_graph`` the step's two device-only halves (forward + backward of the
-micro-batches; clipping + optimizer + MoE bias update) are captured once as CUDA graphs and
-replayed around the same eager guard (:mod:`megacpp.train.graphs`).
+How the step runs -- kernels, compile, CUDA graphs, DDP's gradient sync -- is decided once
+(:mod:`megacpp.train.modes`: the fast path on CUDA by default) and logged with the reason.
+With CUDA graphs the step's two device-only halves (forward + backward of the micro-batches
+and the gradient reduction; clipping + optimizer + MoE bias update) are captured once and
+replayed around the same eager guard (:mod:`megacpp.train.graphs`), in one process, under
+DDP (a flat gradient buffer, its all-reduces captured) and under FSDP2.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -36,8 +42,9 @@ from megacpp.contract.devices import device_profile, profile_for_fingerprint
 from megacpp.contract.preflight import PreflightError, PreflightReport, record_cache_routings
 from megacpp.data.loader import IGNORE_INDEX, PackedLoader
 from megacpp.data.shards import TOKENIZER_FILE, ShardedDataset
-from megacpp.errors import ConfigError, MegaCppError
-from megacpp.kernels.runtime import chosen_kernels
+from megacpp.errors import ConfigError, MegaCppError, describe_error
+from megacpp.kernels.runtime import chosen_kernels, kernel_mode_override
+from megacpp.kernels.timing import GraphCaptureError
 from megacpp.model.config import ModelConfig
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM
@@ -52,18 +59,22 @@ from megacpp.train.checkpoint import (
 from megacpp.train.config import RunConfig, to_toml
 from megacpp.train.finetune import FineTuning
 from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
-from megacpp.train.guards import SpikeDetector, check_finite
+from megacpp.train.guards import SpikeDetector, StepWatchdog, check_finite
 from megacpp.train.loggers import ExperimentLoggers
 from megacpp.train.metrics import (
     METRICS_FILE,
     MetricsLog,
     MfuMeter,
+    PeakFlops,
     TrainProgress,
+    bf16_matmul_peak,
     peak_memory_bytes,
 )
+from megacpp.train.modes import ExecutionPlan, plan_execution
 from megacpp.train.optim import Optimizers
 from megacpp.train.parallelize import (
     DistEnv,
+    FlatGradReducer,
     all_reduce_,
     base_model,
     broadcast_object,
@@ -137,17 +148,24 @@ def train(
     ``on_record`` receives every metrics record (train steps and validations) on rank 0.
     Raises :class:`TrainingFailed` (or another :class:`MegaCppError`) when the run cannot
     start or stops; the run's receipt is written either way once the run directory is ours.
+    A global batch the launched processes cannot split is refused before anything starts.
     """
+    cfg.train.accumulation(int(os.environ.get("WORLD_SIZE", "1")))  # before any work
     owns_group = not torch.distributed.is_initialized()
     env = init_distributed(cfg.parallel, cfg.run.device)
     if cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
+    failed = False
     try:
         session = _Session(cfg, env, console or Console(stderr=True), on_record, show_progress)
-        return session.run(resume, fallback_to_previous, tuple(skip_preflight))
+        with _sigterm_as_interrupt():
+            return session.run(resume, fallback_to_previous, tuple(skip_preflight))
+    except BaseException:
+        failed = True
+        raise
     finally:
-        if owns_group:
-            shutdown_distributed()
+        if owns_group and not (failed and env.distributed):
+            shutdown_distributed()  # (after a failure a peer may be gone: the process exits)
 
 
 def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
@@ -194,31 +212,53 @@ class _Session:
         self.model_cfg: ModelConfig | None = None
         self.cost = None  # the model's analytic ModelCost, once built
         self.seq_len = 0
-        self.graphed = cfg.parallel.cuda_graph
+        self.plan: ExecutionPlan | None = None  # the run's modes (kernels, compile, graphs)
+        self.accum = cfg.train.grad_accum_steps  # micro-batches per rank per step
+        self.peak: PeakFlops | None = None  # what MFU divides by
+        self.reducer: FlatGradReducer | None = None  # DDP with grad_sync = "flat"
+        self.graphed = False
         self.graphs: StepGraphs | None = None  # captured after WARMUP_STEPS eager steps
         self.side_stream: torch.cuda.Stream | None = None  # warm-up and capture run on it
         self.eager_steps = 0  # in this process
         self.loss_poison: torch.Tensor | None = None  # debug.nan_target = "loss"
         self.pending: PendingStep | None = None  # launched, its record not yet emitted
+        self.watchdog: StepWatchdog | None = None  # replayed steps of a multi-GPU run
         self.started = time.perf_counter()
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self, resume: str | None, fallback: bool, skip: tuple[str, ...]) -> RunResult:
         on_main(self.env, lambda: self._claim_run_dir(resume))
         self.skip_preflight = skip
-        try:
-            self._setup(resume, fallback)
-            self._loop()
-            self._finish_training()
-        except BaseException as exc:  # every run ends with a receipt, also on Ctrl-C and bugs
+        with contextlib.ExitStack() as scope:
+            try:
+                self._setup(resume, fallback, scope)
+                self._loop()
+                self._finish_training()
+            except BaseException as exc:  # every run ends with a receipt, also on Ctrl-C and bugs
+                self.loggers.close()
+                failure = self._collective_failure(exc)
+                receipt = self._write_receipt(error=failure or exc)
+                if failure is not None:
+                    raise TrainingFailed(str(failure), receipt, failure.exit_code) from None
+                if isinstance(exc, MegaCppError):
+                    raise TrainingFailed(str(exc), receipt, exc.exit_code) from None
+                raise
             self.loggers.close()
-            receipt = self._write_receipt(error=exc)
-            if isinstance(exc, MegaCppError):
-                raise TrainingFailed(str(exc), receipt, exc.exit_code) from None
-            raise
-        self.loggers.close()
-        receipt = self._write_receipt(error=None)
+            receipt = self._write_receipt(error=None)
         return self._result(receipt)
+
+    def _collective_failure(self, exc: BaseException) -> MegaCppError | None:
+        """A failed collective (a peer died, hung past parallel.timeout_s, or its connection
+        broke) as one clear error; None for anything else."""
+        if not self.env.distributed or not _is_collective_error(exc):
+            return None
+        last = self.last_checkpoint or "none yet"
+        return MegaCppError(
+            f"rank {self.env.rank}: a collective failed at step {self.step + 1} "
+            f"({describe_error(exc)}); another rank stopped or did not answer within "
+            f"parallel.timeout_s = {self.cfg.parallel.timeout_s} s (see its log). Nothing after "
+            f"the newest complete checkpoint ({last}) is kept: restart with --resume auto",
+            exit_code=1)
 
     def _claim_run_dir(self, resume: str | None) -> None:
         """Refuse to start over an existing run unless resuming (nothing is ever deleted)."""
@@ -237,13 +277,16 @@ class _Session:
             shutil.move(receipt, history / f"receipt-{len(list(history.iterdir())):03d}.json")
 
     # -- setup -------------------------------------------------------------------------------------
-    def _setup(self, resume: str | None, fallback: bool) -> None:
+    def _setup(self, resume: str | None, fallback: bool, scope: contextlib.ExitStack) -> None:
         cfg, env = self.cfg, self.env
+        self.plan = plan_execution(cfg.parallel, env.device, env.strategy, env.world_size)
+        scope.enter_context(kernel_mode_override(self.plan.kernels))
+        self.graphed = self.plan.cuda_graph
+        self.accum = cfg.train.accumulation(env.world_size)
         self.preflight = on_main(env, self._run_preflight)
         dataset = self._open_dataset()
         self.model_cfg = self._model_config(dataset)
         self.inference_files = inference_files(self.model_cfg, dataset.root / TOKENIZER_FILE)
-        self._check_graphable()
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, env,
                                              stall_step=cfg.debug.checkpoint_stall_step,
                                              warn=self._warn)
@@ -252,9 +295,14 @@ class _Session:
         torch.manual_seed(cfg.run.seed)
         model = HybridLM(self.model_cfg)
         self.finetuning.prepare(model, restoring=path is not None, log=self._print)
-        self.model = parallelize(model.to(env.device), cfg.parallel, env)
+        self.model = parallelize(model.to(env.device), cfg.parallel, env,
+                                 compile=self.plan.compile, grad_sync=self.plan.grad_sync)
         self.base = base_model(self.model)
         self.named_params = [(clean_name(n), p) for n, p in self.model.named_parameters()]
+        if self.plan.grad_sync == "flat":
+            self.reducer = FlatGradReducer([p for _, p in self.named_params], env.world_size,
+                                           cfg.parallel.reduce_dtype,
+                                           int(cfg.parallel.bucket_mb * (1 << 20)))
         self.optimizers = Optimizers(self.base, cfg.optim, env.device, capturable=self.graphed)
         if cfg.debug.nan_target == "loss":
             self.loss_poison = torch.ones((), device=env.device)
@@ -266,6 +314,13 @@ class _Session:
             on_main(env, self.metrics.reset)
         on_main(env, self._write_config)
         on_main(env, self._open_loggers)
+        if self.graphed and env.distributed:
+            self.watchdog = StepWatchdog(cfg.parallel.timeout_s, self._step_hung)
+            scope.callback(self.watchdog.close)
+        self._emit({"type": "setup", "step": self.step, "world_size": env.world_size,
+                    "strategy": env.strategy, "modes": self.plan.to_dict(),
+                    "global_batch": self._global_batch(),
+                    "mfu_peak_tflops": self.peak.tflops, "mfu_peak_source": self.peak.source})
         self._print(self._describe_setup())
 
     def _open_loggers(self) -> None:
@@ -273,26 +328,34 @@ class _Session:
                                               self.cfg.run.name, self.cfg.to_dict(self.model_cfg),
                                               start_step=self.step)
 
-    def _check_graphable(self) -> None:
-        if not self.graphed:
-            return
-        env = self.env
-        if env.world_size > 1:
-            raise ConfigError(f"parallel.cuda_graph = true runs one CUDA process; this run has "
-                              f"{env.world_size} ({env.strategy}): set it false")
-        if env.device.type != "cuda":
-            raise ConfigError("parallel.cuda_graph = true needs a CUDA device (this run is on "
-                              f"{env.device.type}); set it false")
+    def _step_hung(self, seconds: float) -> None:
+        """The watchdog's last act (from its thread; the process exits after it): the error
+        line and, on rank 0, the receipt."""
+        error = MegaCppError(
+            f"rank {self.env.rank}: step {self.step + 1} did not finish in {seconds:.0f} s "
+            f"(parallel.timeout_s = {self.cfg.parallel.timeout_s}): a collective inside the "
+            "replayed CUDA graph is waiting for a rank that stopped (see its log). Nothing "
+            f"after the newest complete checkpoint ({self.last_checkpoint or 'none yet'}) is "
+            "kept: restart with --resume auto", exit_code=1)
+        receipt = self._write_receipt(error=error)
+        suffix = f" (receipt: {receipt})" if receipt else ""
+        os.write(2, f"error: {error}{suffix}\n".encode())
+
+    def _global_batch(self) -> int:
+        """Rows per optimizer step over all ranks."""
+        return self.cfg.train.micro_batch_size * self.accum * self.env.world_size
 
     def _describe_setup(self) -> str:
         groups = self.optimizers.summary()
-        train_cfg, env = self.cfg.train, self.env
-        rows = train_cfg.micro_batch_size * train_cfg.grad_accum_steps * env.world_size
+        env = self.env
+        sync = f", grad_sync {self.plan.grad_sync}" if self.plan.grad_sync else ""
         return (f"{self.model_cfg.pattern}: {self.cost.params:,} parameters "
                 f"({self.cost.active_params:,} active); Muon {groups['muon_params']:,}, AdamW "
                 f"{groups['adamw_decay_params'] + groups['adamw_no_decay_params']:,}; "
-                f"{env.world_size} x {env.device.type} ({env.strategy}); global batch {rows} x "
-                f"{self.seq_len} tokens; MFU {self.mfu_meter.note}")
+                f"{env.world_size} x {env.device.type} ({env.strategy}{sync}); global batch "
+                f"{self._global_batch()} x {self.seq_len} tokens "
+                f"({self.cfg.train.micro_batch_size} x {self.accum} per rank); "
+                f"MFU {self.mfu_meter.note}\n" + "\n".join(self.plan.lines()))
 
     def _run_preflight(self) -> PreflightReport:
         contract = self.cfg.contract
@@ -325,14 +388,16 @@ class _Session:
     def _setup_data(self, dataset: ShardedDataset) -> None:
         cfg, env = self.cfg, self.env
         micro = cfg.train.micro_batch_size
-        rows = dataset.num_rows("train")
-        if rows // env.world_size < micro:
-            raise ConfigError(f"train.micro_batch_size = {micro} needs at least {micro} train rows "
-                              f"per rank; {cfg.data_dir} has {rows} for {env.world_size} rank(s)")
+        rows, step_rows = dataset.num_rows("train"), self._global_batch()
+        if rows < step_rows:
+            raise ConfigError(f"a step needs at least {step_rows} train rows (micro_batch_size "
+                              f"{micro} x {self.accum} micro-batches x {env.world_size} rank(s)); "
+                              f"{cfg.data_dir} has {rows}")
         common = {"batch_size": micro, "rank": env.rank, "world_size": env.world_size}
         self.train_loader = PackedLoader(dataset, "train", seed=cfg.run.seed,
                                          shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers,
-                                         pin_memory=env.device.type == "cuda", **common)
+                                         pin_memory=env.device.type == "cuda",
+                                         step_samples=step_rows, **common)
         self.batches = _full_batches(self.train_loader, micro)
         self.val_loader = PackedLoader(dataset, "validation", shuffle=False, **common)
         self.val_start = self.val_loader.state_dict()
@@ -345,13 +410,30 @@ class _Session:
         cost = count_model(self.model_cfg, seq_len=seq_len)
         self.cost = cost
         self.autocast_bf16 = self._use_bf16()
-        if self.env.device.type == "cuda":
+        env = self.env
+        if env.device.type == "cuda":
             profile = profile_for_fingerprint(self.fingerprint or capture_fingerprint(),
-                                              self.env.local_rank)
+                                              env.local_rank)
         else:
             profile = device_profile(None)
+        self.peak = (self._measure_peak(profile) if self.autocast_bf16
+                     else PeakFlops(None, "an fp32 run: MFU is quoted against bf16 peaks"))
         self.mfu_meter = MfuMeter(cost.train_flops_per_token, profile,
-                                  "bf16" if self.autocast_bf16 else "fp32")
+                                  "bf16" if self.autocast_bf16 else "fp32", self.peak)
+
+    def _measure_peak(self, profile) -> PeakFlops:
+        """The bf16 matmul peak MFU divides by: measured once per run on every rank's GPU (the
+        mean over the ranks), the datasheet's where it cannot be measured."""
+        peak = bf16_matmul_peak(self.env.device, profile)
+        if not self.env.distributed:
+            return peak
+        measured = float(peak.measured)  # every rank joins the sum, measured or not
+        total, count = all_reduce_(torch.tensor([measured and peak.tflops, measured],
+                                                dtype=torch.float64, device=self.env.device)
+                                   ).tolist()
+        if count < self.env.world_size:  # a rank could not measure: this rank's own figure
+            return peak
+        return PeakFlops(total / count, f"{peak.source}, mean over {int(count)} ranks", True)
 
     def _use_bf16(self) -> bool:
         dtype, cuda = self.cfg.train.dtype, self.env.device.type == "cuda"
@@ -367,6 +449,16 @@ class _Session:
     def _restore(self, path: Path) -> None:
         trainer_state, rank_state = self.checkpoints.load(path, self.model, list(self.optimizers),
                                                           self.model_cfg)
+        saved_world = int(trainer_state.get("world_size", self.env.world_size))
+        saved_batch = trainer_state.get("global_batch")
+        if saved_world != self.env.world_size:
+            self._print(f"resuming a checkpoint of {saved_world} rank(s) on "
+                        f"{self.env.world_size}: the data continues at its global sample "
+                        f"{rank_state['data'].get('sample_in_epoch')}")
+        if saved_batch is not None and int(saved_batch) != self._global_batch():
+            self._warn(f"the global batch changes from {saved_batch} rows (checkpoint) to "
+                       f"{self._global_batch()}; set train.global_batch_size = {saved_batch} "
+                       "to keep it")
         self.train_loader.load_state_dict(rank_state["data"])
         restore_rng_state(rank_state["rng"], self.env.device)
         self.step = int(trainer_state["step"])
@@ -419,43 +511,65 @@ class _Session:
         started = time.perf_counter()
         lr = self.cfg.optim.lr * lr_factor(step, train_cfg.steps, self.cfg.schedule)
         self.optimizers.set_lr(lr)
-        micro = [next(self.batches) for _ in range(train_cfg.grad_accum_steps)]
+        micro = [next(self.batches) for _ in range(self.accum)]
         if self._inject_nan(step, "loss"):
             self.loss_poison.fill_(math.nan)
         if self.graphed and self.graphs is None and self.eager_steps >= WARMUP_STEPS:
-            self.graphs = StepGraphs(self._accumulate_figures, self._update, self.optimizers,
-                                     micro, env.device, self.side_stream)
+            self._capture(micro)
+        if self.watchdog is not None and self.graphs is not None:
+            self.watchdog.arm()  # (eager collectives have the process group's timeout)
         with self._warmup_stream():
             if self.graphs is not None:
                 figures = self.graphs.accumulate(micro)
-                if self._inject_grad_nan(step):  # written after the replay: its norm again
-                    figures = torch.cat([figures[:4], self._grad_norm().double()[None]])
-                grad_norm = figures[4]
             else:
-                sums, targets = self._accumulate(
+                figures = self._accumulate_figures(
                     [{k: v.to(env.device, non_blocking=True) for k, v in b.items()} for b in micro])
-                self._inject_grad_nan(step)
-                all_reduce_(sums)
-                grad_norm = self._grad_norm()
-                figures = torch.cat([sums.double(), targets.double()[None]])
-            values = figures.tolist()  # a graphed step's one host sync
+            if self._inject_grad_nan(step):  # written after the reduction: its norm again
+                figures = torch.cat([figures[:4], self._grad_norm().double()[None]])
+            values = figures.tolist()  # the step's one host sync
             self._read_pending_balance()  # the previous update ran before these figures
-            ce, aux, mtp, n_targets = values[:4]
+            ce, aux, mtp, n_targets, grad_norm_value = values
             loss = ce / max(n_targets, 1)
             per_micro = len(micro) * env.world_size  # aux and MTP: micro-batch means
             aux_loss, mtp_loss = aux / per_micro, mtp / per_micro
-            # eager: the norm may be a DTensor (FSDP2), read on its own
-            grad_norm_value = values[4] if self.graphs is not None else _as_float(grad_norm)
             check_finite(step, loss + aux_loss + mtp_loss, grad_norm_value, self.named_params)
             if self.graphs is not None:
-                balance = self.graphs.update(grad_norm)
+                balance = self.graphs.update(figures[4])
             else:
-                balance = self._update(grad_norm)
-                self.optimizers.zero_grad()
+                balance = self._update(figures[4].float())  # the float32 norm, exactly
+                if self.reducer is None:  # (the flat buffer stays: zeroed at the next step)
+                    self.optimizers.zero_grad()
                 self.eager_steps += 1
         self._settle(started)  # the previous step's record, while this update runs
+        if self.watchdog is not None:
+            self.watchdog.disarm()
         return PendingStep(step, loss, aux_loss, mtp_loss if self.base.mtp is not None else None,
                            grad_norm_value, lr, balance, started)
+
+    def _capture(self, micro: list[dict[str, torch.Tensor]]) -> None:
+        """Capture the step as CUDA graphs, on every rank or on none: a failure anywhere stops
+        a run that asked for graphs (``cuda_graph = true``) and leaves an ``auto`` run eager,
+        with the reason in its log and receipt."""
+        env = self.env
+        graphs, error = None, None
+        try:
+            graphs = StepGraphs(self._accumulate_figures, self._update, self.optimizers, micro,
+                                env.device, self.side_stream,
+                                capture_error_mode="thread_local" if env.distributed else "global")
+        except GraphCaptureError as exc:
+            error = exc
+        failed = all_reduce_(torch.tensor([float(error is not None)], device=env.device), "max")
+        if not failed.item():
+            self.graphs = graphs
+            return
+        del graphs
+        reason = str(error) if error is not None else "the capture failed on another rank"
+        if self.plan.graph_required:
+            raise error or GraphCaptureError(f"parallel.cuda_graph: {reason}")
+        self.plan.graph_failed(reason)
+        self.graphed = False
+        self.optimizers.zero_grad()  # what the failed capture bound is never read
+        self._warn(f"cuda_graph: off ({reason})")
 
     def _read_pending_balance(self) -> None:
         """The pending step's MoE balance as a float: the one figure of its record that comes
@@ -489,26 +603,40 @@ class _Session:
         (each a mean within its micro-batch) are averaged over micro-batches. No host syncs:
         a CUDA graph captures this function as it is (:mod:`megacpp.train.graphs`)."""
         env = self.env
+        if self.reducer is not None:
+            self.reducer.zero()
         counts = [(batch["labels"] != IGNORE_INDEX).sum() for batch in micro]
         n_targets = all_reduce_(torch.stack(counts).sum())
         sums = torch.zeros(3, device=env.device)
         mtp_weight = self.base.mtp.loss_weight if self.base.mtp is not None else 0.0
+        # DDP and FSDP2 average the ranks' gradients, the flat buffer sums them: the objective
+        # is scaled so that either gives the global batch's mean (aux, MTP: of micro-batches)
+        summed = self.reducer is not None
+        ce_scale = 1 if summed else env.world_size
+        aux_scale = len(micro) * (env.world_size if summed else 1)
         for i, (batch, count) in enumerate(zip(micro, counts, strict=True)):
-            with gradient_sync(self.model, i == len(micro) - 1):
+            last = i == len(micro) - 1
+            if summed and last:
+                self.reducer.arm()  # its buckets start as their gradients come in
+            with gradient_sync(self.model, last):
                 ce_sum, aux, mtp = self._forward(batch, count)
                 if self.loss_poison is not None:
                     ce_sum = ce_sum * self.loss_poison
-                objective = (ce_sum * env.world_size / n_targets.clamp_min(1)
-                             + (aux + mtp_weight * mtp) / len(micro))
+                objective = (ce_sum * ce_scale / n_targets.clamp_min(1)
+                             + (aux + mtp_weight * mtp) / aux_scale)
                 objective.backward()
             sums += torch.stack([ce_sum.detach(), aux.detach(), mtp.detach()])
         return sums, n_targets
 
     def _accumulate_figures(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """:meth:`_accumulate`, then the step's figures in one float64 tensor: [ce, aux, MTP,
-        targets, gradient norm] (what the CUDA graph of a graphed run returns: the guard reads
-        them in one copy; one process only, so no all-reduce)."""
+        """:meth:`_accumulate`, the flat buffer's all-reduce (DDP with grad_sync "flat"), then
+        the step's figures in one float64 tensor: [ce, aux, MTP summed over the ranks,
+        targets, the global gradient norm after the reduction] -- what a graphed step's first
+        graph returns, so the guard reads them in one copy. No host syncs."""
         sums, targets = self._accumulate(micro)
+        if self.reducer is not None:
+            self.reducer.reduce()
+        all_reduce_(sums)
         return torch.cat([sums.double(), targets.double()[None], self._grad_norm().double()[None]])
 
     def _update(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
@@ -519,10 +647,11 @@ class _Session:
         return self._update_moe_biases()
 
     def _warmup_stream(self) -> contextlib.AbstractContextManager:
-        """Eager steps of a graphed run (before capture) go to the side stream the capture
-        will use, as PyTorch's CUDA-graph notes ask of warm-up iterations; everything else
-        to the current stream."""
-        if not self.graphed or self.graphs is not None:
+        """Eager steps of a graphed run (before capture, and after a failed capture, so the
+        gradient accumulators keep one stream) go to the side stream the capture uses, as
+        PyTorch's CUDA-graph notes ask of warm-up iterations; everything else to the current
+        stream."""
+        if self.graphs is not None or (not self.graphed and self.side_stream is None):
             return contextlib.nullcontext()
         if self.side_stream is None:
             self.side_stream = torch.cuda.Stream(self.env.device)
@@ -553,10 +682,12 @@ class _Session:
         return contextlib.nullcontext()
 
     def _grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of all gradients (a DTensor under FSDP2), grads untouched --
-        so the guard can still find the first non-finite one."""
+        """The global L2 norm of all gradients, a plain tensor (under FSDP2 the shards' norms
+        are all-reduced), grads untouched -- so the guard can still find the first
+        non-finite one."""
         grads = [p.grad for _, p in self.named_params if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads)
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _clip_gradients(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
         """Clip to ``train.max_grad_norm`` by ``grad_norm`` (torch's
@@ -566,6 +697,12 @@ class _Session:
         benchmarks/results/train_h100_s29). Returns the coefficient for Muon, else None."""
         max_norm = self.cfg.train.max_grad_norm
         if not max_norm:
+            return None
+        if any(isinstance(p, DTensor) for _, p in self.named_params):
+            # FSDP2: the same coefficient times every local shard (no DTensor dispatch)
+            coef = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
+            grads = [p.grad.to_local() for _, p in self.named_params if p.grad is not None]
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
             return None
         if not self.optimizers.muon_takes_grad_scale:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in self.named_params], max_norm,
@@ -609,9 +746,7 @@ class _Session:
 
     def _step_record(self, step: int, loss: float, aux_loss: float, mtp_loss: float | None,
                      grad_norm: float, lr: float, balance: float | None, elapsed: float) -> Record:
-        train_cfg = self.cfg.train
-        step_tokens = (train_cfg.grad_accum_steps * train_cfg.micro_batch_size * self.seq_len
-                       * self.env.world_size)
+        step_tokens = self._global_batch() * self.seq_len
         self.tokens += step_tokens
         self.step_times.append(elapsed)
         tokens_per_s = step_tokens / elapsed
@@ -631,9 +766,13 @@ class _Session:
                 "moe_balance": balance, "spike": spike, "time_s": elapsed}
 
     def _emit(self, record: Record) -> None:
+        """Rank 0 logs ``record``; train and val records also go to the progress bar and
+        ``on_record`` (a run's setup record only to metrics.jsonl)."""
         if not self.env.is_main:
             return
         self.metrics.write(record)
+        if record["type"] == "setup":
+            return
         self.loggers.log(record)
         if record["type"] == "train":
             self.progress.update(record)
@@ -668,7 +807,8 @@ class _Session:
         trainer_state = {
             "step": self.step, "tokens": self.tokens, "last_loss": self.last_loss,
             "spikes": self.spikes.state_dict(), "model_config": self.model_cfg.to_dict(),
-            "world_size": self.env.world_size, **self.finetuning.checkpoint_state(),
+            "world_size": self.env.world_size, "global_batch": self._global_batch(),
+            **self.finetuning.checkpoint_state(),
         }
         rank_state = {"data": self.train_loader.state_dict(),
                       "rng": capture_rng_state(self.env.device)}
@@ -682,8 +822,11 @@ class _Session:
     def _finish_training(self) -> None:
         if self.cfg.train.eval_every == 0 or self.step % self.cfg.train.eval_every:
             self._validate()
-        if self.checkpoint_step != self.step:
+        if self.checkpoint_step != self.step and self.cfg.checkpoint.final:
             self._save_checkpoint()
+        # the receipt's peak memory: the largest of any rank's
+        self.peak_mem = int(all_reduce_(torch.tensor([self.peak_mem], device=self.env.device),
+                                        "max").item())
         if self.env.is_main and self.cfg.run.plots:
             from megacpp.train.plot import plot_run
 
@@ -700,6 +843,8 @@ class _Session:
             "overrides": list(self.cfg.overrides),
             "invocation": {"world_size": self.env.world_size, "strategy": self.env.strategy,
                            "device": str(self.env.device),
+                           "modes": self.plan.to_dict() if self.plan else None,
+                           "global_batch": self._global_batch(),
                            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
                            "skip_preflight": list(self.skip_preflight)},
             "outcome": {"status": status, "error": _describe(error),
@@ -721,9 +866,7 @@ class _Session:
 
     def _receipt_metrics(self, status: str) -> dict[str, float]:
         steady = self.step_times[1:] or self.step_times  # the first step includes warm-up
-        train_cfg = self.cfg.train
-        step_tokens = (train_cfg.grad_accum_steps * train_cfg.micro_batch_size
-                       * self.seq_len * self.env.world_size)
+        step_tokens = self._global_batch() * self.seq_len
         metrics: dict[str, float] = {
             "completed": float(status == "completed"), "steps": self.step,
             "tokens": self.tokens, "world_size": self.env.world_size,
@@ -736,6 +879,8 @@ class _Session:
             metrics["final_loss"] = self.last_loss
         if self.last_val_loss is not None:
             metrics["final_val_loss"] = self.last_val_loss
+        if self.peak is not None and self.peak.tflops is not None:
+            metrics["mfu_peak_tflops"] = self.peak.tflops
         if self.mfu_values:
             metrics["mfu"] = sum(self.mfu_values[1:] or self.mfu_values) / len(
                 self.mfu_values[1:] or self.mfu_values)
@@ -778,14 +923,37 @@ def _on_stream(side: torch.cuda.Stream) -> Iterator[None]:
     current.wait_stream(side)
 
 
+_PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out",
+              "Timeout", "ncclRemoteError", "ncclSystemError", "NCCL communicator was aborted")
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says a collective lost its peers: a broken connection, a timeout, an
+    aborted NCCL communicator (a collective misused by this program stays a bug)."""
+    return isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _PEER_LOST)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (torchrun stopping the survivors of a failed rank, a scheduler's preemption)
+    ends the run like Ctrl-C: the loop stops and the receipt says so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _count_targets(batch: dict[str, torch.Tensor]) -> int:
     """Real next-token targets of a batch (its labels are on the host: no device sync)."""
     return int((batch["labels"] != IGNORE_INDEX).sum())
-
-
-def _as_float(value: torch.Tensor) -> float:
-    """A scalar tensor (or replicated/partial DTensor) as a Python float, on every rank."""
-    return float((value.full_tensor() if isinstance(value, DTensor) else value).item())
 
 
 def _verify_dataset(path: Path) -> None:
@@ -808,5 +976,5 @@ def _describe(error: BaseException | None) -> str | None:
     if isinstance(error, MegaCppError):
         return str(error)
     if isinstance(error, KeyboardInterrupt):
-        return "interrupted (KeyboardInterrupt)"
+        return f"interrupted ({error.args[0] if error.args else 'KeyboardInterrupt'})"
     return "".join(traceback.format_exception_only(type(error), error)).strip()
