@@ -18,7 +18,7 @@ measured in each run, named in its receipt). Run on a GPU machine::
 
 ``--presets`` takes run configs (a path, a name under configs/runs/, or a model preset P
 with configs/runs/P-gpu.toml). Without ``--data`` it first builds a dataset from
-``--sources`` (default: the newest /usr/include/c++/N) with configs/data/cpp.toml (32k vocabulary,
+``--sources`` (default: the newest /usr/include/c++/N) with the shipped `cpp` data config (32k vocabulary,
 2048-token rows; about 15 s on 2 CPU cores) into OUT/data. World size 1 runs once per preset
 (strategy ``single``). ``--out`` gets ``results.json``, ``scaling.png``, ``command.txt``,
 ``receipt.json`` (this benchmark's) and ``receipts/`` (every run's own receipt), and keeps
@@ -49,8 +49,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from megacpp import configs as shipped_configs
 from megacpp.receipts import write_receipt
-from megacpp.train.config import RUN_CONFIGS_DIR, load_run_config
+from megacpp.train.config import load_run_config
 from megacpp.train.metrics import read_metrics
 
 
@@ -62,7 +63,7 @@ def _libstdcxx() -> Path:
 
 
 DEFAULT_SOURCES = _libstdcxx()
-DATA_CONFIG = ROOT / "configs" / "data" / "cpp.toml"
+DATA_CONFIG = "cpp"  # the shipped data build config (32k vocabulary)
 console = Console(highlight=False, width=max(160, shutil.get_terminal_size().columns))
 
 
@@ -91,18 +92,21 @@ class Row:
     run_dir: str | None = None
 
 
-def resolve_config(preset: str) -> Path:
-    """A run config for ``preset``: a path, configs/runs/NAME.toml or configs/runs/NAME-gpu.toml."""
-    for path in (Path(preset), RUN_CONFIGS_DIR / f"{preset}.toml",
-                 RUN_CONFIGS_DIR / f"{preset}-gpu.toml"):
-        if path.is_file():
-            return path
-    known = ", ".join(sorted(p.stem for p in RUN_CONFIGS_DIR.glob("*.toml")))
+def resolve_config(preset: str) -> str:
+    """A run config for ``preset``: a .toml path, or the shipped run config NAME or NAME-gpu."""
+    if shipped_configs.is_path(preset):
+        if not Path(preset).is_file():
+            sys.exit(f"error: run config {preset} does not exist")
+        return preset
+    for name in (preset, f"{preset}-gpu"):
+        if shipped_configs.shipped("run", name) is not None:
+            return name
+    known = ", ".join(shipped_configs.names("run"))
     sys.exit(f"error: no run config for {preset!r} (a .toml path or one of: {known})")
 
 
 def build_dataset(sources: Path, out: Path, workers: int) -> Path:
-    """``megacpp data build`` of ``sources`` with configs/data/cpp.toml into ``out``."""
+    """``megacpp data build`` of ``sources`` with the shipped `cpp` data config into ``out``."""
     if (out / "manifest.json").is_file():
         console.print(f"dataset: {out} (already built)")
         return out
