@@ -22,12 +22,11 @@ A preset is a TOML file under ``configs/`` (``tiny``, ``nam56r-small``, ...) wit
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from megacpp._config import build_section, check
+from megacpp._config import build_section, check, read_toml
 from megacpp.errors import ConfigError
 from megacpp.pattern import PatternError, load, require_buildable
 
@@ -163,12 +162,7 @@ class ModelConfig:
     @classmethod
     def from_toml(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        data = read_toml(path, "model config")
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
