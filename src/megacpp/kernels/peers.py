@@ -95,7 +95,7 @@ def mamba3_siso_combined(
             "mamba_ssm is measured without packed documents: its varlen form gave 10-21% "
             "relative error and NaN against this surface's reference on an H100 (session 34)")
     peer = _mamba3_siso_module().mamba3_siso_combined
-    states = None if initial_state is None else tuple(initial_state)
+    states = None if initial_state is None else initial_state.tensors()
     return peer(q, k, v, adt.transpose(1, 2).contiguous(), dt.transpose(1, 2).contiguous(),
                 trap.transpose(1, 2).contiguous(), q_bias, k_bias, angles, D, z,
                 Input_States=states, chunk_size=chunk_size)

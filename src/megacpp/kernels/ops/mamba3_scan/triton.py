@@ -922,7 +922,7 @@ def _final_state(geo: _Geometry, k: Tensor, v: Tensor, k_bias: Tensor, s_fin: Te
     f32 = {"device": v.device, "dtype": torch.float32}
     state = Mamba3ScanState(torch.empty(B, H, R, **f32), torch.empty(B, H, P, N, **f32),
                             torch.empty(B, H, N, **f32), torch.empty(B, H, P, **f32))
-    _final[(H, B)](s_fin, phi, k, k_bias, v, *state, *v.stride(), geo.L, H, geo.G, geo.NC, P,
+    _final[(H, B)](s_fin, phi, k, k_bias, v, *state.tensors(), *v.stride(), geo.L, H, geo.G, geo.NC, P,
                    N, R, BP=geo.BP, N2B=geo.N2B, RB=geo.RB, CB=TUNING["final_chunks"],
                    **_launch("final", geo))
     return state
@@ -1040,8 +1040,8 @@ class _Mamba3ScanFn(torch.autograd.Function):
         if not output_final_state:
             return y
         final = _final_state(geo, k, v, k_bias, s_fin, ops.phi)
-        ctx.mark_non_differentiable(*final)
-        return (y, *final)
+        ctx.mark_non_differentiable(*final.tensors())
+        return (y, *final.tensors())
 
     @staticmethod
     def backward(ctx, dy, *_state_grads):
