@@ -140,8 +140,8 @@ def rmsnorm(out: Path) -> None:
 
 # -- MoE ------------------------------------------------------------------------------------------
 def moe(out: Path) -> None:
-    from megacpp.kernels.ops.moe.grouped import moe_experts_grouped
-    from megacpp.kernels.ops.moe.reference import moe_experts_reference
+    from megacpp.kernels.ops.moe_experts.grouped import moe_experts_grouped
+    from megacpp.kernels.ops.moe_experts.reference import moe_experts_reference
 
     surface = default_catalog().surface("moe_experts")
     for case in ("e64_k8", "e16_k2"):
@@ -162,8 +162,8 @@ def moe(out: Path) -> None:
 
 # -- linear cross-entropy -------------------------------------------------------------------------
 def lce(out: Path) -> None:
-    from megacpp.kernels.ops.linear_ce import triton as lce_mod
-    from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_torch
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce_mod
+    from megacpp.kernels.ops.linear_cross_entropy.reference import linear_cross_entropy_torch
     from megacpp.kernels.peers import liger_linear_cross_entropy
 
     surface = default_catalog().surface("linear_cross_entropy")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megacpp.errors import MegaCppError
-from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
+from megacpp.kernels.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +36,8 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("strategy", ["addmm", "planes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grads_scaled_by_grad_output_match_fp32_reference(dtype, strategy, lanes, monkeypatch):
-    from megacpp.kernels.ops.linear_ce import triton as lce
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     monkeypatch.setitem(lce.CE_CONFIG, "lanes", lanes)  # both sweep-1 forms of the row kernel
     h, w, labels = _case(3000, 256, 10007, dtype, 0)  # ragged vocab / last chunk
@@ -56,7 +56,7 @@ def test_grads_scaled_by_grad_output_match_fp32_reference(dtype, strategy, lanes
 def test_weight_grad_planes_are_an_fp32_accumulation():
     """Several chunks into the (hi, lo) planes == float32 addmm accumulation, to fp32 rounding
     (not to bf16 rounding)."""
-    from megacpp.kernels.ops.linear_ce.triton import accumulate_weight_grad
+    from megacpp.kernels.ops.linear_cross_entropy.triton import accumulate_weight_grad
 
     g = torch.Generator("cuda").manual_seed(1)
     vocab, hidden = 4096, 512
@@ -74,7 +74,7 @@ def test_weight_grad_planes_are_an_fp32_accumulation():
 
 @gpu
 def test_no_grad_path_computes_only_the_loss():
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     h, w, labels = _case(2048, 256, 32000, torch.bfloat16, 2)
     with_grad = linear_cross_entropy_triton(h, w, labels, chunk_tokens=512)
@@ -90,7 +90,7 @@ def test_no_grad_path_computes_only_the_loss():
 
 @gpu
 def test_backward_twice_is_a_clear_error():
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     h, w, labels = _case(256, 64, 1000, torch.bfloat16, 3)
     loss = linear_cross_entropy_triton(h, w, labels)
@@ -105,7 +105,7 @@ def test_peak_memory_and_no_host_sync(strategy):
     """Peak extra memory over fwd+bwd <= dh + the float32 dW (halves or planes) + one chunk of
     logits; the halves' finish adds at most a quarter of the float32 dW after the logits are
     gone (no float32 dW + full cast copy); nothing syncs the host."""
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     tokens, hidden, vocab, chunk = 4096, 512, 32768, 512
     h, w, labels = _case(tokens, hidden, vocab, torch.bfloat16, 4)
@@ -131,7 +131,7 @@ def test_peak_memory_and_no_host_sync(strategy):
 
 def test_unknown_strategy_is_a_clear_error():
     pytest.importorskip("triton")
-    from megacpp.kernels.ops.linear_ce.triton import _forward
+    from megacpp.kernels.ops.linear_cross_entropy.triton import _forward
 
     h = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(MegaCppError, match="unknown dW strategy"):
@@ -145,7 +145,7 @@ def _interpreter_check() -> dict:
     finish scales and casts both halves into one [V, D] tensor and empties the list. Run in a
     fresh process with TRITON_INTERPRET=1 (float32 output: the interpreter's bf16 cast
     truncates instead of rounding)."""
-    from megacpp.kernels.ops.linear_ce import triton as lce
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce
 
     g = torch.Generator().manual_seed(0)
     errors = {}
@@ -175,7 +175,7 @@ def _rows_interpreter_check() -> dict:
     and the gradient written in place, with ignored rows, a vocab narrower than the block
     (masked lanes that never see a value) and one several blocks wide with a ragged end.
     float32 logits (the interpreter's bf16 cast truncates)."""
-    from megacpp.kernels.ops.linear_ce import triton as lce
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce
 
     g = torch.Generator().manual_seed(0)
     errors = {}

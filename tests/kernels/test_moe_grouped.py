@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megacpp.kernels.ops.moe.grouped import (
+from megacpp.kernels.ops.moe_experts.grouped import (
     dispatch_plan,
     dispatch_plan_torch,
     gather_sum_torch,
@@ -21,7 +21,7 @@ from megacpp.kernels.ops.moe.grouped import (
     swiglu_weighted_backward_torch,
     swiglu_weighted_torch,
 )
-from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.kernels.ops.moe_experts.reference import moe_experts_reference
 from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ def _plan_cases():  # (tokens, experts, k, experts that get no token)
 def _interpreter_check() -> dict:
     """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
     Small blocks so that the plan spans several blocks and the scatter has ragged tails."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.ops.moe_experts import triton as kernels
 
     kernels.PLAN_BLOCK, kernels.SCATTER_TOKENS, kernels.SCATTER_COLS = 32, 4, 16
     result = {}
@@ -339,7 +339,7 @@ def test_moe_plan_triton_matches_torch_sort():
 
 @pytest.mark.gpu
 def test_moe_triton_kernels_match_torch_steps():
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.ops.moe_experts import triton as kernels
 
     g = torch.Generator("cuda").manual_seed(0)
     for ffn in (96, 1000):  # one F block / several, with a ragged tail
@@ -370,7 +370,7 @@ def test_moe_triton_kernels_match_torch_steps():
 def test_grouped_wgrad_triton_against_float64():
     """The step's shapes (d 768, ffn 272, 16 experts) with an expert without rows and one
     shorter than a K block; every element checked (the output's memory held NaN before)."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.ops.moe_experts import triton as kernels
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the wgrad kernel's tensor-memory loads need sm90+")
@@ -398,7 +398,7 @@ def test_grouped_mm_triton_against_float64(monkeypatch):
     gate|up with the SwiGLU in its epilogue at every shape in SWIGLU_CONFIGS; an expert
     without rows and one of a single row; every element of the output checked (its memory held
     NaN before)."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.ops.moe_experts import triton as kernels
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the kernel's tensor-memory loads need sm90+")
@@ -442,7 +442,7 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
     Triton kernel, and (grouped_triton) all four expert GEMMs on the Triton kernel (gate|up with
     the SwiGLU in its epilogue); and under autocast with float32 weights, whose gradients come
     back float32."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.ops.moe_experts import triton as kernels
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm needs sm90+")

@@ -52,7 +52,7 @@ def _ptxas_spills(kernel) -> tuple[int, int]:
 
 
 def test_linear_ce_kernels_compile_for_hopper():
-    from megacpp.kernels.ops.linear_ce import triton as lce
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce
 
     for lanes in (False, True):
         _compile(lce._ce_rows,
@@ -84,7 +84,7 @@ def test_linear_ce_kernels_compile_for_hopper():
 
 
 def test_moe_kernels_compile_for_hopper():
-    from megacpp.kernels.ops.moe import triton as moe
+    from megacpp.kernels.ops.moe_experts import triton as moe
 
     plan = {"E_PAD": 64, "BLOCK": 1024, "SUB": 128}
     _compile(moe._expert_counts_kernel, {"IDS": "*i64", "COUNTS": "*i32", "n": "i32",
@@ -133,7 +133,7 @@ def test_moe_grouped_mm_kernel_compiles_for_hopper():
     """Every launch setting the expert-GEMM kernel ships with, both layouts of W, and gate|up
     with the SwiGLU in its epilogue: wgmma from the tensor-memory loads, no register spills
     (per-element 64-bit output offsets of a 128 x 256 tile spilled 180 bytes)."""
-    from megacpp.kernels.ops.moe import triton as moe
+    from megacpp.kernels.ops.moe_experts import triton as moe
 
     settings = [(cfg, trans_b, False) for cfg in moe.GROUPED_CONFIGS.values()
                 for trans_b in (True, False)]

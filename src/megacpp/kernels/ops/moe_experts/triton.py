@@ -21,7 +21,7 @@
 * :func:`grouped_mm_triton` -- the expert GEMMs ``a[rows_e] @ W_e`` (or ``W_e^T``) at the
   shapes where it measured faster than ``torch._grouped_mm``.
 
-Same contracts as the plain-PyTorch versions in :mod:`megacpp.kernels.ops.moe.grouped`, which
+Same contracts as the plain-PyTorch versions in :mod:`megacpp.kernels.ops.moe_experts.grouped`, which
 are the truth these are tested against.
 """
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from megacpp.errors import MegaCppError
 from megacpp.kernels.amp import autocast_operands
 from megacpp.kernels.device import cdiv, next_power_of_2, sm_count
-from megacpp.kernels.ops.linear_ce.reference import IGNORE_INDEX
+from megacpp.kernels.ops.linear_cross_entropy.reference import IGNORE_INDEX
 
 DEFAULT_CHUNK_BYTES = 128 * 2**20  # one chunk of logits at most this big (H100 sweep: notes)
 DEFAULT_STRATEGY = "addmm"  # the dW accumulation (see the module docstring)

@@ -18,18 +18,18 @@ gives d(gate|up) and the routing weights' gradient (written to each row's (token
 slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
 x_sorted, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
 the compute dtype inside, so the two K-grouped weight-gradient GEMMs ("wgrad": on sm90+ a
-Triton kernel, :func:`megacpp.kernels.ops.moe.triton.grouped_wgrad_triton`) write the float32
+Triton kernel, :func:`megacpp.kernels.ops.moe_experts.triton.grouped_wgrad_triton`) write the float32
 masters' gradients directly from their float32 accumulators: no bf16 rounding of dW and no
 cast kernel after it.
 
 ``torch._grouped_mm(a [N, K], b [E, K, M], offs)`` multiplies each expert's rows by its
 matrix; ``torch._grouped_mm(a [M, N], b [N, K], offs)`` sums each expert's rows into [E, M, K].
 The four expert GEMMs go through ``_Ops.mm``: on sm90+ a Triton kernel
-(:func:`megacpp.kernels.ops.moe.triton.grouped_mm_triton`) at the shapes where it measured
+(:func:`megacpp.kernels.ops.moe_experts.triton.grouped_mm_triton`) at the shapes where it measured
 faster than ``torch._grouped_mm``, which serves the rest.
 On CUDA the elementwise steps run as Triton kernels (:mod:`.triton`); elsewhere the plain
 PyTorch functions below (the truth those kernels are tested against). Same contract as
-:func:`megacpp.kernels.ops.moe.reference.moe_experts_reference`.
+:func:`megacpp.kernels.ops.moe_experts.reference.moe_experts_reference`.
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ def dispatch_plan(expert_idx: Tensor, n_experts: int, weights: Tensor | None = N
     ``weights`` [T, k] (optional) come back in sorted order, detached.
 
     On CUDA with at most 256 experts: a Triton counting sort (two launches, see
-    :func:`megacpp.kernels.ops.moe.triton.plan_triton`; its w_sorted is float32). Else a
+    :func:`megacpp.kernels.ops.moe_experts.triton.plan_triton`; its w_sorted is float32). Else a
     stable torch.sort of uint8/int32 keys and the group ends from a binary search of the
     sorted keys (no bincount: it syncs)."""
     if _use_triton(expert_idx.device) and n_experts <= 256:
-        from megacpp.kernels.ops.moe.triton import plan_triton
+        from megacpp.kernels.ops.moe_experts.triton import plan_triton
 
         if weights is None:
             weights = torch.ones(expert_idx.shape, device=expert_idx.device)
@@ -159,7 +159,7 @@ class _Ops(NamedTuple):
 def _ops(device: torch.device) -> _Ops:
     """The elementwise steps and the grouped GEMMs for this device."""
     if _use_triton(device):
-        from megacpp.kernels.ops.moe import triton as kernels
+        from megacpp.kernels.ops.moe_experts import triton as kernels
 
         def wgrad(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
                   transpose_out: bool = False) -> Tensor:
