@@ -78,7 +78,7 @@ SURFACE = Surface(
 BACKENDS = (
     Backend("triton_chunked", "gated_delta", "chosen",
             Requirements(packages=("triton",), dtypes=("float32", "bfloat16"), **CUDA_SM80),
-            lazy("megacpp.kernels.ops.gated_delta.triton", "gated_delta_rule_triton")),
+            lazy("megacpp.kernels.ops.gated_delta.op", "gated_delta_rule_triton")),
     Backend("reference", "gated_delta", "fallback", Requirements(), gated_delta_rule_chunked),
     Backend("fla", "gated_delta", "donor",
             Requirements(devices=("cuda",), min_capability=(8, 0), packages=("fla",),
