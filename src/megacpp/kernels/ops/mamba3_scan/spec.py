@@ -88,7 +88,7 @@ SURFACE = Surface(
 BACKENDS = (
     Backend("triton_chunked", "mamba3_scan", "chosen",
             Requirements(packages=("triton",), dtypes=FLOATS, **CUDA_SM80),
-            lazy("megacpp.kernels.ops.mamba3_scan.triton", "mamba3_scan_triton")),
+            lazy("megacpp.kernels.ops.mamba3_scan.op", "mamba3_scan_triton")),
     Backend("reference", "mamba3_scan", "fallback", Requirements(), mamba3_scan_chunked),
     Backend("mamba_ssm", "mamba3_scan", "donor",
             Requirements(devices=("cuda",), min_capability=(8, 0), packages=("mamba_ssm",),
