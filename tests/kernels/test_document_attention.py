@@ -209,7 +209,7 @@ def test_flex_with_the_mask_made_inside_a_compiled_function():
     """As the model's compiled blocks run it: torch.compile traces the mask's construction
     with the attention. Output and gradients within bf16 tolerance of the float64 reference,
     and the no-grad forward too (a mask traced op by op came out wrong, or crashed a trainer's
-    no-grad forward: benchmarks/results/train_h100_s27, calls 1-2)."""
+    no-grad forward)."""
     @torch.compile
     def traced_attention(q, k, v, d):  # the launch settings of flex_kernel_options included
         return document_attention_flex(q, k, v, d)

@@ -244,7 +244,7 @@ def test_gpu_two_key_slices_and_bitwise_repeat(dtype) -> None:
 def test_gpu_bitwise_repeat_on_a_full_grid() -> None:
     """Four bf16 backward passes at B 8, H 16, K = V = 128, L 2048 (fla's shape: grids that
     fill an H100) are bit-identical. With _bwd_key at num_stages 2 they were not: dk, dg and
-    d_beta differed by up to 0.05 between runs on the H100 (h100_s11, run 4)."""
+    d_beta differed by up to 0.05 between runs on the H100."""
     from megacpp.kernels.ops.gated_delta.op import gated_delta_rule_triton
 
     inputs = make_inputs(8, 2048, 16, 128, 128, device="cuda", seed=11)

@@ -1,8 +1,9 @@
 """Muon's kernels (``ops/muon_momentum``, ``ops/muon_apply``, ``ops/muon_polynomial``): the
 foreach references against the formulas, the fused Triton passes against the references on
-fresh random inputs (GPU), captured in a CUDA graph and replayed, and the catalog rows. Newton-Schulz's polynomial: the reference against the float64
-formula; the symmetric Triton kernel against it (GPU), and Newton-Schulz with it, eager and
-replayed. Newton-Schulz's last product in the input's orientation equals the transposed form."""
+fresh random inputs (GPU), captured in a CUDA graph and replayed, and the catalog rows.
+Newton-Schulz's polynomial: the reference against the float64 formula; the symmetric Triton
+kernel against it (GPU), and Newton-Schulz with it, eager and replayed. Newton-Schulz's last
+product in the input's orientation equals the transposed form."""
 
 from __future__ import annotations
 
