@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from megacpp.kernels.catalog import Requirements
 
 FLOATS = ("float32", "bfloat16", "float16")
 HALF = ("bfloat16", "float16")
-CUDA_SM80 = {"devices": ("cuda",), "min_capability": (8, 0)}
+CUDA_SM80 = MappingProxyType({"devices": ("cuda",), "min_capability": (8, 0)})
 
 
 def triton_sm80(dtypes: tuple[str, ...] = FLOATS) -> Requirements:

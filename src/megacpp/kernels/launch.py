@@ -58,7 +58,11 @@ def device_key(device: torch.device) -> str:
 
 def for_device(table: Mapping[str, T], device: torch.device) -> T:
     """The entry of ``table`` for ``device``'s capability, else its :data:`DEFAULT` entry."""
-    key = device_key(device)
+    return for_key(table, device_key(device))
+
+
+def for_key(table: Mapping[str, T], key: str) -> T:
+    """``table[key]`` when the table has an entry for that device key, else its default."""
     return table[key] if key in table else table[DEFAULT]
 
 
