@@ -1,71 +1,84 @@
 """Launch-setting sweep and per-kernel breakdown of the Triton gated delta rule (one GPU).
 
     PYTHONPATH=src python benchmarks/gated_delta_tune.py --out tune.json [--quick] [--graph]
+                                                         [--write]
 
 For each shape: every kernel's registers / spills, the CUDA-time breakdown per kernel (ours
-and fla's when importable, from torch.profiler), then a coordinate sweep of CONFIG (one
-kernel's setting varied at a time, the others at their defaults; a swept state pass ignores
-SMALL_GRID), each variant checked against the defaults' outputs and gradients and timed
-fwd+bwd (median of do_bench per call, or of CUDA-graph replays with --graph). Prints the best
-setting per kernel; CONFIG and SMALL_GRID in ops/gated_delta/triton.py are set from these runs.
+and fla's when importable, from torch.profiler), then a coordinate sweep of the launch
+settings (one kernel's setting varied at a time, the others at this device's current ones
+from ops/gated_delta/configs.py; a swept state pass has no small-grid setting), each
+candidate passed to the op as its ``config``, checked against the current settings' outputs
+and gradients and timed fwd+bwd (median of do_bench per call, or of CUDA-graph replays with
+--graph). Prints the best setting per kernel; ``--write`` records, per kernel, the candidate
+with the least time summed over the cases (among those right at every case) as this device's
+entry of ops/gated_delta/configs.json (the small-grid settings kept).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from collections import defaultdict
+from dataclasses import replace
+from types import MappingProxyType
 
 import torch
 import triton
 from triton.testing import do_bench
 
-import megacpp.kernels.ops.gated_delta.triton as gdt
+import megacpp.kernels.ops.gated_delta.op as gdt
+from megacpp.kernels.launch import device_key, for_device
+from megacpp.kernels.ops.gated_delta.configs import (
+    CONFIGS,
+    GatedDeltaConfig,
+    KernelLaunch,
+    to_json,
+    write_config,
+)
 from megacpp.kernels.profiling import kernel_times_us
 from megacpp.kernels.registry import default_catalog
 
 SHAPES = {"nam56r_4k": "nam56r_4k", "h16_d128_4k": "h16_d128_4k"}
 SWEEP = {
     "fwd_intra": [{"num_warps": w, "num_stages": s} for w in (4, 8) for s in (1, 2)],
-    "fwd_state": [{"BV": bv, "num_warps": w, "num_stages": s}
+    "fwd_state": [{"bv": bv, "num_warps": w, "num_stages": s}
                   for bv in (32, 64) for w in (4, 8) for s in (2, 3, 4)],
-    "fwd_out": [{"BV": bv, "num_warps": w, "num_stages": 2} for bv in (32, 64, 128)
+    "fwd_out": [{"bv": bv, "num_warps": w, "num_stages": 2} for bv in (32, 64, 128)
                 for w in (4, 8)],
-    "bwd_dv_local": [{"BV": bv, "num_warps": w, "num_stages": 2} for bv in (32, 64, 128)
+    "bwd_dv_local": [{"bv": bv, "num_warps": w, "num_stages": 2} for bv in (32, 64, 128)
                      for w in (4, 8)],
-    "bwd_state": [{"BV": bv, "num_warps": w, "num_stages": s}
+    "bwd_state": [{"bv": bv, "num_warps": w, "num_stages": s}
                   for bv in (32, 64) for w in (4, 8) for s in (2, 3, 4)],
-    "bwd_val": [{"BV": bv, "num_warps": w, "num_stages": s}
+    "bwd_val": [{"bv": bv, "num_warps": w, "num_stages": s}
                 for bv in (32, 64) for w in (4, 8) for s in (1, 2)],
     # _bwd_key at 1 stage only: at 2 its pipelined loads race (H16 repeats not bit-identical,
-    # which the error check below does not see; CONFIG in ops/gated_delta/triton.py)
-    "bwd_key": [{"BKS": bk, "BV": bv, "num_warps": w, "num_stages": 1}
+    # which the error check below does not see; ops/gated_delta/configs.py refuses it)
+    "bwd_key": [{"bks": bk, "bv": bv, "num_warps": w, "num_stages": 1}
                 for bk in (32, 64) for bv in (32, 64) for w in (4, 8)],
-    "bwd_fin": [{"BKS": bk, "num_warps": w, "num_stages": 1} for bk in (32, 64) for w in (4, 8)],
+    "bwd_fin": [{"bks": bk, "num_warps": w, "num_stages": 1} for bk in (32, 64) for w in (4, 8)],
 }
 # the state passes: num_stages 1 is left out (with bf16 products at K = V = 128 _fwd_state
-# faulted on Triton 3.6 in session 8 and gave wrong state in session 9: a miscompile, see
-# CONFIG in ops/gated_delta/triton.py)
-_STATE_QUICK = [{"BV": bv, "num_warps": w, "num_stages": s}
+# faulted on Triton 3.6 and, in another build, gave a wrong state: a miscompile;
+# ops/gated_delta/configs.py refuses it)
+_STATE_QUICK = [{"bv": bv, "num_warps": w, "num_stages": s}
                 for bv, w, s in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
                                  (32, 8, 2), (32, 2, 2), (32, 2, 3), (64, 2, 2))]
 QUICK = {
     "fwd_intra": [{"num_warps": 4, "num_stages": 1}, {"num_warps": 4, "num_stages": 2},
                   {"num_warps": 8, "num_stages": 1}],
     "fwd_state": _STATE_QUICK,
-    "fwd_out": [{"BV": bv, "num_warps": w, "num_stages": 2}
+    "fwd_out": [{"bv": bv, "num_warps": w, "num_stages": 2}
                 for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8), (32, 2))],
-    "bwd_dv_local": [{"BV": bv, "num_warps": w, "num_stages": 2}
+    "bwd_dv_local": [{"bv": bv, "num_warps": w, "num_stages": 2}
                      for bv, w in ((64, 4), (128, 8), (32, 4), (64, 2))],
     "bwd_state": _STATE_QUICK,
-    "bwd_val": [{"BV": bv, "num_warps": w, "num_stages": s}
+    "bwd_val": [{"bv": bv, "num_warps": w, "num_stages": s}
                 for bv, w, s in ((32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3))],
-    "bwd_key": [{"BKS": bks, "BV": bv, "num_warps": w, "num_stages": 1}  # 1 stage: see SWEEP
+    "bwd_key": [{"bks": bks, "bv": bv, "num_warps": w, "num_stages": 1}  # 1 stage: see SWEEP
                 for bks, bv, w in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (32, 32, 4),
                                    (128, 32, 8))],  # BKS clamped to K
-    "bwd_fin": [{"BKS": bks, "num_warps": w, "num_stages": s}
+    "bwd_fin": [{"bks": bks, "num_warps": w, "num_stages": s}
                 for bks, w, s in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (32, 4, 2))],
 }
 
@@ -76,12 +89,19 @@ def _inputs(case: str) -> dict:
     return surface.make_inputs(surface.cases[case], torch.bfloat16, torch.device("cuda"), gen)
 
 
-def _fwd_bwd(inputs: dict, do: torch.Tensor):
+def _fwd_bwd(inputs: dict, do: torch.Tensor, config: GatedDeltaConfig):
     args = {n: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and
             t.is_floating_point() else t for n, t in inputs.items()}
-    o, _ = gdt.gated_delta_rule_triton(**args)
+    o, _ = gdt.gated_delta_rule_triton(**args, config=config)
     grads = torch.autograd.grad(o, [args[n] for n in ("q", "k", "v", "g", "beta")], do)
     return [o, *grads]
+
+
+def _candidate(base: GatedDeltaConfig, name: str, setting: dict) -> GatedDeltaConfig:
+    """``base`` with ``name``'s setting replaced (and no small-grid one for it)."""
+    return replace(base, kernels=MappingProxyType({**base.kernels, name: KernelLaunch(**setting)}),
+                   small_grid=MappingProxyType({k: v for k, v in base.small_grid.items()
+                                                if k != name}))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,7 +109,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("nan") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
 
 
-def _resources(inputs: dict, do: torch.Tensor) -> dict:
+def _resources(inputs: dict, do: torch.Tensor, config: GatedDeltaConfig) -> dict:
     """Registers, spills and shared memory of each kernel as compiled for these inputs."""
     seen = {}
     original = gdt._Launcher.__call__
@@ -100,9 +120,9 @@ def _resources(inputs: dict, do: torch.Tensor) -> dict:
                       "smem": compiled.metadata.shared}
         return compiled
 
-    gdt._Launcher.__call__ = spy
+    gdt._Launcher.__call__ = spy  # a probe of the compiled kernels, put back below
     try:
-        _fwd_bwd(inputs, do)
+        _fwd_bwd(inputs, do, config)
     finally:
         gdt._Launcher.__call__ = original
     return seen
@@ -150,13 +170,14 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True, peer: bool = True,
     time_ms = _timer(graph)
     inputs = _inputs(case)
     do = torch.randn_like(inputs["v"])
-    result = {"case": case, "defaults": copy.deepcopy(gdt.CONFIG)}
-    base = _fwd_bwd(inputs, do)
-    result["resources"] = _resources(inputs, do)
+    base_config = for_device(CONFIGS, torch.device("cuda"))
+    result = {"case": case, "defaults": to_json(base_config)}
+    base = _fwd_bwd(inputs, do, base_config)
+    result["resources"] = _resources(inputs, do, base_config)
     result["timing"] = "graph replay" if graph else "per call"
-    result["base_ms"] = time_ms(lambda: _fwd_bwd(inputs, do), 50, 300)
-    result["base_ms_again"] = time_ms(lambda: _fwd_bwd(inputs, do), 50, 300)
-    result["breakdown_us"] = _breakdown(lambda: _fwd_bwd(inputs, do))
+    result["base_ms"] = time_ms(lambda: _fwd_bwd(inputs, do, base_config), 50, 300)
+    result["base_ms_again"] = time_ms(lambda: _fwd_bwd(inputs, do, base_config), 50, 300)
+    result["breakdown_us"] = _breakdown(lambda: _fwd_bwd(inputs, do, base_config))
     if peer:
         try:
             fla_run = _fla_fn(inputs, do)
@@ -168,32 +189,46 @@ def sweep_shape(case: str, quick: bool, sweep: bool = True, peer: bool = True,
     print(json.dumps(result["resources"]), flush=True)
     print(json.dumps(result.get("fla_ms")), flush=True)
     best, trials = {}, []
-    for name, configs in (QUICK if quick else SWEEP).items() if sweep else ():
-        default = dict(gdt.CONFIG[name])
-        small_grid = gdt.SMALL_GRID.pop(name, None)  # the swept setting, whatever the grid
+    for name, settings in (QUICK if quick else SWEEP).items() if sweep else ():
         scores = []
-        for cfg in configs:
-            gdt.CONFIG[name] = cfg
+        for setting in settings:
             try:
-                out = _fwd_bwd(inputs, do)
+                config = _candidate(base_config, name, setting)
+                out = _fwd_bwd(inputs, do, config)
                 err = max(_rel(a, b) for a, b in zip(out, base))
-                ms = time_ms(lambda: _fwd_bwd(inputs, do))
-            except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory
+                ms = time_ms(lambda config=config: _fwd_bwd(inputs, do, config))
+            except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory, or refused
                 err, ms = float("nan"), float("inf")
-                print(f"{name} {cfg}: {repr(exc)[:200]}", flush=True)
-            trials.append({"kernel": name, "config": cfg, "ms": ms, "max_rel_vs_default": err})
+                print(f"{name} {setting}: {repr(exc)[:200]}", flush=True)
+            trials.append({"kernel": name, "config": setting, "ms": ms,
+                           "max_rel_vs_default": err})
             # same function: bf16 intermediates round differently per tiling, so settings
             # differ by ~3e-3 (the bf16 noise); a wrong one is 10x that (num_stages 1 of
             # _fwd_state: 0.35)
             if err < 1e-2:
-                scores.append((ms, cfg))
-            print(f"{name:13} {cfg} {ms:.4f} ms  err {err:.1e}", flush=True)
-        gdt.CONFIG[name] = default
-        if small_grid is not None:
-            gdt.SMALL_GRID[name] = small_grid
+                scores.append((ms, setting))
+            print(f"{name:13} {setting} {ms:.4f} ms  err {err:.1e}", flush=True)
         best[name] = min(scores, key=lambda s: s[0]) if scores else None
     result["trials"], result["best"] = trials, best
     return result
+
+
+def best_over_cases(results: list[dict]) -> dict[str, dict]:
+    """Per kernel, the setting with the least time summed over the cases, among the settings
+    right (error < 1e-2) at every case."""
+    totals: dict[tuple[str, str], list] = {}
+    for r in results:
+        for trial in r["trials"]:
+            key = (trial["kernel"], json.dumps(trial["config"], sort_keys=True))
+            entry = totals.setdefault(key, [0.0, 0, trial["config"]])
+            if trial["max_rel_vs_default"] < 1e-2:
+                entry[0] += trial["ms"]
+                entry[1] += 1
+    best: dict[str, tuple[float, dict]] = {}
+    for (kernel, _), (ms, right, setting) in totals.items():
+        if right == len(results) and (kernel not in best or ms < best[kernel][0]):
+            best[kernel] = (ms, setting)
+    return {kernel: setting for kernel, (_, setting) in best.items()}
 
 
 def main() -> int:
@@ -207,6 +242,9 @@ def main() -> int:
                         help="time CUDA-graph replays instead of calls (fla is timed per call)")
     parser.add_argument("--no-peer", action="store_true", help="leave fla out (its first call "
                         "autotunes for minutes)")
+    parser.add_argument("--write", action="store_true",
+                        help="record the best setting per kernel for this device in "
+                             "ops/gated_delta/configs.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
@@ -223,6 +261,14 @@ def main() -> int:
               json.dumps(r["breakdown_us"])[:600])
         for name, b in r["best"].items():
             print(f"  best {name:13} {b}")
+    if args.write and results and not args.no_sweep:
+        base = for_device(CONFIGS, torch.device("cuda"))
+        chosen = best_over_cases(results)
+        config = replace(base, kernels=MappingProxyType({
+            name: KernelLaunch(**chosen[name]) if name in chosen else launch
+            for name, launch in base.kernels.items()}))
+        write_config(device_key(torch.device("cuda")), config)
+        print(f"wrote {to_json(config)} for device {device_key(torch.device('cuda'))}")
     return 0
 
 

@@ -48,7 +48,8 @@ BENCH = {  # surface -> (cases, backends in table order)
     # nam56r presets' R mixer (4 heads, K 64, V 128) at 4k and 8k tokens; fla's 16 x 128 shape
     "gated_delta": (["nam56r_4k", "nam56r_8k", "h16_d128_4k"],
                     ["triton_chunked", "fla", "reference"]),
-    # the issue's shape: batch 8, 32 heads x 64, d_state 128, chunk 64; peer: mamba_ssm 2.3.2
+    # batch 8, 32 heads x 64, d_state 128, chunk 64 (the Mamba-3 target's shape); peer:
+    # mamba_ssm 2.3.2
     "mamba3_scan": (["seq4096", "seq8192"], ["triton_chunked", "mamba_ssm", "reference"]),
     # Newton-Schulz's polynomial at nam56r-350m's Muon batches; forward only (no autograd).
     # FLOPs count A A whole (2 m^3 a matrix): the symmetric kernel's rate is an effective one

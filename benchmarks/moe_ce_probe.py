@@ -1,25 +1,29 @@
-"""Development probe for issue #6 (MoE grouped path, fused linear CE, RMSNorm bench): where
-the time of each goes, and the variant sweeps behind the chosen defaults, on one GPU, in one
-process.
+"""Where the time of the MoE grouped path, the fused linear CE and RMSNorm goes, and the
+launch sweeps behind their settings, on one GPU, in one process.
 
     PYTHONPATH=src python benchmarks/moe_ce_probe.py [--out DIR] [--only rmsnorm,moe,lce]
+                                                    [--write]
 
 For each timed function it reports three numbers: ``ms`` as benchmarks/kernels.py times it
 (one fwd+bwd between two events, the GPU idle at the start), ``pipelined_ms`` (10 fwd+bwd
 enqueued back to back, events around all of them, / 10: the host's launch latency hidden
 behind the previous iteration's GPU work) and ``kernel_ms`` (the profiler's sum of GPU kernel
 time per fwd+bwd). ``ms`` >> ``kernel_ms`` means the host, not the GPU, sets the time.
-Not part of the benchmark suite (benchmarks/kernels.py is); its numbers are development
-evidence (see benchmarks/results/kernels/moe_ce_notes.md).
+The RMSNorm section sweeps the wide-row launch setting (rows per forward program, backward
+tile, backward programs per SM) at 262144 x 1024, each candidate passed to the kernel as its
+``config``; ``--write`` records the fastest in ops/rmsnorm/configs.json for this device.
+Not part of the benchmark suite (benchmarks/kernels.py is).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -101,9 +105,32 @@ def measure(fn, inputs, grad_args, label: str, out: Path | None = None, profile:
 
 
 # -- RMSNorm --------------------------------------------------------------------------------------
-def rmsnorm(out: Path) -> None:
-    from megacpp.kernels.ops.rmsnorm import triton as rms
+def _rmsnorm_sweep(inputs: dict, grad_args: tuple, write: bool) -> dict:
+    """fwd+bwd ms of each wide-row setting (the current one first); with ``write`` the
+    fastest becomes this device's entry of ops/rmsnorm/configs.json."""
+    from megacpp.kernels.launch import device_key, for_device
+    from megacpp.kernels.ops.rmsnorm.configs import CONFIGS, write_config
+    from megacpp.kernels.ops.rmsnorm.triton import rmsnorm_triton
 
+    base = for_device(CONFIGS, DEV)
+    candidates = [base] + [replace(base, fwd_rows=fr, bwd_tile=bt, bwd_programs_per_sm=pp)
+                           for fr, bt, pp in ((1, 4, 4), (2, 4, 4), (8, 4, 4), (4, 1, 4),
+                                              (4, 2, 4), (4, 8, 4), (4, 4, 2), (4, 4, 8),
+                                              (4, 4, 16), (2, 2, 8))]
+    times = {}
+    for cfg in candidates:
+        fn = functools.partial(rmsnorm_triton, config=cfg)
+        key = f"f{cfg.fwd_rows}_t{cfg.bwd_tile}_p{cfg.bwd_programs_per_sm}"
+        times[key] = timing.time_fwd_bwd(fn, inputs, grad_args, DEV, repeats=10).median_ms
+        print(f"sweep {key}", round(times[key], 4), flush=True)
+    best = min(zip(times.values(), range(len(candidates))))[1]
+    if write:
+        write_config(device_key(DEV), candidates[best])
+        print(f"wrote {candidates[best]} for device {device_key(DEV)}", flush=True)
+    return times
+
+
+def rmsnorm(out: Path, write: bool) -> None:
     catalog = default_catalog()
     surface = catalog.surface("rmsnorm")
     res = {}
@@ -123,25 +150,17 @@ def rmsnorm(out: Path) -> None:
             for k in ("ms", "pipelined_ms", "kernel_ms"):
                 row[k.replace("ms", "gbs")] = moved / row[k] / 1e6
             res[key] = row
-        if tokens == 262144:  # launch-shape sweep of ours at the big case
-            fn = catalog.backend("rmsnorm", "triton_fused").fn
-            base = (rms.FWD_ROWS, rms.BWD_TILE, rms.BWD_PROGRAMS_PER_SM)
-            for fr, bt, pp in ((1, 4, 4), (2, 4, 4), (8, 4, 4), (4, 1, 4), (4, 2, 4), (4, 8, 4),
-                               (4, 4, 2), (4, 4, 8), (4, 4, 16), (2, 2, 8)):
-                rms.FWD_ROWS, rms.BWD_TILE, rms.BWD_PROGRAMS_PER_SM = fr, bt, pp
-                t = timing.time_fwd_bwd(fn, inputs, surface.grad_args, DEV, repeats=10)
-                res[f"sweep/f{fr}_t{bt}_p{pp}"] = t.median_ms
-                print(f"sweep f{fr} t{bt} p{pp}", round(t.median_ms, 4), flush=True)
-            rms.FWD_ROWS, rms.BWD_TILE, rms.BWD_PROGRAMS_PER_SM = base
+        if tokens == 262144:  # launch-setting sweep of ours at the big case
+            res["sweep"] = _rmsnorm_sweep(inputs, surface.grad_args, write)
         del inputs
         torch.cuda.empty_cache()
     RESULTS["rmsnorm"] = res
 
 
 # -- MoE ------------------------------------------------------------------------------------------
-def moe(out: Path) -> None:
-    from megacpp.kernels.ops.moe.grouped import moe_experts_grouped
-    from megacpp.kernels.ops.moe.reference import moe_experts_reference
+def moe(out: Path, write: bool) -> None:
+    from megacpp.kernels.ops.moe_experts.grouped import moe_experts_grouped
+    from megacpp.kernels.ops.moe_experts.reference import moe_experts_reference
 
     surface = default_catalog().surface("moe_experts")
     for case in ("e64_k8", "e16_k2"):
@@ -161,9 +180,9 @@ def moe(out: Path) -> None:
 
 
 # -- linear cross-entropy -------------------------------------------------------------------------
-def lce(out: Path) -> None:
-    from megacpp.kernels.ops.linear_ce import triton as lce_mod
-    from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_torch
+def lce(out: Path, write: bool) -> None:
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce_mod
+    from megacpp.kernels.ops.linear_cross_entropy.reference import linear_cross_entropy_torch
     from megacpp.kernels.peers import liger_linear_cross_entropy
 
     surface = default_catalog().surface("linear_cross_entropy")
@@ -178,12 +197,10 @@ def lce(out: Path) -> None:
             res[name] = repr(exc)[:300]
             print(name, res[name], flush=True)
 
-    record("addmm_default", lce_mod.linear_cross_entropy_triton, profile=True)
+    record("default", lce_mod.linear_cross_entropy_triton, profile=True)
     for c in (768, 960, 1024, 2048):
-        record(f"addmm_c{c}", lambda c=c, **kw: lce_mod.linear_cross_entropy_triton(
+        record(f"chunk{c}", lambda c=c, **kw: lce_mod.linear_cross_entropy_triton(
             **kw, chunk_tokens=c))
-    record("planes_c768", lambda **kw: lce_mod.linear_cross_entropy_triton(
-        **kw, chunk_tokens=768, strategy="planes"))
     record("torch_plain", linear_cross_entropy_torch, profile=True)
     record("liger", liger_linear_cross_entropy)
     RESULTS["lce"] = res
@@ -193,13 +210,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/moe_ce_probe"))
     parser.add_argument("--only", default="lce,moe,rmsnorm")
+    parser.add_argument("--write", action="store_true",
+                        help="record the RMSNorm sweep's fastest setting for this device")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     only = args.only.split(",")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name, fn in (("lce", lce), ("moe", moe), ("rmsnorm", rmsnorm)):
         if name in only:
-            _section(name, lambda fn=fn: fn(args.out))
+            _section(name, lambda fn=fn: fn(args.out, args.write))
             (args.out / "probe.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     return 0
 

@@ -1,26 +1,58 @@
-"""Typed, fail-closed reading of TOML tables into frozen dataclasses (shared by the model
-and run configs). Every error names the field and what it accepts."""
+"""Typed, fail-closed reading of TOML files and tables into dataclasses (shared by the
+model, run, data build and contract configs). Every error names the file or field and what
+it accepts."""
 
 from __future__ import annotations
 
 import math
+import os
+import tomllib
 import types
+from collections.abc import Iterable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from megacpp.errors import ConfigError
 
 
+def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """The parsed TOML file at ``path``; ``what`` names it in errors ("run config")."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    return parse_toml(text, str(path))
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """The parsed TOML ``text``; ``source`` (a path or a preset's name) starts its errors."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+
+
+def check_keys(table: Any, known: Iterable[str], where: str) -> dict[str, Any]:
+    """``table`` itself once it is a table whose keys are all in ``known``; ``where`` names it
+    in errors ("[model]", "the build config")."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table, got {type(table).__name__}")
+    known = sorted(known)
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; allowed: {known}")
+    return table
+
+
 def build_section(cls: type, table: Any, section: str, skip: frozenset[str] = frozenset()) -> Any:
     """``cls(**table)`` after rejecting unknown keys and coercing each value to its field's
     type (bool, int, float or str)."""
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{section}] must be a table, got {type(table).__name__}")
     hints = get_type_hints(cls)
-    known = sorted({f.name for f in fields(cls)} - skip)
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in [{section}]; allowed: {known}")
+    check_keys(table, {f.name for f in fields(cls)} - skip, f"[{section}]")
     return cls(
         **{key: coerce(value, hints[key], f"{section}.{key}") for key, value in table.items()}
     )

@@ -30,7 +30,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path
 
 
@@ -54,14 +54,24 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file's data, or a directory's entries (renames, new files), to the disk.
+
+    A file that cannot be synced raises. A directory that cannot be opened or synced is
+    skipped: some filesystems refuse to fsync directories, and the rename is done either
+    way."""
+    path = Path(path)
+    directory = path.is_dir()
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return
+        if directory:
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if not directory:
+            raise
     finally:
         os.close(fd)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from megacpp.kernels.amp import autocast_operands, effective_dtype
-from megacpp.kernels.ops.moe.grouped import moe_experts_grouped
-from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.kernels.ops.moe_experts.grouped import moe_experts_grouped
+from megacpp.kernels.ops.moe_experts.reference import moe_experts_reference
 from megacpp.kernels.runtime import clear_resolutions, kernel_mode_override, resolutions, resolve
 
 

@@ -23,7 +23,7 @@ from megacpp.kernels.catalog import (
     smem_needs,
 )
 from megacpp.kernels.check import CheckAborted, check_backend, check_catalog
-from megacpp.kernels.ops.moe.grouped import moe_experts_grouped
+from megacpp.kernels.ops.moe_experts.grouped import moe_experts_grouped
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.runtime import chosen_kernels, kernel_mode_override, resolve, set_kernel_mode
 
@@ -287,14 +287,14 @@ def test_lazy_backends_are_opaque_to_torch_compile() -> None:
     break around each call) instead of tracing into their host code -- the H100 fast-path
     compiled training row failed inside Dynamo tracing a Triton op's launch code -- and gets
     the same values as eager."""
+    from megacpp.kernels.declare import lazy
     from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
-    from megacpp.kernels.registry import _lazy
 
-    lazy = _lazy("megacpp.kernels.ops.rmsnorm.reference", "rmsnorm_reference")
+    backend = lazy("megacpp.kernels.ops.rmsnorm.reference", "rmsnorm_reference")
     x, w = torch.randn(4, 8, 16), torch.rand(16) + 0.5
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return lazy(x * 2, weight=w, eps=1e-6)[0] + 1
+        return backend(x * 2, weight=w, eps=1e-6)[0] + 1
 
     torch._dynamo.reset()
     explained = torch._dynamo.explain(f)(x)

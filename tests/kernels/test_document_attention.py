@@ -8,15 +8,17 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from megacpp.kernels.catalog import KernelSelectionError, device_facts, select
-from megacpp.kernels.ops.attention.document import (
+from megacpp.kernels.ops.document_attention.configs import FLEX_OPTIONS
+from megacpp.kernels.ops.document_attention.flex import (
     BLOCK,
-    HOPPER_D64_OPTIONS,
     document_attention_flex,
-    document_attention_reference,
     document_block_mask,
     document_block_tiles,
-    document_causal_mask,
     flex_kernel_options,
+)
+from megacpp.kernels.ops.document_attention.reference import (
+    document_attention_reference,
+    document_causal_mask,
 )
 from megacpp.kernels.registry import default_catalog
 
@@ -101,17 +103,21 @@ def test_flex_kernel_options_only_for_hopper_half_precision_at_head_dim_64():
     blocks (powers of two dividing them), for both directions, and name only known knobs."""
     for dtype, dim in ((torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 128)):
         assert flex_kernel_options(torch.zeros(1, 1, 8, dim, dtype=dtype)) is None
-    tiles = {k: v for k, v in HOPPER_D64_OPTIONS.items() if "BLOCK" in k}
-    assert set(tiles) == {"fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1", "bwd_BLOCK_N1",
-                          "bwd_BLOCK_N2", "bwd_BLOCK_M2"}
-    for name, size in tiles.items():
-        assert size & (size - 1) == 0 and BLOCK % size == 0, name
-    # the backward pairs its two loops' tiles (N1 with M1, N2 with M2) as Inductor's do
-    assert HOPPER_D64_OPTIONS["bwd_BLOCK_N1"] % HOPPER_D64_OPTIONS["bwd_BLOCK_M1"] == 0
-    assert HOPPER_D64_OPTIONS["bwd_BLOCK_M2"] % HOPPER_D64_OPTIONS["bwd_BLOCK_N2"] == 0
-    assert {k.split("_", 1)[1] for k in HOPPER_D64_OPTIONS} <= {
-        "BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages",
-        "num_warps"}
+    assert [(e.capability, e.head_dim) for e in FLEX_OPTIONS] == [((9, 0), 64)]
+    for entry in FLEX_OPTIONS:
+        options = entry.as_dict()
+        assert len(options) == len(entry.options)  # no knob twice
+        tiles = {k: v for k, v in options.items() if "BLOCK" in k}
+        assert set(tiles) == {"fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1", "bwd_BLOCK_N1",
+                              "bwd_BLOCK_N2", "bwd_BLOCK_M2"}
+        for name, size in tiles.items():
+            assert size & (size - 1) == 0 and BLOCK % size == 0, name
+        # the backward pairs its two loops' tiles (N1 with M1, N2 with M2) as Inductor's do
+        assert options["bwd_BLOCK_N1"] % options["bwd_BLOCK_M1"] == 0
+        assert options["bwd_BLOCK_M2"] % options["bwd_BLOCK_N2"] == 0
+        assert {k.split("_", 1)[1] for k in options} <= {
+            "BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages",
+            "num_warps"}
 
 
 def test_reference_sees_only_its_document_and_the_past():
@@ -203,7 +209,7 @@ def test_flex_with_the_mask_made_inside_a_compiled_function():
     """As the model's compiled blocks run it: torch.compile traces the mask's construction
     with the attention. Output and gradients within bf16 tolerance of the float64 reference,
     and the no-grad forward too (a mask traced op by op came out wrong, or crashed a trainer's
-    no-grad forward: benchmarks/results/train_h100_s27, calls 1-2)."""
+    no-grad forward)."""
     @torch.compile
     def traced_attention(q, k, v, d):  # the launch settings of flex_kernel_options included
         return document_attention_flex(q, k, v, d)
@@ -230,7 +236,7 @@ def test_hopper_launch_settings_compute_what_the_defaults_do():
     from torch.nn.attention.flex_attention import flex_attention
 
     case = _packed_case(seed=13)
-    assert flex_kernel_options(case[1].bfloat16()) is HOPPER_D64_OPTIONS
+    assert flex_kernel_options(case[1].bfloat16()) == FLEX_OPTIONS[0].as_dict()
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def defaults(q, k, v, d):
@@ -284,8 +290,8 @@ def test_triton_tiles_equal_the_torch_code():
     code's eight tensors bit for bit: packed rows of random document lengths (sorted ids),
     shuffled ids, one document, a partial last tile, int32 ids, and rows of 1 to 64 tiles;
     past 64 tiles the torch code serves."""
-    from megacpp.kernels.ops.attention import triton as kernels
-    from megacpp.kernels.ops.attention.document import document_block_tiles_torch
+    from megacpp.kernels.ops.document_attention import triton as kernels
+    from megacpp.kernels.ops.document_attention.flex import document_block_tiles_torch
 
     gen = torch.Generator().manual_seed(21)
     cases = []

@@ -3,9 +3,11 @@ output, final state and every input gradient, on fresh random inputs (relative n
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import replace
 from pathlib import Path
-from unittest import mock
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -100,9 +102,11 @@ def backward_twice(fn, inputs: dict, dtype: torch.dtype, seed: int = 0) -> list[
 def _interpreter_check() -> dict:
     """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
     Every case, and a bit-for-bit repeat of the backward (fixed-order partial sums)."""
-    from megacpp.kernels.ops.gated_delta import triton as gd
+    from megacpp.kernels.launch import DEFAULT
+    from megacpp.kernels.ops.gated_delta.configs import CONFIGS
+    from megacpp.kernels.ops.gated_delta.op import gated_delta_rule_triton
 
-    fn = gd.gated_delta_rule_triton
+    fn = gated_delta_rule_triton
     cases = {  # name: (inputs, dtype, tolerance)
         # 2 chunks (the last partial), packed documents with a reset mid-chunk and at t = 0,
         # an initial state, head dims that are not powers of two
@@ -125,16 +129,13 @@ def _interpreter_check() -> dict:
                                  with_state=True), torch.bfloat16, 1e-2),
     }
     errors = {name: compare(fn, inputs, dtype, tol) for name, (inputs, dtype, tol) in cases.items()}
-    # the tf32 path: no kernel's products in bfloat16, intermediates in float32
-    with mock.patch.multiple(gd, BF16_PRODUCTS=frozenset(), BF16_STORAGE=frozenset()):
-        inputs, dtype, tol = cases["k96_bf16"]
-        errors["k96_bf16_tf32"] = compare(fn, inputs, dtype, tol)
-    # the state passes' CONFIG settings (the cases above take SMALL_GRID's: their grids are
-    # smaller than an H100's 132 SMs, which the interpreter assumes)
-    with mock.patch.object(gd, "SMALL_GRID", {}):
-        for name in ("k128", "k96_bf16"):
-            inputs, dtype, tol = cases[name]
-            errors[f"{name}_config"] = compare(fn, inputs, dtype, tol)
+    # the state passes' full-grid settings (the cases above take the small-grid ones: their
+    # grids are smaller than an H100's 132 SMs, which the interpreter assumes)
+    full_grid = replace(CONFIGS[DEFAULT], small_grid=MappingProxyType({}))
+    for name in ("k128", "k96_bf16"):
+        inputs, dtype, tol = cases[name]
+        errors[f"{name}_config"] = compare(functools.partial(fn, config=full_grid), inputs,
+                                           dtype, tol)
     for name in ("k128", "k96_bf16"):
         inputs, dtype, _ = cases[name]
         first, second = backward_twice(fn, inputs, dtype)
@@ -153,10 +154,10 @@ def _rounding_check() -> str:
     import triton
     import triton.language as tl
 
-    from megacpp.kernels.ops.gated_delta import triton as gd
+    from megacpp.kernels.ops.gated_delta import common
 
     # a jitted function resolves names in its module's globals (this runs in a subprocess)
-    globals().update(_bf16=gd._bf16, _cast=gd._cast)
+    globals().update(_bf16=common._bf16, _cast=common._cast)
 
     @triton.jit
     def kernel(X, R, S, n: tl.constexpr):
@@ -186,25 +187,12 @@ def test_interpreter_rounds_bfloat16_to_nearest_even() -> None:
     run_interpreter_check(__file__, "_rounding_check")
 
 
-def test_precision_sets_are_validated(monkeypatch) -> None:
-    pytest.importorskip("triton")
-    from megacpp.kernels.ops.gated_delta import triton as gd
-
-    monkeypatch.setattr(gd, "BF16_PRODUCTS", frozenset({"bwd_keys"}))
-    with pytest.raises(ValueError, match="bwd_keys"):
-        gd._check_precision_sets()
-    monkeypatch.setattr(gd, "BF16_PRODUCTS", frozenset())
-    monkeypatch.setattr(gd, "BF16_STORAGE", frozenset({"state"}))
-    with pytest.raises(ValueError, match=r"\['state'\]"):
-        gd._check_precision_sets()
-
-
 def test_unsupported_calls_use_the_reference() -> None:
     """Without CUDA (and without the interpreter) the entry point computes the reference."""
     pytest.importorskip("triton")
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("needs a process without CUDA and without TRITON_INTERPRET")
-    from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
+    from megacpp.kernels.ops.gated_delta.op import gated_delta_rule_triton
 
     inputs = make_inputs(1, 20, 2, 8, 8, device="cpu", seed=3, doc_len=5)
     with pytest.warns(UserWarning, match="uses the reference"):
@@ -227,7 +215,7 @@ GPU_CASES = [  # (batch, seq, heads, dk, dv, doc_len, with_state)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_gpu_matches_reference(case, dtype) -> None:
-    from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
+    from megacpp.kernels.ops.gated_delta.op import gated_delta_rule_triton
 
     B, L, H, K, V, doc_len, with_state = case
     inputs = make_inputs(B, L, H, K, V, device="cuda", seed=L + K, doc_len=doc_len,
@@ -242,7 +230,7 @@ def test_gpu_matches_reference(case, dtype) -> None:
 def test_gpu_two_key_slices_and_bitwise_repeat(dtype) -> None:
     """K = V = 128 (two key slices of the backward) against the reference, and bit-identical
     gradients when the backward runs twice (no atomics)."""
-    from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
+    from megacpp.kernels.ops.gated_delta.op import gated_delta_rule_triton
 
     inputs = make_inputs(2, 300, 4, 128, 128, device="cuda", seed=7, doc_len=70,
                          with_state=True)
@@ -256,8 +244,8 @@ def test_gpu_two_key_slices_and_bitwise_repeat(dtype) -> None:
 def test_gpu_bitwise_repeat_on_a_full_grid() -> None:
     """Four bf16 backward passes at B 8, H 16, K = V = 128, L 2048 (fla's shape: grids that
     fill an H100) are bit-identical. With _bwd_key at num_stages 2 they were not: dk, dg and
-    d_beta differed by up to 0.05 between runs on the H100 (h100_s11, run 4)."""
-    from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
+    d_beta differed by up to 0.05 between runs on the H100."""
+    from megacpp.kernels.ops.gated_delta.op import gated_delta_rule_triton
 
     inputs = make_inputs(8, 2048, 16, 128, 128, device="cuda", seed=11)
     runs = [*backward_twice(gated_delta_rule_triton, inputs, torch.bfloat16),
@@ -270,7 +258,7 @@ def test_gpu_bitwise_repeat_on_a_full_grid() -> None:
 @pytest.mark.gpu
 def test_gpu_long_sequence_and_extreme_decays() -> None:
     """64 chunks of state passing in bf16; then decays from ~1 to ~exp(-30) (no NaN)."""
-    from megacpp.kernels.ops.gated_delta.triton import gated_delta_rule_triton
+    from megacpp.kernels.ops.gated_delta.op import gated_delta_rule_triton
 
     long = make_inputs(1, 4096, 2, 64, 128, device="cuda", seed=5, doc_len=1500)
     print(compare(gated_delta_rule_triton, long, torch.bfloat16, 1e-2))

@@ -1,7 +1,7 @@
-"""The fused linear cross-entropy's float32 weight-gradient accumulators (cuBLAS halves and
-the 16-bit planes), its memory bound, its no-grad path and its single-use gradients (GPU), and
-the halves' accumulate/finish logic under the Triton interpreter (CPU). (The catalog check
-against the float64 reference runs in test_ops_triton.py.)"""
+"""The fused linear cross-entropy's float32 weight-gradient accumulator (cuBLAS halves), its
+memory bound, its no-grad path and its single-use gradients (GPU), and the halves'
+accumulate/finish logic and the CE row kernel under the Triton interpreter (CPU). (The
+catalog check against the float64 reference runs in test_ops_triton.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megacpp.errors import MegaCppError
-from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
+from megacpp.kernels.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,17 +32,13 @@ def _rel(a, b) -> float:
 
 
 @gpu
-@pytest.mark.parametrize("lanes", [False, True])
-@pytest.mark.parametrize("strategy", ["addmm", "planes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_grads_scaled_by_grad_output_match_fp32_reference(dtype, strategy, lanes, monkeypatch):
-    from megacpp.kernels.ops.linear_ce import triton as lce
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+def test_grads_scaled_by_grad_output_match_fp32_reference(dtype):
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
-    monkeypatch.setitem(lce.CE_CONFIG, "lanes", lanes)  # both sweep-1 forms of the row kernel
     h, w, labels = _case(3000, 256, 10007, dtype, 0)  # ragged vocab / last chunk
     scale = 0.37
-    loss = linear_cross_entropy_triton(h, w, labels, chunk_tokens=704, strategy=strategy)
+    loss = linear_cross_entropy_triton(h, w, labels, chunk_tokens=704)
     dh, dw = torch.autograd.grad(loss * scale, [h, w])
     h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     ref = linear_cross_entropy_reference(h32, w32, labels)
@@ -53,28 +49,8 @@ def test_grads_scaled_by_grad_output_match_fp32_reference(dtype, strategy, lanes
 
 
 @gpu
-def test_weight_grad_planes_are_an_fp32_accumulation():
-    """Several chunks into the (hi, lo) planes == float32 addmm accumulation, to fp32 rounding
-    (not to bf16 rounding)."""
-    from megacpp.kernels.ops.linear_ce.triton import accumulate_weight_grad
-
-    g = torch.Generator("cuda").manual_seed(1)
-    vocab, hidden = 4096, 512
-    hi = torch.zeros(vocab, hidden, device="cuda", dtype=torch.int16)
-    lo = torch.zeros_like(hi)
-    want = torch.zeros(vocab, hidden, device="cuda", dtype=torch.float32)
-    for _ in range(6):
-        grad = (torch.randn(300, vocab, device="cuda", generator=g) * 1e-3).bfloat16()
-        h = torch.randn(300, hidden, device="cuda", generator=g).bfloat16()
-        accumulate_weight_grad(hi, lo, grad, h)
-        want.addmm_(grad.t().float(), h.float())
-    got = ((hi.int() << 16) | (lo.int() & 0xFFFF)).view(torch.float32)
-    assert _rel(got, want) < 1e-5  # bf16 accumulation would be ~1e-3
-
-
-@gpu
 def test_no_grad_path_computes_only_the_loss():
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     h, w, labels = _case(2048, 256, 32000, torch.bfloat16, 2)
     with_grad = linear_cross_entropy_triton(h, w, labels, chunk_tokens=512)
@@ -90,7 +66,7 @@ def test_no_grad_path_computes_only_the_loss():
 
 @gpu
 def test_backward_twice_is_a_clear_error():
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     h, w, labels = _case(256, 64, 1000, torch.bfloat16, 3)
     loss = linear_cross_entropy_triton(h, w, labels)
@@ -100,17 +76,15 @@ def test_backward_twice_is_a_clear_error():
 
 
 @gpu
-@pytest.mark.parametrize("strategy", ["addmm", "planes"])
-def test_peak_memory_and_no_host_sync(strategy):
-    """Peak extra memory over fwd+bwd <= dh + the float32 dW (halves or planes) + one chunk of
-    logits; the halves' finish adds at most a quarter of the float32 dW after the logits are
-    gone (no float32 dW + full cast copy); nothing syncs the host."""
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+def test_peak_memory_and_no_host_sync():
+    """Peak extra memory over fwd+bwd <= dh + the float32 dW halves + one chunk of logits; the
+    halves' finish adds at most a quarter of the float32 dW after the logits are gone (no
+    float32 dW + full cast copy); nothing syncs the host."""
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     tokens, hidden, vocab, chunk = 4096, 512, 32768, 512
     h, w, labels = _case(tokens, hidden, vocab, torch.bfloat16, 4)
-    linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk,
-                                strategy=strategy).backward()  # compile
+    linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk).backward()  # compile
     h.grad = w.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -118,7 +92,7 @@ def test_peak_memory_and_no_host_sync(strategy):
     torch.cuda.set_sync_debug_mode("error")
     try:
         dh, dw = torch.autograd.grad(
-            linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk, strategy=strategy),
+            linear_cross_entropy_triton(h, w, labels, chunk_tokens=chunk),
             [h, w])
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -129,23 +103,13 @@ def test_peak_memory_and_no_host_sync(strategy):
     assert dw.dtype == torch.bfloat16 and torch.isfinite(dw).all() and torch.isfinite(dh).all()
 
 
-def test_unknown_strategy_is_a_clear_error():
-    pytest.importorskip("triton")
-    from megacpp.kernels.ops.linear_ce.triton import _forward
-
-    h = torch.zeros(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(MegaCppError, match="unknown dW strategy"):
-        _forward(h, torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long),
-                 -100, 4, True, True, strategy="fp64")
-
-
 # -- CPU: the Triton interpreter ----------------------------------------------------------------
 def _interpreter_check() -> dict:
     """float32 halves accumulated over several chunks == one float32 addmm accumulation; the
     finish scales and casts both halves into one [V, D] tensor and empties the list. Run in a
     fresh process with TRITON_INTERPRET=1 (float32 output: the interpreter's bf16 cast
     truncates instead of rounding)."""
-    from megacpp.kernels.ops.linear_ce import triton as lce
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce
 
     g = torch.Generator().manual_seed(0)
     errors = {}
@@ -171,11 +135,11 @@ def test_interpreter_fp32_halves_accumulate_and_finish() -> None:
 
 
 def _rows_interpreter_check() -> dict:
-    """The CE row kernel, both sweep-1 forms (LANES), against torch's log-softmax: loss rows
+    """The CE row kernel against torch's log-softmax: loss rows
     and the gradient written in place, with ignored rows, a vocab narrower than the block
     (masked lanes that never see a value) and one several blocks wide with a ragged end.
     float32 logits (the interpreter's bf16 cast truncates)."""
-    from megacpp.kernels.ops.linear_ce import triton as lce
+    from megacpp.kernels.ops.linear_cross_entropy import triton as lce
 
     g = torch.Generator().manual_seed(0)
     errors = {}
@@ -190,16 +154,14 @@ def _rows_interpreter_check() -> dict:
         want_loss = torch.where(kept, -logp.gather(1, safe[:, None])[:, 0], 0.0)
         want_grad = (logp.exp() - torch.nn.functional.one_hot(safe, vocab)) * inv_n.double()
         want_grad[~kept] = 0.0
-        for lanes in (False, True):
-            work, loss = logits.clone(), torch.empty(7)
-            lce._ce_rows[(3,)](work, labels, loss, inv_n, 7, work.stride(0), -100, n_cols=vocab,
-                               BLOCK=block, WRITE_GRAD=True, LANES=lanes)
-            key = f"V{vocab}_B{block}_lanes{int(lanes)}"
-            errors[key] = max(float((loss.double() - want_loss).abs().max()),
-                              float((work.double() - want_grad).abs().max()))
+        work, loss = logits.clone(), torch.empty(7)
+        lce._ce_rows[(3,)](work, labels, loss, inv_n, 7, work.stride(0), -100, n_cols=vocab,
+                           BLOCK=block, WRITE_GRAD=True)
+        errors[f"V{vocab}_B{block}"] = max(float((loss.double() - want_loss).abs().max()),
+                                           float((work.double() - want_grad).abs().max()))
     assert all(e < 1e-5 for e in errors.values()), errors  # (a NaN fails here, not in max)
     return errors
 
 
-def test_interpreter_ce_rows_both_forms_match_log_softmax() -> None:
+def test_interpreter_ce_rows_match_log_softmax() -> None:
     run_interpreter_check(__file__, "_rows_interpreter_check")

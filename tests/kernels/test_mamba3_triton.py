@@ -7,15 +7,16 @@ through the Triton interpreter (skipped when triton is not importable, as in CI)
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
-from unittest import mock
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState, mamba3_scan_chunked
+from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
 from tests.kernels.interpreter import run_interpreter_check
 
 GRAD_ARGS = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
@@ -79,7 +80,7 @@ def compare(scan, inputs, reset, chunk_size, tol) -> dict[str, float]:
                                 [ours[n] for n in GRAD_ARGS])
     grads_ref = torch.autograd.grad((y_ref * cot).sum(), [ref[n] for n in GRAD_ARGS])
     errors = {"y": rel(y, y_ref)}
-    for name in Mamba3ScanState._fields[1:]:
+    for name in ("ssm", "k", "v"):
         errors[f"state.{name}"] = rel(getattr(state, name), getattr(state_ref, name))
     errors["state.angle"] = angle_error(state.angle, state_ref.angle) / (2 * math.pi)
     for name, g, g_ref in zip(GRAD_ARGS, grads, grads_ref):
@@ -106,15 +107,18 @@ def same_without_final_state(scan, inputs, reset, chunk_size) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_state_tiles_halve_until_the_grid_fills_the_device() -> None:
-    from megacpp.kernels.ops.mamba3_scan.triton import _state_pairs
+    from megacpp.kernels.launch import DEFAULT
+    from megacpp.kernels.ops.mamba3_scan.configs import CONFIGS
+    from megacpp.kernels.ops.mamba3_scan.op import _state_pairs
 
     # (B * H, pairs padded to a power of two, SMs) -> pairs per program; at least 2 programs
     # per SM, never under 16 pairs, never over N2B
-    assert _state_pairs(8 * 24, 32, 132) == 16  # the nam56r step: 192 programs of 32 -> 384
-    assert _state_pairs(8 * 32, 64, 132) == 32  # the bench: 512 programs of 32
-    assert _state_pairs(2 * 4, 64, 132) == 16
-    assert _state_pairs(8 * 24, 16, 132) == 16
-    assert _state_pairs(4, 64, 1) == 32  # the interpreter's one "SM"
+    config = CONFIGS[DEFAULT]
+    assert _state_pairs(8 * 24, 32, 132, config) == 16  # nam56r step: 192 programs of 32 -> 384
+    assert _state_pairs(8 * 32, 64, 132, config) == 32  # the bench: 512 programs of 32
+    assert _state_pairs(2 * 4, 64, 132, config) == 16
+    assert _state_pairs(8 * 24, 16, 132, config) == 16
+    assert _state_pairs(4, 64, 1, config) == 32  # the interpreter's one "SM"
 
 
 # -- CPU: the Triton interpreter ---------------------------------------------------------------
@@ -130,33 +134,36 @@ def _interpreter_check() -> list[dict[str, float]]:
         scope.set_attr(tensor, "__index__", lambda self: int(np.ravel(self.handle.data)[0]))
 
     interp._patch_lang_tensor = patch
-    from megacpp.kernels.ops.mamba3_scan.triton import TUNING, mamba3_scan_triton
+    from megacpp.kernels.launch import DEFAULT
+    from megacpp.kernels.ops.mamba3_scan.configs import CONFIGS
+    from megacpp.kernels.ops.mamba3_scan.op import mamba3_scan_triton
+
+    def scan(**changes):  # the op under the default settings with ``changes``
+        return functools.partial(mamba3_scan_triton, config=replace(CONFIGS[DEFAULT], **changes))
 
     # 3 chunks of 16 (the last one partial), packed documents, 2 heads per q/k group,
     # odd d_state / headdim / rotated pairs (strided pair loads); the final angle summed over
     # the chunks 2 at a time (the last load partial)
     inputs, reset = make_inputs(batch=2, seqlen=45, groups=1, nheads=2, d_state=10, headdim=12,
                                 n_angles=3, dtype=torch.float32, device="cpu", seed=0)
-    with mock.patch.dict(TUNING, final_chunks=2):
-        errors = compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)
+    errors = compare(scan(final_chunks=2), inputs, reset, chunk_size=16, tol=1e-5)
     # d_state 2 N2B (q, k rows loaded whole and split in two), in two 16-pair state tiles and
     # two 16-pair _bwd_dqk tiles, the second one partly rotated (20 of 32 pairs)
     inputs, reset = make_inputs(batch=1, seqlen=20, groups=1, nheads=2, d_state=64, headdim=16,
                                 n_angles=20, dtype=torch.float32, device="cpu", seed=1)
-    with mock.patch.dict(TUNING, dqk_pairs=16, pairs=16):
-        errors = [errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
+    errors = [errors, compare(scan(dqk_pairs=16, pairs=16), inputs, reset, chunk_size=16,
+                              tol=1e-5)]
     # 2 q/k groups of 2 heads, 3 chunks of 32 (dq, dk summed over a group's heads)
     inputs, reset = make_inputs(batch=2, seqlen=70, groups=2, nheads=4, d_state=12, headdim=8,
                                 n_angles=2, dtype=torch.float32, device="cpu", seed=3)
-    errors = [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=32, tol=1e-5)]
-    same_without_final_state(mamba3_scan_triton, inputs, reset, chunk_size=32)
+    errors = [*errors, compare(scan(), inputs, reset, chunk_size=32, tol=1e-5)]
+    same_without_final_state(scan(), inputs, reset, chunk_size=32)
     # two state tiles of pairs (d_state 40 -> 32 padded pairs, strided pair loads), two
-    # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares), and y before the
-    # gate formed again for dz
-    TUNING.update(dqk_pairs=16, pairs=16, save_y_pre=False)
+    # 16-pair _bwd_dqk tiles (its scalar grads summed from per-tile shares)
     inputs, reset = make_inputs(batch=1, seqlen=40, groups=1, nheads=2, d_state=40, headdim=16,
                                 n_angles=9, dtype=torch.float32, device="cpu", seed=4)
-    return [*errors, compare(mamba3_scan_triton, inputs, reset, chunk_size=16, tol=1e-5)]
+    return [*errors, compare(scan(dqk_pairs=16, pairs=16), inputs, reset, chunk_size=16,
+                             tol=1e-5)]
 
 
 def test_interpreter_matches_reference() -> None:
@@ -165,7 +172,7 @@ def test_interpreter_matches_reference() -> None:
 
 # -- GPU -------------------------------------------------------------------------------------
 def _gpu_scan():
-    from megacpp.kernels.ops.mamba3_scan.triton import mamba3_scan_triton
+    from megacpp.kernels.ops.mamba3_scan.op import mamba3_scan_triton
 
     return mamba3_scan_triton
 

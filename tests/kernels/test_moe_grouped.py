@@ -5,13 +5,16 @@ sync-freedom (GPU)."""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megacpp.kernels.ops.moe.grouped import (
+from megacpp.kernels.ops.moe_experts.grouped import (
     dispatch_plan,
     dispatch_plan_torch,
     gather_sum_torch,
@@ -21,7 +24,7 @@ from megacpp.kernels.ops.moe.grouped import (
     swiglu_weighted_backward_torch,
     swiglu_weighted_torch,
 )
-from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.kernels.ops.moe_experts.reference import moe_experts_reference
 from tests.kernels.interpreter import run_interpreter_check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,25 +158,28 @@ def _plan_cases():  # (tokens, experts, k, experts that get no token)
 def _interpreter_check() -> dict:
     """Run in a fresh process with TRITON_INTERPRET=1 (set before triton is first imported).
     Small blocks so that the plan spans several blocks and the scatter has ragged tails."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.launch import DEFAULT
+    from megacpp.kernels.ops.moe_experts import dispatch
+    from megacpp.kernels.ops.moe_experts.configs import CONFIGS
 
-    kernels.PLAN_BLOCK, kernels.SCATTER_TOKENS, kernels.SCATTER_COLS = 32, 4, 16
+    small = replace(CONFIGS[DEFAULT], plan_block=32, scatter_tokens=4, scatter_cols=16)
     result = {}
     for tokens, experts, k, skip in _plan_cases():  # the counting sort == the stable torch sort
         _, idx, w, _, _ = _inputs(tokens, 8, experts, k, 8, torch.float32, "cpu", tokens, skip)
-        got = dispatch_plan(idx, experts, w)  # takes the Triton plan under the interpreter
+        got = dispatch_plan(idx, experts, w, config=small)  # the Triton plan (interpreter)
         want = dispatch_plan_torch(idx, experts, w)
         for name, a, b in zip(got._fields, got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (tokens, experts, name)
         result[f"plan_t{tokens}_e{experts}"] = "exact"
     src, inv, want = _scatter_case(53, 37, 8, 3, "cpu", 0, (1, 5))  # 53 % 4, 37 % 16 tails
-    assert torch.equal(kernels.scatter_rows_triton(src, inv), want)
+    assert torch.equal(dispatch.scatter_rows_triton(src, inv, config=small), want)
     for skip in ((), (1, 5)):  # forward and backward of the whole path vs the loop reference
         x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float32, "cpu", 2, skip)
         cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(3))
         # with skipped experts, an addend too (added by the gather-sum kernel)
         addend = torch.randn(53, 32, generator=torch.Generator().manual_seed(4)) if skip else None
-        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot, addend)
+        got = _grads(functools.partial(moe_experts_grouped, config=small), x, idx, w, w_in,
+                     w_out, cot, addend)
         ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot, addend)
         assert len(got) == len(ref) == (6 if skip else 5)
         for name, a, b in zip(NAMES, got, ref):
@@ -181,33 +187,37 @@ def _interpreter_check() -> dict:
             assert _rel(a, b) < 1e-5, (skip, name, _rel(a, b))
         for e in skip:
             assert got[3][e].abs().max() == 0 and got[4][e].abs().max() == 0
-    result.update(_interpreter_wgrad(kernels))
-    result.update(_interpreter_grouped_mm(kernels))
+    small = _interpreter_wgrad(small, result)
+    _interpreter_grouped_mm(small, result)
     return result
 
 
-def _interpreter_wgrad(kernels) -> dict:
+def _interpreter_wgrad(config, result: dict):
     """The wgrad kernel with small tiles (16 x 32 and 8 x 32, K blocks of 16): experts without
     rows, one shorter than a K block, ragged K tails, M and N tails, both output dtypes and
     layouts; then the whole float16 path (which takes it) against the float32 loop reference.
     float16: the interpreter's bf16 descriptor loads are wrong (wgrad_triton_ok keeps bf16 off
-    the kernel here; the GPU test runs it in bf16). And the launch-setting choice."""
-    configs = kernels.WGRAD_CONFIGS
-    big, small = configs
-    assert kernels._wgrad_config(272, 768, 16, 132) is small  # 144 tiles of 128: 2 waves
-    assert kernels._wgrad_config(544, 768, 16, 132) is big  # 240 vs 432 tiles: 2 vs 4 waves
-    assert kernels._wgrad_config(1024, 1024, 64, 132) is big  # a tie keeps the larger tile
-    assert kernels._wgrad_config(272, 768, 16, 1000) is small  # one wave each: the smaller
-    result = {}
+    the kernel here; the GPU test runs it in bf16). And the launch-setting choice. Returns
+    ``config`` with the last small wgrad tile (the later paths run it)."""
+    from megacpp.kernels.ops.moe_experts import gemm
+
+    settings = config.wgrad
+    big, small = settings
+    assert gemm.wgrad_setting(272, 768, 16, 132, settings) is small  # 144 tiles of 128: 2 waves
+    assert gemm.wgrad_setting(544, 768, 16, 132, settings) is big  # 240 vs 432 tiles: 2 vs 4
+    assert gemm.wgrad_setting(1024, 1024, 64, 132, settings) is big  # a tie keeps the larger
+    assert gemm.wgrad_setting(272, 768, 16, 1000, settings) is small  # one wave each: smaller
     counts = [0, 7, 48, 0, 37, 16]  # R = 108
     a, b, offs, want = _wgrad_case(108, 40, 24, counts, torch.float16, "cpu", 5)
-    assert kernels.wgrad_triton_ok(a, b)
-    assert not kernels.wgrad_triton_ok(a.bfloat16(), b.bfloat16())
+    assert gemm.wgrad_triton_ok(a, b, config=config)
+    assert not gemm.wgrad_triton_ok(a.bfloat16(), b.bfloat16(), config=config)
+    assert not gemm.wgrad_triton_ok(a, b, config=replace(config, wgrad=()))  # torch's then
     for bm in (16, 8):
-        kernels.WGRAD_CONFIGS = ({**big, "BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 16},)
+        config = replace(config, wgrad=(replace(big, block_m=bm, block_n=32, block_k=16),))
         for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
-            got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype)
-            got_t = kernels.grouped_wgrad_triton(b, a, offs, out_dtype, transpose_out=True)
+            got = gemm.grouped_wgrad_triton(a, b, offs, out_dtype, config=config)
+            got_t = gemm.grouped_wgrad_triton(b, a, offs, out_dtype, transpose_out=True,
+                                              config=config)
             assert got.dtype == got_t.dtype == out_dtype
             assert got.shape == got_t.shape == want.shape
             for name, x in (("", got), ("_t", got_t)):
@@ -215,24 +225,26 @@ def _interpreter_wgrad(kernels) -> dict:
                 result[f"wgrad_m{bm}_{str(out_dtype)[6:]}{name}"] = err
                 assert err < tol, (bm, out_dtype, name, err)
                 assert x[0].abs().max() == 0 and x[3].abs().max() == 0  # experts without rows
-    got, calls = _fp16_path(kernels, "grouped_wgrad_triton", 6, "fp16_path", result)
+    got, calls = _fp16_path(gemm, "grouped_wgrad_triton", 4, config, 6, "fp16_path", result)
     assert sorted(calls) == [False, True]  # dw_in, and dw_out stored transposed
     assert got[3][2].abs().max() == 0 and got[4][2].abs().max() == 0
-    return result
+    return config
 
 
-def _fp16_path(kernels, name, seed, label, result):
-    """The whole float16 MoE path (53 tokens, 8 experts top-3, expert 2 without rows) with
-    ``kernels.<name>`` wrapped to record its calls (their last positional argument), against
-    the float32 loop reference; the errors go to ``result[label/...]``. (got, calls)."""
+def _fp16_path(module, name, arg, config, seed, label, result):
+    """The whole float16 MoE path (53 tokens, 8 experts top-3, expert 2 without rows) under
+    ``config`` with ``module.<name>`` wrapped to record its calls (their positional argument
+    ``arg``), against the float32 loop reference; the errors go to ``result[label/...]``.
+    (got, calls)."""
     x, idx, w, w_in, w_out = _inputs(53, 32, 8, 3, 24, torch.float16, "cpu", seed, (2,))
     cot = torch.randn(53, 32, generator=torch.Generator().manual_seed(seed + 1))
-    kernel, calls = getattr(kernels, name), []
-    setattr(kernels, name, lambda *args: calls.append(args[-1]) or kernel(*args))
+    kernel, calls = getattr(module, name), []
+    setattr(module, name, lambda *args, **kw: calls.append(args[arg]) or kernel(*args, **kw))
     try:
-        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+        got = _grads(functools.partial(moe_experts_grouped, config=config), x, idx, w, w_in,
+                     w_out, cot)
     finally:
-        setattr(kernels, name, kernel)
+        setattr(module, name, kernel)
     ref = _grads(moe_experts_reference, x.float(), idx, w, w_in.float(), w_out.float(), cot)
     for part, a_, b_ in zip(NAMES, got, ref):
         result[f"{label}/{part}"] = _rel(a_, b_)
@@ -255,71 +267,64 @@ def _grouped_mm_case(counts, k, n, trans_b, dtype, device, seed):
     return a, w, ends.to(torch.int32), want
 
 
-def _interpreter_grouped_mm(kernels) -> dict:
+def _with_shapes(config, field: str, tiles: dict):
+    """``config`` with ``tiles`` ((N, K) -> Tile) added to its ``grouped`` or ``swiglu``."""
+    return replace(config, **{field: MappingProxyType({**getattr(config, field), **tiles})})
+
+
+def _interpreter_grouped_mm(config, result: dict) -> None:
     """The expert-GEMM kernel with small tiles (16 x 32, K blocks of 16) in float16 (see
     _interpreter_wgrad): experts without rows, one of a single row, row blocks that run into
     the next expert, ragged K (a block past the weights' K reads zeros, not the next expert's
     rows) and N tails, both layouts of W; which shapes it serves; then the whole float16 path
     with all four expert GEMMs on it."""
-    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
-    saved = dict(kernels.GROUPED_CONFIGS)
-    result = {}
+    from megacpp.kernels.ops.moe_experts import gemm
+    from megacpp.kernels.ops.moe_experts.configs import Tile
+
+    tile = Tile(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
     counts = [0, 21, 1, 0, 40, 17]  # R = 79
     for k, n in ((40, 24), (24, 72)):
         for trans_b in (True, False):
             a, w, offs, want = _grouped_mm_case(counts, k, n, trans_b, torch.float16, "cpu", k)
-            if trans_b:
-                assert not kernels.grouped_mm_ok(a, w, trans_b)  # no setting for (n, k) yet
-            kernels.GROUPED_CONFIGS[(n, k)] = tile
-            assert kernels.grouped_mm_ok(a, w, trans_b)
-            assert not kernels.grouped_mm_ok(a.bfloat16(), w.bfloat16(), trans_b)
-            got = kernels.grouped_mm_triton(a, w, offs, trans_b)
+            assert not gemm.grouped_mm_ok(a, w, trans_b, config=config)  # no setting for it
+            served = _with_shapes(config, "grouped", {(n, k): tile})
+            assert gemm.grouped_mm_ok(a, w, trans_b, config=served)
+            assert not gemm.grouped_mm_ok(a.bfloat16(), w.bfloat16(), trans_b, config=served)
+            got = gemm.grouped_mm_triton(a, w, offs, trans_b, config=served)
             err = _rel(got, want)
             result[f"grouped_mm_k{k}_n{n}_t{int(trans_b)}"] = err
             assert got.shape == want.shape and err < 2e-3, (k, n, trans_b, err)
     # the MoE's shapes at d 32, ffn 24: gate|up (48, 32), down (32, 24), d hidden (24, 32),
     # dx (32, 48), each (N, K)
-    kernels.GROUPED_CONFIGS.update(dict.fromkeys([(48, 32), (32, 24), (24, 32), (32, 48)], tile))
-    try:
-        _, calls = _fp16_path(kernels, "grouped_mm_triton", 8, "fp16_mm_path", result)
-    finally:
-        kernels.GROUPED_CONFIGS.clear()
-        kernels.GROUPED_CONFIGS.update(saved)
+    served = _with_shapes(config, "grouped", dict.fromkeys(
+        [(48, 32), (32, 24), (24, 32), (32, 48)], tile))
+    _, calls = _fp16_path(gemm, "grouped_mm_triton", 3, served, 8, "fp16_mm_path", result)
     assert sorted(calls) == [False, False, True, True]  # gate|up, down; d hidden, dx
-    result.update(_interpreter_swiglu(kernels, tile))
-    return result
+    _interpreter_swiglu(config, tile, result)
 
 
-def _interpreter_swiglu(kernels, tile) -> dict:
+def _interpreter_swiglu(config, tile, result: dict) -> None:
     """gate|up with the SwiGLU in the epilogue (16 hidden columns per program: F = 24 takes
     a ragged second tile): gate|up against float64, hidden against the SwiGLU of the stored
     gate|up; then the whole float16 path taking it."""
-    result = {}
+    from megacpp.kernels.ops.moe_experts import gemm
+
     counts = [0, 21, 1, 0, 40, 17]
     a, w, offs, want = _grouped_mm_case(counts, 40, 48, True, torch.float16, "cpu", 3)
     w_sorted = torch.rand(a.shape[0], generator=torch.Generator().manual_seed(5)) + 0.1
-    assert not kernels.grouped_swiglu_ok(a, w)  # no setting for (48, 40)
-    kernels.SWIGLU_CONFIGS[(48, 40)] = {**tile, "BLOCK_N": 16}
-    try:
-        assert kernels.grouped_swiglu_ok(a, w)
-        gate_up, hidden = kernels.grouped_swiglu_triton(a, w, offs, w_sorted)
-    finally:
-        del kernels.SWIGLU_CONFIGS[(48, 40)]
+    assert not gemm.grouped_swiglu_ok(a, w, config=config)  # no setting for (48, 40)
+    served = _with_shapes(config, "swiglu", {(48, 40): replace(tile, block_n=16)})
+    assert gemm.grouped_swiglu_ok(a, w, config=served)
+    gate_up, hidden = gemm.grouped_swiglu_triton(a, w, offs, w_sorted, config=served)
     result["swiglu_gate_up"] = _rel(gate_up, want)
     result["swiglu_hidden"] = _rel(hidden, swiglu_weighted_torch(gate_up, w_sorted))
     assert gate_up.shape == want.shape and result["swiglu_gate_up"] < 2e-3, result
     assert hidden.shape == (79, 24) and result["swiglu_hidden"] < 1e-3, result
-    saved = dict(kernels.GROUPED_CONFIGS)
-    kernels.GROUPED_CONFIGS.update(dict.fromkeys([(32, 24), (24, 32), (32, 48)], tile))
-    kernels.SWIGLU_CONFIGS[(48, 32)] = {**tile, "BLOCK_N": 16}
-    try:
-        _, calls = _fp16_path(kernels, "grouped_swiglu_triton", 8, "fp16_swiglu_path", result)
-    finally:
-        kernels.GROUPED_CONFIGS.clear()
-        kernels.GROUPED_CONFIGS.update(saved)
-        del kernels.SWIGLU_CONFIGS[(48, 32)]
+    served = _with_shapes(config, "grouped", dict.fromkeys([(32, 24), (24, 32), (32, 48)], tile))
+    served = _with_shapes(served, "swiglu", {(48, 32): replace(tile, block_n=16)})
+    _, calls = _fp16_path(gemm, "grouped_swiglu_triton", 3, served, 8, "fp16_swiglu_path",
+                          result)
     assert len(calls) == 1  # gate|up with the SwiGLU, once
-    return result
 
 
 def test_interpreter_kernels_match_reference() -> None:
@@ -339,7 +344,7 @@ def test_moe_plan_triton_matches_torch_sort():
 
 @pytest.mark.gpu
 def test_moe_triton_kernels_match_torch_steps():
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.ops.moe_experts import dispatch, swiglu
 
     g = torch.Generator("cuda").manual_seed(0)
     for ffn in (96, 1000):  # one F block / several, with a ragged tail
@@ -347,30 +352,31 @@ def test_moe_triton_kernels_match_torch_steps():
         w = torch.rand(301, generator=g, device="cuda")
         dh = torch.randn(301, ffn, generator=g, device="cuda").bfloat16()
         order = torch.randperm(301, generator=g, device="cuda")
-        assert _rel(kernels.swiglu_weighted_triton(gate_up, w),
+        assert _rel(swiglu.swiglu_weighted_triton(gate_up, w),
                     swiglu_weighted_torch(gate_up, w)) < 1e-2
-        dgu, dw = kernels.swiglu_weighted_backward_triton(gate_up, w, dh, order, torch.float32)
+        dgu, dw = swiglu.swiglu_weighted_backward_triton(gate_up, w, dh, order, torch.float32)
         want_dgu, want_dw = swiglu_weighted_backward_torch(gate_up, w, dh, order, torch.float32)
         assert _rel(dgu, want_dgu) < 1e-2 and _rel(dw, want_dw) < 1e-5
     src = torch.randn(600, 3000, generator=g, device="cuda").bfloat16()
     inv = torch.randperm(600, generator=g, device="cuda").view(200, 3)
-    assert _rel(kernels.gather_sum_triton(src, inv), gather_sum_torch(src, inv)) < 1e-2
+    assert _rel(dispatch.gather_sum_triton(src, inv), gather_sum_torch(src, inv)) < 1e-2
     add = torch.randn(200, 3000, generator=g, device="cuda").bfloat16()
-    assert _rel(kernels.gather_sum_triton(src, inv, add), gather_sum_torch(src, inv, add)) < 1e-2
+    assert _rel(dispatch.gather_sum_triton(src, inv, add),
+                gather_sum_torch(src, inv, add)) < 1e-2
     for tokens, cols, k in ((1003, 1000, 8), (700, 3000, 2), (16, 1024, 3)):
         # the row scatter is a copy: exact, ragged token and column tails included
         src, inv, want = _scatter_case(tokens, cols, 64, k, "cuda", cols, (5,), torch.bfloat16)
         assert torch.equal(scatter_rows_torch(src, inv), want)
         poison = torch.full_like(want, float("nan"))
         del poison  # the caching allocator hands this block to the scatter's output
-        assert torch.equal(kernels.scatter_rows_triton(src, inv), want)  # every row written
+        assert torch.equal(dispatch.scatter_rows_triton(src, inv), want)  # every row written
 
 
 @pytest.mark.gpu
 def test_grouped_wgrad_triton_against_float64():
     """The step's shapes (d 768, ffn 272, 16 experts) with an expert without rows and one
     shorter than a K block; every element checked (the output's memory held NaN before)."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.ops.moe_experts import gemm
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the wgrad kernel's tensor-memory loads need sm90+")
@@ -384,7 +390,7 @@ def test_grouped_wgrad_triton_against_float64():
         for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
             poison = torch.full(want.shape, float("nan"), device="cuda", dtype=out_dtype)
             del poison  # the caching allocator hands this block to the kernel's output
-            got = kernels.grouped_wgrad_triton(a, b, offs, out_dtype, transpose_out)
+            got = gemm.grouped_wgrad_triton(a, b, offs, out_dtype, transpose_out)
             assert got.shape == want.shape and got.dtype == out_dtype
             assert not got.isnan().any()
             assert _rel(got, want) < tol, (m, transpose_out, out_dtype, _rel(got, want))
@@ -392,44 +398,47 @@ def test_grouped_wgrad_triton_against_float64():
 
 
 @pytest.mark.gpu
-def test_grouped_mm_triton_against_float64(monkeypatch):
+def test_grouped_mm_triton_against_float64():
     """The expert GEMMs at the step's shapes it serves (gate|up: N 544, K 768, W^T; d hidden:
     N 272, K 768) and at every other shape of the step with the same launch setting, and
-    gate|up with the SwiGLU in its epilogue at every shape in SWIGLU_CONFIGS; an expert
+    gate|up with the SwiGLU in its epilogue at every shape the config serves; an expert
     without rows and one of a single row; every element of the output checked (its memory held
     NaN before)."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.launch import for_device
+    from megacpp.kernels.ops.moe_experts import gemm, swiglu
+    from megacpp.kernels.ops.moe_experts.configs import CONFIGS
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the kernel's tensor-memory loads need sm90+")
+    shipped = for_device(CONFIGS, torch.device("cuda"))
     counts = [700, 0, 1, 1500, *([2000] * 12), 797]
     for k, n, trans_b in ((768, 544, True), (768, 272, False), (272, 768, True),
                           (544, 768, False)):
         a, w, offs, want = _grouped_mm_case(counts, k, n, trans_b, torch.bfloat16, "cuda", n)
-        if (n, k) not in kernels.GROUPED_CONFIGS:  # the shipped setting at an unshipped shape
-            monkeypatch.setitem(kernels.GROUPED_CONFIGS, (n, k),
-                                kernels.GROUPED_CONFIGS[(544, 768)])
-        assert kernels.grouped_mm_ok(a, w, trans_b)
+        # the shipped setting, at an unshipped shape too
+        config = _with_shapes(shipped, "grouped", {(n, k): shipped.grouped[(544, 768)]}
+                              if (n, k) not in shipped.grouped else {})
+        assert gemm.grouped_mm_ok(a, w, trans_b, config=config)
         poison = torch.full(want.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
         del poison  # the caching allocator hands this block to the kernel's output
-        got = kernels.grouped_mm_triton(a, w, offs, trans_b)
+        got = gemm.grouped_mm_triton(a, w, offs, trans_b, config=config)
         assert got.shape == want.shape and not got.isnan().any()
         assert _rel(got, want) < 8e-3, (k, n, trans_b, _rel(got, want))
     # gate|up with the SwiGLU in the epilogue at every shape it serves (the step's, the
     # bench's e64_k8 and e16_k2): gate|up against float64, hidden against the separate SwiGLU
     # kernel on the stored gate|up
-    for two_f, d in kernels.SWIGLU_CONFIGS:
+    for two_f, d in shipped.swiglu:
         a, w, offs, want = _grouped_mm_case(counts[:8], d, two_f, True, torch.bfloat16, "cuda",
                                             two_f)
-        assert kernels.grouped_swiglu_ok(a, w)
+        assert gemm.grouped_swiglu_ok(a, w)
         w_sorted = torch.rand(a.shape[0], device="cuda") + 0.1
         poison = [torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
                   for n in (two_f, two_f // 2)]
         del poison  # the caching allocator hands these blocks to gate|up and hidden
-        gate_up, hidden = kernels.grouped_swiglu_triton(a, w, offs, w_sorted)
+        gate_up, hidden = gemm.grouped_swiglu_triton(a, w, offs, w_sorted)
         assert not gate_up.isnan().any() and not hidden.isnan().any()
         assert _rel(gate_up, want) < 8e-3, (two_f, d, _rel(gate_up, want))
-        assert torch.equal(hidden, kernels.swiglu_weighted_triton(gate_up, w_sorted)), (two_f, d)
+        assert torch.equal(hidden, swiglu.swiglu_weighted_triton(gate_up, w_sorted)), (two_f, d)
 
 
 @pytest.mark.gpu
@@ -442,29 +451,34 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
     Triton kernel, and (grouped_triton) all four expert GEMMs on the Triton kernel (gate|up with
     the SwiGLU in its epilogue); and under autocast with float32 weights, whose gradients come
     back float32."""
-    from megacpp.kernels.ops.moe import triton as kernels
+    from megacpp.kernels.launch import for_device
+    from megacpp.kernels.ops.moe_experts import gemm
+    from megacpp.kernels.ops.moe_experts.configs import CONFIGS
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm needs sm90+")
-    monkeypatch.setattr(kernels, "WGRAD_ON_GPU", wgrad_triton)
+    shipped = for_device(CONFIGS, torch.device("cuda"))
     # d 256, ffn 192: gate|up (384, 256), down (256, 192), d hidden (192, 256), dx (256, 384)
     shapes = [(384, 256), (256, 192), (192, 256), (256, 384)]
-    monkeypatch.setattr(kernels, "GROUPED_CONFIGS", dict.fromkeys(
-        shapes if grouped_triton else [], kernels.GROUPED_CONFIGS[(544, 768)]))
-    monkeypatch.setattr(kernels, "SWIGLU_CONFIGS", dict.fromkeys(  # gate|up's epilogue SwiGLU
-        shapes[:1] if grouped_triton else [], kernels.SWIGLU_CONFIGS[(544, 768)]))
+    config = replace(
+        shipped, wgrad=shipped.wgrad if wgrad_triton else (),
+        grouped=MappingProxyType(dict.fromkeys(shapes if grouped_triton else [],
+                                               shipped.grouped[(544, 768)])),
+        swiglu=MappingProxyType(dict.fromkeys(  # gate|up's epilogue SwiGLU
+            shapes[:1] if grouped_triton else [], shipped.swiglu[(544, 768)])))
+    moe = functools.partial(moe_experts_grouped, config=config)
     calls = []
-    kernel = kernels.grouped_wgrad_triton
-    monkeypatch.setattr(kernels, "grouped_wgrad_triton",
-                        lambda *args: calls.append(args[-1]) or kernel(*args))
+    kernel = gemm.grouped_wgrad_triton
+    monkeypatch.setattr(gemm, "grouped_wgrad_triton",
+                        lambda *args, **kw: calls.append(args[4]) or kernel(*args, **kw))
     x, idx, w, w_in, w_out = _inputs(1000, 256, 16, 4, 192, torch.bfloat16, "cuda", 4, skip)
     cot = torch.randn(1000, 256, device="cuda")
     ref = _grads(moe_experts_reference, x, idx, w, w_in, w_out, cot)
-    _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)  # warm up (Triton compiles)
+    _grads(moe, x, idx, w, w_in, w_out, cot)  # warm up (Triton compiles)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = _grads(moe_experts_grouped, x, idx, w, w_in, w_out, cot)
+        got = _grads(moe, x, idx, w, w_in, w_out, cot)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for name, a, b in zip(("out", "dx", "dw", "dw_in", "dw_out"), got, ref):
@@ -474,7 +488,7 @@ def test_grouped_cuda_matches_reference_without_host_sync(skip, wgrad_triton, gr
     assert len(calls) == (4 if wgrad_triton else 0)  # dw_in and dw_out, warm-up and run
     masters = [t.float() for t in (x, w_in, w_out)]
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        got = _grads(moe_experts_grouped, masters[0], idx, w, *masters[1:], cot)
+        got = _grads(moe, masters[0], idx, w, *masters[1:], cot)
     assert got[3].dtype == got[4].dtype == torch.float32
     for name, a, b in zip(("out", "dx", "dw", "dw_in", "dw_out"), got, ref):
         assert _rel(a, b) < 1e-2, ("autocast", name)

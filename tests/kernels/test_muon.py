@@ -1,8 +1,9 @@
-"""Muon's kernels (``ops.muon``): the foreach reference against the formulas, the fused
-Triton passes against the reference on fresh random inputs (GPU), captured in a CUDA graph and
-replayed, and the catalog rows. Newton-Schulz's polynomial: the reference against the float64
-formula; the symmetric Triton kernel against it (GPU), and Newton-Schulz with it, eager and
-replayed. Newton-Schulz's last product in the input's orientation equals the transposed form."""
+"""Muon's kernels (``ops/muon_momentum``, ``ops/muon_apply``, ``ops/muon_polynomial``): the
+foreach references against the formulas, the fused Triton passes against the references on
+fresh random inputs (GPU), captured in a CUDA graph and replayed, and the catalog rows.
+Newton-Schulz's polynomial: the reference against the float64 formula; the symmetric Triton
+kernel against it (GPU), and Newton-Schulz with it, eager and replayed. Newton-Schulz's last
+product in the input's orientation equals the transposed form."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import pytest
 import torch
 
 from megacpp.kernels.catalog import KernelSelectionError
-from megacpp.kernels.ops.muon.reference import (
-    muon_apply_reference,
-    muon_momentum_reference,
-    muon_polynomial_reference,
-)
+from megacpp.kernels.ops.muon_apply.reference import muon_apply_reference
+from megacpp.kernels.ops.muon_momentum.reference import muon_momentum_reference
+from megacpp.kernels.ops.muon_polynomial.reference import muon_polynomial_reference
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.runtime import kernel_mode_override, resolve
 from megacpp.train.optim import NS_COEFFS, newton_schulz
@@ -208,7 +207,7 @@ GPU_SHAPES = [(96, 130), (3, 96, 130), (96, 130), (7, 96, 130), (1, 96, 130)]
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_fused_momentum_matches_the_reference(nesterov, out_dtype, scaled):
-    from megacpp.kernels.ops.muon.triton import muon_momentum_triton
+    from megacpp.kernels.ops.muon_momentum.triton import muon_momentum_triton
 
     cuda = _cuda()
     for seed in range(3):  # fresh inputs each round
@@ -234,7 +233,7 @@ def test_fused_momentum_matches_the_reference(nesterov, out_dtype, scaled):
 @pytest.mark.parametrize("lr_on_device", [False, True])
 @pytest.mark.parametrize("ortho_dtype", [torch.bfloat16, torch.float32])
 def test_fused_apply_matches_the_reference(lr_on_device, ortho_dtype):
-    from megacpp.kernels.ops.muon.triton import muon_apply_triton
+    from megacpp.kernels.ops.muon_apply.triton import muon_apply_triton
 
     cuda = _cuda()
     for seed in range(3):
@@ -255,7 +254,8 @@ def test_fused_passes_captured_in_a_cuda_graph_replay_as_eager_steps():
     """Momentum then apply, captured once (address tables copied inside the capture) and
     replayed with new gradients and lrs written into the captured tensors, equals the
     reference stepped eagerly with the same values."""
-    from megacpp.kernels.ops.muon.triton import muon_apply_triton, muon_momentum_triton
+    from megacpp.kernels.ops.muon_apply.triton import muon_apply_triton
+    from megacpp.kernels.ops.muon_momentum.triton import muon_momentum_triton
 
     cuda = _cuda()
     params, grads = _tensors(GPU_SHAPES, cuda, 50), _tensors(GPU_SHAPES, cuda, 51)
@@ -298,7 +298,8 @@ def test_fused_passes_captured_in_a_cuda_graph_replay_as_eager_steps():
 
 @gpu
 def test_fused_passes_refuse_what_they_cannot_take():
-    from megacpp.kernels.ops.muon.triton import muon_apply_triton, muon_momentum_triton
+    from megacpp.kernels.ops.muon_apply.triton import muon_apply_triton
+    from megacpp.kernels.ops.muon_momentum.triton import muon_momentum_triton
 
     cuda = _cuda()
     half = [torch.zeros(4, 4, device=cuda, dtype=torch.bfloat16)]
@@ -333,7 +334,10 @@ def test_symmetric_polynomial_matches_the_formula(dtype, batch, m, normalize):
     first step's normalization: Gram matrices of X of norm 7, each scaled by its own trace):
     within the dtype's rounding of the float64 formula, no worse than the cuBLAS reference
     (which rounds twice), exactly symmetric, every element written."""
-    from megacpp.kernels.ops.muon.triton import muon_polynomial_triton, polynomial_triton_ok
+    from megacpp.kernels.ops.muon_polynomial.triton import (
+        muon_polynomial_triton,
+        polynomial_triton_ok,
+    )
 
     cuda = _hopper()
     eps = 1e-7 if normalize else None
@@ -379,7 +383,10 @@ def test_symmetric_polynomial_passes_kernels_check_and_times_as_a_graph():
 def test_symmetric_polynomial_runs_the_reference_where_it_cannot_launch():
     """m not a multiple of 8 (TMA rows of whole 16 bytes) and a non-contiguous input: the
     reference's result, bit for bit."""
-    from megacpp.kernels.ops.muon.triton import muon_polynomial_triton, polynomial_triton_ok
+    from megacpp.kernels.ops.muon_polynomial.triton import (
+        muon_polynomial_triton,
+        polynomial_triton_ok,
+    )
 
     cuda = _hopper()
     odd = _symmetric(2, 36, torch.bfloat16, cuda, 7)

@@ -99,8 +99,8 @@ def test_rmsnorm_bf16_residual_into_float32_stream() -> None:
 @gpu
 def test_linear_ce_dw_against_fp32_at_lm_head_scale() -> None:
     """A vocab that needs several chunks and several column blocks per row; dW vs fp32."""
-    from megacpp.kernels.ops.linear_ce.reference import linear_cross_entropy_reference
-    from megacpp.kernels.ops.linear_ce.triton import linear_cross_entropy_triton
+    from megacpp.kernels.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+    from megacpp.kernels.ops.linear_cross_entropy.triton import linear_cross_entropy_triton
 
     gen = torch.Generator("cuda").manual_seed(3)
     h = torch.randn(4096, 512, device="cuda", generator=gen).bfloat16().requires_grad_()

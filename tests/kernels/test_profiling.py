@@ -11,7 +11,7 @@ import torch
 
 from megacpp.kernels.profiling import family_breakdown, format_breakdown, kernel_family
 
-OURS = {"_bwd_dqk": "mamba3_scan", "_ce_rows": "linear_ce"}
+OURS = {"_bwd_dqk": "mamba3_scan", "_ce_rows": "linear_cross_entropy"}
 
 
 @pytest.mark.parametrize("name, family", [
@@ -33,7 +33,7 @@ def test_kernel_family(name, family):
 def test_breakdown_sums_per_step_and_sorts():
     rows = family_breakdown([("_bwd_dqk", 3000.0), ("nvjet_a", 1000.0), ("nvjet_b", 500.0),
                              ("_ce_rows", 2500.0), ("_bwd_dqk", 3000.0)], steps=2, ours=OURS)
-    assert [r["family"] for r in rows] == ["ours: mamba3_scan", "ours: linear_ce",
+    assert [r["family"] for r in rows] == ["ours: mamba3_scan", "ours: linear_cross_entropy",
                                            "GEMM (cuBLAS / CUTLASS)"]
     assert rows[0]["ms_per_step"] == pytest.approx(3.0) and rows[0]["share"] == pytest.approx(0.6)
     assert rows[2]["top"] == [("nvjet_a", 0.5), ("nvjet_b", 0.25)]
@@ -46,7 +46,7 @@ def test_our_kernels_come_from_the_ops_modules():
     from megacpp.kernels.profiling import our_kernels
 
     ours = our_kernels()
-    assert ours["_bwd_dqk"] == "mamba3_scan" and ours["_ce_rows"] == "linear_ce"
+    assert ours["_bwd_dqk"] == "mamba3_scan" and ours["_ce_rows"] == "linear_cross_entropy"
     assert ours["_sum_rows"] == "sum_rows"  # a shared kernel module beside the surfaces
     assert "_last" not in ours  # defined in two modules: either could own it
 

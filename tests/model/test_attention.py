@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megacpp.kernels.catalog import KernelSelectionError
-from megacpp.kernels.ops.attention.document import document_causal_mask
+from megacpp.kernels.ops.document_attention.reference import document_causal_mask
 from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
 from megacpp.model.attention import GroupedQueryAttention
 

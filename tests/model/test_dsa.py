@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megacpp.errors import ConfigError
-from megacpp.kernels.ops.attention.document import document_causal_mask
+from megacpp.kernels.ops.document_attention.reference import document_causal_mask
 from megacpp.kernels.ops.sparse_attention import (
     allowed_keys,
     gather_keys,

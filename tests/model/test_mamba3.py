@@ -108,10 +108,10 @@ def test_prefill_into_a_zero_cache_is_the_scan_without_initial_state():
     y = mixer(x, cache=cache)
     assert not cache.is_zero()
     inputs = mixer._scan_inputs(x)
-    zero = mixer.init_cache(2, dtype=F64).scan_state()
+    zero = mixer.init_cache(2, dtype=F64)
     y_ref, final_ref = mamba3_scan_chunked(**inputs, initial_state=zero, chunk_size=8)
     torch.testing.assert_close(y, mixer.out_proj(y_ref.flatten(2)), rtol=1e-12, atol=1e-13)
-    for got, want in zip(cache.scan_state(), final_ref):
+    for got, want in zip(cache.tensors(), final_ref.tensors(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
 
 
@@ -130,7 +130,7 @@ def test_gpu_first_prefill_uses_the_fast_scan_and_matches_the_reference():
         with kernel_mode_override(mode):
             cache = mixer.init_cache(2, device="cuda", dtype=torch.float32)
             y = torch.cat([mixer(x[:, :150], cache=cache), mixer(x[:, 150:], cache=cache)], 1)
-        results[mode] = (y.float(), [t.float() for t in cache.scan_state()])
+        results[mode] = (y.float(), [t.float() for t in cache.tensors()])
         if mode == "auto":
             assert chosen_kernels()["mamba3_scan"] == "triton_chunked"
     (y_ref, s_ref), (y, s) = results["reference"], results["auto"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megacpp.kernels.ops.moe.reference import moe_experts_reference
+from megacpp.kernels.ops.moe_experts.reference import moe_experts_reference
 from megacpp.model.moe import MoE
 
 

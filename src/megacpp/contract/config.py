@@ -19,11 +19,11 @@ Other tables in the same file (model, train...) are ignored here.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megacpp._config import read_toml
 from megacpp.contract.fingerprint import DEFAULT_CONTRACT_PACKAGES, contract_packages
 from megacpp.errors import ConfigError
 
@@ -50,14 +50,7 @@ def load_contract_config(path: str | os.PathLike[str] | None) -> ContractConfig:
     if path is None:
         return ContractConfig()
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text("utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    data = read_toml(path, "config file")
     return config_from_dict(data, source=str(path))
 
 

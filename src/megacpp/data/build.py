@@ -32,7 +32,6 @@ import fcntl
 import json
 import os
 import shutil
-import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
@@ -53,7 +52,8 @@ from rich.progress import (
 )
 
 from megacpp import __version__, configs
-from megacpp._io import sha256_file
+from megacpp._config import build_section, check_keys, parse_toml, read_toml
+from megacpp._io import fsync_path, sha256_file
 from megacpp.data.config import CorpusConfig
 from megacpp.data.curate import curate_stream
 from megacpp.data.document import Document
@@ -151,12 +151,9 @@ class BuildConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildConfig:
         """Validate ``data`` (unknown tables/keys and bad values raise :class:`ConfigError`)."""
-        _known_keys(data, ("corpus", "tokenizer", "structure", "packing"), "the build config")
-        corpus = data.get("corpus", {})
-        if not isinstance(corpus, dict):
-            raise ConfigError("[corpus] must be a table")
+        check_keys(data, ("corpus", "tokenizer", "structure", "packing"), "the build config")
         return cls(
-            corpus=CorpusConfig.from_dict(corpus),
+            corpus=CorpusConfig.from_dict(data.get("corpus", {})),
             tokenizer=_section(TokenizerConfig, data, "tokenizer"),
             structure=_section(StructureConfig, data, "structure"),
             packing=_section(PackingConfig, data, "packing"),
@@ -169,15 +166,8 @@ class BuildConfig:
             text = configs.shipped("data", path)
             if text is None:
                 raise configs.unknown("data", path)
-            return cls.from_dict(tomllib.loads(text))
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read build config {path}: {exc}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-        return cls.from_dict(data)
+            return cls.from_dict(parse_toml(text, f"shipped build config {path!r}"))
+        return cls.from_dict(read_toml(path, "build config"))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, and accepted back by :meth:`from_dict`."""
@@ -195,29 +185,9 @@ def _require(ok: bool, name: str, accepted: str) -> None:
         raise ConfigError(f"{name}: expected {accepted}")
 
 
-def _known_keys(data: dict[str, Any], known: Sequence[str], where: str) -> None:
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"unknown key(s) {', '.join(unknown)} in {where}; known keys: {', '.join(known)}"
-        )
-
-
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
     """Build dataclass ``cls`` from table ``data[name]``, checking keys and value types."""
-    table = data.get(name, {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{name}] must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    _known_keys(table, list(fields), f"[{name}]")
-    for key, value in table.items():
-        expected = type(getattr(cls(), key))
-        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            raise ConfigError(f"{name}.{key}: expected {expected.__name__}, got {value!r}")
-    section = cls(**table)
+    section = build_section(cls, data.get(name, {}), name)
     section.validate()
     return section
 
@@ -684,17 +654,9 @@ def _publish(staging: Path, out: Path) -> None:
     if out.exists():
         os.replace(out, old)
     os.replace(staging, out)
-    _fsync_dir(out.parent)
+    fsync_path(out.parent)
     if old.exists():
         shutil.rmtree(old)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager

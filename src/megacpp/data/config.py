@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megacpp._config import check_keys
 from megacpp.errors import ConfigError
 
 NON_UTF8_POLICIES = ("drop", "replace")
@@ -83,16 +84,7 @@ class CorpusConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> CorpusConfig:
         """Build from a TOML ``[corpus]`` table; unknown keys and bad values raise
         :class:`ConfigError` naming the field and what it accepts."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"corpus: expected a table, got {type(data).__name__}")
-        known = field_names()
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"corpus: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                f"known keys: {', '.join(known)}"
-            )
-        return cls(**data)
+        return cls(**check_keys(data, field_names(), "[corpus]"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain TOML/JSON-friendly values (tuples become lists), for manifests."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -29,10 +30,10 @@ from megacpp.errors import MegaCppError
 Role = Literal["chosen", "fallback", "donor", "deferred"]
 ROLES: tuple[Role, ...] = ("chosen", "fallback", "donor", "deferred")
 
-DTYPE_NAMES = {
+DTYPE_NAMES = MappingProxyType({
     "float64": torch.float64, "float32": torch.float32,
     "bfloat16": torch.bfloat16, "float16": torch.float16,
-}
+})
 
 
 class KernelSelectionError(MegaCppError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -30,7 +31,8 @@ from megacpp.kernels.catalog import (
 )
 
 # relative-error tolerance by operand dtype (float32: ~1e-5; bf16 operands: 1e-3..1e-2)
-TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
+TOLERANCE = MappingProxyType({"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2,
+                              "float16": 5e-3})
 
 
 @dataclass

@@ -4,8 +4,8 @@ arithmetic they size them with.
 Host time matters where a call issues many small launches (the MoE's forward issues three small
 ones before its first GEMM, each on an idle GPU): ``torch.cuda.get_device_capability`` costs ~5 us
 per call on the H100 machine, and Triton 3.6's ``triton.cdiv`` / ``triton.next_power_of_2``
-are ``ConstexprFunction`` objects whose host call costs 1.7-3.8 us (benchmarks/results/kernels/
-h100_s32), where these plain-int versions cost ~0.1 us."""
+are ``ConstexprFunction`` objects whose host call costs 1.7-3.8 us, where these plain-int
+versions cost ~0.1 us."""
 
 from __future__ import annotations
 

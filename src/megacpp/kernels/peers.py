@@ -86,16 +86,16 @@ def mamba3_siso_combined(
 
     Packed documents (``reset``) are refused (:class:`BackendUnsupported`). Its varlen form,
     the rows cut into sequences at every document start (``cu_seqlens``), did not give this
-    surface's function on an H100 (session 34, ``h100_s34/peer_nan_probe.py``): 10-21%
-    relative error against the float64 reference, and NaN at the end of some documents, while
-    the same inputs without documents agreed to 3e-3. Whether its varlen path or that
-    adaptation is at fault was not settled. The bench cases have no documents."""
+    surface's function on an H100: 10-21% relative error against the float64 reference, and
+    NaN at the end of some documents, while the same inputs without documents agreed to 3e-3.
+    Whether its varlen path or that adaptation is at fault was not settled. The bench cases
+    have no documents."""
     if reset is not None and bool(reset.any()):
         raise BackendUnsupported(
             "mamba_ssm is measured without packed documents: its varlen form gave 10-21% "
-            "relative error and NaN against this surface's reference on an H100 (session 34)")
+            "relative error and NaN against this surface's reference on an H100")
     peer = _mamba3_siso_module().mamba3_siso_combined
-    states = None if initial_state is None else tuple(initial_state)
+    states = None if initial_state is None else initial_state.tensors()
     return peer(q, k, v, adt.transpose(1, 2).contiguous(), dt.transpose(1, 2).contiguous(),
                 trap.transpose(1, 2).contiguous(), q_bias, k_bias, angles, D, z,
                 Input_States=states, chunk_size=chunk_size)
@@ -114,7 +114,7 @@ def fla_check_guard(facts: DeviceFacts) -> str | None:
     backward on Hopper with Triton 3.4.0 up to 3.7.1 (``chunk_bwd_dqkwg`` is miscompiled, fla
     issue 640). :func:`fla_chunk_gated_delta_rule` lifts that guard so the bench can time it,
     but its gradients cannot be checked: on an H100 with Triton 3.6 the check case faulted with
-    an illegal memory access (session 34)."""
+    an illegal memory access."""
     triton = _version("triton")
     hopper = facts.type == "cuda" and facts.capability is not None and facts.capability[0] == 9
     if hopper and triton is not None and (3, 4, 0) <= triton < (3, 7, 1):

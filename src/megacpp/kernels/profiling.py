@@ -1,9 +1,10 @@
 """Where a step's GPU time goes: profiler kernels grouped into families.
 
-A family is either one of our ops modules (its Triton kernels, found by name in
-``megacpp.kernels.ops.<module>.triton``, so a new kernel is counted without a list to update) or a kind of library kernel recognised by its name (cuBLAS / CUTLASS GEMMs, grouped
-GEMMs, attention, the optimizer, Inductor's generated kernels, PyTorch's elementwise and
-reduction kernels, copies). :func:`family_breakdown` takes ``(name, device us)`` pairs, e.g.
+A family is either one of our ops (its Triton kernels, found by name in the modules of
+``megacpp.kernels.ops.<surface>``, so a new kernel is counted without a list to update) or a
+kind of library kernel recognised by its name (cuBLAS / CUTLASS GEMMs, grouped GEMMs,
+attention, the optimizer, Inductor's generated kernels, PyTorch's elementwise and reduction
+kernels, copies). :func:`family_breakdown` takes ``(name, device us)`` pairs, e.g.
 the CUDA rows of ``torch.profiler``'s ``key_averages()``, which also covers the kernels a
 replayed CUDA graph runs.
 """
@@ -58,10 +59,10 @@ def kernel_times_us(fn: Callable[[], object], calls: int = 10) -> dict[str, floa
 
 @functools.cache
 def our_kernels() -> dict[str, str]:
-    """Triton kernel name -> ops module (``mamba3_scan``, ``linear_ce``, ...) for every JIT
-    function of ``megacpp.kernels.ops.<surface>.triton`` and of the shared kernel modules
-    beside them (``megacpp.kernels.ops.sum_rows``); a name defined in two modules is left out:
-    it could be either. Empty without triton."""
+    """Triton kernel name -> its op (``mamba3_scan``, ``linear_cross_entropy``, ...) for every
+    JIT function defined in ``megacpp.kernels.ops.<surface>`` (any of its modules) and in the
+    shared kernel modules beside them (``megacpp.kernels.ops.sum_rows``); a name defined by two
+    ops is left out: it could be either. Empty without triton."""
     try:
         import triton
     except ImportError:
@@ -69,15 +70,15 @@ def our_kernels() -> dict[str, str]:
     from megacpp.kernels import ops
 
     owners: dict[str, set[str]] = {}
-    for info in pkgutil.iter_modules(ops.__path__):
-        path = f"megacpp.kernels.ops.{info.name}" + (".triton" if info.ispkg else "")
+    for info in pkgutil.walk_packages(ops.__path__, prefix=f"{ops.__name__}."):
         try:
-            module = importlib.import_module(path)
-        except ImportError:  # a surface without Triton kernels of its own
+            module = importlib.import_module(info.name)
+        except ImportError:  # a module whose optional dependency is missing
             continue
         for name, obj in vars(module).items():
-            if isinstance(obj, triton.runtime.JITFunction):
-                owners.setdefault(name, set()).add(info.name)
+            if isinstance(obj, triton.runtime.JITFunction) and obj.fn.__module__ == info.name:
+                op = info.name.removeprefix(f"{ops.__name__}.").split(".")[0]
+                owners.setdefault(name, set()).add(op)
     return {name: next(iter(s)) for name, s in owners.items() if len(s) == 1}
 
 

@@ -89,8 +89,8 @@ def _select(surface: str, device: torch.device, dtype: str, mode: str) -> Select
     """A selection not made before. Opaque to torch.compile: a first call under tracing is one
     graph break here, instead of dynamo tracing the catalog's construction (it ignores
     ``functools.cache``), which broke the graph at every backend's ``torch.compiler.disable``
-    and compiled each lazily imported callable as a frame of its own (session 15: the
-    recompile limit for ``_lazy`` was hit once the catalog had more than 8 such rows)."""
+    and compiled each lazily imported callable as a frame of its own (the recompile limit for
+    ``declare.lazy`` is hit once the catalog has more than 8 such rows)."""
     catalog = default_catalog()
     if mode == "reference":
         fallback = catalog.of(surface, "fallback")[0]

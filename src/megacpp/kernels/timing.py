@@ -112,7 +112,7 @@ def capture_fwd_bwd(
     # still hold an autograd graph over its own (an output kept from an earlier call), and
     # those leaves' gradient accumulators, made on the stream of that call, would be synced
     # with inside the capture, which CUDA refuses ("operation would make the legacy stream
-    # depend on a capturing blocking stream": three probes of sessions 24-25 hit it)
+    # depend on a capturing blocking stream")
     inputs = {name: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
               else t for name, t in inputs.items()}
     with torch.cuda.device(device):
@@ -273,8 +273,8 @@ def matmul_peak_tflops(n: int = 8192, iters: int = 100, settle_s: float = 2.0) -
     Measure it in the same run as what it divides (the card's clock drops under power limits).
     The GEMM first runs back to back for ``settle_s`` seconds, so that the card reaches the
     power-limited clock it keeps under sustained work (a training step's) before it is timed:
-    with 10 warm-up calls the same H100 gave 726-786 TFLOP/s in four processes of one call
-    (benchmarks/results/train_step_h100_s19), MFU moving by 8% with the step's time still."""
+    with 10 warm-up calls the same H100 gave 726-786 TFLOP/s in four processes, MFU moving by
+    8% with the step's time still."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()

@@ -2,7 +2,7 @@
 
 Packed rows: ``doc_ids`` [B, L] (per-token document index) restricts every query to keys of
 its own document, so attention never crosses a document boundary: the catalog's
-``document_attention`` surface (:mod:`megacpp.kernels.ops.attention.document`), FlexAttention
+``document_attention`` surface (:mod:`megacpp.kernels.ops.document_attention.flex`), FlexAttention
 over a block mask on CUDA, SDPA with the dense mask as the reference.
 """
 

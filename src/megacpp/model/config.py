@@ -23,13 +23,12 @@ A preset is a TOML file shipped in ``megacpp/configs/models/`` (``tiny``, ``nam5
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from megacpp import configs
-from megacpp._config import build_section, check
+from megacpp._config import build_section, check, parse_toml, read_toml
 from megacpp.errors import ConfigError
 from megacpp.pattern import PatternError, load, require_buildable
 
@@ -163,21 +162,16 @@ class ModelConfig:
     @classmethod
     def from_toml(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-        return cls.from_toml_text(text, str(path))
+        data = read_toml(path, "model config")
+        return cls._from_data(data, str(path))
 
     @classmethod
     def from_toml_text(cls, text: str, source: str) -> ModelConfig:
         """Parse and validate TOML text; errors start with ``source`` (a path or a name)."""
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{source}: not valid TOML ({exc})") from None
+        return cls._from_data(parse_toml(text, source), source)
+
+    @classmethod
+    def _from_data(cls, data: dict[str, Any], source: str) -> ModelConfig:
         try:
             return cls.from_dict(data)
         except ConfigError as exc:

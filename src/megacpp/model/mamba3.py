@@ -11,7 +11,6 @@ no residual: the block wrapper does ``x + mixer(norm(x))``. Equations: docs/mamb
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,38 +30,6 @@ from megacpp.kernels.runtime import resolve
 from megacpp.model.norm import RMSNorm
 
 _CACHE_DTYPES = (torch.float32, torch.float64)
-
-
-@dataclass
-class Mamba3Cache:
-    """Decode state of one Mamba-3 mixer for ``B`` sequences (all tensors share one dtype).
-
-    angle: [B, H, R] cumulative rotation angle of the last token, in [0, 2 pi).
-    ssm:   [B, H, P, N] SSM state after the last token (P = headdim, N = d_state).
-    k:     [B, H, N] the last token's biased, rotated B (the trapezoid's previous term).
-    v:     [B, H, P] the last token's x.
-    """
-
-    angle: Tensor
-    ssm: Tensor
-    k: Tensor
-    v: Tensor
-
-    def scan_state(self) -> Mamba3ScanState:
-        return Mamba3ScanState(self.angle, self.ssm, self.k, self.v)
-
-    def is_zero(self) -> bool:
-        """True when every state tensor is zero (nothing seen yet): a scan continuing from it is
-        the scan with no initial state. Reads the result on the host (a device sync)."""
-        return not any(bool(t.any()) for t in self.scan_state())
-
-    def update_(self, state: Mamba3ScanState) -> None:
-        """Overwrite in place with a scan's final state (no gradient flows into the cache)."""
-        for f, new in zip(fields(self), state):
-            getattr(self, f.name).copy_(new.detach())
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scan_state())
 
 
 class Mamba3Mixer(nn.Module):
@@ -175,7 +142,7 @@ class Mamba3Mixer(nn.Module):
     INPUT_FANOUT = 3
 
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: Mamba3Cache | None = None,
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: Mamba3ScanState | None = None,
         again: tuple[Tensor, ...] = (),
     ) -> Tensor:
         """Chunked scan over x [B, L, d_model] -> [B, L, d_model].
@@ -192,7 +159,7 @@ class Mamba3Mixer(nn.Module):
         # the catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
         # continues a non-zero cache runs the reference, the only form that takes an initial
         # state (an all-zero cache -- a first prefill chunk -- is the same as none)
-        initial = None if cache is None or cache.is_zero() else cache.scan_state()
+        initial = None if cache is None or cache.is_zero() else cache
         scan = mamba3_scan_chunked if initial is not None else resolve("mamba3_scan", inputs["v"]).fn
         y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
                         output_final_state=cache is not None)
@@ -200,11 +167,11 @@ class Mamba3Mixer(nn.Module):
             cache.update_(final)
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
 
-    def step(self, x: Tensor, cache: Mamba3Cache) -> Tensor:
+    def step(self, x: Tensor, cache: Mamba3ScanState) -> Tensor:
         """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache."""
         if x.ndim != 3 or x.shape[1] != 1:
             raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
-        y, final = mamba3_scan_recurrent(**self._scan_inputs(x), initial_state=cache.scan_state())
+        y, final = mamba3_scan_recurrent(**self._scan_inputs(x), initial_state=cache)
         cache.update_(final)
         return self.out_proj(y.flatten(2))
 
@@ -248,15 +215,14 @@ class Mamba3Mixer(nn.Module):
     def init_cache(
         self, batch_size: int, device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
-    ) -> Mamba3Cache:
+    ) -> Mamba3ScanState:
         """A zero cache (the state of an empty prefix) for ``batch_size`` sequences."""
         if dtype not in _CACHE_DTYPES:
             raise ConfigError(f"Mamba3 cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
-        state = zero_scan_state(
+        return zero_scan_state(
             batch_size, self.nheads, self.headdim, self.d_state, self.n_angles,
             device=device, dtype=dtype,
         )
-        return Mamba3Cache(*state)
 
     def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of the decode cache: B * H * (R + P*N + N + P) elements of ``dtype``."""

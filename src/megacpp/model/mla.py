@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megacpp.kernels.ops.attention.document import document_causal_mask
+from megacpp.kernels.ops.document_attention.reference import document_causal_mask
 from megacpp.kernels.ops.sparse_attention import allowed_keys, latent_attention
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm

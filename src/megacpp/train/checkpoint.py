@@ -31,7 +31,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import random
 import re
 import shutil
@@ -49,7 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from megacpp._io import _fsync_dir, atomic_write_json, sha256_file
+from megacpp._io import atomic_write_json, fsync_path, sha256_file
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
 from megacpp.model.config import ModelConfig
@@ -125,19 +124,11 @@ def _write_marker(path: Path, step: int, world_size: int) -> None:
     files = {}
     for file in sorted(path.iterdir()):
         if file.is_file() and file.name != MARKER:
-            _fsync_file(file)
+            fsync_path(file)
             files[file.name] = {"sha256": sha256_file(file), "bytes": file.stat().st_size}
-    _fsync_dir(path)
+    fsync_path(path)
     atomic_write_json(path / MARKER, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
                                       "world_size": world_size, "files": files})
-
-
-def _fsync_file(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- RNG state ----------------------------------------------------------------------------------------
@@ -273,7 +264,7 @@ class CheckpointManager:
                 final.rename(stale)
                 self.warn(f"moved the unusable {final} aside to {stale}")
             tmp.rename(final)
-            _fsync_dir(self.root)
+            fsync_path(self.root)
             self._prune()
         barrier()
         return final

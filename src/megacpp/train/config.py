@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from megacpp import configs
-from megacpp._config import build_section, check, choice
+from megacpp._config import build_section, check, choice, parse_toml
 from megacpp.contract.config import ContractConfig, config_from_dict
 from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig, load_config
@@ -382,10 +382,7 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     """Read a run config TOML (a path, or a name shipped in ``megacpp/configs/runs/``) and
     apply ``key=value`` overrides."""
     text, source, stem = _read_run_config(path)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+    data = parse_toml(text, source)
     for item in overrides:
         apply_override(data, item)
     try:

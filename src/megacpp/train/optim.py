@@ -39,11 +39,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from megacpp.kernels.ops.muon.reference import (
-    NS_COEFFS,
-    muon_apply_reference,
-    muon_momentum_reference,
-)
+from megacpp.kernels.ops.muon_apply.reference import muon_apply_reference
+from megacpp.kernels.ops.muon_momentum.reference import muon_momentum_reference
+from megacpp.kernels.ops.muon_polynomial.reference import NS_COEFFS
 from megacpp.kernels.runtime import resolve
 from megacpp.model.moe import MoE
 from megacpp.train.config import OptimSection

@@ -26,7 +26,7 @@ Both forms compute in float32 (float64 when ``v`` is float64) and return ``y`` i
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,13 @@ from torch import Tensor
 _TWO_PI = 2 * math.pi
 
 
-class Mamba3ScanState(NamedTuple):
-    """What the scan needs to continue a sequence (mamba_ssm's order: angle, ssm, k, v).
+@dataclass
+class Mamba3ScanState:
+    """What the scan needs to continue a sequence (mamba_ssm's order: angle, ssm, k, v), and
+    a Mamba-3 mixer's decode cache for ``B`` sequences (all tensors share one dtype).
 
     angle: [B, H, R] cumulative rotation angle of the last token, in [0, 2 pi).
-    ssm:   [B, H, P, N] the state h after the last token.
+    ssm:   [B, H, P, N] the state h after the last token (P = headdim, N = d_state).
     k:     [B, H, N] the last token's biased, rotated k (the trapezoid's previous term).
     v:     [B, H, P] the last token's v.
     """
@@ -48,6 +50,26 @@ class Mamba3ScanState(NamedTuple):
     ssm: Tensor
     k: Tensor
     v: Tensor
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(angle, ssm, k, v), the field order."""
+        return self.angle, self.ssm, self.k, self.v
+
+    def is_zero(self) -> bool:
+        """True when every state tensor is zero (nothing seen yet): a scan continuing from it is
+        the scan with no initial state. Reads the result on the host (a device sync)."""
+        return not any(bool(t.any()) for t in self.tensors())
+
+    def update_(self, state: Mamba3ScanState) -> None:
+        """Overwrite in place with a scan's final state (no gradient flows into the cache)."""
+        for mine, new in zip(self.tensors(), state.tensors(), strict=True):
+            mine.copy_(new.detach())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+_STATE_FIELDS = ("angle", "ssm", "k", "v")  # Mamba3ScanState's (a plain tuple: torch.compile)
 
 
 def zero_scan_state(
@@ -103,7 +125,8 @@ def mamba3_scan_recurrent(
     lam = torch.sigmoid(trap.to(cdt))
     rate = math.pi * torch.tanh(angles.to(cdt))  # [B, L, H, R]
     keep = _keep_mask(reset, batch, seqlen, v.device, cdt)  # [B, L]
-    angle, ssm, k_prev, v_prev = _initial_state(initial_state, x, q.shape[-1], angles.shape[-1])
+    angle, ssm, k_prev, v_prev = _initial_state(initial_state, x, q.shape[-1],
+                                                angles.shape[-1]).tensors()
 
     ys = []
     for t in range(seqlen):
@@ -297,10 +320,10 @@ def _initial_state(
             batch, nheads, headdim, d_state, n_angles, device=x.device, dtype=x.dtype
         )
     expected = _state_shapes(batch, nheads, headdim, d_state, n_angles)
-    for name, got, want in zip(Mamba3ScanState._fields, state, expected):
+    for name, got, want in zip(_STATE_FIELDS, state.tensors(), expected, strict=True):
         if tuple(got.shape) != want:
             raise ValueError(f"initial_state.{name} has shape {tuple(got.shape)}, expected {want}")
-    return Mamba3ScanState(*(s.to(x.dtype) for s in state))
+    return Mamba3ScanState(*(s.to(x.dtype) for s in state.tensors()))
 
 
 def _compute_dtype(v: Tensor) -> torch.dtype:

@@ -1,6 +1,6 @@
 """Fused RMSNorm (+ residual add) in Triton, forward and backward.
 
-Forward: one program per block of FWD_ROWS rows reads x (and residual) once, writes y and
+Forward: one program per block of rows (``configs.py``) reads x (and residual) once, writes y and
 h = x + residual, and saves rstd [T] (float32). Backward recomputes h_hat from the saved h and rstd:
 
     dh = rstd * (dy*w - h_hat * mean(dy*w*h_hat)) + dh_out        (dh_out: grad of h output)
@@ -28,6 +28,8 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.kernels.device import cdiv, next_power_of_2, sm_count
+from megacpp.kernels.launch import for_device
+from megacpp.kernels.ops.rmsnorm.configs import CONFIGS, WIDE_COLUMNS, RMSNormConfig
 from megacpp.kernels.ops.rmsnorm.reference import check_fanout, check_rope, copies
 from megacpp.kernels.ops.sum_rows import sum_rows
 
@@ -136,20 +138,6 @@ def _rmsnorm_bwd(DY, DY2, DY3, DH_OUT, H, W, RSTD, DH, DR, DW_PARTIAL, COS, SIN,
     tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
-# launch shape (H100 sweeps pick these): rows per forward program, rows per backward tile,
-# backward programs per SM -- for rows of 512 columns or more. Session 14 swept 1024 columns
-# (moe_ce_notes.md: 2, 2, 8); session 16 swept the nam56r-350m pre-norm (768 columns, float32
-# stream, bf16 residual and y, h routed through the op; h100_s16/run6): 4-row tiles at 2
-# programs per SM took its fwd+bwd from 223.5 to 215.9 us (with fanout 2: 231.6 -> 225.6),
-# and were the fastest at 1024 columns too (288.0 -> 276.0, run7)
-FWD_ROWS, BWD_TILE, BWD_PROGRAMS_PER_SM = 2, 4, 2
-# Narrow rows (QK-norm, Mamba-3's B/C norms: 64 columns) would give 2-row tiles of 128
-# elements, too little work per program: their tiles hold at least this many elements, with
-# fewer backward programs (session 14 sweep at 64 columns: q-norm fwd 61.5 -> 17.4 us,
-# bwd 77.9 -> 35.5 us; train_step_h100_s14).
-NARROW_FWD_ELEMS, NARROW_BWD_ELEMS, NARROW_BWD_PROGRAMS_PER_SM = 1024, 2048, 4
-
-
 def _block(n_cols: int) -> tuple[int, int]:
     block = next_power_of_2(n_cols)
     return block, min(max(block // 256, 1), 16)  # BLOCK, num_warps
@@ -160,16 +148,16 @@ def _tile_rows(rows: int, block: int) -> int:
     return max(1, min(rows, 8192 // block))
 
 
-def _fwd_rows(block: int) -> int:
-    return _tile_rows(max(FWD_ROWS, NARROW_FWD_ELEMS // block), block)
+def _fwd_rows(block: int, config: RMSNormConfig) -> int:
+    return _tile_rows(max(config.fwd_rows, config.narrow_fwd_elems // block), block)
 
 
-def _bwd_launch(block: int, warps: int) -> tuple[int, int, int]:
+def _bwd_launch(block: int, warps: int, config: RMSNormConfig) -> tuple[int, int, int]:
     """(rows per tile, programs per SM, num_warps) of the backward for BLOCK columns."""
-    if block >= 512:
-        return _tile_rows(BWD_TILE, block), BWD_PROGRAMS_PER_SM, warps
-    tile = _tile_rows(max(BWD_TILE, NARROW_BWD_ELEMS // block), block)
-    return tile, NARROW_BWD_PROGRAMS_PER_SM, max(1, min(16, tile * block // 512))
+    if block >= WIDE_COLUMNS:
+        return _tile_rows(config.bwd_tile, block), config.bwd_programs_per_sm, warps
+    tile = _tile_rows(max(config.bwd_tile, config.narrow_bwd_elems // block), block)
+    return tile, config.narrow_bwd_programs_per_sm, max(1, min(16, tile * block // 512))
 
 
 def _max_programs(device: torch.device, per_sm: int) -> int:
@@ -187,8 +175,8 @@ def _strided_rows(x: Tensor) -> tuple[int, int, int, int, int] | None:
     (s0, s1, s2, 1), for :func:`_row_starts`; None unless x's last dim is unit-stride and its
     leading dims merge into at most three (then x is copied). A head-transposed q
     [B, H, L, hd] of a [B, L, H * hd] projection, or B / C sliced out of Mamba-3's in_proj
-    output, are read in place: their copies took 0.8 ms of the nam56r-350m step on an H100
-    (benchmarks/results/train_step_h100_s16)."""
+    output, are read in place: their copies took 0.8 ms of the nam56r-350m step on an
+    H100."""
     if x.stride(-1) != 1:
         return None
     dims: list[tuple[int, int]] = []
@@ -209,7 +197,7 @@ class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, residual: Tensor | None, eps: float,
                 out_dtype: torch.dtype | None, skip: bool, fanout: int, cos: Tensor | None,
-                sin: Tensor | None):
+                sin: Tensor | None, config: RMSNormConfig):
         shape = x.shape
         n_cols = shape[-1]
         n_rows = x.numel() // n_cols if n_cols else 0
@@ -226,7 +214,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (rstd, rstd)
         seq_len = shape[-2] if rope else 1
         block, warps = _block(n_cols)
-        rows = _fwd_rows(block)
+        rows = _fwd_rows(block, config)
         _rmsnorm_fwd[(cdiv(n_rows, rows),)](
             x2, r2, weight, y, h, rstd, cos, sin, n_rows, n_cols, eps,
             *(rows_at or _CONTIGUOUS_ROWS), seq_len, HAS_RESIDUAL=has_residual,
@@ -235,7 +223,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         ctx.rope, ctx.seq_len = rope, seq_len
         ctx.has_residual, ctx.shape, ctx.rows_at = has_residual, shape, rows_at
         ctx.residual_dtype = residual.dtype if has_residual else None
-        ctx.fanout = fanout
+        ctx.fanout, ctx.config = fanout, config
         ys = copies(y.view(shape), fanout)  # fanout n: n tensors, n gradients
         # with skip and no residual, h is a view of x: its gradient comes back as dh_out
         return (*ys, h.view(shape)) if has_residual or skip else ys
@@ -257,10 +245,10 @@ class _FusedRMSNorm(torch.autograd.Function):
         dh_out2 = dh_out.reshape(n_rows, n_cols).contiguous() if has_dh_out else dy2
         # dx is contiguous even for a strided x: dx laid out as x (as a compiled caller's
         # backward may expect its tangent) made the nam56r-350m step 0.8-1.0 ms slower on an
-        # H100 (benchmarks/results/train_step_h100_s17)
+        # H100
         dh = torch.empty(n_rows, n_cols, device=h.device, dtype=h.dtype)
         block, warps = _block(n_cols)
-        tile, per_sm, warps = _bwd_launch(block, warps)
+        tile, per_sm, warps = _bwd_launch(block, warps, ctx.config)
         n_programs = min(n_rows, _max_programs(h.device, per_sm))
         rows_per_program = cdiv(n_rows, n_programs)
         n_programs = cdiv(n_rows, rows_per_program)
@@ -280,23 +268,26 @@ class _FusedRMSNorm(torch.autograd.Function):
         dw = sum_rows(dw_partial).to(weight.dtype)
         dh = dh.view(ctx.shape)
         return (dh, dw, dr.view(ctx.shape) if ctx.has_residual else None, None, None, None,
-                None, None, None)
+                None, None, None, None)
 
 
 def rmsnorm_triton(
     x: Tensor, weight: Tensor, residual: Tensor | None = None, eps: float = 1e-5,
     out_dtype: torch.dtype | None = None, skip: bool = False, fanout: int = 1,
-    rope: tuple[Tensor, Tensor] | None = None,
+    rope: tuple[Tensor, Tensor] | None = None, config: RMSNormConfig | None = None,
 ) -> tuple[Tensor, ...]:
     """Same contract as :func:`megacpp.kernels.ops.rmsnorm.reference.rmsnorm_reference`.
     Without a residual, h is x itself unless ``skip`` routes it through the op (its gradient
     is then added by the backward kernel: use it when h is the block's skip branch). With
     ``fanout=2`` or 3 the backward kernel reads every copy's gradient. ``rope``: both kernels
-    rotate (the forward y, the backward its gradient) in registers."""
+    rotate (the forward y, the backward its gradient) in registers. ``config``: the launch
+    setting (default: ``configs.CONFIGS`` for x's device)."""
     check_fanout(fanout)
     check_rope(x, residual, fanout, rope)
     cos, sin = rope if rope is not None else (None, None)
+    config = config or for_device(CONFIGS, x.device)
     if residual is None and not skip:
-        return (*_FusedRMSNorm.apply(x, weight, None, eps, out_dtype, False, fanout, cos, sin),
-                x)
-    return _FusedRMSNorm.apply(x, weight, residual, eps, out_dtype, skip, fanout, cos, sin)
+        return (*_FusedRMSNorm.apply(x, weight, None, eps, out_dtype, False, fanout, cos, sin,
+                                     config), x)
+    return _FusedRMSNorm.apply(x, weight, residual, eps, out_dtype, skip, fanout, cos, sin,
+                               config)

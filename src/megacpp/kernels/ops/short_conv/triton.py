@@ -4,7 +4,7 @@ surface's training path: every row starts from zeros, no cache).
 Under torch.compile the plain-PyTorch form (one multiply-add per tap over shifted slices of a
 zero-padded copy, document masks, float32 sums) becomes several Inductor kernels per layer: at
 the nam56r-350m step's shape (B 8, L 2048, 1024 channels, 4 taps) about 325 us of forward and
-backward per layer on an H100 (session 15's profile), for ~170 MB of unavoidable bytes (x and
+backward per layer on an H100, for ~170 MB of unavoidable bytes (x and
 y forward; x, dy and dx backward).
 
 Forward, one program per (BT tokens, BC channels, row)::
@@ -15,16 +15,15 @@ Backward, in two passes through a float32 [B, L, C] scratch::
 
     _short_conv_dacc   dacc[t] = dy[t] * silu'(acc[t])      (acc recomputed from x)
                        dw[W-1-j] = sum_t dacc[t] * x[t-j] * same_doc(t, t-j): each program
-                       runs DACC_BLOCKS token blocks, accumulates dacc * x[t - lag] for every
+                       runs a few token blocks, accumulates dacc * x[t - lag] for every
                        lag elementwise in one [taps, tokens, channels] tile and reduces it once
                        (float32 partials per program, summed by ops.sum_rows in a fixed order)
     _short_conv_dx     dx[t] = sum_j w[W-1-j] * dacc[t+j] * same_doc(t+j, t)
 
-H100, nam56r shape, fwd+bwd CUDA-graph replay (benchmarks/results/kernels/h100_s15): one pass
-that formed dacc again at each of the W positions a token's dx reads, 0.484 ms (its backward
-218 us: W * W tap loads per token); two passes with per-block reductions over the tokens,
-0.318; the [taps, tokens, channels] tile, 0.226-0.231 (DACC_BLOCKS 1, 4, 8 within 2%); Inductor's
-compile of the reference 0.33.
+H100, nam56r shape, fwd+bwd CUDA-graph replay: one pass that formed dacc again at each of the
+W positions a token's dx reads, 0.484 ms (its backward 218 us: W * W tap loads per token); two
+passes with per-block reductions over the tokens, 0.318; the [taps, tokens, channels] tile,
+0.226-0.231; Inductor's compile of the reference 0.33. Launch settings: ``configs.py``.
 
 Saved for backward: x (a view of the caller's tensor), weight and doc_ids; nothing [B, L, C]
 of its own.
@@ -39,12 +38,10 @@ from torch import Tensor
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.device import cdiv, next_power_of_2
+from megacpp.kernels.launch import for_device
+from megacpp.kernels.ops.short_conv.configs import CONFIGS, ShortConvConfig
 from megacpp.kernels.ops.sum_rows import sum_rows
 
-BLOCK_T = 32  # tokens per program
-BLOCK_C = 128  # channels per program
-NUM_WARPS = 4
-DACC_BLOCKS = 4  # token blocks per program of _short_conv_dacc (one weight partial each)
 MAX_TAPS = 8
 
 
@@ -168,46 +165,51 @@ def _checked(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor | None
     return doc_ids.to(torch.int32).contiguous()
 
 
-def _grid(x: Tensor) -> tuple[int, int, int]:
+def _grid(x: Tensor, config: ShortConvConfig) -> tuple[int, int, int]:
     B, L, C = x.shape
-    return cdiv(L, BLOCK_T), cdiv(C, BLOCK_C), B
+    return cdiv(L, config.block_t), cdiv(C, config.block_c), B
 
 
 class _ShortConvFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, doc: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, doc: Tensor | None,
+                config: ShortConvConfig) -> Tensor:
         B, L, C = x.shape
         w = weight.contiguous()
         y = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
-        _short_conv_fwd[_grid(x)](
-            x, w, doc, y, L, C, x.stride(0), x.stride(1), L, KW=w.shape[1], BT=BLOCK_T,
-            BC=BLOCK_C, HAS_DOC=doc is not None, num_warps=NUM_WARPS)
+        _short_conv_fwd[_grid(x, config)](
+            x, w, doc, y, L, C, x.stride(0), x.stride(1), L, KW=w.shape[1], BT=config.block_t,
+            BC=config.block_c, HAS_DOC=doc is not None, num_warps=config.num_warps)
         ctx.save_for_backward(x, w, doc)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.config = weight.dtype, config
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, w, doc = ctx.saved_tensors
+        config = ctx.config
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         B, L, C = x.shape
-        grid = _grid(x)
-        meta = {"KW": w.shape[1], "BT": BLOCK_T, "BC": BLOCK_C, "HAS_DOC": doc is not None,
-                "num_warps": NUM_WARPS}
-        groups = cdiv(grid[0], DACC_BLOCKS)
+        grid = _grid(x, config)
+        meta = {"KW": w.shape[1], "BT": config.block_t, "BC": config.block_c,
+                "HAS_DOC": doc is not None, "num_warps": config.num_warps}
+        groups = cdiv(grid[0], config.dacc_blocks)
         dacc = torch.empty(B, L, C, device=x.device, dtype=torch.float32)
         parts = torch.empty(B * groups, C, w.shape[1], device=x.device, dtype=torch.float32)
         _short_conv_dacc[(groups, grid[1], B)](
             x, w, doc, dy, dacc, parts, L, C, x.stride(0), x.stride(1), L, dy.stride(0),
-            dy.stride(1), KWP=next_power_of_2(w.shape[1]), TPP=DACC_BLOCKS, **meta)
+            dy.stride(1), KWP=next_power_of_2(w.shape[1]), TPP=config.dacc_blocks, **meta)
         dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
         _short_conv_dx[grid](dacc, w, doc, dx, L, C, L, **meta)
         dw = sum_rows(parts.view(parts.shape[0], -1)).view(C, w.shape[1])
-        return dx, dw.to(ctx.weight_dtype), None
+        return dx, dw.to(ctx.weight_dtype), None, None
 
 
-def short_conv_triton(x: Tensor, weight: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+def short_conv_triton(x: Tensor, weight: Tensor, doc_ids: Tensor | None = None,
+                      config: ShortConvConfig | None = None) -> Tensor:
     """Same contract as :func:`megacpp.kernels.ops.short_conv.reference.short_conv_reference`:
     x [B, L, C] (unit channel stride; bf16, fp16 or fp32), weight [C, W <= 8], doc_ids [B, L]
-    or None -> silu(causal depthwise conv) [B, L, C] in x.dtype, float32 sums."""
-    return _ShortConvFn.apply(x, weight, _checked(x, weight, doc_ids))
+    or None -> silu(causal depthwise conv) [B, L, C] in x.dtype, float32 sums. ``config``:
+    the launch setting (default: ``configs.CONFIGS`` for x's device)."""
+    doc = _checked(x, weight, doc_ids)
+    return _ShortConvFn.apply(x, weight, doc, config or for_device(CONFIGS, x.device))

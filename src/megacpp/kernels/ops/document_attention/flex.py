@@ -1,22 +1,16 @@
-"""Causal attention inside documents of packed rows: the reference (SDPA with the dense mask,
-what the model ran until session 27) and FlexAttention over a block mask that skips every tile
-outside a document.
-
-Contract: q [B, H, L, Dh], k, v [B, Hkv, L, Dh] (H a multiple of Hkv: grouped-query heads),
-doc_ids [B, L] integer (a per-token document index) -> [B, H, L, Dh] in q.dtype, softmax scale
-1/sqrt(Dh): query i sees key j iff j <= i and doc_ids[b, i] == doc_ids[b, j]. Every query sees
-at least itself, so no row is empty.
+"""Causal attention inside the documents of packed rows with FlexAttention, over a block
+mask that skips every tile outside a document (the contract: ``reference.py``).
 
 The dense mask costs the masked SDPA kernel every [L, L] tile (cuDNN's masked kernel on an
 H100 at the nam56r-350m step's shape: 1.53 ms fwd+bwd per layer, against 0.61 for the causal
-kernel with no document mask; benchmarks/results/train_h100_s26/call5). The block mask marks
-each [128, 128] tile empty (skipped), full (no mask evaluated) or partial from the minimum and
-maximum document id of its query and key blocks, in a handful of ops on [B, L/128, L/128]
-tensors (torch's ``create_block_mask`` evaluates the whole [B, L, L] mask: 0.58 ms there); on
-CUDA in one Triton launch (:mod:`megacpp.kernels.ops.attention.triton`).
+kernel with no document mask). The block mask marks each [128, 128] tile empty (skipped),
+full (no mask evaluated) or partial from the minimum and maximum document id of its query
+and key blocks, in a handful of ops on [B, L/128, L/128] tensors (torch's
+``create_block_mask`` evaluates the whole [B, L, L] mask: 0.58 ms there); on CUDA in one
+Triton launch (:mod:`megacpp.kernels.ops.document_attention.triton`).
 The flex backend is the catalog's chosen row on CUDA (sm80+) and the model's path for packed
-rows since session 27 (benchmarks/results/train_h100_s27); the reference serves everywhere
-else. On an H100 at head dim 64 it runs the launch settings of :data:`HOPPER_D64_OPTIONS`
+rows; the reference serves everywhere else. Where ``configs.FLEX_OPTIONS`` has launch
+settings for the device and head dim (an H100 at head dim 64), it runs them
 (:func:`flex_kernel_options`) instead of Inductor's defaults.
 """
 
@@ -25,40 +19,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from megacpp.kernels.ops.document_attention.configs import FLEX_OPTIONS
+
 BLOCK = 128  # FlexAttention's default tile on both sides
-
-# FlexAttention's launch settings on an H100 (sm90) at head dim 64 in bf16 / fp16: 64-row
-# forward tiles and 64 x 64 backward tiles at 4 warps. Inductor's defaults there (forward
-# 128 x 128 at 4 warps; backward M1 64, N1 128, M2 128, N2 64 at 8 warps) replayed the nam56r
-# step's shape (B 8, H 12 / 2, L 2048) in 0.946 ms fwd+bwd a layer with 2 documents a row, these
-# in 0.725 (8 documents a row: 0.605 -> 0.485), the forward alone 0.252 -> 0.171 ms. They walk
-# the same 64-row q blocks and 64-column kv blocks in the same order as the defaults, so
-# results are the defaults' bit for bit (the trainer's losses too). Sweeps with the settings that
-# lost (128-row forward tiles, 32-row or 128-column backward tiles, 8 backward warps, 1 or 5
-# stages, TMA loads): benchmarks/results/kernels/h100_s29, calls 4-6; megacpp train 101.3 ->
-# 99.0 ms a step: benchmarks/results/train_h100_s29. Elsewhere Inductor's own choice stands.
-HOPPER_D64_OPTIONS = {
-    "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 4,
-    "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_N2": 64, "bwd_BLOCK_M2": 64,
-    "bwd_num_stages": 3, "bwd_num_warps": 4,
-}
-
-
-def document_causal_mask(doc_ids: Tensor) -> Tensor:
-    """[B, L] document ids -> [B, L, L] bool: query i may see key j iff j <= i, same doc."""
-    length = doc_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=doc_ids.device).tril()
-    return causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-
-
-def document_attention_reference(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor) -> Tensor:
-    """SDPA with the dense [B, 1, L, L] document-causal mask (grouped-query heads shared)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids)[:, None],
-                                          enable_gqa=True)
 
 
 def _block_ranges(doc_ids: Tensor, length: int) -> tuple[Tensor, Tensor]:
@@ -77,16 +43,17 @@ def document_block_tiles(doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
     q-side counts [B, 1, NB] and indices [B, 1, NB, NB], partial then full), contiguous.
 
     An operator of its own, opaque to torch.compile. Traced op by op into a compiled graph on
-    an H100 (benchmarks/results/train_h100_s27): with the head axis added as ``x[:, None]``,
-    Inductor gave it the stride 0 and FlexAttention's kernel read row 0's tiles for every row
-    (call 2); made [B, 1, ...] from the start, the mask was right with gradients but a compiled
-    no-grad forward hit an illegal memory access (calls 2-3). As an operator its outputs are
-    real tensors with the layout its fake declares (tests: torch.library.opcheck).
+    an H100, with the head axis added as ``x[:, None]``, Inductor gave that axis the stride 0
+    and FlexAttention's kernel read row 0's tiles for every row; made [B, 1, ...] from the
+    start, the mask was right with gradients but a compiled no-grad forward hit an illegal
+    memory access. As an operator its outputs are real tensors with the layout its fake
+    declares (tests: torch.library.opcheck).
 
-    On CUDA (rows of at most 64 tiles) one Triton launch computes the same tensors
-    (:mod:`megacpp.kernels.ops.attention.triton`); the torch code below is its truth."""
+    On CUDA (rows of at most ``TilesConfig.max_blocks`` tiles) one Triton launch computes the
+    same tensors (:mod:`megacpp.kernels.ops.document_attention.triton`); the torch code below
+    is its truth."""
     if doc_ids.is_cuda:
-        from megacpp.kernels.ops.attention import triton as kernels
+        from megacpp.kernels.ops.document_attention import triton as kernels
 
         if kernels.tiles_triton_ok(doc_ids):
             return kernels.document_block_tiles_triton(doc_ids)
@@ -163,13 +130,16 @@ def _compiled_flex():
 
 
 def flex_kernel_options(q: Tensor) -> dict | None:
-    """FlexAttention's ``kernel_options`` for queries like ``q``: :data:`HOPPER_D64_OPTIONS` on
-    an sm90 GPU for bf16 / fp16 at head dim 64, else None (Inductor's defaults). Constant under
-    torch.compile (Dynamo folds the device properties)."""
-    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != 64:
+    """FlexAttention's ``kernel_options`` for queries like ``q``: the entry of
+    ``configs.FLEX_OPTIONS`` for this GPU and head dim in bf16 / fp16, else None (Inductor's
+    defaults). Constant under torch.compile (Dynamo folds the device properties)."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return None
     props = torch.cuda.get_device_properties(q.device)
-    return HOPPER_D64_OPTIONS if (props.major, props.minor) == (9, 0) else None
+    for entry in FLEX_OPTIONS:
+        if entry.capability == (props.major, props.minor) and entry.head_dim == q.shape[-1]:
+            return entry.as_dict()
+    return None
 
 
 def document_attention_flex(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor) -> Tensor:

@@ -1,9 +1,9 @@
 """The document block mask's eight tensors in one Triton launch (one program per row).
 
-:func:`megacpp.kernels.ops.attention.document.document_block_tiles` in plain PyTorch is about
-25 small kernels (block minima and maxima, the [NB, NB] comparisons, two argsorts per side),
-~70 us per attention layer in `megacpp train`'s step on an H100, 14 layers: ~1 ms a step
-(benchmarks/results/train_h100_s28/call6). Here each program loads its row's ids as
+:func:`megacpp.kernels.ops.document_attention.flex.document_block_tiles` in plain PyTorch is
+about 25 small kernels (block minima and maxima, the [NB, NB] comparisons, two argsorts per
+side), ~70 us per attention layer in `megacpp train`'s step on an H100, 14 layers: ~1 ms a
+step. Here each program loads its row's ids as
 [NB, 128] tiles, takes each block's smallest and largest id, forms the partial and full
 [q block, kv block] tiles as the torch code does, and writes each side's counts and block
 indices: the kept blocks first, then the others, each ascending -- the torch code's order
@@ -19,9 +19,9 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.kernels.device import cdiv, next_power_of_2
-
-BLOCK = 128  # tokens per tile: FlexAttention's block, as in document.py
-MAX_BLOCKS = 64  # rows of at most 64 tiles (L <= 8192) take this kernel; longer ones the torch code
+from megacpp.kernels.launch import for_device
+from megacpp.kernels.ops.document_attention.configs import TILES_CONFIGS, TilesConfig
+from megacpp.kernels.ops.document_attention.flex import BLOCK
 
 
 @triton.jit
@@ -70,17 +70,22 @@ def _tiles_kernel(IDS, stride_b, length, nb, whole, KV_NUM, KV_IDX, FULL_NUM, FU
              NB_PAD)
 
 
-def tiles_triton_ok(doc_ids: Tensor) -> bool:
-    """A CUDA [B, L] integer tensor (B, L > 0) of rows of at most :data:`MAX_BLOCKS` tiles."""
-    return (doc_ids.is_cuda and doc_ids.dim() == 2 and min(doc_ids.shape) > 0
-            and not doc_ids.is_floating_point()
-            and cdiv(doc_ids.shape[1], BLOCK) <= MAX_BLOCKS)
+def tiles_triton_ok(doc_ids: Tensor, config: TilesConfig | None = None) -> bool:
+    """A CUDA [B, L] integer tensor (B, L > 0) of rows of at most ``config.max_blocks`` tiles
+    (``configs.TILES_CONFIGS`` for the device by default)."""
+    if not doc_ids.is_cuda:
+        return False
+    config = config or for_device(TILES_CONFIGS, doc_ids.device)
+    return (doc_ids.dim() == 2 and min(doc_ids.shape) > 0 and not doc_ids.is_floating_point()
+            and cdiv(doc_ids.shape[1], BLOCK) <= config.max_blocks)
 
 
-def document_block_tiles_triton(doc_ids: Tensor) -> tuple[Tensor, ...]:
-    """As :func:`~megacpp.kernels.ops.attention.document.document_block_tiles` (kv side partial
-    counts and indices, full, then the q side's), one launch; ``doc_ids`` must pass
+def document_block_tiles_triton(doc_ids: Tensor, config: TilesConfig | None = None
+                                ) -> tuple[Tensor, ...]:
+    """As :func:`~megacpp.kernels.ops.document_attention.flex.document_block_tiles` (kv side
+    partial counts and indices, full, then the q side's), one launch; ``doc_ids`` must pass
     :func:`tiles_triton_ok`."""
+    config = config or for_device(TILES_CONFIGS, doc_ids.device)
     batch, length = doc_ids.shape
     ids = doc_ids if doc_ids.stride(1) == 1 else doc_ids.contiguous()
     nb = cdiv(length, BLOCK)
@@ -90,5 +95,5 @@ def document_block_tiles_triton(doc_ids: Tensor) -> tuple[Tensor, ...]:
              for _ in range(4) for shape in ((batch, 1, nb), (batch, 1, nb, nb))]
     _tiles_kernel[(batch,)](ids, ids.stride(0), length, nb, length // BLOCK, *parts,
                             NB_PAD=max(16, next_power_of_2(nb)), BLOCK=BLOCK,
-                            num_warps=4)
+                            num_warps=config.num_warps)
     return tuple(parts)

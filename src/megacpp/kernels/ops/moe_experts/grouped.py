@@ -18,18 +18,19 @@ gives d(gate|up) and the routing weights' gradient (written to each row's (token
 slot); two more grouped GEMMs give dx_sorted and dw_in; a gather-sum unpermutes dx. Saved:
 x_sorted, gate|up, hidden and the plan. The weights come in their own dtype and are cast to
 the compute dtype inside, so the two K-grouped weight-gradient GEMMs ("wgrad": on sm90+ a
-Triton kernel, :func:`megacpp.kernels.ops.moe.triton.grouped_wgrad_triton`) write the float32
-masters' gradients directly from their float32 accumulators: no bf16 rounding of dW and no
-cast kernel after it.
+Triton kernel, :func:`megacpp.kernels.ops.moe_experts.gemm.grouped_wgrad_triton`) write the
+float32 masters' gradients directly from their float32 accumulators: no bf16 rounding of dW
+and no cast kernel after it.
 
 ``torch._grouped_mm(a [N, K], b [E, K, M], offs)`` multiplies each expert's rows by its
 matrix; ``torch._grouped_mm(a [M, N], b [N, K], offs)`` sums each expert's rows into [E, M, K].
 The four expert GEMMs go through ``_Ops.mm``: on sm90+ a Triton kernel
-(:func:`megacpp.kernels.ops.moe.triton.grouped_mm_triton`) at the shapes where it measured
-faster than ``torch._grouped_mm``, which serves the rest.
-On CUDA the elementwise steps run as Triton kernels (:mod:`.triton`); elsewhere the plain
-PyTorch functions below (the truth those kernels are tested against). Same contract as
-:func:`megacpp.kernels.ops.moe.reference.moe_experts_reference`.
+(:func:`megacpp.kernels.ops.moe_experts.gemm.grouped_mm_triton`) at the shapes where it
+measured faster than ``torch._grouped_mm``, which serves the rest (``configs.py``).
+On CUDA the plan, permute, combine and SwiGLU run as Triton kernels (``dispatch.py``,
+``swiglu.py``); elsewhere the plain PyTorch functions below (the truth those kernels are
+tested against). Same contract as
+:func:`megacpp.kernels.ops.moe_experts.reference.moe_experts_reference`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.kernels.amp import autocast_operands, effective_dtype
+from megacpp.kernels.launch import for_device
+from megacpp.kernels.ops.moe_experts.configs import CONFIGS, MoEConfig
 
 
 class DispatchPlan(NamedTuple):
@@ -52,21 +55,21 @@ class DispatchPlan(NamedTuple):
     w_sorted: Tensor | None  # [N]: routing weight of each sorted row (detached); None if no weights
 
 
-def dispatch_plan(expert_idx: Tensor, n_experts: int, weights: Tensor | None = None
-                  ) -> DispatchPlan:
+def dispatch_plan(expert_idx: Tensor, n_experts: int, weights: Tensor | None = None,
+                  config: MoEConfig | None = None) -> DispatchPlan:
     """Group the T*k (token, choice) pairs by expert, all on the device (no .item/.tolist);
     ``weights`` [T, k] (optional) come back in sorted order, detached.
 
     On CUDA with at most 256 experts: a Triton counting sort (two launches, see
-    :func:`megacpp.kernels.ops.moe.triton.plan_triton`; its w_sorted is float32). Else a
+    :func:`megacpp.kernels.ops.moe_experts.dispatch.plan_triton`; its w_sorted is float32). Else a
     stable torch.sort of uint8/int32 keys and the group ends from a binary search of the
     sorted keys (no bincount: it syncs)."""
     if _use_triton(expert_idx.device) and n_experts <= 256:
-        from megacpp.kernels.ops.moe.triton import plan_triton
+        from megacpp.kernels.ops.moe_experts.dispatch import plan_triton
 
         if weights is None:
             weights = torch.ones(expert_idx.shape, device=expert_idx.device)
-        return DispatchPlan(*plan_triton(expert_idx, weights, n_experts))
+        return DispatchPlan(*plan_triton(expert_idx, weights, n_experts, config=config))
     return dispatch_plan_torch(expert_idx, n_experts, weights)
 
 
@@ -156,31 +159,43 @@ class _Ops(NamedTuple):
     mm: Callable[..., Tensor]
 
 
-def _ops(device: torch.device) -> _Ops:
-    """The elementwise steps and the grouped GEMMs for this device."""
+def _ops(device: torch.device, config: MoEConfig) -> _Ops:
+    """The elementwise steps and the grouped GEMMs for this device, with ``config``'s launch
+    settings."""
     if _use_triton(device):
-        from megacpp.kernels.ops.moe import triton as kernels
+        from megacpp.kernels.ops.moe_experts import dispatch, gemm, swiglu
 
         def wgrad(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype,
                   transpose_out: bool = False) -> Tensor:
-            fn = (kernels.grouped_wgrad_triton if kernels.wgrad_triton_ok(a, b)
-                  else grouped_wgrad_torch)
-            return fn(a, b, offs, out_dtype, transpose_out)
+            if gemm.wgrad_triton_ok(a, b, config=config):
+                return gemm.grouped_wgrad_triton(a, b, offs, out_dtype, transpose_out,
+                                                 config=config)
+            return grouped_wgrad_torch(a, b, offs, out_dtype, transpose_out)
 
         def mm(a: Tensor, w: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
-            fn = (kernels.grouped_mm_triton if kernels.grouped_mm_ok(a, w, trans_b)
-                  else grouped_mm_torch)
-            return fn(a, w, offs, trans_b)
+            if gemm.grouped_mm_ok(a, w, trans_b, config=config):
+                return gemm.grouped_mm_triton(a, w, offs, trans_b, config=config)
+            return grouped_mm_torch(a, w, offs, trans_b)
 
         def gate_up_swiglu(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
                            ) -> tuple[Tensor, Tensor]:
-            if kernels.grouped_swiglu_ok(a, w_in):
-                return kernels.grouped_swiglu_triton(a, w_in, offs, w_sorted)
+            if gemm.grouped_swiglu_ok(a, w_in, config=config):
+                return gemm.grouped_swiglu_triton(a, w_in, offs, w_sorted, config=config)
             gate_up = mm(a, w_in, offs, True)
-            return gate_up, kernels.swiglu_weighted_triton(gate_up, w_sorted)
+            return gate_up, swiglu.swiglu_weighted_triton(gate_up, w_sorted, config=config)
 
-        return _Ops(kernels.scatter_rows_triton, kernels.gather_sum_triton, gate_up_swiglu,
-                    kernels.swiglu_weighted_backward_triton, wgrad, mm)
+        def scatter_rows(src: Tensor, inv: Tensor) -> Tensor:
+            return dispatch.scatter_rows_triton(src, inv, config=config)
+
+        def gather_sum(src: Tensor, inv: Tensor, addend: Tensor | None = None) -> Tensor:
+            return dispatch.gather_sum_triton(src, inv, addend, config=config)
+
+        def swiglu_backward(gate_up: Tensor, w: Tensor, dh: Tensor, order: Tensor,
+                            dw_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+            return swiglu.swiglu_weighted_backward_triton(gate_up, w, dh, order, dw_dtype,
+                                                          config=config)
+
+        return _Ops(scatter_rows, gather_sum, gate_up_swiglu, swiglu_backward, wgrad, mm)
 
     def gate_up_swiglu_torch(a: Tensor, w_in: Tensor, offs: Tensor, w_sorted: Tensor
                              ) -> tuple[Tensor, Tensor]:
@@ -195,8 +210,9 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
                 order: Tensor, inv: Tensor, offs: Tensor, w_sorted: Tensor,
-                addend: Tensor | None, compute_dtype: torch.dtype) -> Tensor:
-        ops = _ops(x.device)
+                addend: Tensor | None, compute_dtype: torch.dtype, config: MoEConfig) -> Tensor:
+        ops = _ops(x.device, config)
+        ctx.config = config
         # the weights arrive in their own dtype (float32 masters under autocast) and are cast
         # here, so that their gradients can be returned in that dtype by the wgrad GEMMs
         ctx.w_dtypes = (w_in.dtype, w_out.dtype)
@@ -215,7 +231,7 @@ class _GroupedExperts(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         (x_sorted, gate_up, hidden, w_sorted, w_in, w_out, order, inv,
          offs) = ctx.saved_tensors
-        ops = _ops(dout.device)
+        ops = _ops(dout.device, ctx.config)
         need_x, need_w, need_in, need_out = ctx.needs_input_grad[:4]
         dy_sorted = ops.scatter_rows(dout.contiguous(), inv)  # [N, D]
         dhidden = ops.mm(dy_sorted, w_out, offs, False)  # [N, F]
@@ -233,21 +249,24 @@ class _GroupedExperts(torch.autograd.Function):
         dweights = dweights.view(inv.shape) if need_w else None  # [T, k]
         # the addend's gradient is the output's
         daddend = dout.to(ctx.addend_dtype) if ctx.needs_input_grad[8] else None
-        return dx, dweights, dw_in, dw_out, None, None, None, None, daddend, None
+        return dx, dweights, dw_in, dw_out, None, None, None, None, daddend, None, None
 
 
 def moe_experts_grouped(
     x: Tensor, expert_idx: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor,
-    addend: Tensor | None = None,
+    addend: Tensor | None = None, config: MoEConfig | None = None,
 ) -> Tensor:
     """x [T, D]; expert_idx, weights [T, k]; w_in [E, 2F, D]; w_out [E, D, F] -> [T, D],
     plus ``addend`` [T, D] (added in the combine kernel). Under autocast, float32 x / w_in /
     w_out run in the autocast dtype, as the reference's matmuls do; the weights are cast
-    inside (their gradients come back in their own dtype from the wgrad GEMMs)."""
+    inside (their gradients come back in their own dtype from the wgrad GEMMs). ``config``:
+    the launch settings and the shapes the Triton GEMMs serve (default: ``configs.CONFIGS``
+    for x's device)."""
     (x,) = autocast_operands(x)
     compute = effective_dtype(w_in)
     if effective_dtype(w_out) != compute:
         raise TypeError(f"moe_experts: w_in and w_out compute in {compute} and "
                         f"{effective_dtype(w_out)}; give both in one dtype")
-    plan = dispatch_plan(expert_idx, w_in.shape[0], weights)
-    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan, addend, compute)
+    config = config or for_device(CONFIGS, x.device)
+    plan = dispatch_plan(expert_idx, w_in.shape[0], weights, config)
+    return _GroupedExperts.apply(x, weights, w_in, w_out, *plan, addend, compute, config)

@@ -1,1 +1,0 @@
-"""MoE dispatch / expert compute / combine."""
