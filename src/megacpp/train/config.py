@@ -7,7 +7,8 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
     [model]       preset = "tiny" plus any model-config key to override
                   (d_model = 64, [model.attention] n_heads = 2, vocab_size = "dataset")
     [data]        dir, num_workers, val_batches, shuffle
-    [train]       steps, micro_batch_size, grad_accum_steps, max_grad_norm, eval_every, dtype
+    [train]       steps, micro_batch_size, grad_accum_steps, max_grad_norm, eval_every, dtype,
+                  time_budget_s, eval_every_s
     [optim]       lr, weight_decay, beta1, beta2, eps, muon, muon_momentum, muon_nesterov,
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
@@ -77,6 +78,11 @@ class TrainSection:
     max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still measured)
     eval_every: int = 100  # 0 = only at the end
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU | fp32 | bf16
+    # > 0: the run ends when its clock (seconds since the process started, less validation
+    # and checkpoint time) reaches this; ``steps`` is then a cap and the schedule follows the
+    # clock (trainer.RunClock, schedule.lr_factor_by_progress)
+    time_budget_s: float = 0.0
+    eval_every_s: float = 0.0  # > 0: also validate each time the clock passes a multiple
 
     def validate(self) -> None:
         check(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
@@ -87,6 +93,10 @@ class TrainSection:
         check(self.max_grad_norm >= 0, "train.max_grad_norm", self.max_grad_norm, ">= 0")
         check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0")
         choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        check(self.time_budget_s >= 0, "train.time_budget_s", self.time_budget_s,
+              "seconds >= 0 (0 = no time budget)")
+        check(self.eval_every_s >= 0, "train.eval_every_s", self.eval_every_s,
+              "seconds >= 0 (0 = off)")
 
 
 @dataclass(frozen=True)
