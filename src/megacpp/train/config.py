@@ -13,7 +13,7 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
     [parallel]    strategy, backend, activation_checkpointing, compile, cuda_graph
-    [checkpoint]  every, keep_last
+    [checkpoint]  every, keep_last, at_end
     [guards]      spike_zscore, spike_warmup_steps, spike_ema
     [debug]       nan_step, nan_target, checkpoint_stall_step
     [contract], [preflight]   read by megacpp.contract (package list, rules to skip)
@@ -158,6 +158,7 @@ class ParallelSection:
 class CheckpointSection:
     every: int = 100  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3
+    at_end: bool = True  # false: no checkpoint when the run ends (short benchmark runs)
 
     def validate(self) -> None:
         check(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0")

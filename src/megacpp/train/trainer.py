@@ -719,7 +719,7 @@ class _Session:
     def _finish_training(self) -> None:
         if self.validated_step != self.step:
             self._validate()
-        if self.checkpoint_step != self.step:
+        if self.checkpoint_step != self.step and self.cfg.checkpoint.at_end:
             self._save_checkpoint()
         if self.env.is_main and self.cfg.run.plots:
             from megacpp.train.plot import plot_run
