@@ -119,6 +119,7 @@ class Settings:
     min_lr_ratio: float
     steps_cap: int
     seed: int
+    goal: str = DEFAULT_GOAL
     extra: list[str] = field(default_factory=list)
 
 
@@ -557,7 +558,8 @@ def plot_curves(report: dict[str, Any], path: Path) -> None:
                   markersize=3, label=label)
         ax_n.plot([p["tokens"] / 1e6 for p in curve], [p["val_bpb"] for p in curve],
                   marker="o", markersize=3, label=label)
-    ax_t.set_xlabel("GPU-seconds (process start, compile and warm-up counted)")
+    ax_t.set_xlabel(f"{'GPU' if report['settings']['device'] == 'cuda' else 'CPU'}-seconds "
+                    "on the run's clock (compile and warm-up counted)")
     ax_n.set_xlabel("training tokens (millions)")
     ax_t.set_ylabel("validation bits per byte")
     for ax in (ax_t, ax_n):
@@ -654,11 +656,17 @@ def write_bench_receipt(out: Path, report: dict[str, Any]) -> None:
     write_receipt(out / "receipt.json", "bench", config, metrics, artifacts)
 
 
-def bundle(out: Path, path: Path) -> None:
-    """One tar.gz of the results (the device returns few files)."""
+def bundle(out: Path, path: Path, work: Path) -> None:
+    """One tar.gz of the results (the device returns few files), without the run
+    directories of ``work`` (checkpoints)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    skip = {work.resolve(), path.resolve()}
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if (out.parent / info.name).resolve() in skip else info
+
     with tarfile.open(path, "w:gz") as tar:
-        tar.add(out, arcname=out.name)
+        tar.add(out, arcname=out.name, filter=keep)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -675,7 +683,7 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
 
 
 def _millions(value: Any) -> str:
-    return "-" if value is None else f"{value / 1e6:.1f}M"
+    return "-" if value is None else f"{value / 1e6:.{1 if value >= 1e7 else 2}f}M"
 
 
 # ---- the sampling worker (one process per GPU) ---------------------------------------------
@@ -781,8 +789,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="NAME=PRESET [TABLE.KEY=VALUE ...] (repeatable; default: the four "
                          "candidates of docs/quality.md)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these candidates")
-    ap.add_argument("--goal", default=DEFAULT_GOAL,
-                    help="HYBRID:DENSE1,DENSE2 -- the hybrid must beat every dense model")
+    ap.add_argument("--goal", default=None,
+                    help=f"HYBRID:DENSE1,DENSE2 -- the hybrid must beat every dense model "
+                         f"(default {DEFAULT_GOAL})")
     ap.add_argument("--minutes", type=float, default=3.0, help="GPU time per final run")
     ap.add_argument("--sweep-minutes", type=float, default=None,
                     help="GPU time per sweep run (default: half of --minutes)")
@@ -864,7 +873,7 @@ def main(argv: list[str]) -> int:
         eval_every_s=args.eval_every_s, micro_batch=args.micro_batch,
         val_batches=args.val_batches, warmup_steps=args.warmup_steps, schedule=args.schedule,
         min_lr_ratio=args.min_lr_ratio, steps_cap=args.steps_cap, seed=args.seed,
-        extra=list(args.extra))
+        goal=args.goal or DEFAULT_GOAL, extra=list(args.extra))
     trains = bool({"sweep", "final"} & set(args.phases))
     if trains:
         if not (Path(settings.data) / "_COMPLETE").is_file():
@@ -876,6 +885,8 @@ def main(argv: list[str]) -> int:
         _write_json(args.out / "dataset.json", dataset_summary(Path(settings.data)))
     elif (args.out / "settings.json").is_file():  # score / report of an earlier run
         settings = Settings(**json.loads((args.out / "settings.json").read_text()))
+        if args.goal:
+            settings.goal = args.goal
     (args.out / "command.txt").write_text(
         "PYTHONPATH=src " + " ".join(shlex.quote(a) for a in [
             "python", "benchmarks/quality.py", *argv]) + "\n"
@@ -896,9 +907,9 @@ def main(argv: list[str]) -> int:
     if "score" in args.phases:
         phase_score(args, candidates, log)
     if "report" in args.phases:
-        phase_report(args, settings, candidates, args.goal, started, log)
+        phase_report(args, settings, candidates, settings.goal, started, log)
     if args.bundle:
-        bundle(args.out, args.bundle)
+        bundle(args.out, args.bundle, args.work)
         log(f"bundle {args.bundle} ({args.bundle.stat().st_size / 1e6:.1f} MB)")
     log(f"done in {time.monotonic() - started:.0f} s")
     return 0
