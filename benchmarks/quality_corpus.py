@@ -83,13 +83,46 @@ def resolve_tree(tree: dict[str, Any], mirror: Path, scratch: Path) -> tuple[Pat
     commit = subprocess.run(["git", "--git-dir", str(git_dir), "rev-parse", "HEAD"],
                             capture_output=True, text=True, check=True).stdout.strip()
     dest = scratch / tree["name"]
-    if not dest.is_dir():
-        dest.mkdir(parents=True)
-        archive = subprocess.run(["git", "--git-dir", str(git_dir), "archive", "HEAD"],
-                                 capture_output=True, check=True).stdout
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(dest, filter="data")
-    return dest, {"github": tree["github"], "commit": commit}
+    missing = export_sources(git_dir, dest)
+    return dest, {"github": tree["github"], "commit": commit, "blobs_not_in_snapshot": missing}
+
+
+def export_sources(git_dir: Path, dest: Path) -> int:
+    """Write HEAD's C/C++ files (by extension, at most 1 MiB: what curation would read) under
+    ``dest``; returns how many such blobs the snapshot lacks (snapshots leave out big files)."""
+    from megacpp.data.config import CorpusConfig
+
+    cfg = CorpusConfig()
+    listing = subprocess.run(["git", "--git-dir", str(git_dir), "ls-tree", "-r", "-l", "-z",
+                              "HEAD"], capture_output=True, check=True).stdout.split(b"\0")
+    wanted, missing = [], 0
+    for entry in listing:
+        if not entry:
+            continue
+        meta, _, path = entry.partition(b"\t")
+        mode, kind, sha, size = meta.split()
+        name = path.decode("utf-8", "replace")
+        if kind != b"blob" or mode == b"120000" or Path(name).suffix.lower() not in cfg.extensions:
+            continue
+        if not size.isdigit():  # "BAD": the snapshot lacks the blob
+            missing += 1
+        elif int(size) <= cfg.max_bytes:
+            wanted.append((sha.decode(), name))
+    batch = subprocess.run(["git", "--git-dir", str(git_dir), "cat-file", "--batch"],
+                           input="".join(f"{sha}\n" for sha, _ in wanted).encode(),
+                           capture_output=True, check=True).stdout
+    stream = io.BytesIO(batch)
+    for _sha, name in wanted:
+        header = stream.readline().split()
+        if header[-1] == b"missing":
+            missing += 1
+            continue
+        data = stream.read(int(header[2]))
+        stream.read(1)  # the newline after each object
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return missing
 
 
 # ---- decontamination -----------------------------------------------------------------------
