@@ -804,7 +804,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="validation interval on the clock (default: --minutes * 6, i.e. "
                          "10 points per run)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per step")
-    ap.add_argument("--val-batches", type=int, default=32)
+    ap.add_argument("--val-batches", type=int, default=16,
+                    help="validation batches (of --micro-batch rows) per evaluation")
     ap.add_argument("--warmup-steps", type=int, default=50)
     ap.add_argument("--schedule", default="cosine", choices=("cosine", "wsd", "constant"))
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
