@@ -266,6 +266,15 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         steps = [r for r in records if r.get("type") == "train"]
         if steps:
             result["last_train_loss"] = steps[-1]["loss"]
+            if steps[0].get("clock_s") is not None:  # when the first step began: the
+                # startup (imports, setup) plus the first step's compile
+                result["first_step_clock_s"] = steps[0]["clock_s"] - steps[0]["time_s"]
+                result["first_step_s"] = steps[0]["time_s"]  # mostly compilation
+                steady = steps[len(steps) // 2:]  # tokens/s of the second half: compiled
+                span = steady[-1]["clock_s"] - steady[0]["clock_s"] + steady[0]["time_s"]
+                result["steady_tokens_per_s"] = (
+                    (steady[-1]["tokens"] - steady[0]["tokens"] + steps[0]["tokens"]) / span
+                    if span > 0 else None)
     receipt_path = run_dir / "receipt.json"
     if receipt_path.is_file():
         receipt = read_receipt(receipt_path)
@@ -616,8 +625,8 @@ def write_examples(out: Path, candidates: list[Candidate], per_model: int = 3) -
 
 def print_table(report: dict[str, Any], log) -> None:
     log(f"{'candidate':<22} {'lr':>8} {'params':>8} {'active':>8} {'steps':>7} {'tokens':>8} "
-        f"{'clock s':>8} {'start s':>7} {'val bpb':>8} {'pass@1 g':>8} {'pass@1':>7} "
-        f"{'pass@10':>7}")
+        f"{'clock s':>8} {'setup s':>7} {'step1 s':>7} {'tok/s':>7} {'val bpb':>8} "
+        f"{'pass@1 g':>8} {'pass@1':>7} {'pass@10':>7}")
     for name, entry in report["candidates"].items():
         final, he = entry["final"], entry["humaneval"] or {}
         greedy = (he.get("greedy") or {}).get("pass_at_k", {})
@@ -625,7 +634,10 @@ def print_table(report: dict[str, Any], log) -> None:
         log(f"{name:<22} {_fmt(entry['lr'], '.2g'):>8} {_millions(final.get('params')):>8} "
             f"{_millions(final.get('active_params')):>8} {_fmt(final.get('steps'), '.0f'):>7} "
             f"{_millions(final.get('tokens')):>8} {_fmt(final.get('clock_s'), '.0f'):>8} "
-            f"{_fmt(final.get('startup_s'), '.0f'):>7} {_fmt(final.get('final_val_bpb')):>8} "
+            f"{_fmt(final.get('first_step_clock_s'), '.0f'):>7} "
+            f"{_fmt(final.get('first_step_s'), '.0f'):>7} "
+            f"{_fmt(final.get('steady_tokens_per_s'), '.0f'):>7} "
+            f"{_fmt(final.get('final_val_bpb')):>8} "
             f"{_fmt(greedy.get('pass@1')):>8} {_fmt(sampled.get('pass@1')):>7} "
             f"{_fmt(sampled.get('pass@10')):>7}  {final.get('status')}")
     log(f"goal: {report['goal']['statement']}")

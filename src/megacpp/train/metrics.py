@@ -3,7 +3,8 @@
 ``metrics.jsonl`` holds one JSON object per line:
 
 * ``{"type": "train", "step", "loss", "aux_loss", "mtp_loss", "grad_norm", "lr", "tokens",
-  "tokens_per_s", "mfu", "peak_mem_bytes", "moe_balance", "spike", "time_s"}`` per step
+  "tokens_per_s", "mfu", "peak_mem_bytes", "moe_balance", "spike", "time_s", "clock_s"}``
+  per step (``clock_s``: the run's clock when the record is written, :class:`RunClock`)
   (``loss`` is the next-token cross-entropy; ``aux_loss`` the auxiliary losses (MoE balance,
   DSA indexer KL) and ``mtp_loss`` the multi-token-prediction loss before its weight, null
   without MTP; ``mfu`` is null where the device's peak is unknown; ``moe_balance`` is the

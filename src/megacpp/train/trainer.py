@@ -652,7 +652,8 @@ class _Session:
                 "mtp_loss": mtp_loss,
                 "grad_norm": grad_norm, "lr": lr, "tokens": self.tokens,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_bytes": self.peak_mem,
-                "moe_balance": balance, "spike": spike, "time_s": elapsed}
+                "moe_balance": balance, "spike": spike, "time_s": elapsed,
+                "clock_s": self.clock()}
 
     def _emit(self, record: Record) -> None:
         if not self.env.is_main:
