@@ -199,8 +199,8 @@ def slots_for(device: str, gpus: int | None, parallel: int) -> list[str]:
 
 
 def job_env(slot: str, device: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1",
-           "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = slot
         env.setdefault("MEGACPP_KERNELS", "fast")

@@ -294,7 +294,25 @@ def unpack_one(tarball: Path, dest: Path, sha256: str) -> int:
         return len(tar.getmembers())
 
 
+def require_build_modules() -> None:
+    """The data build's imports, checked before anything is unpacked."""
+    import importlib
+
+    missing = []
+    for module in ("datasketch", "tree_sitter", "tree_sitter_cpp", "pyarrow", "tokenizers"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise MegaCppError(
+            f"the data build needs {', '.join(missing)}: carry .whl (scripts/peer_wheels.sh) and "
+            "`python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl` with "
+            "/tmp/site on PYTHONPATH")
+
+
 def build(args: argparse.Namespace) -> None:
+    require_build_modules()
     manifest_path = args.carry / MANIFEST
     if not manifest_path.is_file():
         raise MegaCppError(f"{manifest_path} is missing: carry the folder `quality_corpus.py "
@@ -326,7 +344,8 @@ def build(args: argparse.Namespace) -> None:
                str(args.out), "--config", str(args.config), "--tokenizer",
                str(args.carry / TOKENIZER), "--workers", str(args.workers), "--overwrite"]
     build_started = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
     done = subprocess.run(command, env=env, check=False)
     if done.returncode != 0:
         raise MegaCppError(f"megacpp data build failed (exit {done.returncode})")
