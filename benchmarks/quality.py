@@ -62,6 +62,8 @@ DEFAULT_CANDIDATES = (
     "nam56r-dense-150m=nam56r-dense-150m",
 )
 DEFAULT_GOAL = "nam56r-350m:dense-350m,dense-150m"
+MIN_SAMPLE_S = 120.0  # --deadline-s: sampling is not started with less left
+MIN_SCORE_S = 40.0
 CLOCK_NOTE = ("clock = seconds since the training process started (imports, setup, "
               "compilation, warm-up and CUDA-graph capture counted), less validation and "
               "checkpoint time")
@@ -349,7 +351,10 @@ def chosen_lrs(args, candidates: list[Candidate], sweep: dict | None) -> dict[st
     if sweep is None and (args.out / "sweep.json").is_file():
         sweep = json.loads((args.out / "sweep.json").read_text())
     if sweep is None and args.sweep_json:
+        if not Path(args.sweep_json).is_file():
+            raise MegaCppError(f"--sweep-json {args.sweep_json}: no such file")
         sweep = json.loads(Path(args.sweep_json).read_text())
+        _write_json(args.out / "sweep.json", sweep)  # the report shows the sweep it used
     for cand in candidates:
         if cand.name in chosen:
             continue
@@ -839,7 +844,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="a sampling process is killed after this long")
     ap.add_argument("--score-workers", type=int, default=None)
     ap.add_argument("--bundle", type=Path, default=None,
-                    help="also pack OUT into this .tar.gz (the device returns few files)")
+                    help="also pack OUT into this .tar.gz after every phase (the device "
+                         "returns few files, and a killed command keeps the last one)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="seconds this invocation may take: sample and score are skipped "
+                         "(with a message) when too little is left, and sampling is cut short")
     args = ap.parse_args(argv)
     args.work = args.work or args.out / "work"
     if args.sweep_minutes is None:
@@ -909,21 +918,40 @@ def main(argv: list[str]) -> int:
     if gpu_phases:
         log(f"{len(candidates)} candidates on {len(slots)} {args.device} slot(s): "
             + ", ".join(c.name for c in candidates))
+    def left_s() -> float:
+        return math.inf if args.deadline_s is None else args.deadline_s - (
+            time.monotonic() - started)
+
+    def checkpoint_results() -> None:
+        if args.bundle:
+            bundle(args.out, args.bundle, args.work)
+            log(f"bundle {args.bundle} ({args.bundle.stat().st_size / 1e6:.1f} MB)")
+
     sweep = None
     if "sweep" in args.phases:
         sweep = phase_sweep(args, settings, candidates, slots, log)
+        checkpoint_results()
     if "final" in args.phases:
         lrs = chosen_lrs(args, candidates, sweep)
         phase_final(args, settings, candidates, slots, lrs, log)
+        phase_report(args, settings, candidates, settings.goal, started, log)
+        checkpoint_results()
     if "sample" in args.phases:
-        phase_sample(args, settings, candidates, slots, log)
+        if left_s() < MIN_SAMPLE_S:
+            log(f"sample: skipped, {left_s():.0f} s left of --deadline-s (needs {MIN_SAMPLE_S})")
+        else:
+            args.sample_budget_s = min(args.sample_budget_s, left_s() - 45)
+            phase_sample(args, settings, candidates, slots, log)
+            checkpoint_results()
     if "score" in args.phases:
-        phase_score(args, candidates, log)
+        if left_s() < MIN_SCORE_S:
+            log(f"score: skipped, {left_s():.0f} s left of --deadline-s; run `--phases score "
+                "report` later")
+        else:
+            phase_score(args, candidates, log)
     if "report" in args.phases:
         phase_report(args, settings, candidates, settings.goal, started, log)
-    if args.bundle:
-        bundle(args.out, args.bundle, args.work)
-        log(f"bundle {args.bundle} ({args.bundle.stat().st_size / 1e6:.1f} MB)")
+    checkpoint_results()
     log(f"done in {time.monotonic() - started:.0f} s")
     return 0
 
