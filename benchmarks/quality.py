@@ -759,7 +759,14 @@ def sample_main(argv: list[str]) -> None:
             print(f"{done[0]}/{len(requests)} completions, {time.monotonic() - started:.0f} s",
                   flush=True)
 
-    results = run_batch(engine, requests, on_finish=progress)
+    # in waves of max_num_seqs requests (a problem's samples together): each wave's prompts
+    # are prefilled together once, then every decode step is a full batch until the wave's
+    # longest completion ends; feeding requests as slots free up would instead put a small
+    # eager prefill into most decode steps
+    results = {}
+    for start in range(0, len(requests), args.max_num_seqs):
+        results.update(run_batch(engine, requests[start:start + args.max_num_seqs],
+                                 on_finish=progress))
     args.out.mkdir(parents=True, exist_ok=True)
     tokens = sum(r.completion_tokens for r in results.values())
     for kind, prefix in (("greedy", "g"), ("sampled", "s")):
