@@ -103,3 +103,38 @@ def test_bad_candidates_and_missing_data_are_one_line_errors(tmp_path: Path) -> 
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: ") and message in done.stderr
         assert "Traceback" not in done.stderr
+
+
+def _quality_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality", ROOT / "benchmarks" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("quality", module)  # dataclasses look their module up
+    spec.loader.exec_module(sys.modules["quality"])
+    return sys.modules["quality"]
+
+
+def test_goal_verdict_and_candidate_specs() -> None:
+    quality = _quality_module()
+
+    def entry(bpb, status="completed"):
+        return {"final": {"final_val_bpb": bpb, "status": status}}
+
+    runs = {"h": entry(1.10), "d1": entry(1.20), "d2": entry(1.15)}
+    verdict = quality.goal_verdict(runs, "h:d1,d2")
+    assert verdict["met"] is True and verdict["margin_bpb"] == pytest.approx(0.05)
+    assert "(d2) 1.1500: the goal is MET (+0.0500" in verdict["statement"]
+    runs["d2"] = entry(1.05)
+    assert quality.goal_verdict(runs, "h:d1,d2")["met"] is False
+    runs["d1"] = entry(None, "failed")
+    failed = quality.goal_verdict(runs, "h:d1,d2")
+    assert failed["met"] is None and "d1 did not complete" in failed["statement"]
+    assert "x not among" in quality.goal_verdict(runs, "x:d1")["statement"]
+
+    cand = quality.Candidate.parse("nomuon=nam56r-350m optim.muon=false 'model.d_model=512'")
+    assert (cand.name, cand.preset, cand.overrides) == (
+        "nomuon", "nam56r-350m", ("optim.muon=false", "model.d_model=512"))
+    for bad in ("nopreset", "a b=c", "a=b lr=1"):
+        with pytest.raises(quality.MegaCppError):
+            quality.Candidate.parse(bad)
