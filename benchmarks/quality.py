@@ -200,21 +200,23 @@ def slots_for(device: str, gpus: int | None, parallel: int) -> list[str]:
     return [str(i) for i in range(n)]
 
 
-def job_env(slot: str, device: str) -> dict[str, str]:
+def job_env(slot: str, device: str, kernels: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = slot
-        env.setdefault("MEGACPP_KERNELS", "fast")
+        env["MEGACPP_KERNELS"] = kernels
     else:
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
     return env
 
 
 def run_side_by_side(jobs: list[Job], slots: list[str], device: str, grace_s: float,
-                     command: Any, log: Any) -> None:
+                     command: Any, log: Any, kernels: str = "fast") -> None:
     """Run ``jobs`` with at most one per slot (GPU); each is killed if it outlives its budget
-    plus ``grace_s``. ``command(job)`` gives the argv."""
+    plus ``grace_s``. ``command(job)`` gives the argv; ``kernels``, MEGACPP_KERNELS on a GPU
+    (training: ``fast``, which CUDA graphs of MoE models need; sampling: ``auto``, since not
+    every surface has a fast decode kernel)."""
     queue = deque(jobs)
     running: dict[str, tuple[Job, subprocess.Popen, float, Any]] = {}
     while queue or running:
@@ -224,7 +226,7 @@ def run_side_by_side(jobs: list[Job], slots: list[str], device: str, grace_s: fl
                 job.slot = slot
                 out = open(job.log_path, "w")  # noqa: SIM115 -- closed when the job ends
                 proc = subprocess.Popen(command(job), stdout=out, stderr=subprocess.STDOUT,
-                                        env=job_env(slot, device), cwd=ROOT,
+                                        env=job_env(slot, device, kernels), cwd=ROOT,
                                         start_new_session=True)
                 running[slot] = (job, proc, time.monotonic(), out)
                 log(f"[{slot}] start {job.phase} {job.candidate.name} lr {job.lr:g} "
@@ -398,7 +400,8 @@ def phase_sample(args, settings: Settings, candidates: list[Candidate], slots, l
         (args.out / "humaneval" / cand.name).mkdir(parents=True, exist_ok=True)
         jobs.append(Job("sample", cand, 0.0, args.sample_budget_s, run_dir, Path(),
                         args.out / "humaneval" / cand.name / "sample.log"))
-    run_side_by_side(jobs, slots, settings.device, 0.0, sample_command(args, settings), log)
+    run_side_by_side(jobs, slots, settings.device, 0.0, sample_command(args, settings), log,
+                     kernels="auto")
 
 
 def phase_score(args, candidates: list[Candidate], log) -> None:
@@ -919,7 +922,7 @@ def main(argv: list[str]) -> int:
     (args.out / "command.txt").write_text(
         "PYTHONPATH=src " + " ".join(shlex.quote(a) for a in [
             "python", "benchmarks/quality.py", *argv]) + "\n"
-        + f"MEGACPP_KERNELS={os.environ.get('MEGACPP_KERNELS', '(unset: fast for cuda runs)')}\n")
+        + "MEGACPP_KERNELS=fast for the training runs, auto for sampling (set per process)\n")
     gpu_phases = {"sweep", "final", "sample"} & set(args.phases)
     slots = slots_for(args.device, args.gpus, args.parallel) if gpu_phases else []
     if gpu_phases:
