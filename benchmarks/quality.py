@@ -433,7 +433,13 @@ def phase_score(args, candidates: list[Candidate], log) -> None:
             log(f"score {cand.name}: no samples ({meta_path} missing)")
             continue
         meta = json.loads(meta_path.read_text())
+        if not meta.get("complete", True):
+            log(f"score {cand.name}: sampling stopped early; scoring the problems it finished "
+                f"({meta.get('problems_done')} of {meta.get('problems')})")
         for kind, ks in (("greedy", (1,)), ("sampled", (1, 10))):
+            if not (folder / f"{kind}.jsonl").read_text().strip():
+                log(f"score {cand.name} {kind}: no finished problem")
+                continue
             samples = read_samples(folder / f"{kind}.jsonl")
             n = meta[kind]["n"]
             report = evaluate_samples(
@@ -518,6 +524,8 @@ def humaneval_summary(folder: Path) -> dict[str, Any] | None:
         return None
     meta = json.loads(meta_path.read_text())
     out: dict[str, Any] = {"sampling": {k: meta[k] for k in ("greedy", "sampled")},
+                           "complete": meta.get("complete"),
+                           "problems_done": meta.get("problems_done"),
                            "sampling_wall_s": meta.get("wall_s"),
                            "generated_tokens": meta.get("generated_tokens"), "scored": False}
     for kind in ("greedy", "sampled"):
@@ -734,7 +742,6 @@ def sample_main(argv: list[str]) -> None:
     from megacpp.infer.engine import Engine, EngineConfig
     from megacpp.infer.generate import CPP_BODY_STOP
     from megacpp.infer.sampling import SamplingParams
-    from megacpp.kernels.runtime import chosen_kernels
 
     started = time.monotonic()
     problems = select_problems(load_problems(args.problems), (), args.limit)
@@ -765,37 +772,54 @@ def sample_main(argv: list[str]) -> None:
     # in waves of max_num_seqs requests (a problem's samples together): each wave's prompts
     # are prefilled together once, then every decode step is a full batch until the wave's
     # longest completion ends; feeding requests as slots free up would instead put a small
-    # eager prefill into most decode steps
-    results = {}
+    # eager prefill into most decode steps. The files are rewritten after every wave, so a
+    # process stopped by its time limit leaves the problems it finished.
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
     for start in range(0, len(requests), args.max_num_seqs):
         results.update(run_batch(engine, requests[start:start + args.max_num_seqs],
                                  on_finish=progress))
-    args.out.mkdir(parents=True, exist_ok=True)
-    tokens = sum(r.completion_tokens for r in results.values())
-    for kind, prefix in (("greedy", "g"), ("sampled", "s")):
-        lines = []
-        for request in requests:
-            if request.request_id.startswith(prefix + "|"):
-                result = results[request.request_id]
-                lines.append(json.dumps({"task_id": request.request_id.split("|")[1],
-                                         "completion": result.function_body(),
-                                         "finish_reason": result.finish_reason,
-                                         "completion_tokens": result.completion_tokens}))
-        (args.out / f"{kind}.jsonl").write_text("\n".join(lines) + "\n")
+        meta = write_samples(args, requests, results, problems, config, dtype, ckpt, started)
+    print(f"sampled {len(requests)} completions ({meta['generated_tokens']:,} tokens) in "
+          f"{meta['wall_s']:.0f} s", flush=True)
+
+
+def write_samples(args, requests, results, problems, config, dtype, ckpt, started) -> dict:
+    """greedy.jsonl and sampled.jsonl with every problem whose completions are all done, and
+    sampling.json (``complete``: every problem of both kinds)."""
+    from megacpp.infer.generate import CPP_BODY_STOP
+    from megacpp.kernels.runtime import chosen_kernels
+
+    counts = {}
+    for kind, prefix, n in (("greedy", "g", 1), ("sampled", "s", args.n)):
+        lines, done = [], 0
+        for problem in problems:
+            ids = [f"{prefix}|{problem.task_id}|{j}" for j in range(n)]
+            if all(i in results for i in ids):
+                done += 1
+                lines += [json.dumps({"task_id": problem.task_id,
+                                      "completion": results[i].function_body(),
+                                      "finish_reason": results[i].finish_reason,
+                                      "completion_tokens": results[i].completion_tokens})
+                          for i in ids]
+        (args.out / f"{kind}.jsonl").write_text("".join(line + "\n" for line in lines))
+        counts[kind] = done
     meta = {
         "checkpoint": str(ckpt), "problems": len(problems),
+        "problems_done": counts, "complete": all(v == len(problems) for v in counts.values()),
         "greedy": {"n": 1, "temperature": 0.0, "max_new_tokens": args.max_new_tokens},
         "sampled": {"n": args.n, "temperature": args.temperature, "top_p": args.top_p,
                     "max_new_tokens": args.max_new_tokens, "seeds": "1000 * problem + sample"},
         "stop": CPP_BODY_STOP, "engine": asdict(config), "dtype": str(dtype),
-        "generated_tokens": tokens, "wall_s": time.monotonic() - started,
+        "generated_tokens": sum(r.completion_tokens for r in results.values()),
+        "wall_s": time.monotonic() - started,
         "finish_reasons": {r: sum(x.finish_reason == r for x in results.values())
                            for r in ("stop", "eos", "length")},
         "kernels": chosen_kernels(),
     }
     _write_json(args.out / "sampling.json", meta)
-    print(f"sampled {len(requests)} completions ({tokens:,} tokens) in {meta['wall_s']:.0f} s",
-          flush=True)
+    return meta
 
 
 # ---- main ----------------------------------------------------------------------------------
