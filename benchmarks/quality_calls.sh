@@ -10,13 +10,13 @@
 # benchmarks/results/quality/h100/sweep.json: call 2 uses it when the machine it gets is a
 # fresh one (its own copy of call 1's outputs gone); it then rebuilds the corpus first and
 # trains for MINUTES_AFTER_REBUILD instead of MINUTES.
-# Knobs (environment): MINUTES (4), SWEEP_MINUTES (2), MINUTES_AFTER_REBUILD (2.5), DEADLINE
+# Knobs (environment): MINUTES (4.5), SWEEP_MINUTES (2), MINUTES_AFTER_REBUILD (3), DEADLINE
 # (seconds the whole call may take, 555).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CALL=${1:?usage: OUT=DIR bash benchmarks/quality_calls.sh 1|2}
 OUT=${OUT:?set OUT to the device output folder}
-MINUTES=${MINUTES:-4}
+MINUTES=${MINUTES:-4.5}
 SWEEP_MINUTES=${SWEEP_MINUTES:-2}
 DEADLINE=${DEADLINE:-555}
 W=.device-carry/quality-run  # ignored: kept between back-to-back calls on the same machine
@@ -50,7 +50,7 @@ case $CALL in
     if [ ! -f "$DATA/_COMPLETE" ]; then
       echo "call 1's dataset is not on this machine (a fresh one): rebuilding the corpus"
       build_corpus
-      MINUTES=${MINUTES_AFTER_REBUILD:-2.5}
+      MINUTES=${MINUTES_AFTER_REBUILD:-3}
     fi
     SWEEP=benchmarks/results/quality/h100/sweep.json
     [ -f "$W/out/sweep.json" ] && SWEEP=$W/out/sweep.json
