@@ -38,6 +38,7 @@ build_corpus() {
 }
 
 left() { echo $(( DEADLINE - (SECONDS - START) )); }
+PROBLEMS=.device-carry/quality/humaneval-x-cpp.jsonl.gz  # copied there by quality_corpus.py pack
 
 case $CALL in
   1)
@@ -57,7 +58,7 @@ case $CALL in
     python3 benchmarks/quality.py --data "$DATA" --out "$W/out" --work "$W/work" \
         --phases final sample score report --minutes "$MINUTES" \
         --sweep-minutes "$SWEEP_MINUTES" --sweep-json "$SWEEP" \
-        --grace-s 90 --deadline-s "$(left)" --bundle "$OUT/quality.tgz"
+        --grace-s 90 --deadline-s "$(left)" --problems "$PROBLEMS" --bundle "$OUT/quality.tgz"
     ;;
   *) echo "usage: OUT=DIR bash benchmarks/quality_calls.sh 1|2" >&2; exit 2 ;;
 esac

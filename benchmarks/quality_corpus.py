@@ -193,6 +193,10 @@ def pack(args: argparse.Namespace) -> None:
         console.print(f"curated {len(docs)} documents in {curated_s:.0f} s")
 
         signatures = humaneval_signatures(args.problems)
+        from megacpp.eval import locate_problems
+
+        problems_file = locate_problems(args.problems)  # carried too: sampling needs it there
+        shutil.copyfile(problems_file, args.out / problems_file.name)
         names_re = re.compile(r"\b(" + "|".join(map(re.escape, signatures)) + r")\s*\(")
         kept, dropped = [], {}
         for doc in docs:
@@ -236,7 +240,9 @@ def pack(args: argparse.Namespace) -> None:
                        **tarballs[t["name"]]} for t in trees],
             "curation": [s.to_dict() for s in stages],
             "split": split_stats.to_dict(),
-            "humaneval_decontamination": {"dropped": len(dropped), "documents": dropped},
+            "humaneval_decontamination": {"dropped": len(dropped), "documents": dropped,
+                                          "problems": problems_file.name,
+                                          "sha256": _sha256(problems_file)},
             "tokenizer": {"file": TOKENIZER, "sha256": _sha256(args.out / TOKENIZER),
                           "vocab_size": cfg.tokenizer.vocab_size,
                           "trained_on_bytes": cfg.tokenizer.max_train_bytes},
