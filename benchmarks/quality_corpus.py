@@ -157,7 +157,13 @@ def pack(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    from megacpp.data.build import BuildConfig, curate_documents, plan_documents, validation_roots
+    from megacpp.data.build import (
+        BuildConfig,
+        curate_documents,
+        plan_documents,
+        validation_roots,
+    )
+    from megacpp.data.build import _count_cross_split as count_cross_split
     from megacpp.data.curate import curation_steps
     from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
 
@@ -208,6 +214,7 @@ def pack(args: argparse.Namespace) -> None:
         console.print(f"HumanEval-X decontamination: dropped {len(dropped)} documents")
 
         planned, split_stats = plan_documents(kept, cfg.packing, val_roots)
+        count_cross_split(steps, val_roots, split_stats)
         tokenizer_started = time.monotonic()
         train_texts = iter_capped((p.doc.text for p in planned if p.split == "train"),
                                   cfg.tokenizer.max_train_bytes)
