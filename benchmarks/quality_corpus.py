@@ -352,7 +352,8 @@ def build(args: argparse.Namespace) -> None:
         link = src / name
         link.symlink_to(Path(path).resolve(), target_is_directory=True)
         roots.append(link)
-        extras.append({"name": name, "path": str(Path(path).resolve())})
+        extras.append({"name": name, "path": str(Path(path).resolve()),
+                       "torch_version": _version("torch")})
     command = [sys.executable, "-m", "megacpp", "data", "build", *map(str, roots), "--out",
                str(args.out), "--config", str(args.config), "--tokenizer",
                str(args.carry / TOKENIZER), "--workers", str(args.workers), "--overwrite"]
@@ -399,6 +400,15 @@ def documents_by_root(data: Path) -> dict[str, dict[str, int]]:
         entry["tokens"] += tokens
         entry["split"] = split
     return out
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def _sha256(path: Path) -> str:
