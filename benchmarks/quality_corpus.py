@@ -48,7 +48,7 @@ from megacpp.errors import MegaCppError
 SOURCES = ROOT / "benchmarks" / "quality_corpus.toml"
 BUILD_CONFIG = ROOT / "configs" / "data" / "quality.toml"
 MANIFEST = "corpus_manifest.json"
-TOKENIZER = "tokenizer.json"
+TOKENIZER = "tokenizer.json"  # carried as tokenizer.json.xz
 
 
 # ---- sources -------------------------------------------------------------------------------
@@ -172,6 +172,11 @@ def pack(args: argparse.Namespace) -> None:
     trees = read_trees(args.sources)
     if args.only:
         trees = [t for t in trees if t["name"] in set(args.only)]
+    if args.out.is_dir() and any(args.out.iterdir()):
+        if not (args.out / MANIFEST).is_file():
+            raise MegaCppError(f"{args.out} is not empty and holds no {MANIFEST}: choose an "
+                               "empty --out (an earlier pack's folder is replaced)")
+        shutil.rmtree(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="quality-corpus-", dir=args.scratch))
     try:
@@ -222,6 +227,11 @@ def pack(args: argparse.Namespace) -> None:
                              min_frequency=cfg.tokenizer.min_frequency,
                              reserve=cfg.tokenizer.reserve)
         CppTokenizer.from_hf(hf).save(args.out / TOKENIZER)
+        tokenizer_sha256 = _sha256(args.out / TOKENIZER)
+        with open(args.out / TOKENIZER, "rb") as src, \
+                lzma.open(args.out / f"{TOKENIZER}.xz", "wb", preset=9) as dst:
+            shutil.copyfileobj(src, dst)
+        (args.out / TOKENIZER).unlink()
         tokenizer_s = time.monotonic() - tokenizer_started
 
         by_tree: dict[str, list] = {t["name"]: [] for t in trees}
@@ -250,19 +260,19 @@ def pack(args: argparse.Namespace) -> None:
             "humaneval_decontamination": {"dropped": len(dropped), "documents": dropped,
                                           "problems": problems_file.name,
                                           "sha256": _sha256(problems_file)},
-            "tokenizer": {"file": TOKENIZER, "sha256": _sha256(args.out / TOKENIZER),
+            "tokenizer": {"file": f"{TOKENIZER}.xz", "sha256": tokenizer_sha256,
                           "vocab_size": cfg.tokenizer.vocab_size,
                           "trained_on_bytes": cfg.tokenizer.max_train_bytes},
             "timings_s": {"curate": curated_s, "tokenizer": tokenizer_s, "compress": pack_s,
                           "total": time.monotonic() - started},
             "cores": os.cpu_count(),
         }
-        total = sum(t["xz_bytes"] for t in manifest["trees"])
+        total = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
         manifest["xz_bytes_total"] = total
         (args.out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         print_pack_summary(manifest)
         if total > args.max_mib * 2**20:
-            raise MegaCppError(f"the packed corpus is {total / 2**20:.1f} MiB, over --max-mib "
+            raise MegaCppError(f"{args.out} holds {total / 2**20:.1f} MiB, over --max-mib "
                                f"{args.max_mib}: drop or shrink trees in {args.sources}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -291,7 +301,8 @@ def print_pack_summary(manifest: dict[str, Any]) -> None:
               f"{t['xz_bytes'] / 1e6:>7.2f}")
     docs = sum(t["documents"] for t in manifest["trees"])
     size = sum(t["bytes"] for t in manifest["trees"])
-    print(f"{'total':<33} {docs:>7} {size / 1e6:>8.1f} {manifest['xz_bytes_total'] / 1e6:>7.2f}")
+    print(f"{'total':<33} {docs:>7} {size / 1e6:>8.1f} {manifest['xz_bytes_total'] / 1e6:>7.2f}"
+          " (the whole folder, tokenizer and HumanEval-X file included)")
     print(f"HumanEval-X look-alikes dropped: {manifest['humaneval_decontamination']['dropped']}; "
           f"timings {json.dumps({k: round(v, 1) for k, v in manifest['timings_s'].items()})}")
 
@@ -342,6 +353,13 @@ def build(args: argparse.Namespace) -> None:
                                [t["sha256"] for t in manifest["trees"]]))
     unpack_s = time.monotonic() - started
     print(f"unpacked {sum(counts)} files of {len(counts)} trees in {unpack_s:.1f} s", flush=True)
+    tokenizer = args.out.parent / f"{args.out.name}_{TOKENIZER}"
+    with lzma.open(args.carry / manifest["tokenizer"]["file"]) as packed, \
+            open(tokenizer, "wb") as dst:
+        shutil.copyfileobj(packed, dst)
+    if _sha256(tokenizer) != manifest["tokenizer"]["sha256"]:
+        raise MegaCppError(f"{args.carry / manifest['tokenizer']['file']}: the tokenizer's "
+                           "sha256 differs from the corpus manifest (corrupt copy)")
     roots = [src / t["name"] for t in manifest["trees"]]
     extras = []
     for item in args.extra:
@@ -355,8 +373,8 @@ def build(args: argparse.Namespace) -> None:
         extras.append({"name": name, "path": str(Path(path).resolve()),
                        "torch_version": _version("torch")})
     command = [sys.executable, "-m", "megacpp", "data", "build", *map(str, roots), "--out",
-               str(args.out), "--config", str(args.config), "--tokenizer",
-               str(args.carry / TOKENIZER), "--workers", str(args.workers), "--overwrite"]
+               str(args.out), "--config", str(args.config), "--tokenizer", str(tokenizer),
+               "--workers", str(args.workers), "--overwrite"]
     build_started = time.monotonic()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
@@ -434,7 +452,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--problems", type=Path, default=None, help="HumanEval-X C++ (to exclude)")
     p.add_argument("--only", nargs="+", default=None, help="only these trees (a slice)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--max-mib", type=float, default=45.0, help="refuse a bigger packed corpus")
+    p.add_argument("--max-mib", type=float, default=40.0,
+                   help="refuse a bigger --out folder (it travels to the GPU machine)")
     b = sub.add_parser("build", help="unpack and run `megacpp data build`")
     b.add_argument("--carry", type=Path, default=ROOT / ".device-carry" / "quality")
     b.add_argument("--out", type=Path, default=ROOT / "data" / "quality")
