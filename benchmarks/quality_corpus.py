@@ -248,8 +248,8 @@ def pack(args: argparse.Namespace) -> None:
         pack_s = time.monotonic() - packed_started
         manifest = {
             "format": "megacpp-quality-corpus",
-            "config": str(args.config.relative_to(ROOT)),
-            "sources": str(args.sources.relative_to(ROOT)),
+            "config": _display(args.config),
+            "sources": _display(args.sources),
             "val_sources": val_names,
             "trees": [{"name": t["name"], "role": t["role"], **provenance[t["name"]],
                        "documents": len(by_tree[t["name"]]),
@@ -418,6 +418,11 @@ def documents_by_root(data: Path) -> dict[str, dict[str, int]]:
         entry["tokens"] += tokens
         entry["split"] = split
     return out
+
+
+def _display(path: Path) -> str:
+    """``path`` relative to the repository when inside it (recorded in manifests)."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _version(package: str) -> str | None:
