@@ -4,8 +4,10 @@
 #   call 1:  OUT=$OUT bash benchmarks/quality_calls.sh 1   corpus build + learning-rate sweep
 #   call 2:  OUT=$OUT bash benchmarks/quality_calls.sh 2   final runs + HumanEval-X sampling
 #                                                         (+ scoring where the toolchain is) + report
-# Carry .device-carry/quality (benchmarks/quality_corpus.py pack) and .whl
-# (scripts/peer_wheels.sh: datasketch, tree-sitter for the data build) in both calls.
+# Carry .device-carry/quality (benchmarks/quality_corpus.py pack, ~39 MiB) and the wheels of
+# scripts/peer_wheels.sh that the data build needs (datasketch, tree-sitter, tree-sitter-cpp;
+# WHEELS names their folder, default .whl) in both calls: with the repository they must stay
+# under the 64 MiB that travel.
 # Between the calls, unpack call 1's quality-call1.tgz and put its out/sweep.json at
 # benchmarks/results/quality/h100/sweep.json: call 2 uses it when the machine it gets is a
 # fresh one (its own copy of call 1's outputs gone); it then rebuilds the corpus first and
@@ -23,7 +25,8 @@ W=.device-carry/quality-run  # ignored: kept between back-to-back calls on the s
 DATA=$W/data/quality
 START=$SECONDS
 
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
+WHEELS=${WHEELS:-.whl}  # only datasketch, tree-sitter and tree-sitter-cpp are needed here
+python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl 2>&1 | tail -2
 export PYTHONPATH=src:/tmp/site
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 
