@@ -16,9 +16,9 @@ measured in each run, named in its receipt). Run on a GPU machine::
     python benchmarks/scaling.py --presets nam56r-1b --strategies fsdp --world-sizes 1 2 4 \\
         --data data/libstdcxx-32k --out ...
 
-``--presets`` takes run configs (a path, a name under configs/runs/, or a model preset P
-with configs/runs/P-gpu.toml). Without ``--data`` it first builds a dataset from
-``--sources`` (default: the newest /usr/include/c++/N) with the shipped `cpp` data config (32k vocabulary,
+``--presets`` takes run configs (a path, a shipped run config name, or a model preset P with
+a shipped run config P-gpu). Without ``--data`` it first builds a dataset from ``--sources``
+(default: the newest /usr/include/c++/N) with the shipped ``cpp`` data config (32k vocabulary,
 2048-token rows; about 15 s on 2 CPU cores) into OUT/data. World size 1 runs once per preset
 (strategy ``single``). ``--out`` gets ``results.json``, ``scaling.png``, ``command.txt``,
 ``receipt.json`` (this benchmark's) and ``receipts/`` (every run's own receipt), and keeps
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["nam56r-350m"],
-                    help="run configs (path, configs/runs name, or P for configs/runs/P-gpu)")
+                    help="run configs (path, shipped run config name, or P for the shipped P-gpu)")
     ap.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")

@@ -131,6 +131,7 @@ def tiny_config_dict(
             "seq_len": seq_len,
             "seed": 7,
             "val_permille": val_permille,
+            "val_sources": [],
             "rows_per_shard": rows_per_shard,
             "rows_per_group": rows_per_group,
         },

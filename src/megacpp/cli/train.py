@@ -47,7 +47,8 @@ def train(
 
     cfg = load_run_config(config, set_ or [])
     result = run_training(cfg, resume=resume, fallback_to_previous=fallback_to_previous,
-                          skip_preflight=skip_preflight or [], show_progress=progress)
+                          skip_preflight=skip_preflight or [], show_progress=progress,
+                          clock_from_process_start=True)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
         return
     val = f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss else ""

@@ -7,7 +7,9 @@ Stages, each counted in the manifest (``stages``):
    generated/license filters, exact and near dedup -- in the main process; every batch of
    kept documents is handed at once to the worker pool for tree-sitter ``structure`` labels
    (so parsing overlaps curation) and, when a tokenizer is given, token ids too;
-2. ``split``: train/validation by content hash, then the seeded shuffle;
+2. ``split``: train/validation by content hash, or by source tree (``packing.val_sources``:
+   those trees are curated first, so exact and near duplicates of their documents are dropped
+   from the train trees), then the seeded shuffle;
 3. the tokenizer: the one given, or one trained on (a capped sample of) the train split;
 4. ``tokenize`` (a trained tokenizer only): in the worker pool, 64 documents a task; the main
    process maps the tokens onto the structure labels and
@@ -55,7 +57,8 @@ from megacpp import __version__, configs
 from megacpp._config import build_section, check_keys, parse_toml, read_toml
 from megacpp._io import fsync_path, sha256_file
 from megacpp.data.config import CorpusConfig
-from megacpp.data.curate import curate_stream
+from megacpp.data.curate import curate_stream, curation_steps
+from megacpp.data.dedup import ExactDedup, NearDedup
 from megacpp.data.document import Document
 from megacpp.data.encode import (
     EncodedDoc,
@@ -69,6 +72,7 @@ from megacpp.data.encode import (
 from megacpp.data.packing import (
     SPLITS,
     TRAIN,
+    VALIDATION,
     PackedDocument,
     RowPacker,
     shuffle_key,
@@ -128,12 +132,18 @@ class PackingConfig:
     seq_len: int = 2048  # rows hold seq_len + 1 tokens
     seed: int = 0
     val_permille: int = 20  # documents with hash % 1000 < val_permille go to validation
+    # non-empty: split by source tree instead -- the documents of the source roots with these
+    # names (the root directory's name, e.g. "leveldb") are the validation split, all others
+    # train; val_permille is then not used
+    val_sources: list[str] = field(default_factory=list)
     rows_per_shard: int = 4096
     rows_per_group: int = 64  # parquet row group = the loader's unit of reading/shuffling
 
     def validate(self) -> None:
         _require(self.seq_len >= 1, "packing.seq_len", "an integer >= 1")
         _require(0 <= self.val_permille <= 1000, "packing.val_permille", "an integer in 0..1000")
+        _require(all(isinstance(v, str) and v for v in self.val_sources),
+                 "packing.val_sources", "a list of source root names (non-empty strings)")
         _require(self.rows_per_shard >= 1, "packing.rows_per_shard", "an integer >= 1")
         _require(self.rows_per_group >= 1, "packing.rows_per_group", "an integer >= 1")
 
@@ -200,11 +210,13 @@ def curate_documents(
     corpus: CorpusConfig,
     progress: Progress,
     on_batch: Callable[[list[Document]], None] | None = None,
+    steps: Sequence[Any] | None = None,
 ) -> tuple[list[Document], list[StageStats]]:
     """Run the curation pipeline (:func:`megacpp.data.curate.curate_stream`) over ``sources``
     with a live counter; returns the kept documents and the per-stage stats. ``on_batch``
-    receives the kept documents a batch at a time, as they come (to start work early)."""
-    stream, stats = curate_stream([Path(s).absolute() for s in sources], corpus)
+    receives the kept documents a batch at a time, as they come (to start work early);
+    ``steps``: the curation steps to run (default ``curation_steps(corpus)``)."""
+    stream, stats = curate_stream([Path(s).absolute() for s in sources], corpus, steps)
     task = progress.add_task("curating", total=None)
     kept: list[Document] = []
     kept_bytes = 0
@@ -243,13 +255,19 @@ class _Planned:
 
 
 def plan_documents(
-    docs: Sequence[Document], packing: PackingConfig
+    docs: Sequence[Document], packing: PackingConfig, val_roots: Sequence[Path] = ()
 ) -> tuple[list[_Planned], StageStats]:
-    """Assign splits and order documents: all train documents (shuffled), then validation."""
-    planned = [
-        _Planned(d, split_of(d.sha256, packing.val_permille), shuffle_key(d.sha256, packing.seed))
-        for d in docs
-    ]
+    """Assign splits and order documents: all train documents (shuffled), then validation.
+    With ``val_roots`` (absolute), a document is validation iff it comes from one of them;
+    else by its content hash (``packing.val_permille``)."""
+    val_root_names = {str(root) for root in val_roots}
+
+    def split(doc: Document) -> str:
+        if val_roots:
+            return VALIDATION if doc.source_root in val_root_names else TRAIN
+        return split_of(doc.sha256, packing.val_permille)
+
+    planned = [_Planned(d, split(d), shuffle_key(d.sha256, packing.seed)) for d in docs]
     planned.sort(key=lambda p: (SPLITS.index(p.split), p.key))
     stats = StageStats("split", seen=len(docs), kept=len(docs))
     stats.bytes_in = stats.bytes_out = sum(d.size for d in docs)
@@ -302,6 +320,45 @@ def build_dataset(
     return BuildResult(out, manifest)
 
 
+def validation_roots(sources: Sequence[Path], names: Sequence[str]) -> list[Path]:
+    """The source roots (absolute) that ``packing.val_sources`` names: each name must be the
+    directory name of exactly one root."""
+    by_name: dict[str, list[Path]] = {}
+    for source in sources:
+        by_name.setdefault(Path(source).name, []).append(Path(os.path.abspath(source)))
+    roots = []
+    for name in names:
+        found = by_name.get(name, [])
+        if len(found) != 1:
+            problem = "names no source root" if not found else f"names {len(found)} roots"
+            raise ConfigError(
+                f"packing.val_sources: {name!r} {problem}; it must be the directory name of "
+                f"exactly one source root: {', '.join(sorted(by_name))}"
+            )
+        if not found[0].is_dir():
+            raise ConfigError(f"packing.val_sources: {name!r} is a file; name source directories")
+        roots.append(found[0])
+    return roots
+
+
+def _validation_first(sources: Sequence[Path], val_roots: Sequence[Path]) -> list[Path]:
+    """``sources`` with the validation roots first (dedup keeps the first copy it sees)."""
+    val = {str(root) for root in val_roots}
+    rest = [s for s in sources if os.path.abspath(s) not in val]
+    return [*val_roots, *rest]
+
+
+def _count_cross_split(steps: Sequence[Any], val_roots: Sequence[Path], stats: StageStats) -> None:
+    """Note the train documents the dedup steps dropped as copies of validation documents."""
+    prefixes = tuple(str(root).rstrip("/") + "/" for root in val_roots)
+    for step in steps:
+        if isinstance(step, (ExactDedup, NearDedup)):
+            kind = "exact" if isinstance(step, ExactDedup) else "near"
+            for record in step.duplicates:
+                if record.kept.startswith(prefixes) and not record.dropped.startswith(prefixes):
+                    stats.notes[f"train_dropped_as_{kind}_duplicate_of_validation"] += 1
+
+
 def _build_into(
     staging: Path,
     sources: list[Path],
@@ -311,17 +368,26 @@ def _build_into(
     progress: Progress,
 ) -> dict[str, Any]:
     given = _copy_given_tokenizer(staging, tokenizer_path)
+    val_roots = validation_roots(sources, cfg.packing.val_sources)
+    sources = _validation_first(sources, val_roots)
+    steps = curation_steps(cfg.corpus)
     with worker_pool(workers) as pool:
         structure = _StructureJobs(pool, cfg.structure, progress, given)
-        docs, stages = curate_documents(sources, cfg.corpus, progress, structure.submit)
-        planned, split_stats = plan_documents(docs, cfg.packing)
+        docs, stages = curate_documents(sources, cfg.corpus, progress, structure.submit, steps)
+        planned, split_stats = plan_documents(docs, cfg.packing, val_roots)
+        _count_cross_split(steps, val_roots, split_stats)
         del docs
         structure.prioritize([p.doc for p in planned])
         if not any(p.split == TRAIN for p in planned):
+            rule = (f"val_sources={cfg.packing.val_sources}" if val_roots
+                    else f"val_permille={cfg.packing.val_permille}")
             raise MegaCppError(
                 f"no training documents: curation kept {len(planned)} document(s) and "
-                f"val_permille={cfg.packing.val_permille} sent all of them to validation"
+                f"{rule} sent all of them to validation"
             )
+        if val_roots and not any(p.split == VALIDATION for p in planned):
+            raise MegaCppError(f"no validation documents: curation kept none from "
+                               f"val_sources={cfg.packing.val_sources}")
         tokenizer = _prepare_tokenizer(staging, planned, cfg.tokenizer, given, progress)
         encode_stats, structure_stats, pack_stats = (
             StageStats("tokenize"),

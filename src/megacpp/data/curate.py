@@ -52,13 +52,15 @@ def curation_steps(cfg: CorpusConfig) -> list[Step]:
 
 
 def curate_stream(
-    roots: Sequence[str | os.PathLike[str]], cfg: CorpusConfig
+    roots: Sequence[str | os.PathLike[str]], cfg: CorpusConfig,
+    steps: Sequence[Step] | None = None,
 ) -> tuple[Iterator[Document], list[StageStats]]:
     """Lazily curated documents and the per-stage stats (``sources`` first), which fill in
-    as the stream is consumed. Bad roots raise :class:`MegaCppError` immediately."""
+    as the stream is consumed. Bad roots raise :class:`MegaCppError` immediately. ``steps``:
+    the caller's ``curation_steps(cfg)`` list, to read the dedup steps' records afterwards."""
     source_stats = StageStats("sources")
     docs = iter_sources(roots, cfg, source_stats)
-    stream, step_stats = run_steps(docs, curation_steps(cfg))
+    stream, step_stats = run_steps(docs, curation_steps(cfg) if steps is None else steps)
     return stream, [source_stats, *step_stats]
 
 

@@ -9,7 +9,7 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
                   (d_model = 64, [model.attention] n_heads = 2, vocab_size = "dataset")
     [data]        dir, num_workers, val_batches, shuffle
     [train]       steps, micro_batch_size, grad_accum_steps, global_batch_size, max_grad_norm,
-                  eval_every, dtype, init_from, freeze   (fine-tuning: see train/finetune.py)
+                  eval_every, dtype, init_from, freeze, time_budget_s, eval_every_s
     [optim]       lr, weight_decay, beta1, beta2, eps, muon, muon_momentum, muon_nesterov,
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
@@ -92,6 +92,11 @@ class TrainSection:
     # optimizer or data position)
     init_from: str = ""
     freeze: tuple[str, ...] = ()  # parameter name prefixes or globs ("embed", "blocks.0.*")
+    # > 0: the run ends when its clock (seconds since the process started, less validation
+    # and checkpoint time) reaches this; ``steps`` is then a cap and the schedule follows the
+    # clock (trainer.RunClock, schedule.lr_factor_by_progress)
+    time_budget_s: float = 0.0
+    eval_every_s: float = 0.0  # > 0: also validate each time the clock passes a multiple
 
     def validate(self) -> None:
         check(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
@@ -109,6 +114,10 @@ class TrainSection:
         choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
         check(all(self.freeze), "train.freeze", list(self.freeze),
               "non-empty parameter name prefixes or globs")
+        check(self.time_budget_s >= 0, "train.time_budget_s", self.time_budget_s,
+              "seconds >= 0 (0 = no time budget)")
+        check(self.eval_every_s >= 0, "train.eval_every_s", self.eval_every_s,
+              "seconds >= 0 (0 = off)")
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per rank per step on ``world_size`` ranks: ``grad_accum_steps``, or

@@ -3,12 +3,16 @@
 ``metrics.jsonl`` holds one JSON object per line:
 
 * ``{"type": "train", "step", "loss", "aux_loss", "mtp_loss", "grad_norm", "lr", "tokens",
-  "tokens_per_s", "mfu", "peak_mem_bytes", "moe_balance", "spike", "time_s"}`` per step
+  "tokens_per_s", "mfu", "peak_mem_bytes", "moe_balance", "spike", "time_s", "clock_s"}``
+  per step (``clock_s``: the run's clock when the record is written, :class:`RunClock`)
   (``loss`` is the next-token cross-entropy; ``aux_loss`` the auxiliary losses (MoE balance,
   DSA indexer KL) and ``mtp_loss`` the multi-token-prediction loss before its weight, null
   without MTP; ``mfu`` is null where the device's peak is unknown; ``moe_balance`` is the
   worst MoE layer's max/mean expert load over the step, null without MoE layers);
-* ``{"type": "val", "step", "val_loss", "val_tokens"}`` per evaluation;
+* ``{"type": "val", "step", "val_loss", "val_tokens", "val_bytes", "val_bpb", "tokens",
+  "clock_s"}`` per evaluation (``val_bpb``: bits per byte of the source text the targets
+  cover, :func:`bits_per_byte`; ``tokens``: training tokens so far; ``clock_s``: the run's
+  clock, :class:`RunClock`);
 * ``{"type": "setup", "step", "world_size", "strategy", "modes", "global_batch",
   "mfu_peak_tflops", "mfu_peak_source"}`` when a run (or a resumed segment) starts: how it
   runs and what MFU divides by.
@@ -19,8 +23,11 @@ On resume the log is cut back to the checkpoint's step, so every step appears on
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -86,6 +93,70 @@ def read_metrics(path: Path, tolerate_partial: bool = False) -> list[dict[str, A
             raise MegaCppError(f"{path}:{number}: not a metrics record (an object with a 'step')")
         records.append(record)
     return records
+
+
+def bits_per_byte(nll_nats: float, n_bytes: int) -> float | None:
+    """Summed next-token negative log-likelihood (nats) over the UTF-8 bytes those tokens
+    cover, in bits per byte: ``nll / (ln 2 * bytes)``; None without bytes. It does not depend
+    on the tokenizer, so models with different vocabularies compare on it."""
+    return nll_nats / (math.log(2) * n_bytes) if n_bytes > 0 else None
+
+
+def target_bytes(labels: torch.Tensor, token_nbytes: torch.Tensor, ignore_index: int) -> int:
+    """The source bytes the targets of ``labels`` (any shape; ``ignore_index`` = no target)
+    stand for: each target token's byte length (``token_nbytes``, 0 for special tokens such
+    as EOS) summed."""
+    targets = labels[labels != ignore_index]
+    return int(token_nbytes[targets].sum())
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat against CLOCK_BOOTTIME,
+    10 ms resolution); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, ticks
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class RunClock:
+    """A run's clock for time budgets: seconds since construction -- or, with
+    ``from_process_start``, since the process started, so imports count too -- with setup,
+    compilation, warm-up and graph capture all counted, less the time spent in :meth:`paused`
+    blocks (validation, checkpoints), plus the clock of the checkpoint a run resumed from.
+    Where the process start cannot be read it starts at construction."""
+
+    def __init__(self, from_process_start: bool = False) -> None:
+        now = time.perf_counter()
+        age = process_age_s() if from_process_start else None
+        self.startup_s = age if age is not None and age >= 0 else 0.0  # before construction
+        self.origin = now - self.startup_s
+        self.base = 0.0  # a resumed run's clock at its checkpoint
+        self.paused_s = 0.0
+
+    def __call__(self) -> float:
+        return self.base + time.perf_counter() - self.origin - self.paused_s
+
+    def wall_s(self) -> float:
+        """Seconds since the process started (paused time included)."""
+        return time.perf_counter() - self.origin
+
+    def paused(self) -> _Paused:
+        return _Paused(self)
+
+
+class _Paused:
+    def __init__(self, clock: RunClock) -> None:
+        self.clock = clock
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock.paused_s += time.perf_counter() - self.started
 
 
 def peak_memory_bytes(device: torch.device) -> int:

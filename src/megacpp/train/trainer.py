@@ -66,9 +66,12 @@ from megacpp.train.metrics import (
     MetricsLog,
     MfuMeter,
     PeakFlops,
+    RunClock,
     TrainProgress,
     bf16_matmul_peak,
+    bits_per_byte,
     peak_memory_bytes,
+    target_bytes,
 )
 from megacpp.train.modes import ExecutionPlan, plan_execution
 from megacpp.train.optim import Optimizers
@@ -84,7 +87,7 @@ from megacpp.train.parallelize import (
     parallelize,
     shutdown_distributed,
 )
-from megacpp.train.schedule import lr_factor
+from megacpp.train.schedule import lr_factor, lr_factor_by_progress
 
 CONFIG_FILE = "config.toml"
 RECEIPT_FILE = "receipt.json"
@@ -122,6 +125,8 @@ class RunResult:
     checkpoint: Path
     receipt: Path
     resumed_from: Path | None
+    final_val_bpb: float | None = None
+    clock_s: float = 0.0  # the run's clock at the end (see metrics.RunClock)
 
 
 class TrainingFailed(MegaCppError):
@@ -142,10 +147,13 @@ def train(
     on_record: Callable[[Record], None] | None = None,
     console: Console | None = None,
     show_progress: bool = True,
+    clock_from_process_start: bool = False,
 ) -> RunResult:
     """Run (or, with ``resume="auto"`` or a checkpoint path, continue) a training run.
 
     ``on_record`` receives every metrics record (train steps and validations) on rank 0.
+    ``clock_from_process_start``: the run's clock (time budgets, ``clock_s``) counts from the
+    process's start, as ``megacpp train`` does, instead of from this call.
     Raises :class:`TrainingFailed` (or another :class:`MegaCppError`) when the run cannot
     start or stops; the run's receipt is written either way once the run directory is ours.
     A global batch the launched processes cannot split is refused before anything starts.
@@ -157,7 +165,8 @@ def train(
         torch.set_num_threads(cfg.run.cpu_threads)
     failed = False
     try:
-        session = _Session(cfg, env, console or Console(stderr=True), on_record, show_progress)
+        session = _Session(cfg, env, console or Console(stderr=True), on_record, show_progress,
+                           clock_from_process_start)
         with _sigterm_as_interrupt():
             return session.run(resume, fallback_to_previous, tuple(skip_preflight))
     except BaseException:
@@ -186,7 +195,8 @@ class _Session:
     """The state of one invocation of :func:`train`."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, console: Console,
-                 on_record: Callable[[Record], None] | None, show_progress: bool) -> None:
+                 on_record: Callable[[Record], None] | None, show_progress: bool,
+                 clock_from_process_start: bool = False) -> None:
         self.cfg, self.env, self.console = cfg, env, console
         self.on_record = on_record
         self.show_progress = show_progress
@@ -201,6 +211,8 @@ class _Session:
         self.step_times: list[float] = []
         self.last_loss = math.nan
         self.last_val_loss: float | None = None
+        self.last_val_bpb: float | None = None
+        self.validated_step = -1
         self.last_checkpoint: Path | None = None
         self.checkpoint_step = -1
         self.resumed_from: Path | None = None
@@ -224,6 +236,8 @@ class _Session:
         self.pending: PendingStep | None = None  # launched, its record not yet emitted
         self.watchdog: StepWatchdog | None = None  # replayed steps of a multi-GPU run
         self.started = time.perf_counter()
+        self.clock = RunClock(clock_from_process_start)  # time budgets, eval_every_s
+        self.next_eval_s = cfg.train.eval_every_s
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self, resume: str | None, fallback: bool, skip: tuple[str, ...]) -> RunResult:
@@ -400,6 +414,7 @@ class _Session:
                                          step_samples=step_rows, **common)
         self.batches = _full_batches(self.train_loader, micro)
         self.val_loader = PackedLoader(dataset, "validation", shuffle=False, **common)
+        self.token_nbytes = torch.from_numpy(dataset.tokenizer().token_nbytes.astype("int64"))
         self.val_start = self.val_loader.state_dict()
         n_val = all_reduce_(torch.tensor([len(self.val_loader)], device=env.device), "min")
         limit = cfg.data.val_batches or int(n_val.item())
@@ -465,6 +480,10 @@ class _Session:
         self.tokens = int(trainer_state["tokens"])
         self.last_loss = float(trainer_state["last_loss"])
         self.spikes.load_state_dict(trainer_state["spikes"])
+        self.clock.base = float(trainer_state.get("clock_s", 0.0))
+        every = self.cfg.train.eval_every_s
+        if every:
+            self.next_eval_s = (math.floor(self.clock() / every) + 1) * every
         self.resumed_from = self.last_checkpoint = path
         self.checkpoint_step = self.step
         on_main(self.env, lambda: self.metrics.truncate_after(self.step))
@@ -483,10 +502,11 @@ class _Session:
         with TrainProgress(self.console, cfg.steps, self.step, self.env.is_main,
                            self.show_progress) as self.progress:
             try:
-                while self.step < cfg.steps:
+                while self.step < cfg.steps and not self._out_of_time():
                     self.pending = self._train_step(self.step + 1)
                     self.step += 1
-                    validate = bool(cfg.eval_every) and self.step % cfg.eval_every == 0
+                    validate = (bool(cfg.eval_every) and self.step % cfg.eval_every == 0
+                                or self._eval_due())
                     every = self.cfg.checkpoint.every
                     save = bool(every) and self.step % every == 0 and self.step < cfg.steps
                     if validate or save:
@@ -501,15 +521,34 @@ class _Session:
                     self._settle()
                 raise
 
+    def _out_of_time(self) -> bool:
+        budget = self.cfg.train.time_budget_s
+        return bool(budget) and self.clock() >= budget
+
+    def _eval_due(self) -> bool:
+        """train.eval_every_s: the clock passed the next multiple (then the one after it)."""
+        every = self.cfg.train.eval_every_s
+        if not every or self.clock() < self.next_eval_s:
+            return False
+        self.next_eval_s = (math.floor(self.clock() / every) + 1) * every
+        return True
+
+    def _lr_factor(self, step: int) -> float:
+        """The schedule at ``step``: by steps, or with a time budget by the clock's share."""
+        budget, schedule = self.cfg.train.time_budget_s, self.cfg.schedule
+        if budget:
+            return lr_factor_by_progress(step, self.clock() / budget, schedule)
+        return lr_factor(step, self.cfg.train.steps, schedule)
+
     def _train_step(self, step: int) -> PendingStep:
         """Run step ``step`` up to the launch of its update: the guard has passed and the update
         is queued on the GPU, but not waited for. The next step reads its balance after its
         own sync (the GPU is past this update by then) and emits its record after launching
         its own update, so the host work between two steps -- the record, the batch, the
         copies, the replay -- overlaps an update on the GPU instead of leaving the GPU idle."""
-        env, train_cfg = self.env, self.cfg.train
+        env = self.env
         started = time.perf_counter()
-        lr = self.cfg.optim.lr * lr_factor(step, train_cfg.steps, self.cfg.schedule)
+        lr = self.cfg.optim.lr * self._lr_factor(step)
         self.optimizers.set_lr(lr)
         micro = [next(self.batches) for _ in range(self.accum)]
         if self._inject_nan(step, "loss"):
@@ -763,7 +802,8 @@ class _Session:
                 "mtp_loss": mtp_loss,
                 "grad_norm": grad_norm, "lr": lr, "tokens": self.tokens,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_bytes": self.peak_mem,
-                "moe_balance": balance, "spike": spike, "time_s": elapsed}
+                "moe_balance": balance, "spike": spike, "time_s": elapsed,
+                "clock_s": self.clock()}
 
     def _emit(self, record: Record) -> None:
         """Rank 0 logs ``record``; train and val records also go to the progress bar and
@@ -780,32 +820,49 @@ class _Session:
             self.on_record(record)
 
     # -- validation and checkpoints ------------------------------------------------------------
-    @torch.no_grad()
     def _validate(self) -> None:
+        with self.clock.paused():  # measurement, not training: off the run's clock
+            self._validate_now()
+
+    @torch.no_grad()
+    def _validate_now(self) -> None:
+        self.validated_step = self.step
         if self.val_batches == 0:
             return
+        clock_s = self.clock()
         self.model.eval()
         self.val_loader.load_state_dict(self.val_start)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # [ce, targets]
+        # [ce, targets, bytes] (float64 holds the byte counts exactly)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.env.device)
         for i, batch in enumerate(self.val_loader):
             if i >= self.val_batches:
                 break
             targets = _count_targets(batch)
+            n_bytes = target_bytes(batch["labels"], self.token_nbytes, IGNORE_INDEX)
             ce_sum, _aux, _mtp = self._forward(batch, targets)
-            sums += torch.stack([ce_sum.double(), sums.new_tensor(targets)])
+            sums += torch.stack([ce_sum.double(), sums.new_tensor(targets),
+                                 sums.new_tensor(n_bytes)])
         self.model.train()
         all_reduce_(sums)
-        ce, targets = sums.tolist()
+        ce, targets, n_bytes = sums.tolist()
         self.last_val_loss = ce / targets if targets else None
+        self.last_val_bpb = bits_per_byte(ce, int(n_bytes))
         record = {"type": "val", "step": self.step, "val_loss": self.last_val_loss,
-                  "val_tokens": int(targets)}
+                  "val_tokens": int(targets), "val_bytes": int(n_bytes),
+                  "val_bpb": self.last_val_bpb, "tokens": self.tokens, "clock_s": clock_s}
         self._emit(record)
         if self.last_val_loss is not None:
-            self._print(f"step {self.step}: validation loss {self.last_val_loss:.4f}")
+            self._print(f"step {self.step}: validation loss {self.last_val_loss:.4f}, "
+                        f"{self.last_val_bpb:.4f} bits/byte (clock {clock_s:.1f} s)")
 
     def _save_checkpoint(self) -> None:
+        with self.clock.paused():
+            self._save_checkpoint_now()
+
+    def _save_checkpoint_now(self) -> None:
         trainer_state = {
             "step": self.step, "tokens": self.tokens, "last_loss": self.last_loss,
+            "clock_s": self.clock(),
             "spikes": self.spikes.state_dict(), "model_config": self.model_cfg.to_dict(),
             "world_size": self.env.world_size, "global_batch": self._global_batch(),
             **self.finetuning.checkpoint_state(),
@@ -820,7 +877,7 @@ class _Session:
                                          self.env.is_main)
 
     def _finish_training(self) -> None:
-        if self.cfg.train.eval_every == 0 or self.step % self.cfg.train.eval_every:
+        if self.validated_step != self.step:
             self._validate()
         if self.checkpoint_step != self.step and self.cfg.checkpoint.final:
             self._save_checkpoint()
@@ -881,6 +938,10 @@ class _Session:
             metrics["final_val_loss"] = self.last_val_loss
         if self.peak is not None and self.peak.tflops is not None:
             metrics["mfu_peak_tflops"] = self.peak.tflops
+        if self.last_val_bpb is not None:
+            metrics["final_val_bpb"] = self.last_val_bpb
+        metrics["clock_s"] = self.clock()
+        metrics["startup_s"] = self.clock.startup_s
         if self.mfu_values:
             metrics["mfu"] = sum(self.mfu_values[1:] or self.mfu_values) / len(
                 self.mfu_values[1:] or self.mfu_values)
@@ -897,7 +958,8 @@ class _Session:
             final_val_loss=self.last_val_loss, tokens=self.tokens,
             tokens_per_s=metrics.get("tokens_per_s", 0.0), mfu=metrics.get("mfu"),
             checkpoint=self.last_checkpoint, receipt=receipt or self.run_dir / RECEIPT_FILE,
-            resumed_from=self.resumed_from,
+            resumed_from=self.resumed_from, final_val_bpb=self.last_val_bpb,
+            clock_s=self.clock(),
         )
 
     # -- output -----------------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Offline batch generation: many requests through one :class:`~megacpp.infer.engine.Engine`.
+
+The engine batches every running sequence into one decode step (CUDA graphs on a GPU), so a
+whole evaluation set -- e.g. 164 prompts x 21 samples -- runs as one continuous batch instead
+of prompt by prompt. Requests are fed as the engine's waiting queue has room; results come
+back by request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from megacpp.infer.engine import Engine
+from megacpp.infer.generate import CPP_BODY_STOP
+from megacpp.infer.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    request_id: str
+    prompt: str
+    params: SamplingParams
+
+
+@dataclass
+class BatchResult:
+    text: str  # stop-aware: never holds the stop string or anything after it
+    finish_reason: str  # "stop" | "eos" | "length"
+    completion_tokens: int
+
+    def function_body(self) -> str:
+        """The completion of a C++ function whose prompt ends inside its body, stopped at
+        :data:`CPP_BODY_STOP` (a closing brace in column 0): that brace put back, so prompt +
+        completion is the whole function (as :class:`~megacpp.infer.generate.FunctionBodyGenerator`)."""
+        return self.text + CPP_BODY_STOP + "\n" if self.finish_reason == "stop" else self.text
+
+
+def run_batch(engine: Engine, requests: Iterable[BatchRequest],
+              on_finish: Callable[[str, BatchResult], None] | None = None) -> dict[str, BatchResult]:
+    """Run every request to completion; results by request id. ``on_finish`` is called as
+    each one finishes (progress)."""
+    pending = iter(requests)
+    texts: dict[str, list[str]] = {}
+    results: dict[str, BatchResult] = {}
+    exhausted = False
+    while True:
+        while not exhausted and len(engine.scheduler.waiting) < engine.config.max_waiting:
+            request = next(pending, None)
+            if request is None:
+                exhausted = True
+                break
+            engine.add_request(request.request_id, request.prompt, request.params)
+            texts[request.request_id] = []
+        if not engine.has_unfinished():
+            if exhausted:
+                return results
+            continue
+        for out in engine.step():
+            texts[out.request_id].append(out.new_text)
+            if out.finished:
+                result = BatchResult("".join(texts.pop(out.request_id)), out.finish_reason,
+                                     out.completion_tokens)
+                results[out.request_id] = result
+                if on_finish is not None:
+                    on_finish(out.request_id, result)
