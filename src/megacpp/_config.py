@@ -9,6 +9,8 @@ from typing import Any, get_type_hints
 
 from megacpp.errors import ConfigError
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # config integers reach torch and numpy as int64
+
 
 def build_section(cls: type, table: Any, section: str, skip: frozenset[str] = frozenset()) -> Any:
     """``cls(**table)`` after rejecting unknown keys and coercing each value to its field's
@@ -32,9 +34,10 @@ def coerce(value: Any, hint: Any, name: str) -> Any:
             return value
         raise ConfigError(f"{name} = {value!r}: expected true or false")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if is_int and INT64_MIN <= value <= INT64_MAX:
             return value
-        raise ConfigError(f"{name} = {value!r}: expected an integer")
+        raise ConfigError(f"{name} = {value!r}: expected an integer (64-bit)")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)

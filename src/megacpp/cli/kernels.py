@@ -23,7 +23,8 @@ from megacpp.kernels.check import CheckAborted, check_catalog
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.timing import time_fwd_bwd, time_fwd_bwd_graphed
 
-app = typer.Typer(no_args_is_help=True, help="The kernel catalog: list, check, bench.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="The kernel catalog: list, check, bench.")
 console = Console()
 err_console = Console(stderr=True)
 

@@ -19,11 +19,10 @@ Other tables in the same file (model, train...) are ignored here.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from megacpp._io import CONFIG_LIMIT, read_toml_bounded
 from megacpp.contract.fingerprint import DEFAULT_CONTRACT_PACKAGES, contract_packages
 from megacpp.errors import ConfigError
 
@@ -49,15 +48,7 @@ def load_contract_config(path: str | os.PathLike[str] | None) -> ContractConfig:
     """Read ``[contract]``/``[preflight]`` from a TOML file; ``None`` -> defaults."""
     if path is None:
         return ContractConfig()
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text("utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    data = read_toml_bounded(path, CONFIG_LIMIT, what="config file", error=ConfigError)
     return config_from_dict(data, source=str(path))
 
 

@@ -8,15 +8,14 @@ package not installed) -- capture never fails for that.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import platform
 import sys
 from collections.abc import Iterable, Mapping
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
+from megacpp._io import JSON_LIMIT, read_json_bounded
 from megacpp.contract import probes
 from megacpp.contract.gitinfo import capture_git
 from megacpp.contract.patches import applied_patches
@@ -153,17 +152,4 @@ def check_fingerprint(data: Any, *, source: str) -> None:
 
 def read_json_file(path: str | os.PathLike[str], what: str) -> Any:
     """Parse a JSON file; a missing, unreadable or truncated file is a one-line error."""
-    path = Path(path)
-    try:
-        text = path.read_text("utf-8")
-    except FileNotFoundError:
-        raise MegaCppError(f"{what} file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MegaCppError(f"cannot read {what} file {path}: {exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MegaCppError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
-            "the file may be truncated or corrupt"
-        ) from None
+    return read_json_bounded(path, JSON_LIMIT, what=f"{what} file")

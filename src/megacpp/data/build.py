@@ -32,7 +32,7 @@ import fcntl
 import json
 import os
 import shutil
-import tomllib
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
@@ -53,7 +53,8 @@ from rich.progress import (
 )
 
 from megacpp import __version__
-from megacpp._io import sha256_file
+from megacpp._config import INT64_MAX, INT64_MIN
+from megacpp._io import CONFIG_LIMIT, read_toml_bounded, sha256_file
 from megacpp.data.config import CorpusConfig
 from megacpp.data.curate import curate_stream
 from megacpp.data.document import Document
@@ -105,9 +106,12 @@ class TokenizerConfig:
     max_train_bytes: int = 32 << 20  # train on at most this much of the train split
 
     def validate(self) -> None:
-        _require(self.vocab_size >= 264, "tokenizer.vocab_size", "an integer >= 264")
-        _require(self.min_frequency >= 1, "tokenizer.min_frequency", "an integer >= 1")
-        _require(self.max_train_bytes >= 1, "tokenizer.max_train_bytes", "an integer >= 1")
+        _require(264 <= self.vocab_size <= 1 << 20, "tokenizer.vocab_size",
+                 "an integer in 264..1048576")
+        _require(1 <= self.min_frequency <= 1 << 31, "tokenizer.min_frequency",
+                 "an integer in 1..2^31")
+        _require(1 <= self.max_train_bytes <= 1 << 40, "tokenizer.max_train_bytes",
+                 "an integer in 1..2^40")
 
 
 @dataclass
@@ -118,7 +122,11 @@ class StructureConfig:
     timeout_s: float = 5.0  # per-document parse deadline; past it the document gets OTHER
 
     def validate(self) -> None:
-        _require(self.timeout_s > 0, "structure.timeout_s", "a number of seconds > 0")
+        _require(0 < self.timeout_s <= 3600, "structure.timeout_s",
+                 "a number of seconds in (0, 3600]")
+
+
+MAX_SEQ_LEN = 1 << 20  # tokens per packed row at most
 
 
 @dataclass
@@ -132,10 +140,14 @@ class PackingConfig:
     rows_per_group: int = 64  # parquet row group = the loader's unit of reading/shuffling
 
     def validate(self) -> None:
-        _require(self.seq_len >= 1, "packing.seq_len", "an integer >= 1")
+        _require(1 <= self.seq_len <= MAX_SEQ_LEN, "packing.seq_len",
+                 f"an integer in 1..{MAX_SEQ_LEN}")
+        _require(0 <= self.seed < 1 << 63, "packing.seed", "an integer in 0..2^63-1")
         _require(0 <= self.val_permille <= 1000, "packing.val_permille", "an integer in 0..1000")
-        _require(self.rows_per_shard >= 1, "packing.rows_per_shard", "an integer >= 1")
-        _require(self.rows_per_group >= 1, "packing.rows_per_group", "an integer >= 1")
+        _require(1 <= self.rows_per_shard <= 1 << 24, "packing.rows_per_shard",
+                 "an integer in 1..2^24")
+        _require(1 <= self.rows_per_group <= 1 << 20, "packing.rows_per_group",
+                 "an integer in 1..2^20")
 
 
 @dataclass
@@ -164,14 +176,8 @@ class BuildConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> BuildConfig:
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read build config {path}: {exc}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_toml_bounded(path, CONFIG_LIMIT, what="build config",
+                                               error=ConfigError))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, and accepted back by :meth:`from_dict`."""
@@ -209,6 +215,8 @@ def _section(cls: type, data: dict[str, Any], name: str) -> Any:
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
+        if expected is int and ok and not INT64_MIN <= value <= INT64_MAX:
+            ok = False
         if not ok:
             raise ConfigError(f"{name}.{key}: expected {expected.__name__}, got {value!r}")
     section = cls(**table)
@@ -643,9 +651,29 @@ def _manifest(
 # ---- directory handling --------------------------------------------------------------------
 
 
+def _writable_parent(out: Path) -> None:
+    """Create ``out``'s parent directories; a one-line error when ``out`` cannot be written
+    there (a parent that is a file, a read-only or virtual file system such as /proc)."""
+    for ancestor in out.parents:
+        if ancestor.exists() or ancestor.is_symlink():
+            if not ancestor.is_dir():
+                raise MegaCppError(f"cannot write the dataset {out}: {ancestor} is not a directory")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MegaCppError(f"cannot write the dataset {out}: {exc.strerror or exc} "
+                           f"({exc.filename or out.parent})") from None
+    try:
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as exc:
+        raise MegaCppError(f"cannot write the dataset {out}: {exc.strerror or exc} "
+                           f"({out.parent})") from None
+
+
 @contextmanager
 def _build_lock(out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _writable_parent(out)
     lock_path = out.parent / f".{out.name}.lock"
     with open(lock_path, "w") as lock:
         try:

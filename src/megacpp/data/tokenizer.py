@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from megacpp._io import atomic_write_text, sha256_bytes
+from megacpp._io import TOKENIZER_LIMIT, atomic_write_text, decode_utf8, read_bounded, sha256_bytes
 from megacpp.data.native import PieceIndex, native_library
 from megacpp.errors import MegaCppError
 
@@ -331,11 +331,11 @@ class CppTokenizer:
     def load(cls, path: str | Path) -> CppTokenizer:
         """Load ``tokenizer.json``; refuses files that are not megacpp tokenizers."""
         path = Path(path)
+        data = read_bounded(path, TOKENIZER_LIMIT, what="tokenizer")
         try:
-            data = path.read_bytes()
-            tok = Tokenizer.from_str(data.decode("utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise MegaCppError(f"cannot read tokenizer {path}: {exc}") from None
+            tok = Tokenizer.from_str(decode_utf8(data, f"tokenizer {path}"))
+        except MegaCppError:
+            raise
         except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
             raise MegaCppError(f"{path} is not a valid tokenizer.json: {exc}") from None
         return cls(tok, sha256=sha256_bytes(data), path=str(path))

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from megacpp._io import describe_size
 from megacpp.data.tokenizer import CppTokenizer
+from megacpp.errors import MegaCppError
 from megacpp.infer.sampling import SamplingParams, sample_next_token
 from megacpp.model.model import HybridLM
 
@@ -44,7 +46,9 @@ class TextGenerator:
         else:
             generator.manual_seed(params.seed)
         ids = torch.tensor([prompt_ids] * n, device=self.device)
-        cache = self.model.init_cache(n, len(prompt_ids) + params.max_new_tokens, self.device, self.dtype)
+        capacity = len(prompt_ids) + params.max_new_tokens
+        self._check_cache_fits(n, capacity, params.max_new_tokens)
+        cache = self.model.init_cache(n, capacity, self.device, self.dtype)
         logits = self.model.prefill(ids, cache)[:, -1]
         rows: list[list[int]] = [[] for _ in range(n)]
         results: list[Completion | None] = [None] * n
@@ -58,6 +62,17 @@ class TextGenerator:
                 break
             logits = self.model.decode_step(tokens, cache)
         return [r for r in results if r is not None]
+
+    def _check_cache_fits(self, n: int, capacity: int, max_new_tokens: int) -> None:
+        """Refuse a cache larger than the memory available on the device (sized on the meta
+        device, so nothing is allocated to find out)."""
+        need = self.model.init_cache(n, capacity, "meta", self.dtype).nbytes()
+        free = available_memory_bytes(self.device)
+        if free is not None and need > free:
+            raise MegaCppError(
+                f"max_new_tokens {max_new_tokens} for {n} completion(s) needs a "
+                f"{describe_size(need)} cache; {self.device} has {describe_size(free)} "
+                "available: ask for fewer tokens or completions")
 
     def _finished(self, row: list[int], params: SamplingParams, last: bool) -> Completion | None:
         if row[-1] == self.tokenizer.eos_id:
@@ -98,3 +113,17 @@ class FunctionBodyGenerator:
             out.append([c.text + CPP_BODY_STOP + "\n" if c.finish_reason == "stop" else c.text
                         for c in completions])
         return out
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device, or the host's available memory (Linux); None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -9,6 +9,8 @@ import torch
 
 from megacpp.errors import MegaCppError
 
+MAX_NEW_TOKENS = 2**31 - 1  # an int32 position; the cache memory is checked where it is made
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,10 +36,13 @@ class SamplingParams:
             raise MegaCppError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise MegaCppError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise MegaCppError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise MegaCppError(f"seed must be an integer or None, got {self.seed!r}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise MegaCppError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got "
+                               f"{self.max_new_tokens}")
+        seed_ok = isinstance(self.seed, int) and not isinstance(self.seed, bool) and (
+            -(2**63) <= self.seed < 2**64)
+        if self.seed is not None and not seed_ok:
+            raise MegaCppError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise MegaCppError(f"stop sequences must be non-empty strings, got {self.stop!r}")
 

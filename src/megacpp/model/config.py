@@ -22,12 +22,12 @@ A preset is a TOML file under ``configs/`` (``tiny``, ``nam56r-small``, ...) wit
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from megacpp._config import build_section, check
+from megacpp._io import CONFIG_LIMIT, read_toml_bounded
 from megacpp.errors import ConfigError
 from megacpp.pattern import PatternError, load, require_buildable
 
@@ -162,13 +162,14 @@ class ModelConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ModelConfig:
+        """A model config file: it must name its layer pattern (``[model] pattern``), so that
+        an empty or unrelated TOML file is an error rather than the default model."""
         path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        data = read_toml_bounded(path, CONFIG_LIMIT, what="model config", error=ConfigError)
+        model = data.get("model")
+        if not isinstance(model, dict) or "pattern" not in model:
+            raise ConfigError(f"model config {path} has no [model] pattern: a model config "
+                              "names its layers (see the presets, e.g. configs/tiny.toml)")
         try:
             return cls.from_dict(data)
         except ConfigError as exc:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import random
 import re
@@ -38,7 +37,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from megacpp._io import _fsync_dir, atomic_write_json, sha256_file
+from megacpp._io import (
+    CONFIG_LIMIT,
+    JSON_LIMIT,
+    _fsync_dir,
+    atomic_write_json,
+    read_json_bounded,
+    sha256_file,
+)
 from megacpp.errors import MegaCppError
 from megacpp.model.config import ModelConfig
 from megacpp.model.model import HybridLM
@@ -76,21 +82,47 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     if not marker_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it was not completely "
                               "written (or was copied without it)")
-    try:
-        marker = json.loads(marker_path.read_text("utf-8"))
-        files = marker["files"]
-        if marker.get("format") != FORMAT or not isinstance(files, dict):
-            raise ValueError("not a megacpp checkpoint marker")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({exc})") from None
+    marker = read_json_bounded(marker_path, CONFIG_LIMIT, what=f"checkpoint {MARKER} marker",
+                               error=CheckpointError)
+    problem = _marker_problem(marker)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({problem})")
+    files = marker["files"]
     required = [".metadata", TRAINER_STATE,
-                *(rank_file(r) for r in range(int(marker.get("world_size", 0))))]
+                *(rank_file(r) for r in range(marker["world_size"]))]
     missing = [name for name in required if name not in files]
     if missing:
         raise CheckpointError(f"checkpoint {path}: its marker does not list {missing}")
     for name, expected in files.items():
         _verify_file(path, name, expected)
     return marker
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_WORLD_SIZE = 1 << 20
+
+
+def _marker_problem(marker: Any) -> str | None:
+    """What is wrong with a parsed marker (its fields' types and ranges), or None."""
+    def is_int(value: Any, low: int, high: int = 2**63 - 1) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        return "not a megacpp checkpoint marker"
+    if not is_int(marker.get("world_size"), 1, MAX_WORLD_SIZE):
+        return f"world_size {marker.get('world_size')!r:.40} is not an integer >= 1"
+    if not is_int(marker.get("step"), 0):
+        return f"step {marker.get('step')!r:.40} is not an integer >= 0"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return "files is not a table"
+    for name, entry in files.items():
+        if not name or name in (".", "..", MARKER) or "/" in name or "\0" in name:
+            return f"file name {name!r:.80} is not a plain file name"
+        if not (isinstance(entry, dict) and is_int(entry.get("bytes"), 0)
+                and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])):
+            return f"files[{name!r:.80}] is not {{sha256: 64 hex digits, bytes: an integer}}"
+    return None
 
 
 def _verify_file(root: Path, name: str, expected: dict[str, Any]) -> None:
@@ -270,7 +302,7 @@ class CheckpointManager:
 
         Refuses a checkpoint of another model or another number of ranks.
         """
-        trainer_state = _read_json(path / TRAINER_STATE, path)
+        trainer_state = _read_trainer_state(path)
         saved = ModelConfig.from_dict(trainer_state["model_config"]).to_dict()
         differ = _differences(saved, model_config.to_dict())
         if differ:
@@ -325,10 +357,21 @@ def _step_of(path: Path) -> int:
 
 
 def _read_json(file: Path, checkpoint: Path) -> dict[str, Any]:
-    try:
-        return json.loads(file.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {checkpoint}: cannot read {file.name}: {exc}") from None
+    data = read_json_bounded(file, JSON_LIMIT, what=f"checkpoint {checkpoint}: file",
+                             error=CheckpointError)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {checkpoint}: {file.name} is not a JSON object")
+    return data
+
+
+def _read_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    state = _read_json(checkpoint / TRAINER_STATE, checkpoint)
+    world = state.get("world_size")
+    if not isinstance(state.get("model_config"), dict) or not (
+            isinstance(world, int) and not isinstance(world, bool) and world >= 1):
+        raise CheckpointError(f"checkpoint {checkpoint}: {TRAINER_STATE} lacks its model_config "
+                              "table or world_size")
+    return state
 
 
 # -- inference ------------------------------------------------------------------------------------------
@@ -336,7 +379,7 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> 
     """A HybridLM with the weights of checkpoint ``path`` (verified first), in eval mode."""
     path = Path(path)
     verify_checkpoint(path)
-    state = _read_json(path / TRAINER_STATE, path)
+    state = _read_trainer_state(path)
     model = HybridLM(ModelConfig.from_dict(state["model_config"]))
     weights = {"model": model.state_dict()}
     with _single_process_note_silenced():

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megacpp._config import build_section, check, choice
+from megacpp._io import CONFIG_LIMIT, read_toml_bounded
 from megacpp.contract.config import ContractConfig, config_from_dict
 from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig, load_config
@@ -293,12 +294,7 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     """Read a run config TOML (a path, or a name under ``configs/runs/``) and apply
     ``key=value`` overrides."""
     path = _resolve_path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read run config {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    data = read_toml_bounded(path, CONFIG_LIMIT, what="run config", error=ConfigError)
     for item in overrides:
         apply_override(data, item)
     try:
@@ -326,7 +322,7 @@ def parse_value(text: str) -> Any:
     """A TOML literal (``10``, ``3e-4``, ``true``, ``"x"``, ``[1, 2]``), else the raw string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError, ValueError):
         return text
 
 
