@@ -154,12 +154,12 @@ def parse_json(text: str | bytes, where: str, *,
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise error(f"{where} is not valid JSON ({exc.msg} at line {exc.lineno}, column "
+        raise error(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
                     f"{exc.colno}); it may be truncated or corrupt") from None
     except UnicodeDecodeError as exc:
         raise error(f"{where} is not UTF-8 text (offset {exc.start})") from None
     except (ValueError, RecursionError) as exc:  # a 5000-digit integer, [[[[...]]]] nesting
-        raise error(f"{where} is not usable JSON ({str(exc).splitlines()[0][:120]})") from None
+        raise error(f"{where}: not usable JSON ({str(exc).splitlines()[0][:120]})") from None
 
 
 def read_toml_bounded(path: str | os.PathLike[str], limit: int = CONFIG_LIMIT, *,

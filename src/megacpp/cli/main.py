@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         # permission): the path and the reason, as one line
         where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
         fail(f"{where}: {exc.strerror or exc}")
-    if isinstance(status, int) and not isinstance(status, bool) and status:
-        sys.exit(status)  # typer.Exit(code), Ctrl-C (130)
+    # as click's standalone mode does: exit 0 at the end, or typer.Exit's code (130: Ctrl-C)
+    sys.exit(status if isinstance(status, int) and not isinstance(status, bool) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -42,6 +42,8 @@ from megacpp._io import (
     JSON_LIMIT,
     _fsync_dir,
     atomic_write_json,
+    parse_json,
+    read_bounded,
     read_json_bounded,
     sha256_file,
 )
@@ -82,8 +84,9 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     if not marker_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it was not completely "
                               "written (or was copied without it)")
-    marker = read_json_bounded(marker_path, CONFIG_LIMIT, what=f"checkpoint {MARKER} marker",
-                               error=CheckpointError)
+    marker = parse_json(read_bounded(marker_path, CONFIG_LIMIT, what=f"checkpoint {MARKER} marker",
+                                     error=CheckpointError),
+                        f"checkpoint {path}: corrupt {MARKER} marker", error=CheckpointError)
     problem = _marker_problem(marker)
     if problem:
         raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({problem})")
