@@ -152,8 +152,14 @@ def _run(specialists, classifier, sock: socket.socket, log_level: str) -> None:
     names = ", ".join(s.name for s in specialists) + (" (+ auto)" if classifier else "")
     typer.echo(f"serving {names} on http://{shown}:{port}")
     config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # SIGINT / SIGTERM
+            application.state.server.abort_all()  # running streams end with "abort", [DONE]
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     typer.echo("stopped")
