@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megacpp._compile import disable
 from megacpp.kernels.catalog import Backend, Catalog, Requirements, Surface
 from megacpp.kernels.ops.attention.document import (
     document_attention_flex,
@@ -56,7 +57,7 @@ def _lazy(module: str, attr: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"{module}.{attr}"
-    return torch.compiler.disable(call)
+    return disable(call)
 
 
 def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: Any, gen: torch.Generator,
