@@ -89,6 +89,7 @@ from megacpp.data.shards import (
     WriteBehind,
     write_manifest_and_marker,
 )
+from megacpp.data.sources import check_roots
 from megacpp.data.structure import NUM_STRUCTURE_IDS, Structure
 from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
 from megacpp.errors import ConfigError, MegaCppError
@@ -314,8 +315,9 @@ def build_dataset(
     out = Path(out).absolute()
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
     console = console or Console(stderr=True, quiet=True)
+    check_roots(sources)  # refuse missing sources and a foreign tokenizer before any work
     if tokenizer_path is not None:
-        CppTokenizer.load(tokenizer_path)  # refuse a foreign tokenizer before any work
+        CppTokenizer.load(tokenizer_path)
     with _build_lock(out):
         _check_out(out, overwrite)
         staging = out.parent / f".{out.name}.partial"

@@ -238,15 +238,8 @@ def _read_rest(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def iter_sources(
-    roots: Sequence[str | os.PathLike[str]], cfg: CorpusConfig, stats: StageStats
-) -> Iterator[Document]:
-    """Every C/C++ file under ``roots`` (directories or single files), lazily, in walk order.
-
-    ``stats`` (conventionally named ``sources``) counts files seen, kept, bytes and every
-    skip reason. Raises :class:`MegaCppError` at call time if a root is missing or not a
-    regular file/directory.
-    """
+def check_roots(roots: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """``roots`` as paths, each an existing directory or regular file (else MegaCppError)."""
     paths = [Path(root) for root in roots]
     if not paths:
         raise MegaCppError("no source roots given: name at least one directory or file")
@@ -257,5 +250,18 @@ def iter_sources(
             )
         if not (path.is_dir() or path.is_file()):
             raise MegaCppError(f"source root {str(path)!r} is not a directory or regular file")
+    return paths
+
+
+def iter_sources(
+    roots: Sequence[str | os.PathLike[str]], cfg: CorpusConfig, stats: StageStats
+) -> Iterator[Document]:
+    """Every C/C++ file under ``roots`` (directories or single files), lazily, in walk order.
+
+    ``stats`` (conventionally named ``sources``) counts files seen, kept, bytes and every
+    skip reason. Raises :class:`MegaCppError` at call time if a root is missing or not a
+    regular file/directory.
+    """
+    paths = check_roots(roots)
     walker = _Walker(cfg, stats)
     return itertools.chain.from_iterable(walker.walk(path) for path in paths)
