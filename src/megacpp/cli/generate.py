@@ -39,7 +39,7 @@ def generate(
 ) -> None:
     """Sample ``n`` completions of a prompt with the model's cached decoding."""
     from megacpp.cli._checkpoint import load_for_inference
-    from megacpp.infer.generate import CPP_BODY_STOP, TextGenerator
+    from megacpp.infer.generate import CPP_BODY_STOP, MAX_COMPLETIONS, TextGenerator
     from megacpp.infer.sampling import SamplingParams
 
     if (prompt is None) == (file is None):
@@ -47,8 +47,8 @@ def generate(
     if file is not None:
         prompt = read_text_bounded(file, TEXT_LIMIT, what="prompt file")
     prompt = utf8_text(prompt, "--prompt")
-    if n < 1:
-        raise MegaCppError(f"--n must be >= 1, got {n}")
+    if not 1 <= n <= MAX_COMPLETIONS:
+        raise MegaCppError(f"--n must be in 1..{MAX_COMPLETIONS}, got {n}")
     stops = tuple(utf8_text(s, "--stop") for s in stop or ()) + (
         (CPP_BODY_STOP,) if function_body else ())
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,

@@ -128,6 +128,7 @@ class StructureConfig:
 
 
 MAX_SEQ_LEN = 1 << 20  # tokens per packed row at most
+MAX_WORKERS = 256  # worker processes of a build at most
 
 
 @dataclass
@@ -314,6 +315,9 @@ def build_dataset(
     cfg = cfg or BuildConfig()
     out = Path(out).absolute()
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
+    if not 0 <= workers <= MAX_WORKERS:
+        raise MegaCppError(f"workers = {workers}: expected 0..{MAX_WORKERS} (0 or 1: no worker "
+                           "processes)")
     console = console or Console(stderr=True, quiet=True)
     check_roots(sources)  # refuse missing sources and a foreign tokenizer before any work
     if tokenizer_path is not None:

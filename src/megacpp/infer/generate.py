@@ -18,6 +18,8 @@ from megacpp.errors import MegaCppError
 from megacpp.infer.sampling import SamplingParams, sample_next_token
 from megacpp.model.model import HybridLM
 
+MAX_COMPLETIONS = 1 << 16  # completions of one prompt at most
+
 
 @dataclass
 class Completion:
@@ -45,9 +47,11 @@ class TextGenerator:
             generator.seed()  # non-deterministic, and leaves the global RNG alone
         else:
             generator.manual_seed(params.seed)
-        ids = torch.tensor([prompt_ids] * n, device=self.device)
+        if not 1 <= n <= MAX_COMPLETIONS:
+            raise MegaCppError(f"n = {n}: expected 1..{MAX_COMPLETIONS} completions")
         capacity = len(prompt_ids) + params.max_new_tokens
         self._check_cache_fits(n, capacity, params.max_new_tokens)
+        ids = torch.tensor([prompt_ids] * n, device=self.device)
         cache = self.model.init_cache(n, capacity, self.device, self.dtype)
         logits = self.model.prefill(ids, cache)[:, -1]
         rows: list[list[int]] = [[] for _ in range(n)]
