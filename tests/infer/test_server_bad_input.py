@@ -145,7 +145,7 @@ def test_generated_raw_bodies_never_get_a_5xx(client, raw):
     assert r.status_code < 500, (r.status_code, r.text[:300], raw)
 
 
-# ---- shutdown with streams in flight --------------------------------------------------------------
+# ---- shutdown with streams in flight ------------------------------------------------------
 
 def test_sigterm_ends_running_streams_with_abort_and_done(tmp_path):
     save_checkpoint(tmp_path / "run")

@@ -3,8 +3,9 @@
 ``path`` is a run directory (its newest checkpoint is used) or one checkpoint directory
 ``RUN_DIR/checkpoints/step_NNNNNN``. A newest checkpoint that is incomplete or corrupt is an
 error, as it is for ``megacpp train --resume``; with ``fallback_to_previous`` the newest intact
-one before it is used instead, and the skipped ones are named on stderr. The tokenizer is the one of the dataset the
-run trained on (``[data] dir`` in ``RUN_DIR/config.toml``) unless one is given.
+one before it is used instead, and the skipped ones are named on stderr. The tokenizer is the
+one of the dataset the run trained on (``[data] dir`` in ``RUN_DIR/config.toml``) unless one is
+given.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def resolve_checkpoint(path: Path, fallback_to_previous: bool = False) -> tuple[
             problems.append(str(exc))
             continue
         for problem in problems:
-            Console(stderr=True, highlight=False).print(f"skipped: {problem}", markup=False)
+            console = Console(stderr=True, highlight=False, soft_wrap=True)
+            console.print(f"skipped: {problem}", markup=False)
         return candidate, run_dir
     raise MegaCppError("no complete checkpoint: " + ("; ".join(problems) or f"none in {path}"))
 

@@ -505,7 +505,8 @@ def _check_manifest(path: Path, m: dict[str, Any]) -> None:
 
     seq_len = m.get("seq_len")
     need(_is_int(seq_len) and seq_len >= 1, "seq_len", seq_len, "an integer >= 1")
-    need(m.get("row_len") == seq_len + 1, "row_len", m.get("row_len"), f"seq_len + 1 = {seq_len + 1}")
+    need(m.get("row_len") == seq_len + 1, "row_len", m.get("row_len"),
+         f"seq_len + 1 = {seq_len + 1}")
     for name in ("tokenizer", "documents"):
         need(isinstance(m.get(name), dict), name, m.get(name), "a table")
         digest(m[name], name)

@@ -128,8 +128,9 @@ class _ShapesOnly(TorchFunctionMode):
     and pointwise math returns an empty tensor of the broadcast shape; everything else (tensor
     creation, views) runs, ``*_like`` as ``torch.empty``. On the meta device the values do not
     exist anyway, and these ops reach PyTorch's Python meta kernels, whose first calls import
-    torch._dynamo and sympy (seconds): a ``megacpp model describe`` needs none of it. tests/model/test_counting.py checks the
-    counts against a module tree built normally, for every preset and block family."""
+    torch._dynamo and sympy (seconds): a ``megacpp model describe`` needs none of it.
+    tests/model/test_counting.py checks the counts against a module tree built normally, for
+    every preset and block family."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
