@@ -91,7 +91,7 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
 def describe_size(nbytes: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
+            return f"{nbytes / scale:.4g} {unit}"
     return f"{nbytes} bytes"
 
 

@@ -175,3 +175,14 @@ def test_generate_device_auto(run):
                              str(run["tokenizer"]), "--prompt", "int", "--max-new-tokens", "2",
                              "--device", "auto", "--json")
     assert code == 0 and json.loads(out.splitlines()[0])["tokens"] >= 1, err
+
+
+@pytest.mark.parametrize("args", [
+    ("--max-model-len", "100000000", "--max-num-seqs", "1000"),  # a KV cache of terabytes
+    ("--max-model-len", "1099511627776",),
+    ("--num-blocks", "2147483647", "--block-size", "4096"),
+])
+def test_serve_refuses_a_cache_no_memory_can_hold(run, args):
+    line = refused("serve", "--checkpoint", str(run["run"]), "--tokenizer",
+                   str(run["tokenizer"]), "--device", "cpu", "--port", "0", *args)
+    assert "available" in line or "2^31-1" in line

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from megacpp._io import describe_size
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
+from megacpp.infer.memory import check_fits
 from megacpp.infer.sampling import SamplingParams, sample_next_token
 from megacpp.model.model import HybridLM
 
@@ -71,12 +71,8 @@ class TextGenerator:
         """Refuse a cache larger than the memory available on the device (sized on the meta
         device, so nothing is allocated to find out)."""
         need = self.model.init_cache(n, capacity, "meta", self.dtype).nbytes()
-        free = available_memory_bytes(self.device)
-        if free is not None and need > free:
-            raise MegaCppError(
-                f"max_new_tokens {max_new_tokens} for {n} completion(s) needs a "
-                f"{describe_size(need)} cache; {self.device} has {describe_size(free)} "
-                "available: ask for fewer tokens or completions")
+        check_fits(need, self.device, f"the cache of {n} completion(s) of up to "
+                   f"{max_new_tokens} new tokens", "ask for fewer tokens or completions")
 
     def _finished(self, row: list[int], params: SamplingParams, last: bool) -> Completion | None:
         if row[-1] == self.tokenizer.eos_id:
@@ -118,16 +114,3 @@ class FunctionBodyGenerator:
                         for c in completions])
         return out
 
-
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Free memory of a CUDA device, or the host's available memory (Linux); None if unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo", encoding="ascii") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
