@@ -40,7 +40,9 @@ from megacpp.train.config import to_toml
 from tests.data.packed_fixtures import build_tiny
 from tests.infer.server_helpers import save_checkpoint, tiny_tokenizer
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+# CI runs a fixed sample; MEGACPP_BAD_INPUT_EXAMPLES=500 searches deeper (and randomly)
+EXAMPLES = int(os.environ.get("MEGACPP_BAD_INPUT_EXAMPLES", "25"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES == 25,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 

@@ -148,6 +148,41 @@ def check_fingerprint(data: Any, *, source: str) -> None:
             f"{source} has fingerprint schema_version {data.get('schema_version')!r}; this "
             f"megacpp reads version {FINGERPRINT_VERSION}"
         )
+    problem = _shape_problem(data)
+    if problem:
+        raise MegaCppError(f"{source}: {problem} (the fingerprint was edited or is corrupt; "
+                           "capture it again with `megacpp env capture`)")
+
+
+_NONE = type(None)
+_FIELDS: dict[str, tuple[type, ...]] = {  # what every reader may index
+    "host": (dict,), "python": (dict,), "toolchain": (dict,), "packages": (dict,),
+    "env": (dict,), "devices": (list,), "torch": (dict, _NONE), "triton": (dict, _NONE),
+    "driver": (dict, _NONE),
+}
+_OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"git": (dict, _NONE), "patches": (list,)}
+
+
+def _shape_problem(data: dict[str, Any]) -> str | None:
+    """The first field of a fingerprint whose type the readers cannot use, or None."""
+    for key, types in (*_FIELDS.items(), *_OPTIONAL_FIELDS.items()):
+        if key not in data and key in _OPTIONAL_FIELDS:
+            continue
+        value = data.get(key)
+        if not isinstance(value, types):
+            return f"{key} = {value!r:.60} is not a {' or '.join(t.__name__ for t in types)}"
+    if not all(isinstance(v, (str, _NONE)) for v in data["packages"].values()):
+        return "packages holds a version that is not a string or null"
+    if not all(isinstance(v, str) for v in data["env"].values()):
+        return "env holds a value that is not a string"
+    for i, device in enumerate(data["devices"]):
+        if not (isinstance(device, dict) and isinstance(device.get("name"), str)
+                and isinstance(device.get("arch"), (str, _NONE))):
+            return f"devices[{i}] is not a table with a name and an arch"
+    for i, patch in enumerate(data.get("patches") or []):
+        if not (isinstance(patch, dict) and isinstance(patch.get("name"), str)):
+            return f"patches[{i}] is not a table with a name"
+    return None
 
 
 def read_json_file(path: str | os.PathLike[str], what: str) -> Any:

@@ -299,7 +299,10 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 
 
 # -- helpers --------------------------------------------------------------------------------
+MAX_DIM = 1 << 20  # any one size of a model (width, heads, experts, vocabulary) at most
+
+
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
     for n in names:
         v = getattr(obj, n)
-        check(v > 0, f"{section}.{n}", v, "a positive integer")
+        check(0 < v <= MAX_DIM, f"{section}.{n}", v, f"a positive integer <= {MAX_DIM}")
