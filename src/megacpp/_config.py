@@ -10,22 +10,19 @@ import tomllib
 import types
 from collections.abc import Iterable
 from dataclasses import fields
-from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from megacpp.errors import ConfigError
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # config integers reach torch and numpy as int64
+
 
 def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
-    """The parsed TOML file at ``path``; ``what`` names it in errors ("run config")."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    return parse_toml(text, str(path))
+    """The parsed TOML file at ``path``; ``what`` names it in errors ("run config"). The file
+    must be a regular file under the config size bound (:func:`megacpp._io.read_toml_bounded`)."""
+    from megacpp._io import CONFIG_LIMIT, read_toml_bounded
+
+    return read_toml_bounded(path, CONFIG_LIMIT, what=what, error=ConfigError)
 
 
 def parse_toml(text: str, source: str) -> dict[str, Any]:
@@ -34,6 +31,9 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{source} is not usable TOML "
+                          f"({str(exc).splitlines()[0][:120]})") from None
 
 
 def check_keys(table: Any, known: Iterable[str], where: str) -> dict[str, Any]:
@@ -75,9 +75,10 @@ def coerce(value: Any, hint: Any, name: str) -> Any:
             return value
         raise ConfigError(f"{name} = {value!r}: expected true or false")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if is_int and INT64_MIN <= value <= INT64_MAX:
             return value
-        raise ConfigError(f"{name} = {value!r}: expected an integer")
+        raise ConfigError(f"{name} = {value!r}: expected an integer (64-bit)")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)

@@ -50,17 +50,20 @@ class Pretrained:
 
 
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
-                    tokenizer: str | Path | None = None) -> Pretrained:
+                    tokenizer: str | Path | None = None,
+                    fallback_to_previous: bool = False) -> Pretrained:
     """The model and tokenizer at ``path`` (a run, checkpoint or Hugging Face export
     directory) on ``device`` (``"auto"``: CUDA when there is one). ``tokenizer`` (a
-    tokenizer.json) replaces the one stored with the model."""
+    tokenizer.json) replaces the one stored with the model. A run whose newest checkpoint is
+    corrupt is refused unless ``fallback_to_previous`` (then the newest intact one is read and
+    the skipped ones are named on stderr)."""
     path = Path(path)
     device = resolve_device(device)
     if is_hf_export(path):
         model, tok = _load_hf_export(path, device)
         source = path
     else:
-        source = resolve_checkpoint(path)
+        source = resolve_checkpoint(path, fallback_to_previous)
         model = load_trained_model(source, device)
         tok = None if tokenizer is not None else load_checkpoint_tokenizer(source)
     if tokenizer is not None:

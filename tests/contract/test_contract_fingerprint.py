@@ -177,7 +177,7 @@ def test_load_fingerprint_fails_clearly(tmp_path: Path, cpu_fingerprint):
     truncated.write_text(good.read_text()[:200])
     with pytest.raises(MegaCppError, match="not valid JSON.*truncated"):
         load_fingerprint(truncated)
-    with pytest.raises(MegaCppError, match="not found"):
+    with pytest.raises(MegaCppError, match="does not exist"):
         load_fingerprint(tmp_path / "absent.json")
     other = tmp_path / "other.json"
     other.write_text('{"schema": "something-else"}')

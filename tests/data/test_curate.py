@@ -31,8 +31,11 @@ def test_from_dict_normalizes_lists_and_case():
     [
         ({"max_bites": 10}, r"unknown key\(s\) \['max_bites'\] in \[corpus\]; allowed: \["),
         ({"non_utf8": "ignore"}, r'corpus.non_utf8: expected "drop" or "replace", got \'ignore\''),
-        ({"max_bytes": 0}, r"corpus.max_bytes: expected an integer >= 1, got 0"),
-        ({"max_bytes": "1MiB"}, r"corpus.max_bytes: expected an integer >= 1"),
+        ({"max_bytes": 0}, r"corpus.max_bytes: expected an integer in 1\.\.1073741824, got 0"),
+        ({"max_bytes": "1MiB"}, r"corpus.max_bytes: expected an integer in 1\.\."),
+        ({"max_bytes": 2**40}, r"corpus.max_bytes: expected an integer in 1\.\."),
+        ({"minhash_num_perm": 2**40}, r"corpus.minhash_num_perm: expected an integer in 1\.\.4096"),
+        ({"minhash_seed": 2**32}, r"corpus.minhash_seed: expected an integer in 0\.\."),
         ({"min_bytes": 10, "max_bytes": 5}, r"min_bytes \(10\) must not exceed"),
         ({"follow_symlinks": 1}, r"corpus.follow_symlinks: expected true or false, got 1"),
         ({"extensions": ["cpp"]}, r'corpus.extensions: expected extensions that start with "\."'),
@@ -43,7 +46,7 @@ def test_from_dict_normalizes_lists_and_case():
         ({"near_dedup": "yes"}, r"corpus.near_dedup: expected true or false, got 'yes'"),
         ({"near_dup_threshold": 0}, r"corpus.near_dup_threshold: expected a number in \(0, 1\]"),
         ({"lsh_bands": 32, "lsh_rows": 8}, r"32 x 8 = 256 exceeds corpus.minhash_num_perm = 128"),
-        ({"shingle_size": True}, r"corpus.shingle_size: expected an integer >= 1, got True"),
+        ({"shingle_size": True}, r"corpus.shingle_size: expected an integer in 1\.\.256, got True"),
     ],
 )
 def test_from_dict_rejects_bad_values_naming_the_field(table, message):

@@ -145,6 +145,9 @@ def test_not_a_dataset(tmp_path):
         ShardedDataset.open(tmp_path / "nothing")
     (tmp_path / MARKER).write_text("x\n")
     (tmp_path / MANIFEST).write_text("{}")
+    with pytest.raises(MegaCppError, match="_COMPLETE is corrupt"):
+        ShardedDataset.open(tmp_path)
+    (tmp_path / MARKER).write_text("0" * 64 + "\n")
     with pytest.raises(MegaCppError, match="does not match"):
         ShardedDataset.open(tmp_path)
 

@@ -85,7 +85,10 @@ def test_mutation_check_gate(capsys):
     (["verify-reference", "--task", "CPP/999", "--no-pch"], "unknown task id"),
     (["verify-reference", "--limit", "1", "--std", "c++98"], "c++98"),
     (["verify-reference", "--limit", "1", "--linker", "ld"], "linker 'ld'"),
-    (["run", "/no/such/file.cpp"], "cannot read /no/such/file.cpp"),
+    (["run", "/no/such/file.cpp"], "C++ source /no/such/file.cpp does not exist"),
+    (["run", "/no/such/file.cpp", "--wall", "nan"], "--wall nan: expected a number > 0"),
+    (["run", "/no/such/file.cpp", "--wall", "inf"], "--wall inf: expected a number > 0"),
+    (["run", "/dev/zero"], "C++ source /dev/zero is a character device"),
     (["score", "/no/such/samples.jsonl", "--out", "/tmp/x"], "does not exist"),
     (["sandbox-info", "--isolation", "chroot"], "isolation 'chroot'"),
 ])

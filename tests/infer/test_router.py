@@ -75,14 +75,14 @@ def test_classifier_separates_sources_and_round_trips(clf, tmp_path):
 
 def test_bad_router_files_fail_closed(clf, tmp_path):
     bad = tmp_path / "bad.json"
-    cases = [("not json", "cannot read"), (json.dumps({"format": "x"}), "not a megacpp router"),
+    cases = [("not json", "not valid JSON"), (json.dumps({"format": "x"}), "not a megacpp router"),
              (json.dumps({**clf.to_dict(), "version": 99}), "version"),
              (json.dumps({**clf.to_dict(), "counts": [[1, 2]]}), "shape")]
     for text, needle in cases:
         bad.write_text(text)
         with pytest.raises(MegaCppError, match=needle):
             SnippetClassifier.load(bad)
-    with pytest.raises(MegaCppError, match="not found"):
+    with pytest.raises(MegaCppError, match="does not exist"):
         SnippetClassifier.load(tmp_path / "missing.json")
     with pytest.raises(MegaCppError, match=">= 2 sources"):
         SnippetClassifier.fit(STL, ["stl"] * 3)

@@ -6,13 +6,15 @@ SDPA's math backend, whose bmm's it does count (same QK^T and AV work).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megacpp.model.config import load_config
-from megacpp.model.counting import count_model
+from megacpp.model.config import list_presets, load_config
+from megacpp.model.counting import _ShapesOnly, count_model
 from megacpp.model.model import HybridLM
 from tests.model.conftest import small_config
 
@@ -32,6 +34,24 @@ def test_param_counts_match_independent_formulas_and_the_real_model():
     assert layer["D"].params == norm + 3 * D * cfg.mlp.ffn
     real = HybridLM(cfg)
     assert cost.params == sum(p.numel() for p in real.parameters())
+
+
+@pytest.mark.parametrize("preset", list_presets())
+@pytest.mark.parametrize("pattern", [None, "A:gqa E M R D", "A:mla A:dsa E"])
+def test_counting_without_initialisation_counts_what_a_built_model_holds(preset, pattern):
+    """count_model builds the module tree with its initialisation skipped (_ShapesOnly);
+    every parameter and buffer a normally built tree holds is counted all the same."""
+    cfg = load_config(preset)
+    if pattern is not None:
+        cfg = dataclasses.replace(cfg, pattern=pattern)
+    with torch.device("meta"):
+        built = HybridLM(cfg)
+        with _ShapesOnly():
+            skipped = HybridLM(cfg)
+    shapes = {name: t.shape for name, t in [*built.named_parameters(), *built.named_buffers()]}
+    assert shapes == {name: t.shape for name, t in [*skipped.named_parameters(),
+                                                    *skipped.named_buffers()]}
+    assert count_model(cfg).params == sum(p.numel() for p in built.parameters())
 
 
 @pytest.mark.parametrize("pattern", ["AEMRD", "NAM56R"])

@@ -117,7 +117,7 @@ def test_corrupt_receipts_fail_with_one_clear_error(tmp_path: Path, fingerprint,
 
 
 def test_missing_receipt_file(tmp_path: Path):
-    with pytest.raises(ReceiptError, match="not found"):
+    with pytest.raises(ReceiptError, match="does not exist"):
         read_receipt(tmp_path / "absent.json")
 
 

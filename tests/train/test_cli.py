@@ -32,7 +32,7 @@ def test_train_help_lists_the_options(capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--config", "/no/such/run.toml"], "cannot read run config /no/such/run.toml"),
+        (["--config", "/no/such/run.toml"], "run config /no/such/run.toml does not exist"),
         (["--config", "tiny-cpu", "--set", "train.steps"], "expected TABLE.KEY=VALUE"),
         (["--config", "tiny-cpu", "--set", "optim.lr=-1"], "optim.lr = -1.0 is invalid"),
     ],

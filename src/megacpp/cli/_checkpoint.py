@@ -1,28 +1,27 @@
 """Load a trained model and its tokenizer for inference (shared by generate, eval, serve).
 
-``path`` is a run directory (its newest complete checkpoint), a checkpoint directory, or a
-Hugging Face export directory: :func:`megacpp.pretrained.load_pretrained`. The tokenizer is
-the one stored with the model unless one is given.
+``path`` is a run directory (its newest checkpoint), a checkpoint directory, or a Hugging
+Face export directory: :func:`megacpp.pretrained.load_pretrained`. A newest checkpoint that is
+incomplete or corrupt is an error, as it is for ``megacpp train --resume``; with
+``fallback_to_previous`` the newest intact one before it is used instead, and the skipped ones
+are named on stderr. The tokenizer is the one stored with the model unless one is given.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from megacpp.data.tokenizer import CppTokenizer
-from megacpp.errors import MegaCppError
 from megacpp.model.model import HybridLM
 
 
 def load_for_inference(
-    path: Path, tokenizer: Path | None = None, device: str = "cpu"
+    path: Path, tokenizer: Path | None = None, device: str = "cpu",
+    fallback_to_previous: bool = False,
 ) -> tuple[HybridLM, CppTokenizer, Path]:
-    """(model in eval mode on ``device``, tokenizer, checkpoint dir)."""
+    """(model in eval mode on ``device``, tokenizer, the directory it was read from)."""
     from megacpp.pretrained import load_pretrained
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MegaCppError("--device cuda: no CUDA device here")
-    loaded = load_pretrained(path, device, tokenizer=tokenizer)
+    loaded = load_pretrained(path, device, tokenizer=tokenizer,
+                             fallback_to_previous=fallback_to_previous)
     return loaded.model, loaded.tokenizer, loaded.source

@@ -11,12 +11,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from megacpp.cli._options import DATA_BUILD_CONFIG_HELP
 from megacpp.data.build import BuildConfig, build_dataset
 from megacpp.data.megatron import export_megatron
 from megacpp.data.shards import ShardedDataset
 from megacpp.data.stats import DatasetStats, dataset_stats, plot_doc_lengths
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True)
 
 
 @app.command()
@@ -26,7 +27,7 @@ def build(
              "tables (a content column, optional path, repo, license).")],
     out: Annotated[Path, typer.Option("--out", help="Dataset directory to create.")],
     config: Annotated[
-        Path | None, typer.Option("--config", help="Build config: a TOML file or a shipped name (tiny, cpp).")
+        Path | None, typer.Option("--config", help=DATA_BUILD_CONFIG_HELP)
     ] = None,
     tokenizer: Annotated[
         Path | None,

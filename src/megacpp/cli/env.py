@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from megacpp.cli._options import CONTRACT_CONFIG_HELP
 from megacpp.contract import probes
 from megacpp.contract.config import ContractConfig, load_contract_config, parse_kernel_option
 from megacpp.contract.devices import device_profile, known_profiles, mfu, profile_for_fingerprint
@@ -30,7 +31,8 @@ from megacpp.contract.integrity import IntegrityReport, describe_problems, verif
 from megacpp.contract.patches import PATCHES
 from megacpp.contract.preflight import PreflightInputs, read_cache_routings, run_rules
 
-app = typer.Typer(no_args_is_help=True, help="The environment contract.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="The environment contract.")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -73,7 +75,7 @@ def _config(path: Path | None, packages: str | None = None) -> ContractConfig:
 def capture(
     out: Path | None = typer.Option(None, "--out", help="Write the fingerprint JSON here."),
     as_json: bool = typer.Option(False, "--json", help="Print the fingerprint as JSON."),
-    config: Path | None = typer.Option(None, "--config", help="TOML with a [contract] table."),
+    config: Path | None = typer.Option(None, "--config", help=CONTRACT_CONFIG_HELP),
     packages: str | None = typer.Option(
         None, "--packages", help="Comma-separated contract packages (replaces the list)."
     ),
@@ -261,7 +263,7 @@ def mfu_command(
 
 @app.command()
 def preflight(
-    config: Path | None = typer.Option(None, "--config", help="TOML with [contract]/[preflight]."),
+    config: Path | None = typer.Option(None, "--config", help=CONTRACT_CONFIG_HELP),
     facts: Path | None = typer.Option(
         None, "--facts", help="Check this fingerprint/receipt instead of this machine."
     ),
@@ -314,7 +316,7 @@ def verify_site_command(
         None, "--path", help="Site directory to check instead of sys.path."
     ),
     all_: bool = typer.Option(False, "--all", help="Verify every distribution found."),
-    config: Path | None = typer.Option(None, "--config", help="TOML with a [contract] table."),
+    config: Path | None = typer.Option(None, "--config", help=CONTRACT_CONFIG_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Check installed files against the sha256 hashes in their RECORD; exit 1 on any problem."""

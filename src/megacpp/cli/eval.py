@@ -7,6 +7,7 @@ solutions), ``mutation-check``, ``score`` (pass@k of completions from a JSONL fi
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -20,6 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from megacpp._io import TEXT_LIMIT, read_text_bounded
+from megacpp.cli._options import DeviceOpt, FallbackOpt, resolve_device
 from megacpp.errors import MegaCppError
 from megacpp.eval import (
     DEFAULT_KS,
@@ -42,7 +45,7 @@ from megacpp.eval import (
 from megacpp.eval.cpp import RUN_LIMITS
 from megacpp.eval.problems import check_humaneval_toolchain
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console(highlight=False)
 T = TypeVar("T")
 
@@ -65,6 +68,13 @@ IsolationOpt = Annotated[str | None, typer.Option(
     help="Sandbox isolation: namespaces (default) or rlimits (weaker; also "
          "$MEGACPP_SANDBOX_ISOLATION).")]
 DEFAULT_WORKERS = os.cpu_count() or 1
+MAX_SECONDS = 24 * 3600  # a sandboxed program's CPU or wall time at most
+MAX_MEMORY_MB = 1 << 20  # 1 TiB
+
+
+def _check_limit(option: str, value: float, high: float) -> None:
+    if not (math.isfinite(value) and 0 < value <= high):
+        raise MegaCppError(f"{option} {value}: expected a number > 0 and <= {high}")
 
 
 @app.command("sandbox-info")
@@ -110,10 +120,10 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Compile and run one C++ file in the sandbox; exit 0 only if it passed."""
-    try:
-        source = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MegaCppError(f"cannot read {file} as UTF-8 C++ source: {exc}") from None
+    _check_limit("--cpu", cpu, MAX_SECONDS)
+    _check_limit("--wall", wall, MAX_SECONDS)
+    _check_limit("--memory-mb", memory_mb, MAX_MEMORY_MB)
+    source = read_text_bounded(file, TEXT_LIMIT, what="C++ source")
     build = BuildOptions(std=std, flags=("-O0", *(flag or ())), libs=tuple(lib or ()),
                          sanitize=sanitize)
     limits = RUN_LIMITS.replace(cpu_s=cpu, wall_s=wall, memory_bytes=memory_mb << 20)
@@ -259,7 +269,8 @@ def humaneval_x(
     k: Annotated[list[int] | None, typer.Option(
         "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: DeviceOpt = "auto",
+    fallback_to_previous: FallbackOpt = False,
     workers: WorkersOpt = DEFAULT_WORKERS,
     std: StdOpt = "c++17",
     sanitize: SanitizeOpt = False,
@@ -273,10 +284,12 @@ def humaneval_x(
     from megacpp.infer.generate import FunctionBodyGenerator, TextGenerator
     from megacpp.kernels.runtime import chosen_kernels
 
+    device = resolve_device(device)
     problem_file = locate_problems(problems)
     chosen = select_problems(load_problems(problem_file), task or (), limit)
     verifier = _humaneval_verifier(std, sanitize, pch, linker, isolation)
-    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device)
+    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
+                                          fallback_to_previous=fallback_to_previous)
     generate = FunctionBodyGenerator(TextGenerator(model, tok, device), max_new_tokens)
     sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
                                 max_new_tokens=max_new_tokens, seed=seed)

@@ -11,9 +11,11 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.syntax import Syntax
 
+from megacpp._io import TEXT_LIMIT, read_text_bounded
+from megacpp.cli._options import DeviceOpt, FallbackOpt, resolve_device, utf8_text
 from megacpp.errors import MegaCppError
 
-app = typer.Typer()
+app = typer.Typer(add_completion=False)
 
 
 @app.command()
@@ -31,27 +33,29 @@ def generate(
     function_body: Annotated[bool, typer.Option(
         "--function-body", help="Complete a C++ function body: stop at its closing brace.")] = False,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: DeviceOpt = "auto",
+    fallback_to_previous: FallbackOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
 ) -> None:
     """Sample ``n`` completions of a prompt with the model's cached decoding."""
     from megacpp.cli._checkpoint import load_for_inference
-    from megacpp.infer.generate import CPP_BODY_STOP, TextGenerator
+    from megacpp.infer.generate import CPP_BODY_STOP, MAX_COMPLETIONS, TextGenerator
     from megacpp.infer.sampling import SamplingParams
 
     if (prompt is None) == (file is None):
         raise MegaCppError("give exactly one of --prompt TEXT or --file F")
     if file is not None:
-        try:
-            prompt = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise MegaCppError(f"cannot read the prompt file {file}: {exc}") from None
-    if n < 1:
-        raise MegaCppError(f"--n must be >= 1, got {n}")
-    stops = tuple(stop or ()) + ((CPP_BODY_STOP,) if function_body else ())
+        prompt = read_text_bounded(file, TEXT_LIMIT, what="prompt file")
+    prompt = utf8_text(prompt, "--prompt")
+    if not 1 <= n <= MAX_COMPLETIONS:
+        raise MegaCppError(f"--n must be in 1..{MAX_COMPLETIONS}, got {n}")
+    stops = tuple(utf8_text(s, "--stop") for s in stop or ()) + (
+        (CPP_BODY_STOP,) if function_body else ())
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             max_new_tokens=max_new_tokens, stop=stops, seed=seed)
-    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device)
+    device = resolve_device(device)
+    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
+                                          fallback_to_previous=fallback_to_previous)
     completions = TextGenerator(model, tok, device).complete(prompt, n, params)
     console = Console()
     for i, c in enumerate(completions):

@@ -17,21 +17,26 @@ from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
+from megacpp.cli._options import DEVICE_HELP, resolve_device
 from megacpp.errors import MegaCppError
 from megacpp.kernels.catalog import DTYPE_NAMES, device_facts, rejection
 from megacpp.kernels.check import CheckAborted, check_catalog
 from megacpp.kernels.registry import default_catalog
 from megacpp.kernels.timing import time_fwd_bwd, time_fwd_bwd_graphed
 
-app = typer.Typer(no_args_is_help=True, help="The kernel catalog: list, check, bench.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="The kernel catalog: list, check, bench.")
 console = Console()
 err_console = Console(stderr=True)
 
 _ROLE_STYLE = {"chosen": "bold green", "fallback": "cyan", "donor": "magenta", "deferred": "dim"}
 
 
-def _default_dtype() -> str:
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+def _default_dtype(device: torch.device) -> str:
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+_DEVICE = typer.Option("auto", "--device", help=DEVICE_HELP)
 
 
 def _check_dtypes(dtypes: list[str]) -> list[str]:
@@ -51,11 +56,13 @@ def _check_surfaces(surfaces: list[str] | None) -> list[str]:
 @app.command("list")
 def list_cmd(
     dtype: str = typer.Option(None, help="operand dtype to qualify for (default: bf16 on GPU)"),
+    device: str = _DEVICE,
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Surfaces x backends: role, requirements, and whether each qualifies on this device."""
-    dtype = _check_dtypes([dtype or _default_dtype()])[0]
-    catalog, facts = default_catalog(), device_facts()
+    on = torch.device(resolve_device(device))
+    dtype = _check_dtypes([dtype or _default_dtype(on)])[0]
+    catalog, facts = default_catalog(), device_facts(on)
     rows = []
     for b in catalog.backends:
         why = rejection(b, facts, dtype)
@@ -86,14 +93,15 @@ def check(
     surface: list[str] = typer.Option(None, "--surface", "-s", help="surface(s); default all"),
     dtype: list[str] = typer.Option(None, "--dtype", help="dtype(s); default bf16 on GPU"),
     seed: int = typer.Option(0, help="seed of the fresh random inputs"),
+    device: str = _DEVICE,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Every qualifying backend vs the float64 reference, forward and backward. A backend
     that raises is a failure with its error; one that leaves the GPU unusable (an illegal
     address) stops the run after it, with the results so far."""
-    dtypes = _check_dtypes(dtype or [_default_dtype()])
+    device = torch.device(resolve_device(device))
+    dtypes = _check_dtypes(dtype or [_default_dtype(device)])
     surfaces = _check_surfaces(surface)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     aborted = None
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("checking", total=None)
@@ -133,13 +141,14 @@ def bench(
     graphed: bool = typer.Option(True, help="on a GPU, also time CUDA-graph replays of each "
                                  "fwd+bwd (no host launch gaps); a backend that cannot be "
                                  "captured shows why"),
+    device: str = _DEVICE,
 ) -> None:
     """Median fwd+bwd time of every qualifying backend (the forward alone for a surface
     without autograd, such as muon_polynomial; on a GPU also peak extra memory and the median
     of CUDA-graph replays, launch gaps gone)."""
-    dtype = _check_dtypes([dtype or _default_dtype()])[0]
+    device = torch.device(resolve_device(device))
+    dtype = _check_dtypes([dtype or _default_dtype(device)])[0]
     catalog = default_catalog()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     facts = device_facts(device)
     graphed = graphed and device.type == "cuda"
     rows: list[dict[str, Any]] = []

@@ -21,9 +21,10 @@ from megacpp.pattern.megatron import (
     to_megatron,
 )
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True)
 
 _TARGETS = ("megatron",)
+MAX_SEQ_LEN = 1 << 24  # tokens
 
 
 @app.command()
@@ -95,7 +96,9 @@ def describe(
     ] = None,
     config: Annotated[
         str,
-        typer.Option("--config", "-c", help="Preset name (tiny, nam56r-small...) or TOML path."),
+        typer.Option("--config", "-c", help="A model config: a preset name (tiny, "
+                     "nam56r-small, ...) or the path of a model TOML ([model], [attention]... "
+                     "tables, as in configs/tiny.toml)."),
     ] = "nam56r-small",
     seq_len: Annotated[
         int, typer.Option(help="Sequence length for attention/scan FLOP terms.")
@@ -108,8 +111,8 @@ def describe(
     from megacpp.model.config import load_config
     from megacpp.model.counting import count_model
 
-    if seq_len <= 0:
-        raise MegaCppError(f"--seq-len must be positive, got {seq_len}")
+    if not 0 < seq_len <= MAX_SEQ_LEN:
+        raise MegaCppError(f"--seq-len must be positive and at most {MAX_SEQ_LEN}, got {seq_len}")
     cfg = load_config(config)
     if pattern is not None:
         cfg = dataclasses.replace(cfg, pattern=pattern)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer()
+app = typer.Typer(add_completion=False)
 
 
 @app.command()

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from megacpp.errors import MegaCppError
 
-app = typer.Typer()
+app = typer.Typer(add_completion=False)
 
 DATA_CONFIG = "tiny"  # shipped in megacpp/configs/data/
 RUN_CONFIG = "tiny-cpu"

@@ -17,7 +17,8 @@ from rich.table import Table
 
 from megacpp.receipts import compare_receipts, mark_golden, read_receipt, verify_artifacts
 
-app = typer.Typer(no_args_is_help=True, help="Run/bench/eval receipts.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Run/bench/eval receipts.")
 console = Console()
 
 

@@ -18,9 +18,10 @@ from typing import Annotated
 
 import typer
 
+from megacpp.cli._options import DeviceOpt, FallbackOpt, resolve_device
 from megacpp.errors import MegaCppError
 
-app = typer.Typer(no_args_is_help=False)
+app = typer.Typer(add_completion=False, no_args_is_help=False)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -57,7 +58,8 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: DeviceOpt = "auto",
+    fallback_to_previous: FallbackOpt = False,
     dtype: Annotated[str | None, typer.Option(
         help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
@@ -75,11 +77,11 @@ def serve(
 
     from megacpp.infer.engine import EngineConfig
 
-    dtype_name = DTYPES.get((dtype or ("bfloat16" if device == "cuda" else "float32")).lower())
+    device = resolve_device(device)
+    default_dtype = "float32" if device == "cpu" else "bfloat16"
+    dtype_name = DTYPES.get((dtype or default_dtype).lower())
     if dtype_name is None:
         raise MegaCppError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise MegaCppError(f"--device {device!r}: choose cpu or cuda")
     from megacpp.kernels.runtime import KERNEL_MODES, set_kernel_mode
 
     if kernels not in KERNEL_MODES:
@@ -93,7 +95,7 @@ def serve(
     set_kernel_mode(kernels)  # process-wide; reset when serving ends (in-process callers)
     try:
         specialists = [_load_specialist(name, path, tokenizer, device,
-                                        getattr(torch, dtype_name), config)
+                                        getattr(torch, dtype_name), config, fallback_to_previous)
                        for name, path in named]
         _run(specialists, classifier, sock, log_level)
     finally:
@@ -108,7 +110,7 @@ def _load_router(path: Path | None):
     return SnippetClassifier.load(path)
 
 
-def _load_specialist(name, path, tokenizer, device, dtype, config):
+def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_previous=False):
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.infer.async_engine import AsyncEngine
     from megacpp.infer.engine import Engine
@@ -118,7 +120,7 @@ def _load_specialist(name, path, tokenizer, device, dtype, config):
         resolved = Path(path).resolve()
         name = resolved.parent.parent.name if resolved.parent.name == "checkpoints" \
             else resolved.name
-    model, tok, ckpt = load_for_inference(path, tokenizer, device)
+    model, tok, ckpt = load_for_inference(path, tokenizer, device, fallback_to_previous)
     engine = Engine(model, tok, config, device=device, dtype=dtype)
     typer.echo(f"loaded {name}: {ckpt} ({sum(p.numel() for p in model.parameters()):,} "
                f"parameters, {config.total_blocks} KV blocks x {config.block_size} tokens, "
@@ -150,8 +152,14 @@ def _run(specialists, classifier, sock: socket.socket, log_level: str) -> None:
     names = ", ".join(s.name for s in specialists) + (" (+ auto)" if classifier else "")
     typer.echo(f"serving {names} on http://{shown}:{port}")
     config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # SIGINT / SIGTERM
+            application.state.server.abort_all()  # running streams end with "abort", [DONE]
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     typer.echo("stopped")

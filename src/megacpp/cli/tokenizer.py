@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from megacpp._io import TEXT_LIMIT, read_text_bounded
+from megacpp.cli._options import DATA_BUILD_CONFIG_HELP, utf8_text
 from megacpp.data.build import BuildConfig, curate_documents, plan_documents
 from megacpp.data.packing import TRAIN, VALIDATION
 from megacpp.data.tokenizer import (
@@ -24,11 +26,11 @@ from megacpp.data.tokenizer import (
 )
 from megacpp.errors import MegaCppError
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True)
 
 _Sources = Annotated[list[Path], typer.Argument(help="Source directories or files.")]
 _Config = Annotated[
-    Path | None, typer.Option("--config", help="Build config TOML ([corpus], [tokenizer]...).")
+    Path | None, typer.Option("--config", help=DATA_BUILD_CONFIG_HELP)
 ]
 
 
@@ -158,10 +160,8 @@ def encode(
     if (text is None) == (file is None):
         raise MegaCppError("give either TEXT or --file (exactly one)")
     if file is not None:
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise MegaCppError(f"cannot read {file} as UTF-8: {exc}") from None
+        text = read_text_bounded(file, TEXT_LIMIT, what="--file")
+    text = utf8_text(text, "TEXT")
     tok = CppTokenizer.load(path)
     ids = tok.encode(text)
     for i in ids.tolist():

@@ -12,13 +12,15 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-app = typer.Typer()
+app = typer.Typer(add_completion=False)
 
 
 @app.command()
 def train(
     config: Annotated[
-        Path, typer.Option("--config", help="Run config: a TOML file or a shipped name (tiny-cpu).")
+        Path, typer.Option("--config", help="A run config: a TOML path ([run], [model], [data], "
+                           "[train]... tables) or the name of a shipped run config "
+                           "(tiny-cpu, nam56r-350m-gpu).")
     ],
     set_: Annotated[
         list[str] | None,
@@ -39,13 +41,17 @@ def train(
         typer.Option("--skip-preflight", help="Run despite this preflight rule's error "
                      "(repeatable; recorded in the receipt)."),
     ] = None,
+    device: Annotated[str | None, typer.Option(
+        "--device", help="auto (cuda when a GPU is present, else cpu), cpu or cuda; overrides "
+        "the config's [run] device.")] = None,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """Train a model from a run config: AdamW + Muon, checkpoints, metrics and a receipt."""
     from megacpp.train.config import load_run_config
     from megacpp.train.trainer import train as run_training
 
-    cfg = load_run_config(config, set_ or [])
+    overrides = [*(set_ or []), *([f"run.device={device}"] if device is not None else [])]
+    cfg = load_run_config(config, overrides)
     result = run_training(cfg, resume=resume, fallback_to_previous=fallback_to_previous,
                           skip_preflight=skip_preflight or [], show_progress=progress,
                           clock_from_process_start=True)

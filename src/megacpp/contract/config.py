@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from megacpp._config import read_toml
@@ -49,7 +48,6 @@ def load_contract_config(path: str | os.PathLike[str] | None) -> ContractConfig:
     """Read ``[contract]``/``[preflight]`` from a TOML file; ``None`` -> defaults."""
     if path is None:
         return ContractConfig()
-    path = Path(path)
     data = read_toml(path, "config file")
     return config_from_dict(data, source=str(path))
 

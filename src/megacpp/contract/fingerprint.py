@@ -8,15 +8,14 @@ package not installed) -- capture never fails for that.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import platform
 import sys
 from collections.abc import Iterable, Mapping
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
+from megacpp._io import JSON_LIMIT, read_json_bounded
 from megacpp.contract import probes
 from megacpp.contract.gitinfo import capture_git
 from megacpp.contract.patches import applied_patches
@@ -151,21 +150,43 @@ def check_fingerprint(data: Any, *, source: str) -> None:
             f"{source} has fingerprint schema_version {data.get('schema_version')!r}; this "
             f"megacpp reads version {FINGERPRINT_VERSION}"
         )
+    problem = _shape_problem(data)
+    if problem:
+        raise MegaCppError(f"{source}: {problem} (the fingerprint was edited or is corrupt; "
+                           "capture it again with `megacpp env capture`)")
+
+
+_NONE = type(None)
+_FIELDS: dict[str, tuple[type, ...]] = {  # what every reader may index
+    "host": (dict,), "python": (dict,), "toolchain": (dict,), "packages": (dict,),
+    "env": (dict,), "devices": (list,), "torch": (dict, _NONE), "triton": (dict, _NONE),
+    "driver": (dict, _NONE),
+}
+_OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"git": (dict, _NONE), "patches": (list,)}
+
+
+def _shape_problem(data: dict[str, Any]) -> str | None:
+    """The first field of a fingerprint whose type the readers cannot use, or None."""
+    for key, types in (*_FIELDS.items(), *_OPTIONAL_FIELDS.items()):
+        if key not in data and key in _OPTIONAL_FIELDS:
+            continue
+        value = data.get(key)
+        if not isinstance(value, types):
+            return f"{key} = {value!r:.60} is not a {' or '.join(t.__name__ for t in types)}"
+    if not all(isinstance(v, (str, _NONE)) for v in data["packages"].values()):
+        return "packages holds a version that is not a string or null"
+    if not all(isinstance(v, str) for v in data["env"].values()):
+        return "env holds a value that is not a string"
+    for i, device in enumerate(data["devices"]):
+        if not (isinstance(device, dict) and isinstance(device.get("name"), str)
+                and isinstance(device.get("arch"), (str, _NONE))):
+            return f"devices[{i}] is not a table with a name and an arch"
+    for i, patch in enumerate(data.get("patches") or []):
+        if not (isinstance(patch, dict) and isinstance(patch.get("name"), str)):
+            return f"patches[{i}] is not a table with a name"
+    return None
 
 
 def read_json_file(path: str | os.PathLike[str], what: str) -> Any:
     """Parse a JSON file; a missing, unreadable or truncated file is a one-line error."""
-    path = Path(path)
-    try:
-        text = path.read_text("utf-8")
-    except FileNotFoundError:
-        raise MegaCppError(f"{what} file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MegaCppError(f"cannot read {what} file {path}: {exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MegaCppError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
-            "the file may be truncated or corrupt"
-        ) from None
+    return read_json_bounded(path, JSON_LIMIT, what=f"{what} file")

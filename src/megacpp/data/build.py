@@ -34,6 +34,7 @@ import fcntl
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
@@ -92,6 +93,7 @@ from megacpp.data.shards import (
     WriteBehind,
     write_manifest_and_marker,
 )
+from megacpp.data.sources import check_roots
 from megacpp.data.structure import NUM_STRUCTURE_IDS, Structure
 from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
 from megacpp.errors import ConfigError, MegaCppError
@@ -109,9 +111,12 @@ class TokenizerConfig:
     max_train_bytes: int = 32 << 20  # train on at most this much of the train split
 
     def validate(self) -> None:
-        _require(self.vocab_size >= 264, "tokenizer.vocab_size", "an integer >= 264")
-        _require(self.min_frequency >= 1, "tokenizer.min_frequency", "an integer >= 1")
-        _require(self.max_train_bytes >= 1, "tokenizer.max_train_bytes", "an integer >= 1")
+        _require(264 <= self.vocab_size <= 1 << 20, "tokenizer.vocab_size",
+                 "an integer in 264..1048576")
+        _require(1 <= self.min_frequency <= 1 << 31, "tokenizer.min_frequency",
+                 "an integer in 1..2^31")
+        _require(1 <= self.max_train_bytes <= 1 << 40, "tokenizer.max_train_bytes",
+                 "an integer in 1..2^40")
 
 
 @dataclass
@@ -122,7 +127,12 @@ class StructureConfig:
     timeout_s: float = 5.0  # per-document parse deadline; past it the document gets OTHER
 
     def validate(self) -> None:
-        _require(self.timeout_s > 0, "structure.timeout_s", "a number of seconds > 0")
+        _require(0 < self.timeout_s <= 3600, "structure.timeout_s",
+                 "a number of seconds in (0, 3600]")
+
+
+MAX_SEQ_LEN = 1 << 20  # tokens per packed row at most
+MAX_WORKERS = 256  # worker processes of a build at most
 
 
 @dataclass
@@ -135,17 +145,21 @@ class PackingConfig:
     # non-empty: split by source tree instead -- the documents of the source roots with these
     # names (the root directory's name, e.g. "leveldb") are the validation split, all others
     # train; val_permille is then not used
-    val_sources: list[str] = field(default_factory=list)
+    val_sources: tuple[str, ...] = ()
     rows_per_shard: int = 4096
     rows_per_group: int = 64  # parquet row group = the loader's unit of reading/shuffling
 
     def validate(self) -> None:
-        _require(self.seq_len >= 1, "packing.seq_len", "an integer >= 1")
+        _require(1 <= self.seq_len <= MAX_SEQ_LEN, "packing.seq_len",
+                 f"an integer in 1..{MAX_SEQ_LEN}")
+        _require(0 <= self.seed < 1 << 63, "packing.seed", "an integer in 0..2^63-1")
         _require(0 <= self.val_permille <= 1000, "packing.val_permille", "an integer in 0..1000")
         _require(all(isinstance(v, str) and v for v in self.val_sources),
                  "packing.val_sources", "a list of source root names (non-empty strings)")
-        _require(self.rows_per_shard >= 1, "packing.rows_per_shard", "an integer >= 1")
-        _require(self.rows_per_group >= 1, "packing.rows_per_group", "an integer >= 1")
+        _require(1 <= self.rows_per_shard <= 1 << 24, "packing.rows_per_shard",
+                 "an integer in 1..2^24")
+        _require(1 <= self.rows_per_group <= 1 << 20, "packing.rows_per_group",
+                 "an integer in 1..2^20")
 
 
 @dataclass
@@ -299,9 +313,13 @@ def build_dataset(
     cfg = cfg or BuildConfig()
     out = Path(out).absolute()
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
+    if not 0 <= workers <= MAX_WORKERS:
+        raise MegaCppError(f"workers = {workers}: expected 0..{MAX_WORKERS} (0 or 1: no worker "
+                           "processes)")
     console = console or Console(stderr=True, quiet=True)
+    check_roots(sources)  # refuse missing sources and a foreign tokenizer before any work
     if tokenizer_path is not None:
-        CppTokenizer.load(tokenizer_path)  # refuse a foreign tokenizer before any work
+        CppTokenizer.load(tokenizer_path)
     with _build_lock(out):
         _check_out(out, overwrite)
         staging = out.parent / f".{out.name}.partial"
@@ -685,9 +703,29 @@ def _manifest(
 # ---- directory handling --------------------------------------------------------------------
 
 
+def _writable_parent(out: Path) -> None:
+    """Create ``out``'s parent directories; a one-line error when ``out`` cannot be written
+    there (a parent that is a file, a read-only or virtual file system such as /proc)."""
+    for ancestor in out.parents:
+        if ancestor.exists() or ancestor.is_symlink():
+            if not ancestor.is_dir():
+                raise MegaCppError(f"cannot write the dataset {out}: {ancestor} is not a directory")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MegaCppError(f"cannot write the dataset {out}: {exc.strerror or exc} "
+                           f"({exc.filename or out.parent})") from None
+    try:
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as exc:
+        raise MegaCppError(f"cannot write the dataset {out}: {exc.strerror or exc} "
+                           f"({out.parent})") from None
+
+
 @contextmanager
 def _build_lock(out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _writable_parent(out)
     lock_path = out.parent / f".{out.name}.lock"
     with open(lock_path, "w") as lock:
         try:

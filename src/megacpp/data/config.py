@@ -43,6 +43,7 @@ DEFAULT_GENERATED_MARKERS = (
 )
 DEFAULT_EXCLUDE_DIRS = (".git", ".hg", ".svn")
 DEFAULT_LICENSE_DENY = ("LicenseRef-Proprietary",)
+MAX_DOCUMENT_BYTES = 1 << 30  # a source file larger than 1 GiB is never a document
 
 
 @dataclass
@@ -112,10 +113,10 @@ def _check_bool(cfg: CorpusConfig, name: str) -> None:
         raise _fail(name, "true or false", value)
 
 
-def _check_int(cfg: CorpusConfig, name: str, minimum: int) -> None:
+def _check_int(cfg: CorpusConfig, name: str, minimum: int, maximum: int) -> None:
     value = getattr(cfg, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _fail(name, f"an integer >= {minimum}", value)
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise _fail(name, f"an integer in {minimum}..{maximum}", value)
 
 
 def _check_fraction(cfg: CorpusConfig, name: str, *, allow_zero: bool) -> None:
@@ -146,18 +147,19 @@ def _validate(cfg: CorpusConfig) -> None:
     cfg.generated_markers = tuple(m.lower() for m in cfg.generated_markers)
     if cfg.non_utf8 not in NON_UTF8_POLICIES:
         raise _fail("non_utf8", " or ".join(f'"{p}"' for p in NON_UTF8_POLICIES), cfg.non_utf8)
-    _check_int(cfg, "min_bytes", 0)
-    _check_int(cfg, "max_bytes", 1)
+    _check_int(cfg, "min_bytes", 0, MAX_DOCUMENT_BYTES)
+    _check_int(cfg, "max_bytes", 1, MAX_DOCUMENT_BYTES)
     if cfg.min_bytes > cfg.max_bytes:
         raise ConfigError(
             f"corpus.min_bytes ({cfg.min_bytes}) must not exceed corpus.max_bytes ({cfg.max_bytes})"
         )
-    _check_int(cfg, "max_line_length", 1)
-    _check_int(cfg, "max_mean_line_length", 1)
+    _check_int(cfg, "max_line_length", 1, MAX_DOCUMENT_BYTES)
+    _check_int(cfg, "max_mean_line_length", 1, MAX_DOCUMENT_BYTES)
     _check_fraction(cfg, "min_alnum_ratio", allow_zero=True)
-    for name in ("minhash_num_perm", "lsh_bands", "lsh_rows", "shingle_size"):
-        _check_int(cfg, name, 1)
-    _check_int(cfg, "minhash_seed", 0)
+    for name in ("minhash_num_perm", "lsh_bands", "lsh_rows"):
+        _check_int(cfg, name, 1, 4096)
+    _check_int(cfg, "shingle_size", 1, 256)
+    _check_int(cfg, "minhash_seed", 0, 2**32 - 1)
     _check_fraction(cfg, "near_dup_threshold", allow_zero=False)
     if cfg.lsh_bands * cfg.lsh_rows > cfg.minhash_num_perm:
         raise ConfigError(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ _P = np.uint64(0x100000001B3)  # odd, so invertible mod 2^64 (the 64-bit FNV pri
 _P_INV = np.uint64(pow(int(_P), -1, 1 << 64))
 _Q = np.uint64(0x9E3779B97F4A7C15)  # combines token hashes into a shingle hash
 _BLOCK = 1024  # shingles per block of the [shingles, num_perm] MinHash product
+WINDOW_BYTES = 4 << 20  # a larger source is lexed and hashed a window at a time
 BATCH_BYTES = 1 << 20  # NearDedup lexes and hashes documents in batches of about this size
 
 
@@ -114,8 +116,14 @@ def shingle_hashes_batch(
     source ``i``'s sorted hashes are ``hashes[offsets[i]:offsets[i + 1]]``.
 
     A source with fewer tokens than ``shingle_size`` is one shingle of all its tokens; one
-    with no tokens (only comments/whitespace) has none.
+    with no tokens (only comments/whitespace) has none. A source larger than
+    :data:`WINDOW_BYTES` is lexed a window of lines at a time (:func:`_windowed_hashes`).
     """
+    if any(len(source) > WINDOW_BYTES for source in sources):
+        per_source = [_windowed_hashes(s, shingle_size) if len(s) > WINDOW_BYTES
+                      else shingle_hashes_batch([s], shingle_size)[0] for s in sources]
+        offsets = np.concatenate(([0], np.cumsum([len(h) for h in per_source])))
+        return np.concatenate(per_source).astype(np.uint32), offsets
     batch = cpp_lex.token_spans_batch(sources)
     token = _token_hashes(batch.data, batch.spans)  # [T]
     per_source = np.diff(batch.token_offsets)  # [S] tokens of each source
@@ -139,6 +147,44 @@ def shingle_hashes_batch(
     keys = keys[np.concatenate((keys[:1] == keys[:1], keys[1:] != keys[:-1]))]  # distinct
     offsets = np.searchsorted(keys >> np.uint64(32), np.arange(len(sources) + 1))
     return (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), offsets
+
+
+def _windowed_hashes(data: bytes, shingle_size: int) -> np.ndarray:
+    """Distinct 32-bit shingle hashes of one large source, lexed a window of at most
+    :data:`WINDOW_BYTES` at a time (cut after its last newline, or anywhere in a longer line), with
+    the last ``shingle_size - 1`` token hashes carried into the next window so shingles across
+    a cut still count. Memory follows the window, not the source (lexing a whole 50 MB file
+    takes gigabytes). A token cut by a window boundary (a block comment or string across it,
+    or any token of a hard cut) hashes as its two halves."""
+    per_window: list[np.ndarray] = []  # distinct hashes of each window
+    carry = np.zeros(0, dtype=np.uint64)  # [< shingle_size] the previous window's last tokens
+    tokens_seen = 0
+    start = 0
+    while start < len(data):
+        end = min(start + WINDOW_BYTES, len(data))
+        if end < len(data):  # after the window's last newline, if it has one
+            newline = data.rfind(b"\n", start, end)
+            end = newline + 1 if newline >= 0 else end
+        window = data[start:end]
+        batch = cpp_lex.token_spans_batch([window])
+        tokens_seen += len(batch.spans.starts)
+        token = np.concatenate((carry, _token_hashes(batch.data, batch.spans)))  # [T]
+        if token.shape[0] >= shingle_size:
+            per_window.append(_distinct(
+                (_combine(token, shingle_size) >> np.uint64(32)).astype(np.uint32)))
+        carry = token[token.shape[0] - (shingle_size - 1):] if shingle_size > 1 else token[:0]
+        start = end
+    if per_window:
+        return _distinct(np.concatenate(per_window))
+    if tokens_seen:  # fewer tokens than a shingle: one shingle of them all
+        return (_combine(carry, carry.shape[0]) >> np.uint64(32)).astype(np.uint32)
+    return np.zeros(0, dtype=np.uint32)
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """Sorted distinct ``values`` (by sorting: numpy's hash-based ``unique`` is slower here)."""
+    values = np.sort(values)
+    return values[np.concatenate((values[:1] == values[:1], values[1:] != values[:-1]))]
 
 
 def shingle_hashes(data: bytes, shingle_size: int) -> np.ndarray:
@@ -193,10 +239,26 @@ class MinHasher:
         )
 
 
+_ASCII_SPACE = re.compile(rb"[ \t\n\r\x0b\x0c]")  # what bytes.split() splits at
+_DIGEST_CHUNK = 1 << 20
+
+
 def normalized_text_digest(text: str) -> bytes:
     """sha256 of ``text`` (UTF-8) with every run of ASCII whitespace collapsed to one space
-    and the ends stripped. Splitting bytes runs at C speed, unlike ``str.split``."""
-    return hashlib.sha256(b" ".join(text.encode("utf-8", "surrogatepass").split())).digest()
+    and the ends stripped. Splitting bytes runs at C speed, unlike ``str.split``; it runs on
+    about 1 MiB at a time, cut at whitespace, so a huge document costs no more than its
+    bytes (one list of words of a 50 MB file is gigabytes)."""
+    data = text.encode("utf-8", "surrogatepass")
+    digest, start, separator = hashlib.sha256(), 0, b""
+    while start < len(data):
+        cut = _ASCII_SPACE.search(data, min(start + _DIGEST_CHUNK, len(data)))
+        end = cut.start() if cut else len(data)
+        words = data[start:end].split()
+        if words:
+            digest.update(separator + b" ".join(words))
+            separator = b" "
+        start = end + (cut is not None)
+    return digest.digest()
 
 
 @dataclass(frozen=True)

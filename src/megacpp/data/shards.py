@@ -17,7 +17,7 @@ file whose sha256 differs from the manifest: :class:`megacpp.errors.MegaCppError
 
 from __future__ import annotations
 
-import json
+import re
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +29,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megacpp._io import atomic_write_json, atomic_write_text, sha256_bytes, sha256_file
+from megacpp._io import (
+    JSON_LIMIT,
+    KiB,
+    atomic_write_json,
+    atomic_write_text,
+    parse_json,
+    read_bounded,
+    sha256_bytes,
+    sha256_file,
+)
 from megacpp.data.packing import SPLITS, Row
 from megacpp.errors import MegaCppError
 
@@ -324,9 +333,25 @@ class ShardedDataset:
         return dataset
 
     def verify(self) -> None:
-        """Check the sha256 of every file listed in the manifest."""
+        """Check the sha256 of every file listed in the manifest, then that every shard holds
+        the rows the manifest says, of ``row_len`` tokens."""
         for rel, expected in self._listed_files():
             _check_file(self.root, rel, expected)
+        wanted = shard_schema(self.row_len).field("tokens").type
+        for split in SPLITS:
+            for shard in self.shards(split):
+                path = self.root / shard["file"]
+                try:
+                    meta = pq.ParquetFile(path).metadata
+                    tokens = meta.schema.to_arrow_schema().field("tokens").type
+                except (OSError, KeyError, pa.ArrowException) as exc:
+                    raise MegaCppError(f"cannot read shard {path}: {exc}") from None
+                if meta.num_rows != shard["rows"] or tokens != wanted:
+                    raise MegaCppError(
+                        f"{path} holds {meta.num_rows} rows of {tokens}, but the manifest says "
+                        f"{shard['rows']} rows of {wanted} (row_len {self.row_len}); rebuild "
+                        "the dataset"
+                    )
 
     def shards(self, split: str) -> list[dict[str, Any]]:
         if split not in SPLITS:
@@ -425,12 +450,14 @@ def read_manifest(root: Path) -> tuple[dict[str, Any], str]:
         raise MegaCppError(
             f"{root} has no {MARKER} marker: the build did not finish (rerun `megacpp data build`)"
         )
-    try:
-        manifest_bytes = (root / MANIFEST).read_bytes()
-        expected = marker.read_text().strip()
-    except OSError as exc:
-        raise MegaCppError(f"cannot read {root / MANIFEST}: {exc}") from None
-    if sha256_bytes(manifest_bytes) != expected:
+    expected = read_bounded(marker, 4 * KiB, what="dataset marker").strip()
+    if not _SHA256.fullmatch(expected):
+        raise MegaCppError(
+            f"{marker} is corrupt: it should hold the sha256 of {MANIFEST} (64 hex digits); "
+            "rebuild the dataset"
+        )
+    manifest_bytes = read_bounded(root / MANIFEST, JSON_LIMIT, what="dataset manifest")
+    if sha256_bytes(manifest_bytes) != expected.decode("ascii"):
         raise MegaCppError(
             f"{root / MANIFEST} does not match its {MARKER} marker (sha256 differs): the dataset "
             "was modified after the build; rebuild it"
@@ -442,17 +469,89 @@ def read_manifest(root: Path) -> tuple[dict[str, Any], str]:
             f"{root} uses shard schema version {version!r}; this megacpp reads version "
             f"{SCHEMA_VERSION} (rebuild the dataset with this megacpp)"
         )
-    return manifest, expected
+    _check_manifest(root / MANIFEST, manifest)
+    return manifest, expected.decode("ascii")
 
 
 def _parse_manifest(root: Path, data: bytes) -> dict[str, Any]:
-    try:
-        manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MegaCppError(f"{root / MANIFEST} is not valid JSON: {exc}") from None
+    manifest = parse_json(data, f"{root / MANIFEST}")
     if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
         raise MegaCppError(f"{root / MANIFEST} is not a {DATASET_FORMAT} manifest")
     return manifest
+
+
+_SHA256 = re.compile(rb"[0-9a-f]{64}")
+_INT = "an integer >= 0"
+
+
+def _check_manifest(path: Path, m: dict[str, Any]) -> None:
+    """Every manifest field the readers use has its type (a hand-edited manifest whose marker
+    was recomputed still fails here, naming the field)."""
+
+    def need(ok: bool, name: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise MegaCppError(f"{path}: {name} = {value!r:.80}: expected {expected} "
+                               "(the manifest was edited or is corrupt; rebuild the dataset)")
+
+    def count(table: dict[str, Any], key: str, where: str) -> int:
+        value = table.get(key)
+        need(_is_int(value) and value >= 0, f"{where}.{key}", value, _INT)
+        return value
+
+    def digest(table: Any, where: str) -> None:
+        value = table.get("sha256") if isinstance(table, dict) else None
+        need(isinstance(value, str) and bool(_SHA256.fullmatch(value.encode())),
+             f"{where}.sha256", value, "a sha256 (64 lowercase hex digits)")
+
+    seq_len = m.get("seq_len")
+    need(_is_int(seq_len) and seq_len >= 1, "seq_len", seq_len, "an integer >= 1")
+    need(m.get("row_len") == seq_len + 1, "row_len", m.get("row_len"),
+         f"seq_len + 1 = {seq_len + 1}")
+    for name in ("tokenizer", "documents"):
+        need(isinstance(m.get(name), dict), name, m.get(name), "a table")
+        digest(m[name], name)
+    vocab = m["tokenizer"].get("vocab_size")
+    need(_is_int(vocab) and vocab >= 1, "tokenizer.vocab_size", vocab, "an integer >= 1")
+    splits = m.get("splits")
+    need(isinstance(splits, dict) and set(splits) == set(SPLITS), "splits", splits,
+         f"a table of {', '.join(SPLITS)}")
+    for split in SPLITS:
+        table = splits[split]
+        need(isinstance(table, dict), f"splits.{split}", table, "a table")
+        for key in ("documents", "tokens", "rows"):
+            count(table, key, f"splits.{split}")
+        shards = table.get("shards")
+        need(isinstance(shards, list), f"splits.{split}.shards", shards, "a list")
+        for i, shard in enumerate(shards):
+            where = f"splits.{split}.shards[{i}]"
+            need(isinstance(shard, dict), where, shard, "a table")
+            file = shard.get("file")
+            need(isinstance(file, str) and _inside(file), f"{where}.file", file,
+                 "a relative path inside the dataset")
+            digest(shard, where)
+            count(shard, "rows", where)
+        rows = sum(shard["rows"] for shard in shards)
+        need(rows == table["rows"], f"splits.{split}.rows", table["rows"],
+             f"the sum of its shards' rows ({rows})")
+    stages = m.get("stages")
+    need(isinstance(stages, list) and all(_is_stage(s) for s in stages), "stages",
+         stages, "a list of stage tables (name, seen, kept, bytes_in, bytes_out, dropped, notes)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _inside(rel: str) -> bool:
+    parts = Path(rel).parts
+    return bool(parts) and not Path(rel).is_absolute() and ".." not in parts and "\0" not in rel
+
+
+def _is_stage(stage: Any) -> bool:
+    return (isinstance(stage, dict) and isinstance(stage.get("name"), str)
+            and all(_is_int(stage.get(k)) for k in ("seen", "kept", "bytes_in", "bytes_out"))
+            and all(isinstance(stage.get(k), dict)
+                    and all(_is_int(v) for v in stage[k].values()) for k in ("dropped", "notes")))
 
 
 def _check_file(root: Path, rel: str, expected: str) -> None:

@@ -240,16 +240,9 @@ def _read_rest(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def iter_sources(
-    roots: Sequence[str | os.PathLike[str]], cfg: CorpusConfig, stats: StageStats
-) -> Iterator[Document]:
-    """Every C/C++ file under ``roots`` (directories or single files), lazily, in walk order;
-    a parquet or JSONL root yields one document per row (:mod:`megacpp.data.tables`).
-
-    ``stats`` (conventionally named ``sources``) counts files seen, kept, bytes and every
-    skip reason. Raises :class:`MegaCppError` at call time if a root is missing or not a
-    regular file/directory.
-    """
+def check_roots(roots: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """``roots`` as paths, each an existing directory or regular file (else MegaCppError); a
+    parquet or JSONL root is also checked as a document table."""
     from megacpp.data import tables  # it uses looks_like_cpp_header from here
 
     paths = [Path(root) for root in roots]
@@ -264,6 +257,22 @@ def iter_sources(
             raise MegaCppError(f"source root {str(path)!r} is not a directory or regular file")
         if path.is_file() and tables.is_table(path):
             tables.check_table(path)
+    return paths
+
+
+def iter_sources(
+    roots: Sequence[str | os.PathLike[str]], cfg: CorpusConfig, stats: StageStats
+) -> Iterator[Document]:
+    """Every C/C++ file under ``roots`` (directories or single files), lazily, in walk order;
+    a parquet or JSONL root yields one document per row (:mod:`megacpp.data.tables`).
+
+    ``stats`` (conventionally named ``sources``) counts files seen, kept, bytes and every
+    skip reason. Raises :class:`MegaCppError` at call time if a root is missing or not a
+    regular file/directory.
+    """
+    from megacpp.data import tables
+
+    paths = check_roots(roots)
     walker = _Walker(cfg, stats)
 
     def documents(path: Path) -> Iterator[Document]:

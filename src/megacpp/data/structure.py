@@ -74,6 +74,9 @@ _CAPTURE_IDS = {name: int(sid) for name, sid in _CAPTURES.items()}  # plain ints
 _READ_CHUNK = 1 << 16  # bytes handed to tree-sitter per read (it checks the deadline between)
 
 PARSE_OK, PARSE_ERRORS, PARSE_TIMEOUT = "parsed", "parse_errors", "parse_timeout"
+PARSE_TOO_LARGE = "too_large_to_parse"
+# Larger documents are not parsed (all OTHER): a syntax tree costs ~60 bytes per source byte.
+MAX_PARSE_BYTES = 4 << 20
 
 
 class StructureLabeler:
@@ -87,8 +90,11 @@ class StructureLabeler:
 
     def byte_labels(self, source: bytes) -> tuple[np.ndarray, str]:
         """uint8[len(source)] structure id of every byte, and the parse outcome
-        (:data:`PARSE_OK`, :data:`PARSE_ERRORS` or :data:`PARSE_TIMEOUT`)."""
+        (:data:`PARSE_OK`, :data:`PARSE_ERRORS`, :data:`PARSE_TIMEOUT` or
+        :data:`PARSE_TOO_LARGE`)."""
         labels = np.zeros(len(source), dtype=np.uint8)
+        if len(source) > MAX_PARSE_BYTES:
+            return labels, PARSE_TOO_LARGE
         tree = self._parse(source)
         if tree is None:
             return labels, PARSE_TIMEOUT

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from megacpp._io import atomic_write_text, sha256_bytes
+from megacpp._io import TOKENIZER_LIMIT, atomic_write_text, decode_utf8, read_bounded, sha256_bytes
 from megacpp.data.native import PieceIndex, native_library
 from megacpp.errors import MegaCppError
 
@@ -214,7 +214,8 @@ def train_tokenizer(
     """Train the megacpp C++ tokenizer on ``texts`` (documents)."""
     _check_vocab_size(vocab_size)
     tok = _new_code_tokenizer()
-    tok.train_from_iterator(texts, _bpe_trainer(vocab_size, min_frequency))
+    parts = (part for text in texts for part in split_at_piece_ends(text, PART_CHARS))
+    tok.train_from_iterator(parts, _bpe_trainer(vocab_size, min_frequency))
     spec = json.loads(tok.to_str())
     if reserve:
         wanted = reserved_strings()[: reserved_budget(vocab_size)]
@@ -231,6 +232,31 @@ def train_plain_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, _bpe_trainer(vocab_size, min_frequency))
     return tok
+
+
+# A place where a piece of PRETOKENIZE_PATTERN always ends: a character that is not a space,
+# tab, CR or LF (no piece runs from it into what follows: identifiers, digits, punctuation and
+# non-ASCII runs take no space after them), followed by a space or a newline. The regex then
+# starts afresh after it, so the pieces of the text are those of its two sides.
+_PIECE_END = re.compile(r"[^ \t\r\n](?=[ \n])")
+PART_CHARS = 1 << 20  # the parts a long document is encoded or trained on, in characters
+_BATCH_CHARS = 4 << 20  # a batch larger than this is encoded a part at a time
+
+
+def split_at_piece_ends(text: str, size: int = PART_CHARS) -> list[str]:
+    """``text`` as consecutive parts of about ``size`` characters, each cut where a
+    pre-tokenizer piece ends, so that the pieces (and token ids) of the parts are those of the
+    whole: the memory of encoding or training on a huge one-line document stays bounded. A
+    part with no such place within 4 x ``size`` characters (one 4 MiB identifier) is cut
+    there anyway; ``decode`` of the ids still gives the text back."""
+    parts, start = [], 0
+    while len(text) - start > size:
+        found = _PIECE_END.search(text, start + size - 1, start + 4 * size)
+        cut = found.end() if found else start + 4 * size
+        parts.append(text[start:cut])
+        start = cut
+    parts.append(text[start:])
+    return parts
 
 
 def split_units(text: str) -> list[str]:
@@ -331,11 +357,11 @@ class CppTokenizer:
     def load(cls, path: str | Path) -> CppTokenizer:
         """Load ``tokenizer.json``; refuses files that are not megacpp tokenizers."""
         path = Path(path)
+        data = read_bounded(path, TOKENIZER_LIMIT, what="tokenizer")
         try:
-            data = path.read_bytes()
-            tok = Tokenizer.from_str(data.decode("utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise MegaCppError(f"cannot read tokenizer {path}: {exc}") from None
+            tok = Tokenizer.from_str(decode_utf8(data, f"tokenizer {path}"))
+        except MegaCppError:
+            raise
         except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
             raise MegaCppError(f"{path} is not a valid tokenizer.json: {exc}") from None
         return cls(tok, sha256=sha256_bytes(data), path=str(path))
@@ -368,9 +394,20 @@ class CppTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Encode many documents; equal to HF ``encode`` of each, several times faster."""
+        """Encode many documents; equal to HF ``encode`` of each, several times faster. A
+        batch of more than a few MiB is encoded a part at a time (:func:`split_at_piece_ends`),
+        so a huge document costs memory for its ids, not for a whole-text pass."""
         if not texts:
             return []
+        if sum(map(len, texts)) > _BATCH_CHARS:
+            return [self._encode_parts(split_at_piece_ends(t, PART_CHARS)) for t in texts]
+        return self._encode_whole(texts)
+
+    def _encode_parts(self, parts: list[str]) -> np.ndarray:
+        ids = [self._encode_whole([part])[0] for part in parts]
+        return ids[0] if len(ids) == 1 else np.concatenate(ids)
+
+    def _encode_whole(self, texts: Sequence[str]) -> list[np.ndarray]:
         if self._native is False:
             lib = native_library()
             self._native = None if lib is None else (PieceIndex(lib), _RowTokens())

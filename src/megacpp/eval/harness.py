@@ -20,7 +20,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from megacpp._io import atomic_write_json, atomic_write_text, sha256_file
+from megacpp._io import (
+    LOG_LIMIT,
+    atomic_write_json,
+    atomic_write_text,
+    parse_json,
+    read_text_bounded,
+    sha256_file,
+)
 from megacpp.errors import MegaCppError
 from megacpp.eval.cpp import CppVerifier
 from megacpp.eval.passk import DEFAULT_KS, mean_pass_at_k
@@ -256,14 +263,9 @@ def _check_completions(completions: object, n_problems: int, n: int) -> None:
 def read_samples(path: str | os.PathLike[str]) -> list[Sample]:
     """Completions from JSONL lines ``{"task_id": ..., "completion": ...}`` (file order)."""
     path = Path(path)
-    if not path.is_file():
-        raise MegaCppError(f"samples file {path} does not exist")
     samples: list[Sample] = []
     seen: Counter[str] = Counter()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MegaCppError(f"cannot read samples file {path} as UTF-8 text: {exc}") from None
+    text = read_text_bounded(path, LOG_LIMIT, what="samples file")
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -276,10 +278,7 @@ def read_samples(path: str | os.PathLike[str]) -> list[Sample]:
 
 
 def _sample_record(line: str, path: Path, line_no: int) -> dict[str, str]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise MegaCppError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+    record = parse_json(line, f"{path}:{line_no}")
     if not (isinstance(record, dict) and isinstance(record.get("task_id"), str)
             and isinstance(record.get("completion"), str)):
         raise MegaCppError(f"{path}:{line_no}: each line needs string fields task_id and "

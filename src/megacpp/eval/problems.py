@@ -8,8 +8,6 @@ licence and provenance in the same folder). A program passes when
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import shutil
 import zlib
@@ -18,6 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from megacpp._io import JSON_LIMIT, MiB, decode_utf8, describe_size, parse_json, read_bounded
 from megacpp.errors import MegaCppError
 from megacpp.eval.cpp import BuildOptions, CppVerifier
 
@@ -25,6 +24,7 @@ DATA_ENV = "MEGACPP_EVAL_DATA"
 DATA_NAME = "humaneval-x-cpp.jsonl.gz"
 _REQUIRED_FIELDS = ("task_id", "prompt", "canonical_solution", "test")
 _OPTIONAL_FIELDS = ("declaration", "example_test")
+DECOMPRESSED_LIMIT = 256 * MiB
 
 
 class ProblemSetError(MegaCppError):
@@ -136,20 +136,28 @@ def check_humaneval_toolchain(verifier: CppVerifier) -> None:
 
 
 def _records(path: Path):
+    """``(line number, record)`` of a gzip-compressed JSON Lines file, read bounded: at most
+    JSON_LIMIT compressed and DECOMPRESSED_LIMIT decompressed bytes."""
+    compressed = read_bounded(path, JSON_LIMIT, what="problem file", error=ProblemSetError)
+    inflate = zlib.decompressobj(wbits=31)  # gzip framing
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as lines:
-            for line_no, line in enumerate(lines, start=1):
-                if line.strip():
-                    yield line_no, _decode(line, path, line_no)
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
+        data = inflate.decompress(compressed, DECOMPRESSED_LIMIT + 1)
+    except zlib.error as exc:
         raise ProblemSetError(f"cannot read {path} as gzip-compressed JSON Lines: {exc}") from None
+    if len(data) > DECOMPRESSED_LIMIT or inflate.unconsumed_tail:
+        raise ProblemSetError(f"{path} decompresses to more than "
+                              f"{describe_size(DECOMPRESSED_LIMIT)}; refusing to read it")
+    if not inflate.eof:
+        raise ProblemSetError(f"cannot read {path} as gzip-compressed JSON Lines: it is "
+                              "truncated")
+    text = decode_utf8(data, f"problem file {path}", error=ProblemSetError)
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            yield line_no, _decode(line, path, line_no)
 
 
 def _decode(line: str, path: Path, line_no: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ProblemSetError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+    record = parse_json(line, f"{path}:{line_no}", error=ProblemSetError)
     if not isinstance(record, dict):
         raise ProblemSetError(f"{path}:{line_no}: expected a JSON object per line")
     return record

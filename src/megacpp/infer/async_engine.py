@@ -64,6 +64,10 @@ class _Abort:
     request_ids: tuple[str, ...]
 
 
+class _AbortAll:
+    pass
+
+
 class _Stop:
     pass
 
@@ -113,6 +117,7 @@ class AsyncEngine:
         self._consumers: dict[str, _Consumer] = {}  # thread-owned: request_id -> consumer
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()  # abort_all() was called: refuse new requests
         self.stats = engine.stats()  # a snapshot, refreshed by the thread after every round
         self.steps = 0
         self.step_seconds = 0.0  # cumulative time inside engine.step()
@@ -141,6 +146,13 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(_Stop())
 
+    def abort_all(self) -> None:
+        """Refuse new requests and abort every running one, whose consumers then get a last
+        output finished with reason "abort" (non-blocking; safe from any thread or a signal
+        handler): what a server does when it is told to stop."""
+        self._draining.set()
+        self._commands.put(_AbortAll())
+
     # -- the event-loop side --------------------------------------------------------------------
     async def submit(self, requests: Sequence[tuple[str, Any, Any]]) -> RequestStream:
         """Add a group of ``(request_id, prompt, params)``; returns once the engine accepted
@@ -149,6 +161,8 @@ class AsyncEngine:
             raise MegaCppError("no requests to submit")
         if not self.running:
             raise EngineStopped(f"the {self.name} engine is not running")
+        if self._draining.is_set():
+            raise EngineStopped(f"the {self.name} engine is shutting down")
         loop = asyncio.get_running_loop()
         consumer = _Consumer(loop, asyncio.Queue(), tuple(r[0] for r in requests))
         accepted = loop.create_future()
@@ -208,6 +222,9 @@ class AsyncEngine:
                 for rid in command.request_ids:
                     if self._consumers.pop(rid, None) is not None:
                         self.engine.abort(rid)
+            elif isinstance(command, _AbortAll):  # consumers stay: they hear the "abort"
+                for rid in list(self._consumers):
+                    self.engine.abort(rid)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

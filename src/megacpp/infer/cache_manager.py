@@ -23,6 +23,7 @@ from collections import deque
 import torch
 
 from megacpp.errors import MegaCppError
+from megacpp.infer.memory import check_fits
 from megacpp.model.cache import PagedPool, paged_pool, zero_state_slots
 from megacpp.model.model import HybridLM
 
@@ -47,6 +48,22 @@ class IdAllocator:
         self._free.extend(ids)
 
 
+def _check_pools_fit(model: HybridLM, num_blocks: int, block_size: int, max_num_seqs: int,
+                     device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse pools larger than the device's available memory, sized on the meta device."""
+    state_dtype = torch.promote_types(dtype, torch.float32)
+    need = 0
+    for i, layout in enumerate(model.paged_layouts()):
+        if layout is not None:
+            need += paged_pool(layout, num_blocks + 1, block_size, "meta", dtype).nbytes()
+        else:
+            pool = model.init_state_pool(i, max_num_seqs + 1, "meta", state_dtype)
+            need += pool.nbytes() if pool is not None else 0
+    check_fits(need, torch.device(device), f"the KV cache ({num_blocks} blocks of {block_size} "
+               f"tokens) and {max_num_seqs} state slots", "lower --max-num-seqs, "
+               "--max-model-len or --num-blocks")
+
+
 class CacheManager:
     """Per-layer paged pools and state pools of one model, and who owns which block/slot."""
 
@@ -60,6 +77,7 @@ class CacheManager:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
+        _check_pools_fit(model, num_blocks, block_size, max_num_seqs, device, dtype)
         self.block_size, self.num_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.null_block, self.null_slot = num_blocks, max_num_seqs  # scratch for padding rows
         self.blocks = IdAllocator(num_blocks, "KV blocks")

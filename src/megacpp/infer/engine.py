@@ -44,12 +44,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
+                raise ConfigError(f"EngineConfig.{name} must be an integer in 1..2^31-1, "
+                                  f"got {value!r}")
         if self.num_blocks is not None:
-            if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+            if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks < 2**31:
                 raise ConfigError(
-                    f"EngineConfig.num_blocks must be a positive integer or None, "
+                    f"EngineConfig.num_blocks must be an integer in 1..2^31-1 or None, "
                     f"got {self.num_blocks!r}"
                 )
             if self.num_blocks * self.block_size < self.max_model_len:

@@ -13,8 +13,12 @@ from typing import Any
 import torch
 
 from megacpp.data.tokenizer import CppTokenizer
+from megacpp.errors import MegaCppError
+from megacpp.infer.memory import check_fits
 from megacpp.infer.sampling import SamplingParams, sample_next_token
 from megacpp.model.model import HybridLM
+
+MAX_COMPLETIONS = 1 << 16  # completions of one prompt at most
 
 
 @dataclass
@@ -43,8 +47,12 @@ class TextGenerator:
             generator.seed()  # non-deterministic, and leaves the global RNG alone
         else:
             generator.manual_seed(params.seed)
+        if not 1 <= n <= MAX_COMPLETIONS:
+            raise MegaCppError(f"n = {n}: expected 1..{MAX_COMPLETIONS} completions")
+        capacity = len(prompt_ids) + params.max_new_tokens
+        self._check_cache_fits(n, capacity, params.max_new_tokens)
         ids = torch.tensor([prompt_ids] * n, device=self.device)
-        cache = self.model.init_cache(n, len(prompt_ids) + params.max_new_tokens, self.device, self.dtype)
+        cache = self.model.init_cache(n, capacity, self.device, self.dtype)
         logits = self.model.prefill(ids, cache)[:, -1]
         rows: list[list[int]] = [[] for _ in range(n)]
         results: list[Completion | None] = [None] * n
@@ -58,6 +66,13 @@ class TextGenerator:
                 break
             logits = self.model.decode_step(tokens, cache)
         return [r for r in results if r is not None]
+
+    def _check_cache_fits(self, n: int, capacity: int, max_new_tokens: int) -> None:
+        """Refuse a cache larger than the memory available on the device (sized on the meta
+        device, so nothing is allocated to find out)."""
+        need = self.model.init_cache(n, capacity, "meta", self.dtype).nbytes()
+        check_fits(need, self.device, f"the cache of {n} completion(s) of up to "
+                   f"{max_new_tokens} new tokens", "ask for fewer tokens or completions")
 
     def _finished(self, row: list[int], params: SamplingParams, last: bool) -> Completion | None:
         if row[-1] == self.tokenizer.eos_id:
@@ -116,3 +131,4 @@ class FunctionBodyGenerator:
             out.append([c.text + CPP_BODY_STOP + "\n" if c.finish_reason == "stop" else c.text
                         for c in completions])
         return out
+

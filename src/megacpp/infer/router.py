@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from megacpp._io import atomic_write_json
+from megacpp._io import JSON_LIMIT, atomic_write_json, read_json_bounded
 from megacpp.data.cpp_lex import TokenKind, token_spans
 from megacpp.errors import MegaCppError
 
@@ -165,20 +164,21 @@ class SnippetClassifier:
     @classmethod
     def load(cls, path: str | Path) -> SnippetClassifier:
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise MegaCppError(f"router model not found: {path}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise MegaCppError(f"cannot read the router model {path}: {exc}") from None
+        data = read_json_bounded(path, JSON_LIMIT, what="router model")
         if not isinstance(data, dict) or data.get("format") != ROUTER_FORMAT:
             raise MegaCppError(f"{path} is not a megacpp router model (format {ROUTER_FORMAT!r})")
         if data.get("version") != ROUTER_VERSION:
             raise MegaCppError(f"{path}: router model version {data.get('version')!r}, this "
                                f"megacpp reads version {ROUTER_VERSION}")
         try:
-            return cls(list(data["labels"]), list(data["vocab"]), np.array(data["counts"]),
-                       float(data["alpha"]), dict(data.get("meta") or {}))
+            labels, vocab = list(data["labels"]), list(data["vocab"])
+            if not all(isinstance(x, str) for x in labels + vocab):
+                raise TypeError("labels and vocab must be strings")
+            alpha = float(data["alpha"])
+            if not math.isfinite(alpha):
+                raise ValueError(f"alpha {alpha} is not finite")
+            return cls(labels, vocab, np.array(data["counts"]), alpha,
+                       dict(data.get("meta") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise MegaCppError(f"{path}: corrupt router model ({exc})") from None
 

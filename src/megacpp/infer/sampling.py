@@ -9,6 +9,8 @@ import torch
 
 from megacpp.errors import MegaCppError
 
+MAX_NEW_TOKENS = 2**31 - 1  # an int32 position; the cache memory is checked where it is made
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,12 +36,23 @@ class SamplingParams:
             raise MegaCppError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise MegaCppError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise MegaCppError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise MegaCppError(f"seed must be an integer or None, got {self.seed!r}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise MegaCppError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got "
+                               f"{self.max_new_tokens}")
+        seed_ok = isinstance(self.seed, int) and not isinstance(self.seed, bool) and (
+            -(2**63) <= self.seed < 2**64)
+        if self.seed is not None and not seed_ok:
+            raise MegaCppError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise MegaCppError(f"stop sequences must be non-empty strings, got {self.stop!r}")
+
+
+def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """(logits - each row's max) / temperature, in float32. Shifting first keeps a tiny
+    temperature finite: the best tokens stay at 0 (not 0/0 when the temperature rounds to 0
+    in float32) and the others go to -inf, the limit of sampling as the temperature falls."""
+    shifted = logits.float() - logits.float().amax(-1, keepdim=True)
+    return torch.where(shifted == 0, 0.0, shifted / temperature)
 
 
 def sample_next_token(
@@ -48,7 +61,7 @@ def sample_next_token(
     """logits [B, V] -> token ids [B]."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    scores = logits.float() / params.temperature
+    scores = _scaled(logits, params.temperature)
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -57,6 +70,7 @@ def sample_next_token(
         probs = sorted_scores.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p (keeps >= 1 token)
         drop_sorted = probs.cumsum(-1) - probs >= params.top_p
+        drop_sorted[:, 0] = False  # a top_p below float32's range would drop them all
         scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
     probs = scores.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -84,13 +98,14 @@ def sample_rows(
     """
     V = logits.shape[-1]
     greedy = temperature <= 0
-    scores = logits.float() / torch.where(greedy, 1.0, temperature.float())[:, None]
+    scores = _scaled(logits, torch.where(greedy, 1.0, temperature.float())[:, None])
     sorted_scores, order = scores.sort(dim=-1, descending=True)  # [B, V]
     rank = torch.arange(V, device=logits.device)
     k = torch.where(top_k > 0, top_k, V)[:, None]
     sorted_scores = sorted_scores.masked_fill(rank >= k, -math.inf)
     probs = sorted_scores.softmax(-1)
     drop = probs.cumsum(-1) - probs >= top_p.float()[:, None]  # the tokens above reach top_p
+    drop[:, 0] = False  # the best token stays, even for a top_p that rounds to 0 in float32
     probs = probs.masked_fill(drop, 0.0)
     cdf = probs.cumsum(-1)  # [B, V]
     target = uniform.float()[:, None] * cdf[:, -1:]

@@ -55,7 +55,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacpp.errors import MegaCppError
@@ -88,10 +88,43 @@ class Specialist:
 # ---- request bodies -------------------------------------------------------------------------
 
 
-class _Body(BaseModel):
-    """Fields shared by both endpoints (strict: ``"5"`` is not a number)."""
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """Where in ``value`` (nested lists and dicts) a string holds a lone UTF-16 surrogate --
+    JSON's ``"\\ud800"`` decodes to one, and it is not text that can be encoded -- or None."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, dict):
+            stack.extend((k, f"{path} (a key)") for k in item)
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+class _Strict(BaseModel):
+    """Strict types (``"5"`` is not a number), unknown fields ignored, and every string valid
+    Unicode text."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="after")
+    def _text_only(self) -> Any:
+        for name in type(self).model_fields:
+            where = _lone_surrogate(getattr(self, name), name)
+            if where is not None:
+                raise ValueError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800), "
+                                 "which is not text")
+        return self
+
+
+class _Body(_Strict):
+    """Fields shared by both endpoints."""
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -118,11 +151,9 @@ class CompletionRequest(_Body):
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]]  # required: this server has no tool calls
 
 
 class ChatRequest(_Body):
@@ -164,8 +195,6 @@ def _stops(body: _Body) -> tuple[str, ...]:
 
 def _message_text(message: ChatMessage, index: int) -> str:
     content = message.content
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
     parts = []
@@ -302,6 +331,9 @@ def _num(value: float) -> str:
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
+    # a message may quote what the client sent: lone surrogates are escaped to encode it
+    message, param = (None if text is None else text.encode("utf-8", "backslashreplace").decode()
+                      for text in (message, param))
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
@@ -366,6 +398,12 @@ class Server:
             raise MegaCppError(f"specialist names must be distinct: {[s.name for s in specialists]}")
         self.router = Router([s.name for s in specialists], classifier)
         self.metrics = Metrics()
+
+    def abort_all(self) -> None:
+        """On shutdown: refuse new requests (503) and end every running one with
+        finish_reason "abort", so each stream still gets its last chunk and ``[DONE]``."""
+        for spec in self.specialists.values():
+            spec.engine.abort_all()
 
     # -- building a job -------------------------------------------------------------------------
     def prepare(self, endpoint: str, body: _Body, arrived: float) -> tuple[_Job, list]:
@@ -625,6 +663,8 @@ class _StreamResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:  # uvicorn gave up waiting at shutdown: the end, quietly
+            log.info("a stream was cut at shutdown (its client was not reading)")
         finally:
             self._stream.close()
             with contextlib.suppress(Exception):

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from megacpp._compile import disable
 from megacpp.kernels.catalog import Requirements
 
 FLOATS = ("float32", "bfloat16", "float16")
@@ -34,7 +35,7 @@ def lazy(module: str, attr: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"{module}.{attr}"
-    return torch.compiler.disable(call)
+    return disable(call)
 
 
 def randn(shape: tuple[int, ...], dtype: torch.dtype, device: Any, gen: torch.Generator,

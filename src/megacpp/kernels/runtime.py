@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+from megacpp._compile import disable
 from megacpp.errors import ConfigError
 from megacpp.kernels.amp import effective_dtype
 from megacpp.kernels.catalog import Backend, Selection, device_facts, dtype_name, select
@@ -84,7 +85,7 @@ def resolve(surface: str, like: torch.Tensor) -> Backend:
     return _resolved[key].backend
 
 
-@torch.compiler.disable
+@disable
 def _select(surface: str, device: torch.device, dtype: str, mode: str) -> Selection:
     """A selection not made before. Opaque to torch.compile: a first call under tracing is one
     graph break here, instead of dynamo tracing the catalog's construction (it ignores

@@ -161,6 +161,8 @@ class ModelConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ModelConfig:
+        """A model config file: it must name its layer pattern (``[model] pattern``), so that
+        an empty or unrelated TOML file is an error rather than the default model."""
         path = Path(path)
         data = read_toml(path, "model config")
         return cls._from_data(data, str(path))
@@ -172,6 +174,10 @@ class ModelConfig:
 
     @classmethod
     def _from_data(cls, data: dict[str, Any], source: str) -> ModelConfig:
+        model = data.get("model")
+        if not isinstance(model, dict) or "pattern" not in model:
+            raise ConfigError(f"model config {source} has no [model] pattern: a model config "
+                              "names its layers (see the shipped presets, e.g. tiny)")
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
@@ -326,7 +332,10 @@ def config_from_pattern(pattern: str, preset: str | Path = "tiny", **overrides: 
 
 
 # -- helpers --------------------------------------------------------------------------------
+MAX_DIM = 1 << 20  # any one size of a model (width, heads, experts, vocabulary) at most
+
+
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
     for n in names:
         v = getattr(obj, n)
-        check(v > 0, f"{section}.{n}", v, "a positive integer")
+        check(0 < v <= MAX_DIM, f"{section}.{n}", v, f"a positive integer <= {MAX_DIM}")

@@ -1,8 +1,9 @@
 """Parameter, FLOP and cache accounting per layer.
 
 * Parameters are counted exactly from the module tree built on the ``meta`` device (no
-  memory, no init cost, so a 1B preset is described instantly). Active parameters subtract
-  the routed experts a token does not visit.
+  memory, no init cost, so a 1B preset is described instantly), with its initialisation
+  skipped (:class:`_ShapesOnly`). Active parameters subtract the routed experts a token does
+  not visit.
 * Forward FLOPs per token are analytic: each mixer's ``flops_per_token(seq_len)`` counts its
   matmul work (2*m*n*k), including attention's sequence-length term (full L x L scores),
   the scan's chunk/state terms, and only the k active experts of an MoE layer. Elementwise
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megacpp.model.blocks import build_mixer
 from megacpp.model.config import ModelConfig
@@ -111,6 +113,47 @@ class ModelCost:
         }
 
 
+# pointwise ops whose result only feeds an initial value (their operands' broadcast shape)
+_POINTWISE = frozenset({
+    "exp", "log", "expm1", "log1p", "neg", "abs", "sqrt", "rsqrt", "reciprocal", "sigmoid",
+    "tanh", "cos", "sin", "clamp", "clamp_min", "clamp_max", "add", "sub", "mul", "div", "pow",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__neg__", "__pow__", "__rpow__",
+})
+
+
+class _ShapesOnly(TorchFunctionMode):
+    """Builds a module tree for its shapes, not its values: in-place initialisers
+    (``normal_``, ``uniform_``, ``copy_``, ``fill_``, nn.init's) return their tensor untouched
+    and pointwise math returns an empty tensor of the broadcast shape; everything else (tensor
+    creation, views) runs, ``*_like`` as ``torch.empty``. On the meta device the values do not
+    exist anyway, and these ops reach PyTorch's Python meta kernels, whose first calls import
+    torch._dynamo and sympy (seconds): a ``megacpp model describe`` needs none of it.
+    tests/model/test_counting.py checks the counts against a module tree built normally, for
+    every preset and block family."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if tensors and name.endswith("_") and not name.startswith("_"):
+            return tensors[0]  # an in-place initialiser
+        if tensors and name in _POINTWISE:
+            shape = _broadcast_shape([t.shape for t in tensors])
+            return torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        if tensors and name.endswith("_like"):  # empty_like & co: their meta kernel is Python
+            dtype = kwargs.get("dtype") or tensors[0].dtype
+            return torch.empty(tensors[0].shape, dtype=dtype, device=tensors[0].device)
+        return func(*args, **kwargs)
+
+
+def _broadcast_shape(shapes: list[torch.Size]) -> tuple[int, ...]:
+    """The broadcast of ``shapes`` (``torch.broadcast_shapes`` imports sympy: a second)."""
+    ndim = max(len(shape) for shape in shapes)
+    padded = [(1,) * (ndim - len(shape)) + tuple(shape) for shape in shapes]
+    return tuple(max(sizes) for sizes in zip(*padded))
+
+
 def count_model(
     cfg: ModelConfig,
     plan: LayerPlan | None = None,
@@ -119,7 +162,7 @@ def count_model(
 ) -> ModelCost:
     from megacpp.model.model import HybridLM  # model imports counting's siblings only
 
-    with torch.device("meta"):
+    with torch.device("meta"), _ShapesOnly():
         model = HybridLM(cfg, plan)
         gqa_bytes = build_mixer("A", "gqa", cfg).cache_bytes_per_token(cache_dtype)
     head_flops = 2 * cfg.d_model * cfg.vocab_size

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megacpp._compile import assume_constant_result
+
 
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype = torch.float32
@@ -18,7 +20,7 @@ def rope_cos_sin(
     return angles.cos(), angles.sin()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def rope_range(
     offset: int, length: int, head_dim: int, base: float, dtype: torch.dtype,
     device: torch.device,

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import random
 import re
 import shutil
+import sys
 import time
-import tomllib
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,7 +47,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from megacpp._io import atomic_write_json, fsync_path, sha256_file
+from megacpp._io import (
+    CONFIG_LIMIT,
+    JSON_LIMIT,
+    atomic_write_json,
+    fsync_path,
+    parse_json,
+    read_bounded,
+    read_json_bounded,
+    read_toml_bounded,
+    sha256_file,
+)
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
 from megacpp.model.config import ModelConfig
@@ -91,21 +100,48 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     if not marker_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it was not completely "
                               "written (or was copied without it)")
-    try:
-        marker = json.loads(marker_path.read_text("utf-8"))
-        files = marker["files"]
-        if marker.get("format") != FORMAT or not isinstance(files, dict):
-            raise ValueError("not a megacpp checkpoint marker")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({exc})") from None
+    marker = parse_json(read_bounded(marker_path, CONFIG_LIMIT, what=f"checkpoint {MARKER} marker",
+                                     error=CheckpointError),
+                        f"checkpoint {path}: corrupt {MARKER} marker", error=CheckpointError)
+    problem = _marker_problem(marker)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({problem})")
+    files = marker["files"]
     required = [".metadata", TRAINER_STATE,
-                *(rank_file(r) for r in range(int(marker.get("world_size", 0))))]
+                *(rank_file(r) for r in range(marker["world_size"]))]
     missing = [name for name in required if name not in files]
     if missing:
         raise CheckpointError(f"checkpoint {path}: its marker does not list {missing}")
     for name, expected in files.items():
         _verify_file(path, name, expected)
     return marker
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_WORLD_SIZE = 1 << 20
+
+
+def _marker_problem(marker: Any) -> str | None:
+    """What is wrong with a parsed marker (its fields' types and ranges), or None."""
+    def is_int(value: Any, low: int, high: int = 2**63 - 1) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        return "not a megacpp checkpoint marker"
+    if not is_int(marker.get("world_size"), 1, MAX_WORLD_SIZE):
+        return f"world_size {marker.get('world_size')!r:.40} is not an integer >= 1"
+    if not is_int(marker.get("step"), 0):
+        return f"step {marker.get('step')!r:.40} is not an integer >= 0"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return "files is not a table"
+    for name, entry in files.items():
+        if not name or name in (".", "..", MARKER) or "/" in name or "\0" in name:
+            return f"file name {name!r:.80} is not a plain file name"
+        if not (isinstance(entry, dict) and is_int(entry.get("bytes"), 0)
+                and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])):
+            return f"files[{name!r:.80}] is not {{sha256: 64 hex digits, bytes: an integer}}"
+    return None
 
 
 def _verify_file(root: Path, name: str, expected: dict[str, Any]) -> None:
@@ -284,7 +320,7 @@ class CheckpointManager:
         position in each rank file is global (the same in all), and a rank the writer did not
         have takes the RNG state of rank ``rank % writer's ranks``.
         """
-        trainer_state = _read_json(path / TRAINER_STATE, path)
+        trainer_state = _read_trainer_state(path)
         saved = ModelConfig.from_dict(trainer_state["model_config"]).to_dict()
         differ = _differences(saved, model_config.to_dict())
         if differ:
@@ -335,10 +371,21 @@ def _step_of(path: Path) -> int:
 
 
 def _read_json(file: Path, checkpoint: Path) -> dict[str, Any]:
-    try:
-        return json.loads(file.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {checkpoint}: cannot read {file.name}: {exc}") from None
+    data = read_json_bounded(file, JSON_LIMIT, what=f"checkpoint {checkpoint}: file",
+                             error=CheckpointError)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {checkpoint}: {file.name} is not a JSON object")
+    return data
+
+
+def _read_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    state = _read_json(checkpoint / TRAINER_STATE, checkpoint)
+    world = state.get("world_size")
+    if not isinstance(state.get("model_config"), dict) or not (
+            isinstance(world, int) and not isinstance(world, bool) and world >= 1):
+        raise CheckpointError(f"checkpoint {checkpoint}: {TRAINER_STATE} lacks its model_config "
+                              "table or world_size")
+    return state
 
 
 # -- inference ------------------------------------------------------------------------------------------
@@ -349,11 +396,14 @@ def inference_files(model_config: ModelConfig, tokenizer_json: Path) -> dict[str
             TOKENIZER_FILE: Path(tokenizer_json).read_bytes()}
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, fallback_to_previous: bool = False) -> Path:
     """The checkpoint directory ``path`` names: ``path`` itself when it is a checkpoint, or a
-    run directory's newest complete checkpoint (``RUN_DIR/checkpoints/step_NNNNNN``).
+    run directory's newest checkpoint (``RUN_DIR/checkpoints/step_NNNNNN``).
 
-    Raises :class:`CheckpointError` naming what was looked for and what was found.
+    A newest checkpoint that is incomplete or corrupt is an error, as for ``megacpp train
+    --resume``; with ``fallback_to_previous`` the newest intact one before it is used and the
+    skipped ones are named on stderr. Raises :class:`CheckpointError` naming what was looked
+    for and what was found.
     """
     path = Path(path)
     if not path.exists():
@@ -374,9 +424,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for candidate in candidates:
         try:
             verify_checkpoint(candidate)
-            return candidate
         except CheckpointError as exc:
+            if not fallback_to_previous:
+                hint = ("; pass --fallback-to-previous to use the newest intact one before it"
+                        if len(candidates) > 1 else "")
+                raise CheckpointError(f"{exc}{hint}") from None
             problems.append(str(exc))
+            continue
+        for problem in problems:  # said, never silent
+            print(f"skipped: {problem}", file=sys.stderr)
+        return candidate
     raise CheckpointError(f"run directory {path} has no complete checkpoint: "
                           + "; ".join(problems))
 
@@ -402,7 +459,7 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu",
     from megacpp.train.finetune import add_lora, merge_lora, read_lora_state
 
     path = resolve_checkpoint(path)
-    state = _read_json(path / TRAINER_STATE, path)
+    state = _read_trainer_state(path)
     model = HybridLM(ModelConfig.from_dict(state["model_config"]))
     lora = read_lora_state(state)
     if lora is not None:
@@ -425,12 +482,15 @@ def load_checkpoint_tokenizer(path: str | Path) -> CppTokenizer:
         return CppTokenizer.load(own)
     config = checkpoint.parent.parent / RUN_CONFIG_FILE
     try:
-        data_dir = tomllib.loads(config.read_text(encoding="utf-8"))["data"]["dir"]
-    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        table = read_toml_bounded(config, CONFIG_LIMIT, what="run config").get("data")
+        data_dir = table["dir"] if isinstance(table, dict) else None
+        if not isinstance(data_dir, str) or not data_dir:
+            raise KeyError("[data] dir")
+    except (MegaCppError, KeyError) as exc:
         raise CheckpointError(
             f"no tokenizer for checkpoint {checkpoint}: it has no {TOKENIZER_FILE}, and its "
-            f"run's dataset cannot be read from {config} ({type(exc).__name__}: {exc}); pass "
-            "a tokenizer.json (--tokenizer)") from None
+            f"run's dataset cannot be read from {config} ({exc}); pass a tokenizer.json "
+            "(--tokenizer)") from None
     dataset_tokenizer = Path(data_dir) / TOKENIZER_FILE
     if not dataset_tokenizer.is_file():
         raise CheckpointError(

@@ -419,7 +419,7 @@ def parse_value(text: str) -> Any:
     """A TOML literal (``10``, ``3e-4``, ``true``, ``"x"``, ``[1, 2]``), else the raw string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError, ValueError):
         return text
 
 

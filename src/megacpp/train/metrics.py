@@ -36,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from megacpp._io import atomic_write_text
+from megacpp._io import LOG_LIMIT, atomic_write_text, read_bounded
 from megacpp.contract.devices import DeviceProfile, mfu
 from megacpp.errors import MegaCppError, describe_error
 from megacpp.kernels.timing import matmul_peak_tflops
@@ -73,22 +73,21 @@ class MetricsLog:
 def read_metrics(path: Path, tolerate_partial: bool = False) -> list[dict[str, Any]]:
     """The records of a metrics log. A malformed line is an error naming it, except (with
     ``tolerate_partial``) an unterminated last line, which a crash mid-write can leave."""
-    try:
-        text = path.read_text("utf-8")
-    except OSError as exc:
-        raise MegaCppError(f"cannot read metrics log {path}: {exc.strerror or exc}") from None
-    lines = text.split("\n")
+    lines = read_bounded(path, LOG_LIMIT, what="metrics log").split(b"\n")
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            valid = isinstance(record, dict) and isinstance(record.get("step"), int)
-        except ValueError as exc:
+            record = json.loads(line.decode("utf-8"))
+            step = record.get("step") if isinstance(record, dict) else None
+            valid = isinstance(step, int) and not isinstance(step, bool)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             if tolerate_partial and number == len(lines):
                 break
-            raise MegaCppError(f"{path}:{number}: malformed metrics line ({exc})") from None
+            what = str(exc).splitlines()[0][:120]
+            raise MegaCppError(f"{path}:{number}: malformed metrics line ({what}); fix or "
+                               "delete that line") from None
         if not valid:
             raise MegaCppError(f"{path}:{number}: not a metrics record (an object with a 'step')")
         records.append(record)

@@ -22,10 +22,25 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     if not train:
         raise MegaCppError(f"{metrics_path} has no training steps to plot")
     val = [r for r in records if r.get("type") == "val" and r.get("val_loss") is not None]
+    _check_numbers(metrics_path, train, ("loss", "tokens_per_s"), ("mfu",))
+    _check_numbers(metrics_path, val, ("val_loss",), ())
     out = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     return [_plot_loss(train, val, out / "loss.png", run_dir.name),
             _plot_throughput(train, out / "throughput.png", run_dir.name)]
+
+
+def _check_numbers(path: Path, records: list[dict[str, Any]], required: tuple[str, ...],
+                   optional: tuple[str, ...]) -> None:
+    """Each record's plotted fields are numbers (``optional`` ones may be null)."""
+    for r in records:
+        for key in (*required, *optional):
+            value = r.get(key)
+            if value is None and key in optional:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise MegaCppError(f"{path}: step {r['step']} has {key} = {value!r:.40}, not a "
+                                   "number")
 
 
 def _figure():
