@@ -90,6 +90,7 @@ class Row:
     seq_len: int | None = None
     wall_s: float | None = None
     run_dir: str | None = None
+    note: str | None = None  # e.g. a run that completed but whose processes did not exit
 
 
 def resolve_config(preset: str) -> str:
@@ -172,6 +173,10 @@ def run_one(preset: str, config: Path, strategy: str, world_size: int,
         failed = result.returncode != 0 and f"exit status {result.returncode}"
     except subprocess.TimeoutExpired:
         failed = f"timed out after {args.timeout} s"
+        if completed(run_dir):  # every step and the receipt are in: only the exit hung
+            row.note = (f"the run completed, but its processes had not exited {args.timeout} s "
+                        "after the start and were killed")
+            failed = False
     row.wall_s = time.perf_counter() - started
     if failed:
         errors = [line for line in log.read_text(errors="replace").splitlines()
@@ -179,6 +184,15 @@ def run_one(preset: str, config: Path, strategy: str, world_size: int,
         row.status, row.error = "failed", (errors[0] if errors else failed) + f" (log: {log})"
         return row
     return measure(row, run_dir, args.skip_steps)
+
+
+def completed(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a finished run: its receipt says completed."""
+    try:
+        receipt = json.loads((run_dir / "receipt.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return receipt.get("config", {}).get("outcome", {}).get("status") == "completed"
 
 
 def measure(row: Row, run_dir: Path, skip: int) -> Row:
@@ -280,11 +294,14 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def save(rows: list[Row], args: argparse.Namespace, title: str, data: Path) -> None:
+def save(rows: list[Row], args: argparse.Namespace, title: str, data: Path,
+         device: str | None = None, torch_version: str | None = None,
+         bench_receipt: bool = True) -> None:
     out = args.out
     results = out / "results.json"
     results.write_text(json.dumps({
-        "title": title, "device": _device_name(), "torch": torch.__version__,
+        "title": title, "device": device or _device_name(),
+        "torch": torch_version or torch.__version__,
         "steps": args.steps, "median_of_steps": f"{args.skip_steps + 1}-{args.steps}",
         "dataset": str(data), "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     png = out / "scaling.png"
@@ -295,6 +312,9 @@ def save(rows: list[Row], args: argparse.Namespace, title: str, data: Path) -> N
         source = Path(r.run_dir or "") / "receipt.json"
         if r.run_dir and source.is_file():
             (receipts / f"{Path(r.run_dir).name}.json").write_text(source.read_text())
+    if not bench_receipt:
+        console.print(f"results: {results}, {png}, {receipts}/")
+        return
     metrics: dict[str, float] = {}
     for r in rows:
         if r.status != "ok":
@@ -344,7 +364,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="an override for every run (repeatable)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--remeasure", action="store_true",
+                    help="run nothing: rebuild the table, results.json and PNG from the run "
+                    "directories under OUT/runs (e.g. copied from the GPU machine after the "
+                    "benchmark process was stopped); no benchmark receipt is written, since "
+                    "this machine did not measure (each run keeps its own)")
     args = ap.parse_args(argv)
+    if args.remeasure:
+        remeasure(args)
+        return
     if args.steps <= args.skip_steps:
         sys.exit(f"error: --steps {args.steps} leaves no step after --skip-steps "
                  f"{args.skip_steps}")
@@ -384,6 +412,32 @@ def main(argv: list[str] | None = None) -> None:
     save(rows, args, title, data)
     if failed:
         sys.exit(1)
+
+
+def remeasure(args: argparse.Namespace) -> None:
+    """The rows of the run directories under ``args.out / "runs"``, measured from their
+    metrics and receipts (the device is the one the runs' receipts name)."""
+    rows, device, torch_version = [], None, None
+    for run_dir in sorted(p for p in (args.out / "runs").glob("*-w*") if p.is_dir()):
+        preset, label, world = run_dir.name.rsplit("-", 2)
+        row = Row(preset, label, int(world.removeprefix("w")), run_dir=str(run_dir))
+        if not completed(run_dir):
+            row.status, row.error = "failed", f"the run in {run_dir} did not complete"
+        else:
+            measure(row, run_dir, args.skip_steps)
+            receipt = json.loads((run_dir / "receipt.json").read_text())
+            device = device or receipt["fingerprint"]["devices"][0]["name"]
+            torch_version = torch_version or receipt["fingerprint"]["packages"].get("torch")
+        rows.append(row)
+    if not rows:
+        sys.exit(f"error: no run directories under {args.out / 'runs'}")
+    rows = merged([], rows)
+    relate(rows)
+    title = (f"megacpp train, weak scaling on {device}: median of steps "
+             f"{args.skip_steps + 1}-{args.steps}, {args.micro_batch or 'preset'} rows/GPU")
+    print_table(rows, title)
+    save(rows, args, title, Path(rows[0].run_dir).parent.parent / "data", device=device,
+         torch_version=torch_version, bench_receipt=False)
 
 
 def earlier_rows(results: Path) -> list[Row]:

@@ -102,6 +102,7 @@ BAD_INPUT: dict[str, tuple[str, ...]] = {
     "receipts compare": ("{json}", "{json}"),
     "receipts golden": (MISSING,),
     "version": ("--bogus",),
+    "export hf": ("{dir}", "--out", "{tmp}/hf"),
 }
 
 

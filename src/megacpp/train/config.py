@@ -37,6 +37,7 @@ from typing import Any
 
 from megacpp import configs
 from megacpp._config import build_section, check, choice, parse_toml
+from megacpp._io import CONFIG_LIMIT, read_text_bounded
 from megacpp.contract.config import ContractConfig, config_from_dict
 from megacpp.errors import ConfigError
 from megacpp.model.config import ModelConfig, load_config
@@ -463,12 +464,8 @@ def _read_run_config(name_or_path: str | Path) -> tuple[str, str, str]:
     """``(TOML text, where it came from, run name)`` of a path or a shipped run config."""
     if configs.is_path(name_or_path):
         path = Path(name_or_path)
-        try:
-            return path.read_text(encoding="utf-8"), str(path), path.stem
-        except OSError as exc:
-            raise ConfigError(f"cannot read run config {path}: {exc.strerror or exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        text = read_text_bounded(path, CONFIG_LIMIT, what="run config", error=ConfigError)
+        return text, str(path), path.stem
     text = configs.shipped("run", name_or_path)
     if text is None:
         known = ", ".join(configs.names("run"))

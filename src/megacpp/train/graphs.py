@@ -127,3 +127,13 @@ class StepGraphs:
         self.norm.copy_(grad_norm)
         self.update_graph.replay()
         return self.balance
+
+    def release(self) -> None:
+        """Free both graphs, once the run is over. A graph that captured NCCL collectives
+        holds a reference on the communicator that only its destruction drops, and NCCL's
+        communicator teardown waits for that count to reach zero: without this, a multi-GPU
+        run finished its last step and then hung in ``destroy_process_group`` (seen on H100s
+        with DDP and FSDP2; pytorch/pytorch#115388)."""
+        torch.cuda.synchronize()
+        self.accumulate_graph.reset()
+        self.update_graph.reset()

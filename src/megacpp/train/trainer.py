@@ -163,7 +163,7 @@ def train(
     env = init_distributed(cfg.parallel, cfg.run.device)
     if cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
-    failed = False
+    failed, session = False, None
     try:
         session = _Session(cfg, env, console or Console(stderr=True), on_record, show_progress,
                            clock_from_process_start)
@@ -173,6 +173,8 @@ def train(
         failed = True
         raise
     finally:
+        if session is not None and not failed:
+            session.release_graphs()  # before the communicators go (StepGraphs.release)
         if owns_group and not (failed and env.distributed):
             shutdown_distributed()  # (after a failure a peer may be gone: the process exits)
 
@@ -260,6 +262,12 @@ class _Session:
             self.loggers.close()
             receipt = self._write_receipt(error=None)
         return self._result(receipt)
+
+    def release_graphs(self) -> None:
+        """Drop the captured step (before the process group goes: see StepGraphs.release)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def _collective_failure(self, exc: BaseException) -> MegaCppError | None:
         """A failed collective (a peer died, hung past parallel.timeout_s, or its connection
