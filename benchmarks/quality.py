@@ -559,7 +559,8 @@ def goal_verdict(candidates: dict[str, Any], goal: str) -> dict[str, Any]:
     margin = bpb[best_dense] - bpb[hybrid]
     statement = (f"{hybrid} reaches {bpb[hybrid]:.4f} bits/byte; the best dense model "
                  f"({best_dense}) {bpb[best_dense]:.4f}: the goal is "
-                 f"{'MET' if met else 'NOT met'} ({margin:+.4f} bits/byte in the hybrid's favour)")
+                 f"{'MET' if met else 'NOT met'} (the hybrid {abs(margin):.4f} bits/byte "
+                 f"{'lower' if margin >= 0 else 'higher'})")
     return {"hybrid": hybrid, "dense": dense, "met": met, "final_val_bpb": bpb,
             "margin_bpb": margin, "statement": statement}
 

@@ -127,36 +127,66 @@ def _verifier(folder: Path) -> list[list[str]]:
               f"{best['passed']}/{best['programs']} pass")]]
 
 
-def _scaling(folder: Path) -> list[list[str]]:
-    data = _load(folder / "scaling.json")
-    if not data:
-        return []
-    out = []
-    for row in data.get("rows", []):
-        if row.get("error") or row.get("world_size", 1) == 1:
-            continue
-        out.append([f"training, {row['preset']}, {row['world_size']} GPUs, {row['strategy']}",
-                    (f"{_fmt(row['tokens_per_s'], 0)} tokens/s, "
-                     f"{row['speedup']:.2f}x the best single-GPU step")])
-    return out
+def _commands_block(folder: Path) -> list[str]:
+    rel = folder.relative_to(ROOT).as_posix()
+    return ["", f"Measured in [{rel}]({rel}) by:", "", "```bash",
+            *_command(folder).splitlines(), "```"]
 
 
-def _quality(folder: Path) -> list[list[str]]:
-    data = _load(folder / "quality.json")
-    if not data:
-        return []
-    out = []
-    for cand in data.get("candidates", []):
-        if cand.get("final_val_bpb") is None:
-            continue
-        out.append([f"quality, {cand['name']} ({data.get('minutes', '?')} GPU-min)",
-                    f"val {cand['final_val_bpb']:.3f} bits/byte"])
-    return out
+def scaling_table() -> str:
+    lines = ["| preset | GPUs | strategy | step ms | tokens/s | vs 1 GPU | GiB/GPU | MFU |",
+             "|---|---|---|---|---|---|---|---|"]
+    folders = list(_devices("scaling"))
+    for folder in folders:
+        data = _load(folder / "results.json") or {}
+        for row in data.get("rows", []):
+            if row.get("status") != "ok":
+                continue
+            strategy = {"single": "one process", "fsdp": "FSDP2"}.get(row["strategy"],
+                                                                     row["strategy"].upper())
+            lines.append(
+                f"| {row['preset']} | {row['world_size']} | {strategy} | {_fmt(row['step_ms'])} "
+                f"| {_fmt(row['tokens_per_s'], 0)} | **{row.get('speedup') or 1:.2f}x** | "
+                f"{row['peak_mem_gib']:.1f} | {100 * row['mfu']:.1f}% |")
+    for folder in folders:
+        lines += _commands_block(folder)
+    return "\n".join(lines)
+
+
+def quality_table() -> str:
+    lines = [("| candidate | params (active) | lr | tokens | val bits/byte "
+              "| HumanEval-X pass@1 greedy | pass@10 (n=20, T=0.8) |"),
+             "|---|---|---|---|---|---|---|"]
+    folders = list(_devices("quality"))
+    for folder in folders:
+        data = _load(folder / "quality.json") or {}
+        for name, cand in data.get("candidates", {}).items():
+            final = cand.get("final") or {}
+            if final.get("final_val_bpb") is None:
+                continue
+            active = final.get("active_params") or final["params"]
+            scores = cand.get("humaneval") or {}
+            greedy = sampled = "not scored"
+            if scores.get("scored"):
+                greedy = f"{scores['greedy']['pass_at_k']['pass@1']:.3f}"
+                sampled = f"{scores['sampled']['pass_at_k']['pass@10']:.3f}"
+            lines.append(f"| {name} | {final['params'] / 1e6:.0f}M ({active / 1e6:.0f}M) | "
+                         f"{cand['lr']:g} | {final['tokens'] / 1e6:.1f}M | "
+                         f"**{final['final_val_bpb']:.3f}** | {greedy} | {sampled} |")
+        goal = data.get("goal") or {}
+        if goal.get("final_val_bpb"):
+            bpb = goal["final_val_bpb"]
+            best = min(goal["dense"], key=lambda name: bpb[name])
+            verdict = "met" if goal["met"] else "**not met**"
+            lines += ["", (f"The goal, {goal['hybrid']} below both dense models at equal GPU "
+                           f"time, is {verdict}: {bpb[goal['hybrid']]:.3f} against {best}'s "
+                           f"{bpb[best]:.3f} bits/byte.")]
+    for folder in folders:
+        lines += _commands_block(folder)
+    return "\n".join(lines)
 
 
 HEADLINE: list[tuple[str, Callable[[Path], list[list[str]]]]] = [
-    ("quality", _quality),
-    ("scaling", _scaling),
     ("train_step", _train_step),
     ("muon_step", _muon),
     ("serve_decode", _serve),
@@ -216,7 +246,8 @@ def kernels_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"results": headline_table, "kernels": kernels_table}
+TABLES = {"quality": quality_table, "scaling": scaling_table, "results": headline_table,
+          "kernels": kernels_table}
 
 
 def render(readme: str) -> str:
