@@ -1,10 +1,12 @@
 """Data pipeline throughput: every stage and the whole build, on real C++ headers.
 
-Run (the numbers in docs/data.md came from this, on the 2-core dev machine)::
+Run (docs/data.md quotes its numbers on a 2-core machine)::
 
-    .venv/bin/python benchmarks/data_pipeline.py \\
-        --sources /usr/include/c++/12 /usr/include/boost \\
-        --out benchmarks/results/data_pipeline.json
+    PYTHONPATH=src python benchmarks/data_pipeline.py \\
+        --sources /usr/include/c++/12 /usr/include/boost
+
+It writes ``data_pipeline.json`` and ``command.txt`` to ``--out`` (default
+``benchmarks/results/data_pipeline/cpu``: the build runs on the CPU).
 
 Stages (MB = 10^6 bytes of source as read from disk, wall-clock seconds):
 
@@ -108,6 +110,7 @@ def main() -> None:
     from megacpp.data.native import native_status
     from megacpp.data.structure import StructureLabeler, token_ends
     from megacpp.data.tokenizer import CppTokenizer, iter_capped, train_tokenizer
+    from megacpp.receipts.results import begin, results_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -119,7 +122,9 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=32768)
     parser.add_argument("--train-mb", type=float, default=32 * 1.048576)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/data_pipeline.json")
+    parser.add_argument("--out", type=Path,
+                        default=results_dir("data_pipeline", "cpu", ROOT / "benchmarks" / "results"),
+                        help="results folder (default: benchmarks/results/data_pipeline/cpu)")
     parser.add_argument(
         "--repeats", type=int, default=3,
         help="runs of the stages with a target (the median is reported; the VM's speed drifts)",
@@ -128,6 +133,7 @@ def main() -> None:
     missing = [str(s) for s in args.sources if not s.exists()]
     if missing:
         sys.exit(f"missing sources: {', '.join(missing)} (apt-get install -y g++ libboost-dev)")
+    begin(args.out, "data_pipeline", "data_pipeline")
 
     console = Console(stderr=True)
     load_before = os.getloadavg()
@@ -264,10 +270,10 @@ def main() -> None:
         "targets_mb_per_s": TARGETS,
         "stages": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out / "data_pipeline.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
     _print_table(rows, Console())
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 def _pack_and_write(root: Path, planned, encoded, labels, tok) -> None:

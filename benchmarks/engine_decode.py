@@ -3,11 +3,11 @@
 Run (on a GPU machine)::
 
     PYTHONPATH=src python benchmarks/engine_decode.py --config nam56r-350m \\
-        --batch 1 16 64 --modes eager graphs compile --profile --hf-baseline \\
-        --out engine_decode.json
+        --batch 1 16 64 --modes eager graphs compile --profile --hf-baseline
 
 (``compile`` = ``EngineConfig(compile_decode=True)``: slow first steps while inductor
-compiles.) benchmarks/results/engine_decode/ holds what one H100 run measured.
+compiles.) It writes ``engine_decode.json`` (rewritten after every row) and ``command.txt`` to
+``--out`` (default ``benchmarks/results/engine_decode/<device>``).
 
 Per (mode, batch B): B requests of ``--prompt-len`` random token ids (random-init model,
 bf16, greedy, ``ignore_eos``) are prefilled, then ``--steps`` engine steps are timed; each
@@ -205,8 +205,13 @@ def main() -> None:
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--hf-hidden", type=int, default=1024)
     ap.add_argument("--hf-layers", type=int, default=24)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: benchmarks/results/engine_decode/<device>)")
     args = ap.parse_args()
+    from megacpp.receipts.results import begin, results_dir
+
+    out_dir = begin(args.out or results_dir("engine_decode"), "engine_decode", "engine_decode")
+    out = out_dir / "engine_decode.json"
     torch.manual_seed(0)
     cfg = dataclasses.replace(load_config(args.config))
     with torch.device(DEVICE):
@@ -224,18 +229,18 @@ def main() -> None:
             row = run_mode(model, tok, mode, batch, args)
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
-            args.out.write_text(json.dumps(result, indent=1))
+            out.write_text(json.dumps(result, indent=1))
     if args.hf_baseline:
         for batch in args.batch:
             row = hf_llama_decode(batch, args)
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
-            args.out.write_text(json.dumps(result, indent=1))
+            out.write_text(json.dumps(result, indent=1))
     if args.profile:
         result["profile_eager"] = profile_eager(model, tok, max(args.batch), args)
         for r in result["profile_eager"]:
             print(r)
-    args.out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Kernel benchmark: ours vs reference vs peer, fwd+bwd, on one GPU, in one process.
 
-    PYTHONPATH=src python benchmarks/kernels.py --out benchmarks/results/kernels
-    python benchmarks/kernels.py --plot benchmarks/results/kernels/kernels.json   # PNG only
-    ... --surfaces mamba3_scan --cases seq8192 --backends triton_chunked,mamba_ssm  # a subset
+    PYTHONPATH=src python benchmarks/kernels.py
+    python benchmarks/kernels.py --plot benchmarks/results/kernels/h100/kernels.json  # PNG only
+    ... --name mamba3_scan_seq8192 --surfaces mamba3_scan --cases seq8192 \
+        --backends triton_chunked,mamba_ssm                                      # a subset
 
 Measures the device ceilings first (a 1 GiB device-to-device copy, counting bytes read plus
 written; an 8192^3 bf16 matmul), then every surface with a fast backend at its bench case(s).
@@ -16,10 +17,12 @@ muon_polynomial) is timed two ways (medians of CUDA events):
               such as .item()/.tolist(), a capture error) gets ``graphed_failed``, the reason
 
 Rates come in both flavours: tflops/gbs and their ratios to the ceilings (of_*) per call,
-graphed_tflops/graphed_gbs/graphed_of_* from the replays. Prints a table, writes
-``kernels.json``, one ``bench`` receipt per surface/case (metrics ``<backend>/ms`` and
-``<backend>/graphed_ms``) and ``kernels.png`` (when matplotlib is importable; else rerun
-with --plot where it is). Older JSONs without the graphed keys still plot.
+graphed_tflops/graphed_gbs/graphed_of_* from the replays. Prints a table and writes, to
+``--out`` (default ``benchmarks/results/kernels/<device>``), ``<name>.json``, one ``bench``
+receipt per surface/case under ``receipts/<name>/`` (metrics ``<backend>/ms`` and
+``<backend>/graphed_ms``), ``<name>.png`` (when matplotlib is importable; else rerun with
+--plot where it is) and the command (``command.txt``, or ``<name>.command.txt`` for a
+``--name`` other than ``kernels``). A JSON without the graphed keys (``--no-graphed``) plots too.
 """
 
 from __future__ import annotations
@@ -190,7 +193,8 @@ def run(out: Path, surfaces: list[str] | None = None, stem: str = "kernels",
             out.mkdir(parents=True, exist_ok=True)
             (out / f"{stem}.json").write_text(json.dumps(
                 {"ceilings": ceil, "device": facts.to_dict(), "rows": rows}, indent=2))
-            _receipts(out, ceil, [r for r in rows if (r["surface"], r["case"]) == (name, case)])
+            _receipts(out / "receipts" / stem, ceil,
+                      [r for r in rows if (r["surface"], r["case"]) == (name, case)])
     return rows
 
 
@@ -265,7 +269,8 @@ def plot(results: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default: benchmarks/results/kernels/<device>)")
     parser.add_argument("--plot", type=Path, help="only draw the PNG from a kernels.json")
     parser.add_argument("--surfaces", help="comma-separated surfaces to run (default: all)")
     parser.add_argument("--cases", help="comma-separated cases to run (default: all of each surface)")
@@ -285,6 +290,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: benchmarks/kernels.py needs a CUDA device", file=sys.stderr)
         return 2
+    from megacpp.receipts.results import begin, results_dir
+
+    args.out = begin(args.out or results_dir("kernels"), args.name, "kernels")
     rows = run(args.out, surfaces, args.name, cases, graphed=not args.no_graphed,
                backends=backends)
     print_table(rows)

@@ -2,14 +2,16 @@
 elementwise passes on each backend of the catalog's ``muon_momentum`` / ``muon_apply`` rows:
 the foreach reference and the fused Triton passes, in one process on one GPU.
 
-    PYTHONPATH=src python benchmarks/muon_step.py --preset nam56r-350m --out DIR
+    PYTHONPATH=src python benchmarks/muon_step.py --preset nam56r-350m
 
 Per backend: ms of one whole step per call (CUDA events around ``Optimizers.step()``, as an
 eager run issues it) and replayed from a CUDA graph (as ``parallel.cuda_graph`` runs it), the
 median of ``--iters``; the ms of the step's kernels by family (profiler, one replay), and the
 parameters after ``--iters`` steps from the same start compared between the backends (largest
 relative difference: rounding only). Random gradients, fp32 parameters, Newton-Schulz in bf16
-as the trainer runs it on a GPU. Writes DIR/muon_step.json and a receipt.
+as the trainer runs it on a GPU. Writes ``muon_step.json``, its receipt under
+``receipts/muon_step/`` and ``command.txt`` to ``--out`` (default
+``benchmarks/results/muon_step/<device>``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megacpp.kernels.timing import capture_graph, cuda_times_ms
 from megacpp.model.config import load_config
 from megacpp.model.model import HybridLM
 from megacpp.receipts import write_receipt
+from megacpp.receipts.results import begin, results_dir
 from megacpp.train.config import OptimSection
 from megacpp.train.optim import Optimizers
 
@@ -83,12 +86,14 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="nam56r-350m")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: benchmarks/results/muon_step/<device>)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: benchmarks/muon_step.py needs a CUDA device")
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
+    out = begin(args.out or results_dir("muon_step"), "muon_step", "muon_step")
     results = [run(args.preset, mode, args.iters, device) for mode in MODES]
     ref, fused = results
     worst = max(float(((a - b).norm() / b.norm().clamp_min(1e-30)).item())
@@ -100,19 +105,18 @@ def main() -> None:
                "replay": ref["replay_ms"] / fused["replay_ms"]}
     print(f"fused vs reference: {speedup['per_call']:.2f}x per call, {speedup['replay']:.2f}x "
           f"replayed; parameters after 5 steps: largest relative difference {worst:.2e}")
-    args.out.mkdir(parents=True, exist_ok=True)
     doc = {"preset": args.preset, "device": torch.cuda.get_device_name(), "results": results,
            "speedup": speedup, "max_rel_param_diff_5_steps": worst}
-    (args.out / "muon_step.json").write_text(json.dumps(doc, indent=2))
+    (out / "muon_step.json").write_text(json.dumps(doc, indent=2))
     metrics = {f"{r['mode']}_{k}": float(r[k]) for r in results
                for k in ("per_call_ms", "replay_ms")}
     metrics.update({"speedup_per_call": speedup["per_call"], "speedup_replay": speedup["replay"],
                     "max_rel_param_diff_5_steps": worst})
-    write_receipt(args.out / "muon_step.receipt.json", "bench",
+    write_receipt(out / "receipts" / "muon_step" / "muon_step.receipt.json", "bench",
                   {"preset": args.preset, "iters": args.iters, "optimizer": "AdamW + Muon",
-                   "ns_dtype": "bfloat16"}, metrics, [args.out / "muon_step.json"],
+                   "ns_dtype": "bfloat16"}, metrics, [out / "muon_step.json"],
                   kernels=fused["kernels"], fingerprint=capture_fingerprint())
-    print(f"results: {args.out / 'muon_step.json'}")
+    print(f"results: {out / 'muon_step.json'}")
 
 
 if __name__ == "__main__":

@@ -10,17 +10,18 @@ memory of the fullest GPU and MFU as the trainer reports it (against the bf16 ma
 measured in each run, named in its receipt). Run on a GPU machine::
 
     python benchmarks/scaling.py --presets nam56r-350m --strategies ddp fsdp \\
-        --world-sizes 1 2 4 --out benchmarks/results/scaling_h100
+        --world-sizes 1 2 4
 
     # the 1B preset, FSDP2 only, on a built dataset
     python benchmarks/scaling.py --presets nam56r-1b --strategies fsdp --world-sizes 1 2 4 \\
-        --data data/libstdcxx-32k --out ...
+        --data data/libstdcxx-32k
 
 ``--presets`` takes run configs (a path, a shipped run config name, or a model preset P with
 a shipped run config P-gpu). Without ``--data`` it first builds a dataset from ``--sources``
 (default: the newest /usr/include/c++/N) with the shipped ``cpp`` data config (32k vocabulary,
 2048-token rows; about 15 s on 2 CPU cores) into OUT/data. World size 1 runs once per preset
-(strategy ``single``). ``--out`` gets ``results.json``, ``scaling.png``, ``command.txt``,
+(strategy ``single``). ``--out`` (default ``benchmarks/results/scaling/<device>x<GPUs>``, e.g.
+``h100x4``; ``cpu`` with ``--device cpu``) gets ``results.json``, ``scaling.png``, ``command.txt``,
 ``receipt.json`` (this benchmark's) and ``receipts/`` (every run's own receipt), and keeps
 the runs' directories and logs under ``runs/``. A second invocation with the same ``--out``
 on the same machine adds its rows to the first's (a row of the same preset, strategy and
@@ -363,13 +364,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="an override for every run (repeatable)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: benchmarks/results/scaling/<device>x<GPUs>)")
     ap.add_argument("--remeasure", action="store_true",
                     help="run nothing: rebuild the table, results.json and PNG from the run "
                     "directories under OUT/runs (e.g. copied from the GPU machine after the "
                     "benchmark process was stopped); no benchmark receipt is written, since "
                     "this machine did not measure (each run keeps its own)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        from megacpp.receipts.results import device_slug, results_dir
+
+        args.out = results_dir("scaling", device_slug(count=torch.cuda.device_count())
+                               if args.device == "cuda" else "cpu")
     if args.remeasure:
         remeasure(args)
         return

@@ -1,10 +1,9 @@
 """Decode throughput and latency: our serving Engine vs. ``transformers`` ``generate``.
 
-Run on a GPU (the README's numbers came from an H100)::
+Run on a GPU (the README quotes its H100 numbers)::
 
     PYTHONPATH=src python benchmarks/serve_decode.py --preset nam56r-350m \\
-        --tokenizer TOKENIZER.json --batch 1 16 64 --prompt-len 128 --new-tokens 256 \\
-        --out benchmarks/results/serve_h100/serve_decode.json
+        --tokenizer TOKENIZER.json --batch 1 16 64 --prompt-len 128 --new-tokens 256
 
 Both systems run in this one process on one device, in bf16 weights (no autocast):
 
@@ -29,8 +28,10 @@ tokens with ``.tolist()``; hf's streamer gets ``tokens.cpu()``).
 Metrics per (system, B): ``output_tok_s`` = B x new tokens / (last token - t0), prefill
 included; ``decode_tok_s`` = tokens produced after the last request's first token / the time
 after it (steady-state decode); TTFT (t0 -> a request's first token) and inter-token latency
-(between a request's consecutive tokens) p50/p90/p99 in ms. Writes the JSON, one ``bench``
-receipt per (system, B) beside it, and prints a table with the engine/hf ratios.
+(between a request's consecutive tokens) p50/p90/p99 in ms. Prints a table with the
+engine/hf ratios and writes, to ``--out`` (default ``benchmarks/results/serve_decode/<device>``),
+``serve_decode.json``, one ``bench`` receipt per (system, B) under ``receipts/serve_decode/``
+and ``command.txt``.
 """
 
 from __future__ import annotations
@@ -328,7 +329,6 @@ def ratios(rows: list[Row]) -> dict[int, dict[str, float]]:
 def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: str) -> None:
     from megacpp.receipts import write_receipt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "serve_decode",
         "command": " ".join(sys.argv),
@@ -342,8 +342,8 @@ def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: s
         "engine_over_hf": {str(b): v for b, v in ratios(rows).items()},
         "results": [asdict(r) for r in rows],
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    receipts = out.parent / f"{out.stem}_receipts"
+    (out / "serve_decode.json").write_text(json.dumps(payload, indent=2) + "\n")
+    receipts = out / "receipts" / "serve_decode"
     for r in rows:
         if r.error:
             continue
@@ -386,7 +386,8 @@ def main() -> None:
                     choices=["engine", "engine-async", "engine-eager", "hf"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--out", type=Path, default=None, help="results JSON (receipts beside it)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: benchmarks/results/serve_decode/<device>)")
     ap.add_argument("--skip-preflight", action="append", default=[], metavar="RULE")
     args = ap.parse_args()
     set_kernel_mode(args.kernels)  # the engine rows only: hf runs its own kernels
@@ -397,12 +398,14 @@ def main() -> None:
         sys.exit("--prompt-len and --new-tokens must be >= 2, --batch >= 1")
     dtype = getattr(torch, args.dtype)
     tok = CppTokenizer.load(args.tokenizer)
-    facts = preflight = None
-    if args.out:
-        from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
+    from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
+    from megacpp.receipts.results import begin, device_slug, results_dir
 
-        facts = capture_fingerprint()
-        preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
+    facts = capture_fingerprint()
+    preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
+    out = args.out or results_dir(
+        "serve_decode", device_slug() if device.type == "cuda" else device.type)
+    begin(out, "serve_decode", "serve_decode")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}  "
           f"dtype {args.dtype}  prompt {args.prompt_len}  new tokens {args.new_tokens}",
           flush=True)
@@ -419,13 +422,12 @@ def main() -> None:
             traceback.print_exc()
             print(f"{system}: FAILED (traceback above); continuing", flush=True)
         release(device)
-        if args.out:  # saved (and receipted) after each system: a cut-off run keeps its rows
-            save(args.out, rows, args, preflight, facts, tok.sha256)
+        # saved (and receipted) after each system: a cut-off run keeps its rows
+        save(out, rows, args, preflight, facts, tok.sha256)
     for batch, r in ratios(rows).items():
         print(f"engine / hf at B={batch}: decode x{r['decode_tok_s']:.2f}, "
               f"output x{r['output_tok_s']:.2f}")
-    if args.out:
-        print(f"results: {args.out}")
+    print(f"results: {out / 'serve_decode.json'}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ a GPU::
 writes DIR/step_ops.txt (the table) and DIR/step_ops.json (every row). A row is one
 (op, input shapes): its self GPU time per step, calls per step and its kernels. Inductor's
 kernels show under their own names, our Triton ops under their autograd Function's. (The
-profiler's Python stacks came back empty for these ops under torch 2.11 on the H100, so no
-call sites: the shapes place them.)
+profiler's Python stacks are empty for these ops under torch 2.11 on an H100, so no call
+sites: the shapes place them.)
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Training-step throughput: the hybrid model (per kernel mode) vs. a dense Llama peer.
 
-Run on a GPU (the numbers in the README came from an H100)::
+Run on a GPU (the README quotes its H100 numbers)::
 
     PYTHONPATH=src python benchmarks/train_step.py --preset nam56r-350m --seq-len 2048 4096 \
-        --modes eager compiled --out benchmarks/results/train_step_h100.json
+        --modes eager compiled
 
     # the fast path too (MEGACPP_KERNELS=auto: our Triton kernels where they qualify), with
     # a profile of each row: GPU time per kernel family, top CUDA kernels
-    ... --kernels reference auto --profile benchmarks/results/train_step_profiles
+    ... --kernels reference auto --profile /tmp/train_step_profiles
 
     # the whole step as one CUDA graph (no host launches: the GPU-bound step rate)
     ... --kernels fast --modes eager compiled graphed compiled-graphed
@@ -27,6 +27,12 @@ the analytic counter (``megacpp.model.counting``) also counts the scan's chunk t
 only the k active experts. MFU = FLOPs/token x tokens/s / measured matmul peak: the
 project's one MFU (``megacpp.contract.mfu`` over ``megacpp.train.metrics.bf16_matmul_peak``,
 the figure ``megacpp train`` reports too); each row and receipt names the peak and its source.
+
+``--out`` (default ``benchmarks/results/train_step/<device>``) gets ``train_step.json``, one
+``bench`` receipt per row under ``receipts/train_step/`` and ``command.txt``. A run replaces the
+folder's earlier results; with ``--add`` it keeps their rows (a row of the same model, mode and
+sequence length is replaced) and adds its command, so a long sweep can be split over several
+runs.
 """
 
 from __future__ import annotations
@@ -250,18 +256,22 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=Path, default=None, metavar="DIR",
         help="also profile 3 steps of each row: GPU time per kernel family and the top kernels "
-        "go to DIR (host-bound rows timed after a profile ran slower on the H100, e.g. the "
-        "Llama's compiled step 172 vs 146 ms: take timings from a run without it)",
+        "go to DIR (host-bound rows timed after a profile run slower: on an H100 the Llama's "
+        "compiled step 172 vs 146 ms; take timings from a run without it)",
     )
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=None, help="results JSON (receipts go beside it)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: benchmarks/results/train_step/<device>)")
+    ap.add_argument("--add", action="store_true",
+                    help="keep the rows of an earlier run in --out (and add this command)")
     ap.add_argument("--skip-preflight", action="append", default=[], metavar="RULE")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/train_step.py needs a CUDA GPU")
     facts = capture_fingerprint()
     preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
+    args.out = start_results(args.out, args.add)
 
     torch.backends.cuda.matmul.allow_tf32 = True
     global PROFILE
@@ -328,10 +338,10 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 torch._dynamo.reset()
-                if args.out:  # each row is saved (and receipted) as soon as it is measured
-                    save_row(args.out, r, peak, preflight, facts)
+                # each row is saved (and receipted) as soon as it is measured
+                save_row(args.out, r, peak, preflight, facts)
 
-    print(f"results: {args.out}" if args.out else "(no --out: nothing written)")
+    print(f"results: {args.out / 'train_step.json'}")
 
 
 FLOP_FORMULA = "3 x forward matmul FLOPs (6N + 12*L*d*s for the dense peer)"
@@ -340,19 +350,32 @@ FLOP_FORMULA = "3 x forward matmul FLOPs (6N + 12*L*d*s for the dense peer)"
 PROFILE = None  # the device profile MFU is named by (set in main)
 
 
-def save_row(out: Path, r: Result, peak: PeakFlops, preflight, facts) -> None:
-    """Merge ``r`` into the results JSON (keyed by model, mode, seq_len) and write its receipt.
+def start_results(out: Path | None, add: bool) -> Path:
+    """The results folder, with this run's command: a fresh start (the earlier files of this
+    benchmark removed) or, with ``add``, the earlier rows kept and the command appended."""
+    from megacpp.receipts.results import begin, command_line, results_dir
 
-    Rows from earlier invocations with other keys are kept, so a long sweep can be split
-    over several runs (each row records the matmul peak measured in its own run)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = json.loads(out.read_text()) if out.exists() else {"results": []}
+    out = out or results_dir("train_step")
+    if not add:
+        return begin(out, "train_step", "train_step")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "command.txt", "a") as commands:
+        commands.write(command_line() + "\n")
+    return out
+
+
+def save_row(out: Path, r: Result, peak: PeakFlops, preflight, facts) -> None:
+    """Merge ``r`` into ``out/train_step.json`` (keyed by model, mode, seq_len) and write its
+    receipt. Rows with other keys are kept (each row records the matmul peak measured in its
+    own run)."""
+    results = out / "train_step.json"
+    payload = json.loads(results.read_text()) if results.exists() else {"results": []}
     row = {**r.__dict__, "matmul_peak_tflops": peak.tflops, "mfu_peak_source": peak.source,
            "device": torch.cuda.get_device_name()}
     key = (r.model, r.mode, r.seq_len)
     rows = [x for x in payload["results"] if (x["model"], x["mode"], x["seq_len"]) != key]
     payload.update(torch=torch.__version__, flop_formula=FLOP_FORMULA, results=rows + [row])
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    results.write_text(json.dumps(payload, indent=2) + "\n")
     if r.error:
         return
     config = {
@@ -372,7 +395,7 @@ def save_row(out: Path, r: Result, peak: PeakFlops, preflight, facts) -> None:
         for k in ("tokens_per_s", "step_ms", "mfu", "peak_mem_gib", "flops_per_token")
     }
     metrics["matmul_peak_tflops"] = peak.tflops
-    receipt = out.parent / f"{out.stem}_receipts" / f"{r.model}_{r.mode}_L{r.seq_len}.json"
+    receipt = out / "receipts" / "train_step" / f"{r.model}_{r.mode}_L{r.seq_len}.json"
     write_receipt(receipt, "bench", config, metrics, preflight=preflight, fingerprint=facts)
 
 

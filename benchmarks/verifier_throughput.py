@@ -1,9 +1,8 @@
 """Verifier throughput: HumanEval-X reference solutions compiled and run in the sandbox.
 
-Run (the numbers in docs/eval.md came from this, on the 2-core dev machine)::
+Run (docs/eval.md quotes its numbers on a 2-core machine)::
 
-    .venv/bin/python benchmarks/verifier_throughput.py --workers 2 \\
-        --out benchmarks/results/verifier_throughput.json
+    PYTHONPATH=src python benchmarks/verifier_throughput.py --workers 2
 
 For each build configuration, every selected problem's canonical solution goes through the
 full verifier (sandboxed g++, then the sandboxed binary) on ``--workers`` threads:
@@ -16,8 +15,9 @@ full verifier (sandboxed g++, then the sandboxed binary) on ``--workers`` thread
 Reported per configuration: programs per second (wall), median compile and run wall time
 per program, and CPU-seconds per program (user + system of every sandboxed process, from
 RUSAGE_CHILDREN), which other users' load on a shared machine disturbs much less than wall
-time. The load average before and after is recorded with the numbers, and the JSON gets an
-evidence receipt (kind ``bench``) next to it.
+time. The load average before and after is recorded with the numbers. ``--out`` (default
+``benchmarks/results/verifier_throughput/cpu``) gets ``verifier_throughput.json``, its evidence
+receipt (kind ``bench``) under ``receipts/verifier_throughput/`` and ``command.txt``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from megacpp.eval import (
     verify_samples,
 )
 from megacpp.receipts import write_receipt
+from megacpp.receipts.results import begin, results_dir
 
 CONFIGS = {  # name -> (pch, linker, fresh cache)
     "plain": (False, None, False),
@@ -104,13 +105,16 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--sanitize", action="store_true", help="ASan + UBSan builds")
     parser.add_argument("--out", type=Path,
-                        default=ROOT / "benchmarks/results/verifier_throughput.json")
+                        default=results_dir("verifier_throughput", "cpu",
+                                            ROOT / "benchmarks" / "results"),
+                        help="results folder (default: benchmarks/results/verifier_throughput/cpu)")
     args = parser.parse_args()
 
     console = Console(stderr=True)
     problem_file = locate_problems(args.problems)
     problems = select_problems(load_problems(problem_file), limit=args.limit)
     sandbox = Sandbox()
+    begin(args.out, "verifier_throughput", "verifier_throughput")
     load_before = os.getloadavg()
     rows = []
     for name in args.configs:
@@ -131,16 +135,17 @@ def main() -> None:
               "isolation": sandbox.isolation.value, "problem_file": str(problem_file),
               "loadavg_before": [round(x, 2) for x in load_before],
               "loadavg_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out / "verifier_throughput.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
     best = max(rows, key=lambda row: row["programs_per_s"])
-    write_receipt(args.out.with_suffix(".receipt.json"), "bench",
+    receipt = args.out / "receipts" / "verifier_throughput" / "verifier_throughput.receipt.json"
+    write_receipt(receipt, "bench",
                   config={k: v for k, v in result.items() if k != "rows"},
                   metrics={"programs_per_s": best["programs_per_s"],
                            "median_compile_s": best["median_compile_s"],
                            "median_run_s": best["median_run_s"]},
-                  artifacts=[args.out])
-    print(f"wrote {args.out}")
+                  artifacts=[out])
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
