@@ -337,7 +337,7 @@ def test_build_over_hostile_tree(hostile_corpus, tmp_path):
 
 def _wait_for_lock_release(lock_path, timeout: float = 30.0) -> None:
     """Until no killed process holds the build lock. The group's SIGKILL is asynchronous: a
-    rerun right after reaping the main process once found the lock still held (CI, session 14;
+    rerun right after reaping the main process once found the lock still held (in CI;
     presumably a worker being spawned, which shares the open lock file between fork and exec,
     not yet gone). A lock held past ``timeout`` fails the test."""
     deadline = time.monotonic() + timeout

@@ -56,7 +56,7 @@ def assert_client_error(r: httpx.Response, status: int | None = None) -> dict:
     return error
 
 
-# ---- the cases of the issue -----------------------------------------------------------------
+# ---- the reported cases -----------------------------------------------------------------
 
 @pytest.mark.parametrize(("path", "raw", "param"), [
     ("/v1/completions", f'{{"model": "tiny", "prompt": {SURROGATE}}}', "prompt"),

@@ -46,7 +46,7 @@ def test_compiled_blocks_stay_compiled_through_validation() -> None:
     """Every block kind of the tiny hybrid (A, E, M, R), trained and validated: all compiled
     variants fit under the recompile limit ``compile_blocks`` sets (Dynamo raises instead of
     falling back to eager here). Blocks compiled one by one under Dynamo's default limit of 8
-    do hit it (the nam56r-350m runs of session 29 warned of it in their final validation).
+    do hit it (nam56r-350m runs on an H100 warned of it in their final validation).
     Dynamo's ``eager`` backend: the guards and variants are Dynamo's, whatever the backend."""
     cfg = load_config("tiny")
     for raise_limit, fails in ((True, False), (False, True)):

@@ -74,7 +74,7 @@ class GroupedQueryAttention(nn.Module):
     # the pre-norm block hands x in twice (Block, RMSNorm.with_skip's fanout, as for the MoE):
     # q_proj reads x, kv_proj ``again``, and the norm's backward kernel sums their two input
     # gradients (autograd's add of them was an Inductor kernel of its own: 0.32 ms of the
-    # nam56r-350m step on an H100, 14 layers; benchmarks/results/train_step_h100_s20/ops_s20)
+    # nam56r-350m step on an H100, 14 layers)
     INPUT_FANOUT = 2
 
     def forward(

@@ -137,8 +137,7 @@ class Mamba3Mixer(nn.Module):
     # the pre-norm block hands x in three times (Block, RMSNorm.with_skip's fanout): in_proj's
     # three GEMMs (see _project) read one copy each, and the norm's backward kernel sums their
     # three input gradients (autograd's add of them was an Inductor kernel of its own reading
-    # three [T, d_model] products: 0.47 ms of the nam56r-350m step on an H100, 14 layers;
-    # benchmarks/results/train_step_h100_s20/ops_s20)
+    # three [T, d_model] products: 0.47 ms of the nam56r-350m step on an H100, 14 layers)
     INPUT_FANOUT = 3
 
     def forward(
@@ -205,7 +204,7 @@ class Mamba3Mixer(nn.Module):
         pre-norm's backward kernel when they are its copies); one GEMM split eight ways needs
         the eight gradients concatenated into a [T, 3288] tensor first, which Inductor does in
         one masked kernel: 1.90 -> 1.86 ms per compiled mixer fwd+bwd at the nam56r-350m shape
-        on an H100 (benchmarks/results/kernels/h100_s16/mamba3_inproj_probe.py)."""
+        on an H100."""
         x2 = x if x2 is None else x2
         x3 = x if x3 is None else x3
         w, d = self.in_proj.weight, self.d_inner
@@ -268,7 +267,7 @@ class _Gates(torch.autograd.Function):
     torch.compile these gradients are inputs of the cat that assembles in_proj's output
     gradient, which Inductor lowers as one kernel evaluating every input's math for every
     element: with exp / log1p / division in two of the inputs that kernel took 213 us per
-    layer on an H100, ~3x its bytes (session 14). Saved: four [B, L, H] float32 tensors."""
+    layer on an H100, ~3x its bytes. Saved: four [B, L, H] float32 tensors."""
 
     @staticmethod
     def forward(ctx, dd_dt: Tensor, dd_a: Tensor, dt_bias: Tensor, a_floor: float):

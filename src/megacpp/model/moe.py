@@ -58,7 +58,7 @@ class MoE(nn.Module):
     # the pre-norm block may hand x in twice (Block, RMSNorm.with_skip's fanout): ``again`` for
     # the routed experts, x for the router / shared projection; the norm's backward kernel then
     # sums the two gradients (autograd's add of them took 26 us per layer at the nam56r-350m
-    # step's shape on an H100; benchmarks/results/train_step_h100_s16)
+    # step's shape on an H100)
     INPUT_FANOUT = 2
 
     def forward(
@@ -95,11 +95,11 @@ class MoE(nn.Module):
         """Tokens routed to each expert [E] (float32) from the chosen experts [T, k]: the
         one-hot comparison summed per chunk of rows, then over the chunks (bincount would sync
         the host on CUDA; an index_add of ones was a 14 us kernel of 16-address atomics per
-        layer under torch.compile on an H100, nam56r-350m, train_step_h100_s20/ops_s20). In
+        layer under torch.compile on an H100, nam56r-350m). In
         one column sum (E outputs over T * k rows) Inductor's single reduction kernel took
         606 us per layer on one H100 host (13.9 ms of its 92.7 ms step, profiled); another
         host ran the whole step in 78.9 ms. 64 chunks give the first reduction 64 * E outputs
-        of T * k / 64 rows each (78.7 ms there; benchmarks/results/train_step_h100_s22)."""
+        of T * k / 64 rows each (78.7 ms there)."""
         ids = expert_idx.reshape(-1)
         chunks = LOAD_CHUNKS if ids.numel() % LOAD_CHUNKS == 0 else 1
         experts = torch.arange(self.n_experts, device=ids.device)
@@ -113,7 +113,7 @@ class MoE(nn.Module):
         gradient is then one product with K = E + 2F instead of a K = E product (a [T, D]
         output written for 16 columns of work) added to the shared experts' by a kernel of its
         own (nam56r-350m on an H100: the router's three GEMMs and that add took 1.4 ms of an
-        86 ms step; benchmarks/results/train_step_h100_s16). The parameters stay apart."""
+        86 ms step). The parameters stay apart."""
         if self.shared is None:
             return self.router(tokens), None
         weight = torch.cat([self.router.weight, self.shared.in_proj.weight])
@@ -134,8 +134,7 @@ class MoE(nn.Module):
         ties going to the lower expert index: a stable descending sort of each row (E values),
         so the choice never depends on how many tokens are routed together (``topk``'s tie
         order is unspecified). Under torch.compile Inductor fuses that sort with the sigmoid
-        into one kernel (3.6 us at 16384 x 16 on an H100, where topk took 45 us;
-        benchmarks/results/train_step_h100_s14, router_sort_dcbaa14)."""
+        into one kernel (3.6 us at 16384 x 16 on an H100, where topk took 45 us)."""
         scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         ranked = torch.sort(scores + self.expert_bias, dim=-1, descending=True, stable=True)
         expert_idx = ranked.indices[..., : self.top_k]  # [T, k]

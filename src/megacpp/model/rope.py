@@ -31,8 +31,7 @@ def rope_range(
     when the graph is traced and kept as its constants (Dynamo guards the arguments; another
     length or offset traces again). Traced inline instead, Inductor fused ``pow``, ``cos`` and
     ``sin`` into the rotation and recomputed them for every batch row and head: two 216 us
-    kernels per attention layer in the nam56r-350m step on an H100, 6 ms of its 110
-    (benchmarks/results/train_step_h100_s13)."""
+    kernels per attention layer in the nam56r-350m step on an H100, 6 ms of its 110."""
     positions = torch.arange(offset, offset + length, device=device)
     return rope_cos_sin(positions, head_dim, base, dtype)
 

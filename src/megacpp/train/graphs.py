@@ -11,10 +11,9 @@ the numbers before changing the weights:
   tensor: the summed losses, the target count and the global gradient norm;
 * (eager, between the replays) the debug fault injection and the non-finite guard, which
   reads the figures on the host in one copy -- a bad step stops the run before any weight
-  changes, exactly as in eager mode. (The norm was computed here, eagerly, until session 28:
-  with its ~400 per-tensor launches, a second host sync and the step's record written before
-  the next batch, the GPU sat idle ~8 ms of a nam56r-350m step on an H100; now ~1 ms, and
-  the step ran 112.6 -> 108.8 ms, benchmarks/results/train_h100_s28);
+  changes, exactly as in eager mode. (Computing the norm here, eagerly, cost ~400 per-tensor
+  launches and a second host sync: the GPU sat idle ~8 ms of a nam56r-350m step on an H100,
+  against ~1 ms with the norm inside the graph; 112.6 vs 108.8 ms a step);
 * ``update`` -- clipping by that norm, the AdamW and Muon steps, the MoE bias update and the
   load-balance figure.
 

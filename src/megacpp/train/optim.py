@@ -64,8 +64,8 @@ def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
     elementwise pass runs over X. Op by op (``a * X + (b * A + c * (A @ A)) @ X``) those
     passes had cost about as much as the products at the trainer's sizes; with ``a X`` as the
     last GEMM's epilogue too, torch first copies X into the output
-    (benchmarks/results/train_h100_s26). In bfloat16 the error against the float64 iteration
-    is that of the op-by-op form (~3% on the CPU, benchmarks/results/train_h100_s26)."""
+    In bfloat16 the error against the float64 iteration
+    is that of the op-by-op form (~3% on the CPU)."""
     if steps < 1:
         raise ValueError(f"newton_schulz: steps must be >= 1, got {steps}")
     a, b, c = NS_COEFFS
@@ -224,7 +224,7 @@ class Muon(torch.optim.Optimizer):
         if not (params[0].is_cuda and torch.cuda.is_current_stream_capturing()):
             # (not inside a capture: freeing pinned memory there records the host allocator's
             # events on the capturing stream, and its next allocation or .item() then fails
-            # with "invalid argument" -- H100, benchmarks/results/train_h100_s28)
+            # with "invalid argument" on an H100)
             keep.clear()
         momentum.fn(self._bufs(params), grads, group["momentum"], group["nesterov"], stacked,
                     keep, grad_scale)

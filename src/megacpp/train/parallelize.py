@@ -161,8 +161,8 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
     Dynamo counts its compiled variants against ``recompile_limit`` (default 8) across every
     block: each mixer type, the first block (no pending add) and grad mode off in validation
     each make one. A hybrid of four kinds needs ~10, so the final validation of a default
-    run went past the limit and ran those blocks eager, with a warning (nam56r-350m,
-    benchmarks/results/train_h100_s29). The limit is raised to what the model's kinds need."""
+    run went past the limit and ran those blocks eager, with a warning (nam56r-350m on an
+    H100). The limit is raised to what the model's kinds need."""
     kinds = {(type(block.mixer), block.letter) for block in _unwrapped_blocks(model)}
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, _VARIANTS_PER_KIND * (len(kinds) + 1))

@@ -740,8 +740,8 @@ class _Session:
         """Clip to ``train.max_grad_norm`` by ``grad_norm`` (torch's
         ``clip_grads_with_norm_``: every gradient times min(1, max / (norm + 1e-6))). Muon's
         momentum pass takes that coefficient itself where it can (``muon_grad_scale``): its
-        gradients, 93% of nam56r-350m's, are then not rewritten first (~1 ms of an H100 step,
-        benchmarks/results/train_h100_s29). Returns the coefficient for Muon, else None."""
+        gradients, 93% of nam56r-350m's, are then not rewritten first (~1 ms of an H100
+        step). Returns the coefficient for Muon, else None."""
         max_norm = self.cfg.train.max_grad_norm
         if not max_norm:
             return None
