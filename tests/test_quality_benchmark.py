@@ -124,7 +124,7 @@ def test_goal_verdict_and_candidate_specs() -> None:
     runs = {"h": entry(1.10), "d1": entry(1.20), "d2": entry(1.15)}
     verdict = quality.goal_verdict(runs, "h:d1,d2")
     assert verdict["met"] is True and verdict["margin_bpb"] == pytest.approx(0.05)
-    assert "(d2) 1.1500: the goal is MET (+0.0500" in verdict["statement"]
+    assert "(d2) 1.1500: the goal is MET (the hybrid 0.0500 bits/byte lower)" in verdict["statement"]
     runs["d2"] = entry(1.05)
     assert quality.goal_verdict(runs, "h:d1,d2")["met"] is False
     runs["d1"] = entry(None, "failed")

@@ -109,5 +109,5 @@ def test_bad_val_sources_are_refused(tmp_path: Path, names, message) -> None:
 def test_val_sources_must_be_names() -> None:
     with pytest.raises(ConfigError, match="packing.val_sources: expected a list of source root"):
         BuildConfig.from_dict({"packing": {"val_sources": ["ok", ""]}})
-    with pytest.raises(ConfigError, match="packing.val_sources: expected list"):
+    with pytest.raises(ConfigError, match="packing.val_sources = .valpkg.: expected a list of strings"):
         BuildConfig.from_dict({"packing": {"val_sources": "valpkg"}})

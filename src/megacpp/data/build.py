@@ -198,7 +198,8 @@ class BuildConfig:
         return {
             "corpus": self.corpus.to_dict(),
             **{
-                name: dataclasses.asdict(getattr(self, name))
+                name: {key: list(value) if isinstance(value, tuple) else value
+                       for key, value in dataclasses.asdict(getattr(self, name)).items()}
                 for name in ("tokenizer", "structure", "packing")
             },
         }

@@ -82,7 +82,11 @@ def init_distributed(cfg: ParallelSection, device: str = "auto") -> DistEnv:
 
 
 def shutdown_distributed() -> None:
+    """Leave the process group together: a rank that tears its connections down while a peer
+    is still in its last collective made that peer abort at exit (gloo: "terminate called
+    without an active exception", seen in the two-process FSDP2 tests)."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
