@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 import types
 from collections.abc import Iterable
 from dataclasses import fields
@@ -27,13 +26,9 @@ def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
 
 def parse_toml(text: str, source: str) -> dict[str, Any]:
     """The parsed TOML ``text``; ``source`` (a path or a preset's name) starts its errors."""
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source} is not valid TOML: {exc}") from None
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"{source} is not usable TOML "
-                          f"({str(exc).splitlines()[0][:120]})") from None
+    from megacpp._io import parse_toml_text
+
+    return parse_toml_text(text, source, ConfigError)
 
 
 def check_keys(table: Any, known: Iterable[str], where: str) -> dict[str, Any]:

@@ -177,10 +177,15 @@ def read_toml_bounded(path: str | os.PathLike[str], limit: int = CONFIG_LIMIT, *
                       ) -> dict[str, Any]:
     """:func:`read_text_bounded`, parsed as TOML (invalid TOML is ``error``)."""
     text = read_text_bounded(path, limit, what=what, error=error)
+    return parse_toml_text(text, f"{what} {os.fspath(path)}", error)
+
+
+def parse_toml_text(text: str, source: str, error: type[MegaCppError] = MegaCppError,
+                    ) -> dict[str, Any]:
+    """``text`` parsed as TOML; ``source`` (a path or a preset's name) starts the ``error``."""
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise error(f"{what} {os.fspath(path)} is not valid TOML ({exc})") from None
-    except (ValueError, RecursionError) as exc:
-        raise error(f"{what} {os.fspath(path)} is not usable TOML "
-                    f"({str(exc).splitlines()[0][:120]})") from None
+        raise error(f"{source} is not valid TOML ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # 5000-digit integers, deep nesting
+        raise error(f"{source} is not usable TOML ({str(exc).splitlines()[0][:120]})") from None
