@@ -9,12 +9,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from megacpp._io import atomic_write_json, sha256_file
+from megacpp._io import JSON_LIMIT, atomic_write_json, read_json_bounded, sha256_file
 from megacpp.contract.diff import contract_differences
-from megacpp.contract.fingerprint import capture_fingerprint, read_json_file
+from megacpp.contract.fingerprint import capture_fingerprint
 from megacpp.contract.integrity import describe_problems, verify_site
 from megacpp.contract.preflight import PreflightReport
-from megacpp.errors import MegaCppError
 from megacpp.receipts.schema import (
     KINDS,
     Artifact,
@@ -79,10 +78,7 @@ def write_receipt(
 
 def read_receipt(path: str | os.PathLike[str]) -> Receipt:
     """Read and validate a receipt file; every problem is a one-line :class:`ReceiptError`."""
-    try:
-        data = read_json_file(path, "receipt")
-    except MegaCppError as exc:
-        raise ReceiptError(str(exc)) from None
+    data = read_json_bounded(path, JSON_LIMIT, what="receipt file", error=ReceiptError)
     return receipt_from_dict(data, source=str(path))
 
 
