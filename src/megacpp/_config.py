@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any, get_args, get_type_hints
 
+from megacpp._io import CONFIG_LIMIT, parse_toml_text, read_toml_bounded
 from megacpp.errors import ConfigError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # config integers reach torch and numpy as int64
@@ -19,15 +20,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # config integers reach torch and nu
 def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     """The parsed TOML file at ``path``; ``what`` names it in errors ("run config"). The file
     must be a regular file under the config size bound (:func:`megacpp._io.read_toml_bounded`)."""
-    from megacpp._io import CONFIG_LIMIT, read_toml_bounded
-
     return read_toml_bounded(path, CONFIG_LIMIT, what=what, error=ConfigError)
 
 
 def parse_toml(text: str, source: str) -> dict[str, Any]:
     """The parsed TOML ``text``; ``source`` (a path or a preset's name) starts its errors."""
-    from megacpp._io import parse_toml_text
-
     return parse_toml_text(text, source, ConfigError)
 
 
