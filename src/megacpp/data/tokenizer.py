@@ -358,10 +358,9 @@ class CppTokenizer:
         """Load ``tokenizer.json``; refuses files that are not megacpp tokenizers."""
         path = Path(path)
         data = read_bounded(path, TOKENIZER_LIMIT, what="tokenizer")
+        text = decode_utf8(data, f"tokenizer {path}")
         try:
-            tok = Tokenizer.from_str(decode_utf8(data, f"tokenizer {path}"))
-        except MegaCppError:
-            raise
+            tok = Tokenizer.from_str(text)
         except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
             raise MegaCppError(f"{path} is not a valid tokenizer.json: {exc}") from None
         return cls(tok, sha256=sha256_bytes(data), path=str(path))
