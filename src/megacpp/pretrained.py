@@ -24,8 +24,8 @@ from megacpp.errors import MegaCppError
 from megacpp.infer.generate import generate
 from megacpp.model.model import HybridLM
 from megacpp.train.checkpoint import (
-    load_checkpoint_tokenizer,
-    load_trained_model,
+    read_checkpoint_tokenizer,
+    read_trained_model,
     resolve_checkpoint,
 )
 
@@ -63,9 +63,9 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
         model, tok = _load_hf_export(path, device)
         source = path
     else:
-        source = resolve_checkpoint(path, fallback_to_previous)
-        model = load_trained_model(source, device)
-        tok = None if tokenizer is not None else load_checkpoint_tokenizer(source)
+        source = resolve_checkpoint(path, fallback_to_previous)  # verifies it, once
+        model = read_trained_model(source, device)
+        tok = None if tokenizer is not None else read_checkpoint_tokenizer(source)
     if tokenizer is not None:
         tok = CppTokenizer.load(tokenizer)
     if tok.vocab_size != model.cfg.vocab_size:

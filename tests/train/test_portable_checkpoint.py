@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacpp.export.hf import export_run
 from megacpp.model.config import load_config
 from megacpp.pretrained import load_pretrained
+from megacpp.train import checkpoint as checkpoint_module
 from megacpp.train.checkpoint import (
     MARKER,
     CheckpointError,
@@ -62,6 +64,26 @@ def test_one_checkpoint_copied_elsewhere_loads_alone(run_dir, tmp_path):
     reference = load_pretrained(run_dir)
     assert loaded.generate(PROMPT, max_new_tokens=8, seed=1) == reference.generate(
         PROMPT, max_new_tokens=8, seed=1)
+
+
+def test_loading_hashes_each_checkpoint_file_once(run_dir, tmp_path, monkeypatch):
+    """load_pretrained and export_run verify the checkpoint once: each file is hashed one time
+    (a large checkpoint's sha256 pass is its slowest part)."""
+    hashed: list[str] = []
+    real_sha256 = checkpoint_module.sha256_file
+
+    def counting_sha256(file: Path) -> str:
+        hashed.append(Path(file).name)
+        return real_sha256(file)
+
+    monkeypatch.setattr(checkpoint_module, "sha256_file", counting_sha256)
+    listed = set(json.loads((run_dir / "checkpoints" / "step_000002" / MARKER).read_text())
+                 ["files"])
+    load_pretrained(run_dir)
+    assert sorted(hashed) == sorted(listed)
+    hashed.clear()
+    export_run(run_dir, tmp_path / "hf")
+    assert sorted(hashed) == sorted(listed)
 
 
 def test_errors_name_what_was_looked_for_and_found(run_dir, tmp_path):

@@ -14,7 +14,6 @@ model's by construction (a copy would drift); the recipient installs megacpp.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tomllib
 from dataclasses import dataclass, field
@@ -53,16 +52,16 @@ def _load_source(path: Path, tokenizer: Path | None = None,
     checkpoint) or a checkpoint directory. The one place that finds a trained model."""
     from megacpp.data.shards import ShardedDataset
     from megacpp.train.checkpoint import (
-        TRAINER_STATE,
-        load_checkpoint_tokenizer,
-        load_trained_model,
+        read_checkpoint_tokenizer,
+        read_trained_model,
+        read_trainer_state,
         resolve_checkpoint,
     )
 
-    checkpoint = resolve_checkpoint(path)
+    checkpoint = resolve_checkpoint(path)  # verifies it, once
     run_dir = checkpoint.parent.parent
-    model = load_trained_model(checkpoint, merge_adapters=merge_adapters)
-    state = json.loads((checkpoint / TRAINER_STATE).read_text("utf-8"))
+    model = read_trained_model(checkpoint, merge_adapters=merge_adapters)
+    state = read_trainer_state(checkpoint)
     data_dir, seq_len = None, None
     config = run_dir / "config.toml"
     try:  # provenance for the model card, where the run's dataset is still there
@@ -70,7 +69,7 @@ def _load_source(path: Path, tokenizer: Path | None = None,
         seq_len = ShardedDataset.open(data_dir, verify=False).seq_len
     except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError, MegaCppError):
         data_dir = None
-    tok = CppTokenizer.load(tokenizer) if tokenizer else load_checkpoint_tokenizer(checkpoint)
+    tok = CppTokenizer.load(tokenizer) if tokenizer else read_checkpoint_tokenizer(checkpoint)
     if tok.vocab_size != model.cfg.vocab_size:
         raise MegaCppError(f"tokenizer has {tok.vocab_size} tokens but the model was trained "
                            f"with {model.cfg.vocab_size}; pass the run's tokenizer")
@@ -151,15 +150,14 @@ def export_run(path: Path, out: Path, *, max_shard_size: int | str = "2GB",
 
 def export_adapter(path: Path, out: Path) -> Path:
     """The LoRA adapter of a LoRA run's checkpoint, in peft's format, at ``out``."""
-    from megacpp.train.checkpoint import TRAINER_STATE, load_trained_model, resolve_checkpoint
+    from megacpp.train.checkpoint import read_trained_model, read_trainer_state, resolve_checkpoint
     from megacpp.train.finetune import adapter_state, read_lora_state, save_adapter
 
-    checkpoint = resolve_checkpoint(Path(path))
-    state = json.loads((checkpoint / TRAINER_STATE).read_text("utf-8"))
-    lora = read_lora_state(state)
+    checkpoint = resolve_checkpoint(Path(path))  # verifies it, once
+    lora = read_lora_state(read_trainer_state(checkpoint))
     if lora is None:
         raise MegaCppError(f"--adapter-only: {checkpoint} is not of a LoRA run ([lora] r = 0)")
-    model = load_trained_model(checkpoint, merge_adapters=False)
+    model = read_trained_model(checkpoint, merge_adapters=False)
     base = _init_from(checkpoint.parent.parent)
     with _staging(out) as tmp:
         save_adapter(adapter_state(model), lora, tmp / "adapter", base)

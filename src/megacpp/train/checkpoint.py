@@ -320,7 +320,7 @@ class CheckpointManager:
         position in each rank file is global (the same in all), and a rank the writer did not
         have takes the RNG state of rank ``rank % writer's ranks``.
         """
-        trainer_state = _read_trainer_state(path)
+        trainer_state = read_trainer_state(path)
         saved = ModelConfig.from_dict(trainer_state["model_config"]).to_dict()
         differ = _differences(saved, model_config.to_dict())
         if differ:
@@ -378,7 +378,8 @@ def _read_json(file: Path, checkpoint: Path) -> dict[str, Any]:
     return data
 
 
-def _read_trainer_state(checkpoint: Path) -> dict[str, Any]:
+def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's trainer_state.json, with its model_config table and world_size."""
     state = _read_json(checkpoint / TRAINER_STATE, checkpoint)
     world = state.get("world_size")
     if not isinstance(state.get("model_config"), dict) or not (
@@ -456,17 +457,23 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu",
     """A HybridLM with the weights of a checkpoint (verified first), in eval mode. ``path`` is
     a checkpoint directory or a run directory (its newest complete checkpoint). A LoRA run's
     adapters are merged into the weights (``merge_adapters=False``: kept as peft layers)."""
+    return read_trained_model(resolve_checkpoint(path), device, merge_adapters)
+
+
+def read_trained_model(checkpoint: Path, device: str | torch.device = "cpu",
+                       merge_adapters: bool = True) -> HybridLM:
+    """:func:`load_trained_model` of a checkpoint directory that :func:`resolve_checkpoint`
+    returned (so verified already: its files are not hashed again)."""
     from megacpp.train.finetune import add_lora, merge_lora, read_lora_state
 
-    path = resolve_checkpoint(path)
-    state = _read_trainer_state(path)
+    state = read_trainer_state(checkpoint)
     model = HybridLM(ModelConfig.from_dict(state["model_config"]))
     lora = read_lora_state(state)
     if lora is not None:
         add_lora(model, lora)
     weights = {"model": model.state_dict()}
     with _single_process_note_silenced():
-        dcp.load(weights, checkpoint_id=path, no_dist=_no_dist())
+        dcp.load(weights, checkpoint_id=checkpoint, no_dist=_no_dist())
     model.load_state_dict(weights["model"])
     if lora is not None and merge_adapters:
         merge_lora(model)
@@ -476,7 +483,12 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu",
 def load_checkpoint_tokenizer(path: str | Path) -> CppTokenizer:
     """The tokenizer of a checkpoint (or a run directory's newest): its own tokenizer.json,
     else the tokenizer of the dataset named in the run's config.toml."""
-    checkpoint = resolve_checkpoint(path)
+    return read_checkpoint_tokenizer(resolve_checkpoint(path))
+
+
+def read_checkpoint_tokenizer(checkpoint: Path) -> CppTokenizer:
+    """:func:`load_checkpoint_tokenizer` of a checkpoint directory that
+    :func:`resolve_checkpoint` returned (not verified again)."""
     own = checkpoint / TOKENIZER_FILE
     if own.is_file():
         return CppTokenizer.load(own)
