@@ -50,11 +50,9 @@ def _fmt(x: float, digits: int = 1) -> str:
 
 
 # ---- the headline table: one row per benchmark and device ---------------------------------
+# Each renderer takes a benchmark's <benchmark>.json (loaded by headline_table) and gives rows.
 
-def _train_step(folder: Path) -> list[list[str]]:
-    data = _load(folder / "train_step.json")
-    if not data:
-        return []
+def _train_step(data: dict) -> list[list[str]]:
     rows = {(r["model"], r["mode"]): r for r in data["results"] if not r.get("error")}
     hybrid = [r for (m, mode), r in rows.items() if not m.startswith("llama")]
     peers = [r for (m, _), r in rows.items() if m.startswith("llama")]
@@ -71,10 +69,7 @@ def _train_step(folder: Path) -> list[list[str]]:
     return [["training step, nam56r-350m vs Llama", text]]
 
 
-def _serve(folder: Path) -> list[list[str]]:
-    data = _load(folder / "serve_decode.json")
-    if not data:
-        return []
+def _serve(data: dict) -> list[list[str]]:
     out = []
     for batch, ratio in sorted(data.get("engine_over_hf", {}).items(), key=lambda kv: int(kv[0])):
         eng = next((r for r in data["results"]
@@ -88,10 +83,7 @@ def _serve(folder: Path) -> list[list[str]]:
     return out
 
 
-def _muon(folder: Path) -> list[list[str]]:
-    data = _load(folder / "muon_step.json")
-    if not data:
-        return []
+def _muon(data: dict) -> list[list[str]]:
     by = {r["mode"]: r for r in data["results"]}
     ref = by.get("reference")
     fast = next((r for m, r in by.items() if m != "reference"), None)
@@ -102,10 +94,7 @@ def _muon(folder: Path) -> list[list[str]]:
               f"foreach reference ({ref['replay_ms'] / fast['replay_ms']:.2f}x)")]]
 
 
-def _data_pipeline(folder: Path) -> list[list[str]]:
-    data = _load(folder / "data_pipeline.json")
-    if not data:
-        return []
+def _data_pipeline(data: dict) -> list[list[str]]:
     stages = {s["stage"]: s for s in data["stages"]}
     e2e = stages.get("end to end, tokenizer given")
     enc = stages.get("encode (megacpp, 2 processes)")
@@ -116,10 +105,7 @@ def _data_pipeline(folder: Path) -> list[list[str]]:
     return [[f"data build, {data['source_mb']:.0f} MB of C++ ({cpus} cores)", text]]
 
 
-def _verifier(folder: Path) -> list[list[str]]:
-    data = _load(folder / "verifier_throughput.json")
-    if not data:
-        return []
+def _verifier(data: dict) -> list[list[str]]:
     best = max(data["rows"], key=lambda r: r["programs_per_s"])
     return [[f"verifier, HumanEval-X C++ references ({data['workers']} workers)",
              (f"{best['programs_per_s']:.2f} programs/s ({best['config']}), "
@@ -186,7 +172,7 @@ def quality_table() -> str:
     return "\n".join(lines)
 
 
-HEADLINE: list[tuple[str, Callable[[Path], list[list[str]]]]] = [
+HEADLINE: list[tuple[str, Callable[[dict], list[list[str]]]]] = [
     ("train_step", _train_step),
     ("muon_step", _muon),
     ("serve_decode", _serve),
@@ -199,7 +185,10 @@ def headline_table() -> str:
     lines = ["| what | device | result | command |", "|---|---|---|---|"]
     for benchmark, render in HEADLINE:
         for folder in _devices(benchmark):
-            for what, text in render(folder):
+            data = _load(folder / f"{benchmark}.json")
+            if not data:
+                continue
+            for what, text in render(data):
                 lines.append(f"| {what} | {_link(folder)} | {text} | "
                              f"`{_command(folder)}` |")
     return "\n".join(lines)
