@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,25 +93,36 @@ class Responsiveness:
 
 
 @contextmanager
-def measure_responsiveness(interval_s: float = 0.1) -> Iterator[Responsiveness]:
-    """Sample `true`'s start-to-exit latency every ``interval_s`` until the block ends."""
-    result = Responsiveness()
+def sampling(sample: Callable[[], None], interval_s: float) -> Iterator[None]:
+    """Call ``sample`` every ``interval_s`` in a background thread until the block ends."""
     stop = threading.Event()
 
-    def sample() -> None:
+    def loop() -> None:
         while not stop.is_set():
-            started = time.monotonic()
-            subprocess.run(["true"], check=True)
-            result.latencies.append(time.monotonic() - started)
+            sample()
             stop.wait(interval_s)
 
-    thread = threading.Thread(target=sample, daemon=True)
+    thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
-        yield result
+        yield
     finally:
         stop.set()
         thread.join()
+
+
+@contextmanager
+def measure_responsiveness(interval_s: float = 0.1) -> Iterator[Responsiveness]:
+    """Sample `true`'s start-to-exit latency every ``interval_s`` until the block ends."""
+    result = Responsiveness()
+
+    def sample() -> None:
+        started = time.monotonic()
+        subprocess.run(["true"], check=True)
+        result.latencies.append(time.monotonic() - started)
+
+    with sampling(sample, interval_s):
+        yield result
 
 
 @dataclass
@@ -138,20 +149,12 @@ def watch_host_shmem(interval_s: float = 0.02) -> Iterator[HostShmem]:
     """Sample the host's Shmem (every tmpfs page, in every mount namespace) until the block ends."""
     result = HostShmem(baseline_kb=_shmem_kb())
     result.peak_kb = result.baseline_kb
-    stop = threading.Event()
 
     def sample() -> None:
-        while not stop.is_set():
-            result.peak_kb = max(result.peak_kb, _shmem_kb())
-            stop.wait(interval_s)
+        result.peak_kb = max(result.peak_kb, _shmem_kb())
 
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
+    with sampling(sample, interval_s):
         yield result
-    finally:
-        stop.set()
-        thread.join()
 
 
 is_root = os.geteuid() == 0
