@@ -13,7 +13,6 @@ The CLI's ``generate``, ``serve`` and ``eval`` load through it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
+from megacpp.export.hf_format import is_hf_export
 from megacpp.infer.generate import generate
 from megacpp.model.model import HybridLM
 from megacpp.train.checkpoint import (
@@ -28,9 +28,6 @@ from megacpp.train.checkpoint import (
     read_trained_model,
     resolve_checkpoint,
 )
-
-HF_CONFIG = "config.json"
-HF_MODEL_TYPE = "megacpp"
 
 
 @dataclass
@@ -60,7 +57,9 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     path = Path(path)
     device = resolve_device(device)
     if is_hf_export(path):
-        model, tok = _load_hf_export(path, device)
+        from megacpp.export.hf import load_hf_export
+
+        model, tok, _ = load_hf_export(path, device=device)
         source = path
     else:
         source = resolve_checkpoint(path, fallback_to_previous)  # verifies it, once
@@ -86,26 +85,3 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise MegaCppError(f"device {device!r}: no CUDA device here")
     return resolved
-
-
-def is_hf_export(path: Path) -> bool:
-    """True for a directory whose config.json says ``"model_type": "megacpp"``; a config.json
-    of another model type is an error naming it."""
-    config = Path(path) / HF_CONFIG
-    if not config.is_file():
-        return False
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise MegaCppError(f"{config} is not a readable Hugging Face config ({exc})") from None
-    if model_type != HF_MODEL_TYPE:
-        raise MegaCppError(f"{config} is a Hugging Face config of model_type {model_type!r}; "
-                           f"only megacpp exports (model_type {HF_MODEL_TYPE!r}) load here")
-    return True
-
-
-def _load_hf_export(path: Path, device: torch.device) -> tuple[HybridLM, CppTokenizer]:
-    from megacpp.export.hf import load_hf_export
-
-    model, tokenizer, _ = load_hf_export(path, device=device)
-    return model, tokenizer

@@ -64,14 +64,20 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def is_hf_export(path: Path) -> bool:
-    """Whether ``path`` is a directory with a megacpp ``config.json``."""
+    """True for a directory whose config.json says ``"model_type": "megacpp"``, False for one
+    without a config.json; an unreadable config.json, or one of another model type, is an
+    error naming it."""
     config = Path(path) / CONFIG_FILE
     if not config.is_file():
         return False
     try:
-        return json.loads(config.read_text("utf-8")).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError, AttributeError):
-        return False
+        model_type = json.loads(config.read_text("utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise MegaCppError(f"{config} is not a readable Hugging Face config ({exc})") from None
+    if model_type != MODEL_TYPE:
+        raise MegaCppError(f"{config} is a Hugging Face config of model_type {model_type!r}; "
+                           f"only megacpp exports (model_type {MODEL_TYPE!r}) load here")
+    return True
 
 
 # -- weights ----------------------------------------------------------------------------------
