@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import io
 import json
 import math
 import os
@@ -32,11 +31,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megacpp._io import CONFIG_LIMIT, JSON_LIMIT
-from megacpp.cli.main import main
 from megacpp.contract import capture_fingerprint
 from megacpp.data.shards import MANIFEST, MARKER
 from megacpp.receipts import write_receipt
 from megacpp.train.config import to_toml
+from tests.cli.test_cli_consistency import run_cli
 from tests.data.packed_fixtures import build_tiny
 from tests.infer.server_helpers import save_checkpoint, tiny_tokenizer
 
@@ -48,17 +47,6 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES =
 
 
 # ---- running a command and checking the contract -------------------------------------------
-
-def run_cli(args: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in args])
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
-
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every path under ``root`` with the sha256 of each regular file (its content)."""
@@ -78,7 +66,7 @@ def check_contract(args: list[str], root: Path, findings: tuple[int, ...] = ()) 
     (besides 0 and 2) the command uses to report a result, not an error (receipts show: 1
     for a modified artifact). Nothing under ``root`` may change."""
     before = snapshot(root)
-    code, _, err = run_cli(args)
+    code, _, err = run_cli(*args)
     assert "Traceback" not in err, (args, err[-3000:])
     if code not in (0, *findings):
         lines = err.strip().splitlines()
@@ -341,7 +329,7 @@ def test_hand_edited_configs_are_refused_before_anything_is_written(world, data)
             files[name].write_text(to_toml(data.draw(mutated(doc, toml=True))))
         before = snapshot(root)
         with contextlib.chdir(root):  # a relative out_dir lands here
-            code, _, err = run_cli(["train", "--config", str(files["run"]), "--no-progress"])
+            code, _, err = run_cli("train", "--config", str(files["run"]), "--no-progress")
         assert "Traceback" not in err and code == 2 and len(err.strip().splitlines()) == 1, err
         if "no dataset at" not in err:  # refused as a config: nothing written
             assert snapshot(root) == before, err
