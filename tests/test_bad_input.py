@@ -371,23 +371,16 @@ def test_a_damaged_metrics_log_is_refused_by_line(world, lines):
 
 # ---- option values ------------------------------------------------------------------------
 
+@pytest.mark.parametrize(("options", "values"), [
+    (["--max-new-tokens", "--n", "--top-k", "--seed"], BAD_INT_ARGS),
+    (["--temperature", "--top-p"], BAD_FLOAT_ARGS),
+], ids=["integer", "float"])
 @SETTINGS
-@given(option=st.sampled_from(["--max-new-tokens", "--n", "--top-k", "--seed"]),
-       value=BAD_INT_ARGS)
-def test_bad_integer_options_of_generate(world, option, value):
+@given(data=st.data())
+def test_bad_numeric_options_of_generate(world, options, values, data):
     args = ["generate", "--checkpoint", str(world["run"]), "--tokenizer",
             str(world["tokenizer"]), "--prompt", "int", "--max-new-tokens", "1",
-            "--device", "cpu", option, value]
-    with fresh(world) as scratch:
-        check_contract(args, scratch)
-
-
-@SETTINGS
-@given(option=st.sampled_from(["--temperature", "--top-p"]), value=BAD_FLOAT_ARGS)
-def test_bad_float_options_of_generate(world, option, value):
-    args = ["generate", "--checkpoint", str(world["run"]), "--tokenizer",
-            str(world["tokenizer"]), "--prompt", "int", "--max-new-tokens", "1",
-            "--device", "cpu", option, value]
+            "--device", "cpu", data.draw(st.sampled_from(options)), data.draw(values)]
     with fresh(world) as scratch:
         check_contract(args, scratch)
 
