@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from megacpp.infer.engine import Engine
-from megacpp.infer.generate import CPP_BODY_STOP
+from megacpp.infer.generate import close_function_body
 from megacpp.infer.sampling import SamplingParams
 
 
@@ -30,10 +30,9 @@ class BatchResult:
     completion_tokens: int
 
     def function_body(self) -> str:
-        """The completion of a C++ function whose prompt ends inside its body, stopped at
-        :data:`CPP_BODY_STOP` (a closing brace in column 0): that brace put back, so prompt +
-        completion is the whole function (as :class:`~megacpp.infer.generate.FunctionBodyGenerator`)."""
-        return self.text + CPP_BODY_STOP + "\n" if self.finish_reason == "stop" else self.text
+        """The completion of a C++ function whose prompt ends inside its body, with its closing
+        brace put back (:func:`~megacpp.infer.generate.close_function_body`)."""
+        return close_function_body(self.text, self.finish_reason)
 
 
 def run_batch(engine: Engine, requests: Iterable[BatchRequest],

@@ -114,6 +114,12 @@ def generate(
 CPP_BODY_STOP = "\n}"  # a closing brace in column 0 ends the function being completed
 
 
+def close_function_body(text: str, finish_reason: str) -> str:
+    """A function-body completion stopped at :data:`CPP_BODY_STOP` with that brace put back,
+    so prompt + completion is the whole function; any other ending is left as it is."""
+    return text + CPP_BODY_STOP + "\n" if finish_reason == "stop" else text
+
+
 class FunctionBodyGenerator:
     """Completes C++ function bodies (prompt ends inside the function): stops at the closing
     brace in column 0 and puts that brace back, so prompt + completion is a whole function."""
@@ -128,7 +134,5 @@ class FunctionBodyGenerator:
         out = []
         for prompt in prompts:
             completions = self.generator.complete(prompt, n, params)
-            out.append([c.text + CPP_BODY_STOP + "\n" if c.finish_reason == "stop" else c.text
-                        for c in completions])
+            out.append([close_function_body(c.text, c.finish_reason) for c in completions])
         return out
-
