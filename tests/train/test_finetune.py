@@ -220,6 +220,8 @@ def test_lora_adapters_are_saved_in_peft_format_and_merge_on_export(lora_run, so
     adapter_only = export_run(run_dir, tmp_path / "adapter", adapter_only=True)
     assert sorted(p.name for p in adapter_only.iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
+    exported = json.loads((adapter_only / "adapter_config.json").read_text())
+    assert exported["base_model_name_or_path"] == str(source_run)  # the run's init_from
     again = peft.PeftModel.from_pretrained(load_model(source_run), str(adapter_only))
     with torch.no_grad():
         assert torch.equal(again.eval()(ids).logits, expected)

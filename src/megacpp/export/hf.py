@@ -15,7 +15,6 @@ model's by construction (a copy would drift); the recipient installs megacpp.
 from __future__ import annotations
 
 import shutil
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megacpp._io import read_toml_bounded
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
 from megacpp.export import hf_format
@@ -63,11 +63,10 @@ def _load_source(path: Path, tokenizer: Path | None = None,
     model = read_trained_model(checkpoint, merge_adapters=merge_adapters)
     state = read_trainer_state(checkpoint)
     data_dir, seq_len = None, None
-    config = run_dir / "config.toml"
     try:  # provenance for the model card, where the run's dataset is still there
-        data_dir = Path(tomllib.loads(config.read_text("utf-8"))["data"]["dir"])
+        data_dir = Path(_run_config(run_dir)["data"]["dir"])
         seq_len = ShardedDataset.open(data_dir, verify=False).seq_len
-    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError, MegaCppError):
+    except (OSError, KeyError, TypeError, MegaCppError):
         data_dir = None
     tok = CppTokenizer.load(tokenizer) if tokenizer else read_checkpoint_tokenizer(checkpoint)
     if tok.vocab_size != model.cfg.vocab_size:
@@ -170,10 +169,17 @@ def export_adapter(path: Path, out: Path) -> Path:
 def _init_from(run_dir: Path) -> str:
     """The run's ``[train] init_from`` (the adapter's base model), or ""."""
     try:
-        return str(tomllib.loads((run_dir / "config.toml").read_text("utf-8"))["train"]
-                   .get("init_from", ""))
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return str(_run_config(run_dir)["train"].get("init_from", ""))
+    except (KeyError, AttributeError, MegaCppError):
         return ""
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.toml, read through the bounded reader (its provenance for the card and
+    the adapter; an export needs only the checkpoint, so callers treat an error as absent)."""
+    from megacpp.train.checkpoint import RUN_CONFIG_FILE
+
+    return read_toml_bounded(run_dir / RUN_CONFIG_FILE, what="run config")
 
 
 # -- reading ----------------------------------------------------------------------------------
