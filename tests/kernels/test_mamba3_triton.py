@@ -170,6 +170,31 @@ def test_interpreter_matches_reference() -> None:
     run_interpreter_check(__file__, "_interpreter_check")
 
 
+def _no_gate_backward_check() -> str:
+    """Without z the forward runs and the backward is refused with one clear error (the
+    compiled backward without z faulted on an H100) before any kernel starts."""
+    from megacpp.errors import MegaCppError
+    from megacpp.kernels.ops.mamba3_scan.op import mamba3_scan_triton
+
+    inputs, reset = make_inputs(batch=1, seqlen=20, groups=1, nheads=2, d_state=8, headdim=8,
+                                n_angles=2, dtype=torch.float32, device="cpu", seed=5)
+    kept = {n: t for n, t in inputs.items() if n != "z"}
+    y, _ = mamba3_scan_triton(**kept, reset=reset, chunk_size=16)
+    ref, _ = mamba3_scan_chunked(**{n: t.detach().double() for n, t in kept.items()},
+                                 reset=reset, chunk_size=16)
+    assert rel(y, ref) < 1e-5
+    try:
+        y.sum().backward()
+    except MegaCppError as exc:
+        assert "no backward without z" in str(exc), exc
+        return str(exc)
+    raise AssertionError("the backward without z ran")
+
+
+def test_interpreter_backward_without_the_gate_is_refused() -> None:
+    run_interpreter_check(__file__, "_no_gate_backward_check")
+
+
 # -- GPU -------------------------------------------------------------------------------------
 def _gpu_scan():
     from megacpp.kernels.ops.mamba3_scan.op import mamba3_scan_triton

@@ -55,3 +55,25 @@ def test_toml_errors(tmp_path):
         ModelConfig.from_toml(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="unknown preset 'nope'; presets: "):
         load_config("nope")
+
+
+def test_a_saved_config_without_the_mamba_output_norm_builds_the_model_it_was():
+    """A checkpoint's or export's config is complete: a mamba table without outproj_norm was
+    written before the option existed, by a model without the norm; a user's config without it
+    gets the default (the norm)."""
+    from megacpp.model.model import HybridLM
+
+    saved = ModelConfig.from_dict({"model": {"pattern": "AM", "vocab_size": 64, "d_model": 64},
+                                   "mamba": {"d_state": 16, "headdim": 16}}).to_dict()
+    assert saved["mamba"]["outproj_norm"] is True
+    for written, expected in ((True, True), (False, False), (None, False)):
+        data = {**saved, "mamba": dict(saved["mamba"])}
+        if written is None:
+            del data["mamba"]["outproj_norm"]
+        else:
+            data["mamba"]["outproj_norm"] = written
+        cfg = ModelConfig.from_saved(data)
+        assert cfg.mamba.outproj_norm is expected
+        keys = HybridLM(cfg).state_dict()
+        assert ("blocks.1.mixer.norm_weight" in keys) is expected
+        assert ModelConfig.from_dict(data).mamba.outproj_norm is (written is not False)

@@ -35,7 +35,8 @@ def test_forward_shape_and_dtype():
 def test_bf16_autocast_norms_b_and_c_with_matching_dtypes(monkeypatch):
     """Under bf16 autocast the B/C projections are bf16 and the norm weights float32: every
     rms_norm the mixer calls must get one dtype for input and weight (torch's nn.RMSNorm with
-    a float32 weight on bf16 input falls back to its unfused composite on CUDA)."""
+    a float32 weight on bf16 input falls back to its unfused composite on CUDA); the output
+    norm runs in float32 and applies its weight itself."""
     calls = []
     real = F.rms_norm
 
@@ -48,7 +49,46 @@ def test_bf16_autocast_norms_b_and_c_with_matching_dtypes(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = mixer(make_x(dtype=torch.float32))
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
-    assert len(calls) == 2 and all(x == w == torch.float32 for x, w in calls), calls
+    assert len(calls) == 3, calls
+    assert all(x == w == torch.float32 for x, w in calls[:2]), calls  # B and C
+    assert calls[2] == (torch.float32, None), calls  # the output norm
+
+
+def test_output_norm_is_the_written_out_expression():
+    """rms_norm(y * silu(z)) per head * norm_weight (Mamba-2's RMSNormGated with the gate
+    first and group_size = headdim), from the gated scan."""
+    from megacpp.kernels.ops.mamba3_scan.reference import mamba3_scan_chunked
+
+    mixer = make_mixer(outproj_norm=True)
+    with torch.no_grad():
+        mixer.norm_weight.uniform_(0.5, 1.5)
+    x = make_x()
+    y, _ = mamba3_scan_chunked(**mixer._scan_inputs(x), chunk_size=mixer.chunk_size)
+    w = mixer.norm_weight.view(mixer.nheads, mixer.headdim)
+    gated = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + mixer.norm_eps) * w
+    torch.testing.assert_close(mixer(x), mixer.out_proj(gated.flatten(2)))
+
+
+@pytest.mark.parametrize("outproj_norm", [True, False])
+def test_output_norm_bounds_the_output_whatever_the_state_holds(outproj_norm):
+    """The scan output (with its D skip) is linear in the x rows of in_proj: scaling them by
+    1000 scales an unnormed mixer's output by 1000 and leaves a normed one's unchanged, which
+    is what keeps the residual stream bounded when A*dt nears 0 and the state sums thousands
+    of inputs."""
+    mixer = make_mixer(outproj_norm=outproj_norm)
+    x = make_x()
+    before = mixer(x).detach()
+    d = mixer.d_inner
+    with torch.no_grad():
+        mixer.in_proj.weight[d: 2 * d] *= 1000.0
+    after = mixer(x).detach()
+    if outproj_norm:
+        # equal up to the norm's eps (1e-5 against the unscaled output's mean square)
+        torch.testing.assert_close(after, before, rtol=1e-2, atol=1e-3 * before.abs().max())
+        assert mixer.norm_weight.shape == (d,)
+    else:
+        torch.testing.assert_close(after, before * 1000.0)
+        assert mixer.norm_weight is None and "norm_weight" not in mixer.state_dict()
 
 
 def test_doc_ids_equal_running_each_document_alone():
@@ -110,7 +150,7 @@ def test_prefill_into_a_zero_cache_is_the_scan_without_initial_state():
     inputs = mixer._scan_inputs(x)
     zero = mixer.init_cache(2, dtype=F64)
     y_ref, final_ref = mamba3_scan_chunked(**inputs, initial_state=zero, chunk_size=8)
-    torch.testing.assert_close(y, mixer.out_proj(y_ref.flatten(2)), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(y, mixer._output(y_ref), rtol=1e-12, atol=1e-13)
     for got, want in zip(cache.tensors(), final_ref.tensors(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
 

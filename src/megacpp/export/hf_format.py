@@ -164,7 +164,7 @@ def read_model_config(path: Path) -> ModelConfig:
                            f"{config.get('model_type')!r}, not {MODEL_TYPE!r} (not a megacpp "
                            "export)")
     try:
-        return ModelConfig.from_dict(config.get("megacpp"))
+        return ModelConfig.from_saved(config.get("megacpp"))
     except ConfigError as exc:
         raise MegaCppError(f"{Path(path) / CONFIG_FILE}: its megacpp model config is invalid: "
                            f"{exc}") from None

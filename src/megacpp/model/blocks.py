@@ -52,6 +52,7 @@ def build_mixer(family: str, variant: str, cfg: ModelConfig) -> nn.Module:
             ngroups=m.ngroups,
             chunk_size=m.chunk_size,
             rope_fraction=m.rope_fraction,
+            outproj_norm=m.outproj_norm,
             norm_eps=cfg.norm_eps,
             init_std=cfg.init_std,
         )

@@ -9,7 +9,7 @@ A preset is a TOML file shipped in ``megacpp/configs/models/`` (``tiny``, ``nam5
 
     [model]        pattern, vocab_size, d_model, norm_eps, tie_embeddings, init_std
     [attention]    n_heads, n_kv_heads, head_dim, rope_base, qk_norm
-    [mamba]        d_state, headdim, expand, ngroups, chunk_size, rope_fraction
+    [mamba]        d_state, headdim, expand, ngroups, chunk_size, rope_fraction, outproj_norm
     [rnn]          n_heads, head_k_dim, head_v_dim, conv_size, chunk_size
     [moe]          n_experts, top_k, n_shared_experts, expert_ffn, bias_update_rate,
                    seq_aux_loss_coef, routed_scaling
@@ -50,6 +50,9 @@ class MambaConfig:
     ngroups: int = 1
     chunk_size: int = 64
     rope_fraction: float = 0.5
+    # per-head RMSNorm of the scan output before the silu(z) gate (mamba_ssm's
+    # is_outproj_norm); without it the output is unbounded and training diverges (docs/mamba3.md)
+    outproj_norm: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,16 @@ class ModelConfig:
     mtp: MtpConfig = field(default_factory=MtpConfig)
 
     # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_saved(cls, data: dict[str, Any]) -> ModelConfig:
+        """:meth:`from_dict` of a config a trained model was saved with (a checkpoint's or an
+        export's). A saved config is complete, so a field it lacks was added later, and the
+        model was built the way it was before that: a ``mamba`` table without
+        ``outproj_norm`` is of Mamba-3 layers without the output norm."""
+        if isinstance(data, dict) and isinstance(data.get("mamba"), dict):
+            data = {**data, "mamba": {"outproj_norm": False, **data["mamba"]}}
+        return cls.from_dict(data)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from ``{"model": {...}, "attention": {...}, ...}``; validates everything."""

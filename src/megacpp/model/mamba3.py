@@ -1,11 +1,12 @@
 """Mamba-3 SISO mixer (pattern letter ``M``): in_proj -> Mamba-3 scan -> out_proj.
 
-Follows ``mamba_ssm.modules.mamba3.Mamba3`` (SISO, ``is_outproj_norm=False``): one
-``in_proj`` yields ``[z, x, B, C, dd_dt, dd_A, trap, angles]``; dt = softplus(dd_dt +
-dt_bias); A = -softplus(dd_A) <= -A_floor is data-dependent per token and head; B and C are
-RMS-normed per group, then biased and rotated per head inside the scan; there is no conv1d.
-The output is ``(y + D x) * silu(z)`` projected by ``out_proj``. The mixer has no pre-norm and
-no residual: the block wrapper does ``x + mixer(norm(x))``. Equations: docs/mamba3.md.
+Follows ``mamba_ssm.modules.mamba3.Mamba3`` (SISO): one ``in_proj`` yields ``[z, x, B, C,
+dd_dt, dd_A, trap, angles]``; dt = softplus(dd_dt + dt_bias); A = -softplus(dd_A) <= -A_floor
+is data-dependent per token and head; B and C are RMS-normed per group, then biased and
+rotated per head inside the scan; there is no conv1d. The output projected by ``out_proj`` is
+``rms_norm((y + D x) * silu(z))``, normed per head (Mamba-2's gated RMSNorm with the gate
+first, group size headdim), or ``(y + D x) * silu(z)`` with ``outproj_norm=False``. The mixer has no pre-norm and no
+residual: the block wrapper does ``x + mixer(norm(x))``. Equations: docs/mamba3.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ class Mamba3Mixer(nn.Module):
         rope_fraction: fraction of the N state dims that are rotated (in pairs).
         dt_min, dt_max, dt_init_floor: dt_bias init, dt ~ log-uniform[dt_min, dt_max] at init.
         A_floor: A = -softplus(dd_A) is clamped to at most -A_floor.
-        norm_eps: eps of the B and C RMSNorms.
+        outproj_norm: RMS-norm the gated scan output per head (weight ``norm_weight``
+            [d_inner]). Without it nothing bounds the output: when A*dt nears 0 the state sums
+            thousands of dt-weighted inputs.
+        norm_eps: eps of the B, C and output RMSNorms.
         init_std: std of the normal init of in_proj and out_proj weights.
     """
 
@@ -62,6 +66,7 @@ class Mamba3Mixer(nn.Module):
         dt_max: float = 1e-1,
         dt_init_floor: float = 1e-4,
         A_floor: float = 1e-4,
+        outproj_norm: bool = True,
         norm_eps: float = 1e-5,
         init_std: float = 0.02,
     ) -> None:
@@ -72,6 +77,7 @@ class Mamba3Mixer(nn.Module):
         self.n_angles = int(d_state * rope_fraction) // 2  # R rotated pairs
         self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
         self.A_floor, self.init_std = A_floor, init_std
+        self.outproj_norm, self.norm_eps = bool(outproj_norm), norm_eps
         self._validate(rope_fraction)
         self.nheads = self.d_inner // headdim
         H, G, N = self.nheads, ngroups, d_state
@@ -87,6 +93,8 @@ class Mamba3Mixer(nn.Module):
         self.B_norm = RMSNorm(N, norm_eps)
         self.C_norm = RMSNorm(N, norm_eps)
         self.D = nn.Parameter(torch.empty(H))
+        # the output norm's weight (mamba_ssm's RMSNormGated, group_size = headdim)
+        self.norm_weight = nn.Parameter(torch.empty(self.d_inner)) if self.outproj_norm else None
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
         self.dt_bias._no_weight_decay = True  # type: ignore[attr-defined]
         self.D._no_weight_decay = True  # type: ignore[attr-defined]
@@ -131,6 +139,8 @@ class Mamba3Mixer(nn.Module):
         self.B_bias.fill_(1.0)
         self.C_bias.fill_(1.0)
         self.D.fill_(1.0)
+        if self.norm_weight is not None:
+            self.norm_weight.fill_(1.0)
         self.B_norm.reset_parameters()
         self.C_norm.reset_parameters()
 
@@ -164,7 +174,7 @@ class Mamba3Mixer(nn.Module):
                         output_final_state=cache is not None)
         if cache is not None:
             cache.update_(final)
-        return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
+        return self._output(y)
 
     def step(self, x: Tensor, cache: Mamba3ScanState) -> Tensor:
         """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache."""
@@ -172,7 +182,16 @@ class Mamba3Mixer(nn.Module):
             raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
         y, final = mamba3_scan_recurrent(**self._scan_inputs(x), initial_state=cache)
         cache.update_(final)
-        return self.out_proj(y.flatten(2))
+        return self._output(y)
+
+    def _output(self, y: Tensor) -> Tensor:
+        """out_proj of the gated scan output y [B, L, H, P], with ``outproj_norm`` first
+        RMS-normed per head and scaled by ``norm_weight`` (float32 math)."""
+        if self.outproj_norm:
+            f32 = torch.promote_types(y.dtype, torch.float32)
+            weight = self.norm_weight.to(f32).view(self.nheads, self.headdim)
+            y = (F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight).to(y.dtype)
+        return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
 
     def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
         """Project x [B, L, d_model] (and its copies ``again``) into the scan's keyword

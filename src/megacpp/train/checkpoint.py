@@ -321,7 +321,7 @@ class CheckpointManager:
         have takes the RNG state of rank ``rank % writer's ranks``.
         """
         trainer_state = read_trainer_state(path)
-        saved = ModelConfig.from_dict(trainer_state["model_config"]).to_dict()
+        saved = ModelConfig.from_saved(trainer_state["model_config"]).to_dict()
         differ = _differences(saved, model_config.to_dict())
         if differ:
             raise CheckpointError(f"checkpoint {path} is of another model ({', '.join(differ)}); "
@@ -467,7 +467,7 @@ def read_trained_model(checkpoint: Path, device: str | torch.device = "cpu",
     from megacpp.train.finetune import add_lora, merge_lora, read_lora_state
 
     state = read_trainer_state(checkpoint)
-    model = HybridLM(ModelConfig.from_dict(state["model_config"]))
+    model = HybridLM(ModelConfig.from_saved(state["model_config"]))
     lora = read_lora_state(state)
     if lora is not None:
         add_lora(model, lora)

@@ -41,7 +41,7 @@ class MegaCppForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config):
         super().__init__(config)
-        self.model = HybridLM(ModelConfig.from_dict(config.megacpp))
+        self.model = HybridLM(ModelConfig.from_saved(config.megacpp))
         self.post_init()
 
     def _init_weights(self, module):

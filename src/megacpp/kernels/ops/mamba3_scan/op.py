@@ -316,6 +316,9 @@ class _Mamba3ScanFn(torch.autograd.Function):
     def backward(ctx, dy, *_state_grads):
         q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, rst, s_in, y_pre, *ops = (
             ctx.saved_tensors)
+        if z is None:  # refused before any launch: it faults on an H100 (docs/mamba3.md)
+            raise MegaCppError("mamba3_scan triton: no backward without z (the gate); pass z, "
+                               "or run the reference (mamba3_scan_chunked)")
         _cs_dtype, dot, fast = _precision(v)
         st = _common_strides(v, z, adt, dt, trap, angles)
         args = (q, k, v, adt, dt, trap, angles, q_bias, k_bias, D, z, rst)
