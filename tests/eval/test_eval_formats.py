@@ -220,3 +220,12 @@ def test_bad_or_ambiguous_files_give_one_error_line(capsys, tmp_path, records, a
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
         assert re.search(message, lines[0]), lines[0]
         assert "Traceback" not in out + err
+
+
+def test_mutation_check_skips_problems_without_a_reference(capsys, tmp_path):
+    path = write_jsonl(tmp_path / "mbcpp.jsonl", MBXP)
+    code, out, _ = megacpp(capsys, "mutation-check", "--problems", str(path), "--per-problem",
+                           "1", "--no-pch")
+    assert code == 0, out
+    assert "skipped 1 of 2 problems without a reference solution" in out
+    assert "1/1 mutants killed" in out
