@@ -15,8 +15,8 @@ from megacpp.eval import (
     reference_samples,
     verify_samples,
 )
-from megacpp.eval.problems import detect_layout
-from megacpp.eval.suite import LAYOUT_SUITES, read_suite_config, sidecar_path
+from megacpp.eval.problems import LAYOUTS, detect_layout
+from megacpp.eval.suite import FORMATS, LAYOUT_SUITES, read_suite_config, sidecar_path
 from tests.eval.conftest import make_verifier
 from tests.eval.problem_sets import HUMANEVALX, MBXP, MBXP_MD5, MULTIPL_E, write_jsonl
 from tests.eval.test_eval_cli import megacpp
@@ -142,6 +142,7 @@ def test_bad_suite_configs_are_refused(tmp_path, text, message):
 
 
 def test_layout_defaults_keep_humanevalx_and_link_nothing_else():
+    assert tuple(LAYOUTS) == FORMATS == tuple(LAYOUT_SUITES)
     assert LAYOUT_SUITES["humanevalx"].libs == ("crypto",)
     assert LAYOUT_SUITES["humanevalx"].headers == ("boost/any.hpp", "openssl/md5.h")
     for layout in ("multipl-e", "mbxp"):

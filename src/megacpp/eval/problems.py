@@ -34,7 +34,6 @@ from megacpp._io import MiB, decode_utf8, describe_size, parse_json, read_bounde
 from megacpp.errors import MegaCppError
 from megacpp.eval.cpp import BuildOptions, CppVerifier
 from megacpp.eval.suite import (
-    FORMATS,
     HUMANEVALX_SUITE,
     LAYOUT_SUITES,
     SuiteConfig,
@@ -91,10 +90,11 @@ class Layout:
     test_field: str
     markers: tuple[str, ...]  # any one of them (with the required fields) identifies it
     reference: bool  # canonical_solution is read (a string, or null/absent for none)
+    stop_tokens: bool = False  # a required stop_tokens list
 
     @property
     def required(self) -> tuple[str, ...]:
-        extra = ("stop_tokens",) if self.name == "multipl-e" else ()
+        extra = ("stop_tokens",) if self.stop_tokens else ()
         return (self.id_field, "prompt", self.test_field, *extra)
 
     def describe(self) -> str:
@@ -104,10 +104,9 @@ class Layout:
 
 LAYOUTS = {
     "humanevalx": Layout("humanevalx", "task_id", "test", ("declaration", "example_test"), True),
-    "multipl-e": Layout("multipl-e", "name", "tests", ("stop_tokens",), False),
+    "multipl-e": Layout("multipl-e", "name", "tests", ("stop_tokens",), False, stop_tokens=True),
     "mbxp": Layout("mbxp", "task_id", "test", ("entry_point", "description"), True),
 }
-assert tuple(LAYOUTS) == FORMATS
 
 
 @dataclass(frozen=True)
@@ -289,7 +288,7 @@ def _parse(layout: Layout, record: dict, where: str) -> Problem:
             if not isinstance(value, str):
                 raise ProblemSetError(f"{where}: field {name} must be a string")
             fields[name] = value
-    if "stop_tokens" in layout.required:
+    if layout.stop_tokens:
         stops = record.get("stop_tokens")
         if (not isinstance(stops, list) or not stops
                 or not all(isinstance(stop, str) and stop for stop in stops)):
