@@ -56,3 +56,18 @@ def test_humaneval_x_scores_a_checkpoint_and_writes_a_receipt(run_dir, tmp_path)
     assert receipt["kind"] == "eval" and "checkpoint" in json.dumps(receipt["config"])
     # the kernel backends the sampler ran (CPU: the references; MEGACPP_KERNELS unset)
     assert receipt["kernels"]["rmsnorm"] == "reference"
+
+
+def test_humaneval_x_samples_a_multipl_e_set(run_dir, tmp_path):
+    """Any problem set: MultiPL-E's names are the task ids, its suite's build is recorded."""
+    from tests.eval.problem_sets import MULTIPL_E, write_jsonl
+
+    problems = write_jsonl(tmp_path / "humaneval-cpp.jsonl", MULTIPL_E)
+    out = tmp_path / "mpe"
+    megacpp("eval", "humaneval-x", "--checkpoint", str(run_dir), "--out", str(out), "--n", "1",
+            "--problems", str(problems), "--max-new-tokens", "8", "--seed", "0", "--workers", "1",
+            "--no-pch")
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["task_id"] for s in samples] == ["HumanEval_0_add", "HumanEval_1_sum_vector"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["build"]["libs"] == [] and summary["problems"]["available"] == 2

@@ -84,7 +84,7 @@ GOOD = {"task_id": "CPP/0", "prompt": "p", "canonical_solution": "s", "test": "t
 def test_malformed_files_are_refused(tmp_path, lines, message):
     path = _gzip_lines(tmp_path / "bad.jsonl.gz", lines)
     with pytest.raises(ProblemSetError, match=message):
-        load_problems(path)
+        load_problems(path, layout="humanevalx")
 
 
 def test_a_file_that_is_not_gzip_is_refused(tmp_path):

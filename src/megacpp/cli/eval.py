@@ -1,7 +1,9 @@
 """``megacpp eval ...``: the verifier-first C++ evaluation harness.
 
-Commands: ``sandbox-info``, ``run`` (one file), ``verify-reference`` (HumanEval-X canonical
-solutions), ``mutation-check``, ``score`` (pass@k of completions from a JSONL file).
+Commands: ``sandbox-info``, ``run`` (one file), ``verify-reference`` (a problem set's canonical
+solutions), ``mutation-check``, ``score`` (pass@k of completions from a JSONL file),
+``humaneval-x`` (sample a checkpoint on a problem set and score it). Problem sets load in the
+HumanEval-X, MultiPL-E and MBXP layouts; each builds with its suite config.
 """
 
 from __future__ import annotations
@@ -29,34 +31,40 @@ from megacpp.eval import (
     BuildOptions,
     CppVerifier,
     Limits,
+    Problem,
     Sample,
     SampleResult,
     Sandbox,
+    SuiteConfig,
     all_mutants,
     evaluate_samples,
-    humaneval_build_options,
-    load_problems,
-    locate_problems,
+    load_problem_set,
     read_samples,
     reference_samples,
     select_problems,
     verify_samples,
 )
 from megacpp.eval.cpp import RUN_LIMITS
-from megacpp.eval.problems import check_humaneval_toolchain
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console(highlight=False)
 T = TypeVar("T")
 
 ProblemsOpt = Annotated[Path | None, typer.Option(
-    "--problems", help="HumanEval-X C++ jsonl.gz (default: $MEGACPP_EVAL_DATA, then "
-                       "the copy shipped in the package).")]
+    "--problems", help="Problem set, .jsonl or .jsonl.gz (default: $MEGACPP_EVAL_DATA, then "
+                       "the HumanEval-X C++ copy shipped in the package).")]
+FormatOpt = Annotated[str | None, typer.Option(
+    "--format", help="Problem layout: humanevalx, multipl-e or mbxp (default: detected from "
+                     "the fields).")]
+SuiteConfigOpt = Annotated[Path | None, typer.Option(
+    "--suite-config", help="Suite config TOML: std, flags, libs, headers (default: "
+                           "<name>.suite.toml beside the problem file, else the layout's).")]
 WorkersOpt = Annotated[int, typer.Option(help="Parallel compile+run workers.")]
 LimitOpt = Annotated[int | None, typer.Option(help="Only the first N problems.")]
 TaskOpt = Annotated[list[str] | None, typer.Option(
     "--task", help="Only this task id (repeatable), e.g. CPP/0.")]
-StdOpt = Annotated[str, typer.Option(help="C++ standard passed as -std=.")]
+StdOpt = Annotated[str | None, typer.Option(
+    help="C++ standard passed as -std= (default: the suite's, c++17 unless it says).")]
 SanitizeOpt = Annotated[bool, typer.Option(
     "--sanitize", help="Build with ASan + UBSan (slower; catches out-of-bounds reads).")]
 PchOpt = Annotated[bool, typer.Option(
@@ -144,10 +152,12 @@ def run(
 @app.command("verify-reference")
 def verify_reference(
     problems: ProblemsOpt = None,
+    problem_format: FormatOpt = None,
+    suite_config: SuiteConfigOpt = None,
     workers: WorkersOpt = DEFAULT_WORKERS,
     limit: LimitOpt = None,
     task: TaskOpt = None,
-    std: StdOpt = "c++17",
+    std: StdOpt = None,
     sanitize: SanitizeOpt = False,
     pch: PchOpt = True,
     linker: LinkerOpt = "auto",
@@ -155,10 +165,12 @@ def verify_reference(
     out: Annotated[Path | None, typer.Option(
         help="Write samples.jsonl, summary.json and an eval receipt here.")] = None,
 ) -> None:
-    """Run every canonical solution against its tests; exit 0 only if all pass."""
-    problem_file = locate_problems(problems)
-    selected = select_problems(load_problems(problem_file), task or (), limit)
-    verifier = _humaneval_verifier(std, sanitize, pch, linker, isolation)
+    """Run every canonical solution against its tests; exit 0 only if all pass. Problems
+    without a reference solution are skipped and counted."""
+    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
+    problem_file = problem_set.path
+    selected = _with_reference(select_problems(problem_set.problems, task or (), limit))
+    verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
     samples = reference_samples(selected)
     if out is None:
         results, wall_s = _with_progress("reference solutions", len(samples), lambda tick: (
@@ -179,6 +191,8 @@ def verify_reference(
 @app.command("mutation-check")
 def mutation_check(
     problems: ProblemsOpt = None,
+    problem_format: FormatOpt = None,
+    suite_config: SuiteConfigOpt = None,
     workers: WorkersOpt = DEFAULT_WORKERS,
     limit: LimitOpt = None,
     task: TaskOpt = None,
@@ -193,10 +207,11 @@ def mutation_check(
     """Check that wrong solutions fail: mutate each reference once per mutant and verify."""
     if per_problem < 1:
         raise MegaCppError(f"--per-problem must be >= 1, got {per_problem}")
-    selected = select_problems(load_problems(problems), task or (), limit)
+    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
+    selected = _with_reference(select_problems(problem_set.problems, task or (), limit))
     mutants = all_mutants(selected, per_problem)
     samples = [Sample(m.task_id, i, m.completion) for i, m in enumerate(mutants)]
-    verifier = _humaneval_verifier("c++17", sanitize, pch, linker, isolation)
+    verifier = _suite_verifier(problem_set.suite, None, sanitize, pch, linker, isolation)
     results, wall_s = _with_progress("mutants", len(samples), lambda tick: verify_samples(
         verifier, selected, samples, workers=workers, on_result=tick))
     survivors = [(m, r) for m, r in zip(mutants, results) if r.verdict.passed]
@@ -220,23 +235,25 @@ def score(
         help='JSONL of {"task_id": ..., "completion": ...}; several lines per task = n samples.')],
     out: Annotated[Path, typer.Option(help="Directory for samples.jsonl, summary.json, receipt.json.")],
     problems: ProblemsOpt = None,
+    problem_format: FormatOpt = None,
+    suite_config: SuiteConfigOpt = None,
     k: Annotated[list[int] | None, typer.Option(
         "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
     model: Annotated[str, typer.Option(help="Model name recorded in the receipt.")] = "unknown",
     temperature: Annotated[float | None, typer.Option(
         help="Sampling temperature recorded in the receipt.")] = None,
     workers: WorkersOpt = DEFAULT_WORKERS,
-    std: StdOpt = "c++17",
+    std: StdOpt = None,
     sanitize: SanitizeOpt = False,
     pch: PchOpt = True,
     linker: LinkerOpt = "auto",
     isolation: IsolationOpt = None,
 ) -> None:
     """pass@k of completions read from a file (the offline path of the pass@k driver)."""
-    problem_file = locate_problems(problems)
-    all_problems = load_problems(problem_file)
+    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
+    problem_file, all_problems = problem_set.path, problem_set.problems
     samples = read_samples(samples_file)
-    verifier = _humaneval_verifier(std, sanitize, pch, linker, isolation)
+    verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
     per_task = Counter(s.task_id for s in samples)
     sampling = {"n": min(per_task.values()), "temperature": temperature,
                 "source": str(samples_file)}
@@ -266,28 +283,32 @@ def humaneval_x(
     limit: LimitOpt = None,
     task: TaskOpt = None,
     problems: ProblemsOpt = None,
+    problem_format: FormatOpt = None,
+    suite_config: SuiteConfigOpt = None,
     k: Annotated[list[int] | None, typer.Option(
         "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     workers: WorkersOpt = DEFAULT_WORKERS,
-    std: StdOpt = "c++17",
+    std: StdOpt = None,
     sanitize: SanitizeOpt = False,
     pch: PchOpt = True,
     linker: LinkerOpt = "auto",
     isolation: IsolationOpt = None,
 ) -> None:
-    """Sample completions of HumanEval-X C++ prompts from a checkpoint and score pass@k."""
+    """Sample completions of a problem set's prompts (HumanEval-X C++ by default) from a
+    checkpoint and score pass@k."""
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.eval import SamplingSettings, evaluate_generator
     from megacpp.infer.generate import FunctionBodyGenerator, TextGenerator
     from megacpp.kernels.runtime import chosen_kernels
 
     device = resolve_device(device)
-    problem_file = locate_problems(problems)
-    chosen = select_problems(load_problems(problem_file), task or (), limit)
-    verifier = _humaneval_verifier(std, sanitize, pch, linker, isolation)
+    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
+    problem_file = problem_set.path
+    chosen = select_problems(problem_set.problems, task or (), limit)
+    verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
     model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
                                           fallback_to_previous=fallback_to_previous)
     generate = FunctionBodyGenerator(TextGenerator(model, tok, device), max_new_tokens)
@@ -309,14 +330,29 @@ def humaneval_x(
     console.print(f"wrote {', '.join(str(p) for p in report.files.values())}")
 
 
-def _humaneval_verifier(std: str, sanitize: bool, pch: bool, linker: str,
-                        isolation: str | None) -> CppVerifier:
+def _suite_verifier(suite: SuiteConfig, std: str | None, sanitize: bool, pch: bool,
+                    linker: str, isolation: str | None) -> CppVerifier:
+    """A verifier with the suite's build (``std`` overrides its standard), after checking
+    the headers and libraries the suite needs."""
     sandbox = Sandbox(isolation)
-    build = humaneval_build_options(std=std, sanitize=sanitize, pch=pch,
-                                    linker=None if linker == "default" else linker)
+    build = suite.build_options(std=std, sanitize=sanitize, pch=pch,
+                                linker=None if linker == "default" else linker)
     verifier = CppVerifier(build, sandbox)
-    check_humaneval_toolchain(verifier)
+    suite.check_toolchain(verifier)
     return verifier
+
+
+def _with_reference(problems: Sequence[Problem]) -> list[Problem]:
+    """The problems that have a reference solution; says how many were skipped."""
+    with_reference = [problem for problem in problems if problem.has_reference]
+    skipped = len(problems) - len(with_reference)
+    if skipped:
+        console.print(f"skipped {skipped} of {len(problems)} problems without a reference "
+                      "solution")
+    if not with_reference:
+        raise MegaCppError(f"none of the {len(problems)} selected problems has a reference "
+                           "solution (canonical_solution); nothing to verify")
+    return with_reference
 
 
 def _with_progress(what: str, total: int,
@@ -342,7 +378,8 @@ def _print_verification(results: Sequence[SampleResult], wall_s: float, workers:
         f"median compile {statistics.median(compile_s):.3f} s, median run "
         f"{statistics.median(run_s) if run_s else float('nan'):.4f} s"
     )
-    console.print(f"[dim]-std={build.std} sanitize={build.sanitize} pch={build.pch} "
+    console.print(f"[dim]-std={build.std} flags={' '.join(build.flags) or '-'} "
+                  f"libs={','.join(build.libs) or '-'} sanitize={build.sanitize} pch={build.pch} "
                   f"linker={build.linker or 'default'} isolation={verifier.sandbox.isolation.value}[/]")
     failures = [r for r in results if not r.verdict.passed]
     if failures:

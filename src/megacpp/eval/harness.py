@@ -131,8 +131,9 @@ def verify_samples(
 
 
 def reference_samples(problems: Iterable[Problem]) -> list[Sample]:
-    """One sample per problem: its canonical solution."""
-    return [Sample(problem.task_id, 0, problem.canonical_solution) for problem in problems]
+    """One sample per problem that has a canonical solution: that solution."""
+    return [Sample(problem.task_id, 0, problem.canonical_solution) for problem in problems
+            if problem.canonical_solution is not None]
 
 
 def evaluate_generator(

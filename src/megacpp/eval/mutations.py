@@ -39,6 +39,8 @@ def _parser() -> tree_sitter.Parser:
 
 def mutants(problem: Problem, per_problem: int) -> list[Mutant]:
     """Up to ``per_problem`` single-token mutants, spread evenly over the solution."""
+    if problem.canonical_solution is None:
+        return []
     prefix = problem.prompt.encode()
     source = prefix + problem.canonical_solution.encode()
     edits = [edit for edit in _edits(_parser().parse(source).root_node, source)
@@ -73,4 +75,6 @@ def _apply(problem: Problem, source: bytes, prefix_len: int, start: int, end: in
 
 
 def all_mutants(problems: Sequence[Problem], per_problem: int) -> list[Mutant]:
-    return [mutant for problem in problems for mutant in mutants(problem, per_problem)]
+    """The mutants of every problem that has a reference solution (the others have none)."""
+    return [mutant for problem in problems if problem.has_reference
+            for mutant in mutants(problem, per_problem)]
