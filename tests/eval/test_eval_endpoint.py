@@ -239,7 +239,8 @@ def _json(status: int, body: object, headers: dict[str, str] | None = None) -> A
     (_json(404, {"error": {"message": "The model `m` does not exist.", "type": "NotFoundError",
                            "param": None, "code": 404}}), (), 2, "does not serve model 'm'"),
     (_json(401, {"error": {"message": "bad key"}}), (), 2, "--api-key"),
-])
+], ids=["503-every-time", "not-json", "no-choices", "too-few-choices", "text-not-a-string",
+        "no-such-route", "unknown-model", "bad-key"])
 def test_a_failing_or_misbehaving_server_is_one_line(answer, extra, code, needle, tmp_path,
                                                       capsys):
     with scripted(answer) as server:

@@ -25,7 +25,7 @@ from megacpp._io import JSON_LIMIT
 from megacpp.errors import MegaCppError, describe_error
 from megacpp.eval.harness import SamplingSettings
 
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
 MAX_BACKOFF_S = 30.0  # the longest wait between attempts, Retry-After included
 CONNECT_TIMEOUT_S = 10.0
 URL_EXAMPLE = "http://127.0.0.1:8000/v1"
@@ -190,7 +190,7 @@ async def _post(client: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, A
         else:
             if 200 <= status < 300:
                 return _decode(content, endpoint, what)
-            if status not in RETRY_STATUSES:
+            if status not in RETRY_STATUSES and status < 500:
                 raise await _refusal(client, endpoint, status, content)
             failure = f"HTTP {status} ({_error_message(content)})"
             wait_s = _retry_after(headers.get("retry-after"), wait_s)
