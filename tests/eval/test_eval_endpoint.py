@@ -228,7 +228,8 @@ def _json(status: int, body: object, headers: dict[str, str] | None = None) -> A
 @pytest.mark.parametrize("answer, extra, code, needle", [
     (_json(503, {"error": {"message": "loading"}}), ("--retries", "1"), 1,
      "after 2 attempt(s); the last: HTTP 503 (loading)"),
-    (lambda _b, _n: (200, {}, b"<html>gateway</html>"), (), 1, "a body that is not JSON"),
+    (lambda _b, _n: (200, {}, b"<html>gateway</html>"), (), 1,
+     "answered CPP/0 with a body that is not JSON: '<html>gateway</html>'"),
     (_json(200, {"object": "text_completion"}), (), 1,
      "malformed completion response: no 'choices' list"),
     (_json(200, {"choices": [{"index": 0, "text": "x"}]}), ("--n", "2"), 1,
@@ -259,6 +260,7 @@ def test_an_unreachable_or_stalled_server_is_one_line(tmp_path, capsys):
                            "--out", str(tmp_path), "--limit", "1", "--retries", "1")
     line = error_line(err)
     assert code == 1 and "after 2 attempt(s); the last: ConnectError" in line, line
+    assert "ConnectionRefusedError" in line
     with scripted(lambda body, _n: (200, {}, openai_answer(body)), delay_s=3) as server:
         started = time.monotonic()
         code, _, err = megacpp(capsys, "--endpoint", server.url, "--model", "m", "--out",

@@ -386,7 +386,7 @@ def _score_endpoint(server: Endpoint, chosen: Sequence[Problem], sampling: Sampl
     sampled, sampling_s = _with_progress(
         "completions", sampling.n * len(chosen), verb="sampling", work=lambda tick: (
             sample_endpoint(server, [p.prompt for p in chosen], sampling, (CPP_BODY_STOP,),
-                            on_completion=tick)))
+                            names=[p.task_id for p in chosen], on_completion=tick)))
     samples = [Sample(problem.task_id, index, close_function_body(c.text, c.finish_reason or ""))
                for problem, per_problem in zip(chosen, sampled.completions)
                for index, c in enumerate(per_problem)]

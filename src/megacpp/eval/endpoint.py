@@ -108,21 +108,24 @@ def sample_endpoint(
     settings: SamplingSettings,
     stop: Sequence[str] = (),
     *,
+    names: Sequence[str] | None = None,
     on_completion: Callable[[Completion], None] | None = None,
 ) -> EndpointSamples:
     """``settings.n`` completions of every prompt from ``endpoint``, in prompt order.
-    ``on_completion`` is called once per completion received (progress)."""
+    ``names`` (e.g. task ids) name the prompts in errors; ``on_completion`` is called once
+    per completion received (progress)."""
+    names = list(names) if names is not None else [f"prompt {p}" for p in range(len(prompts))]
     per_request = endpoint.n_per_request or settings.n
     chunks = [(p, start, min(per_request, settings.n - start))
               for p in range(len(prompts)) for start in range(0, settings.n, per_request)]
     result = EndpointSamples(completions=[[] for _ in prompts], served_models=[])
-    return asyncio.run(_sample_all(endpoint, prompts, settings, tuple(stop), chunks, result,
-                                   on_completion))
+    return asyncio.run(_sample_all(endpoint, prompts, names, settings, tuple(stop), chunks,
+                                   result, on_completion))
 
 
-async def _sample_all(endpoint: Endpoint, prompts: Sequence[str], settings: SamplingSettings,
-                      stop: tuple[str, ...], chunks: list[tuple[int, int, int]],
-                      result: EndpointSamples,
+async def _sample_all(endpoint: Endpoint, prompts: Sequence[str], names: Sequence[str],
+                      settings: SamplingSettings, stop: tuple[str, ...],
+                      chunks: list[tuple[int, int, int]], result: EndpointSamples,
                       on_completion: Callable[[Completion], None] | None) -> EndpointSamples:
     pieces: dict[tuple[int, int], list[Completion]] = {}
     pending = iter(chunks)
@@ -135,8 +138,8 @@ async def _sample_all(endpoint: Endpoint, prompts: Sequence[str], settings: Samp
         async def worker() -> None:
             for p, start, count in pending:  # one shared iterator: each chunk goes to one worker
                 body = _request_body(endpoint, prompts[p], settings, stop, start, count)
-                answer = await _post(client, endpoint, body, f"prompt {p}", result)
-                completions, model = _parse_completions(answer, count, endpoint, f"prompt {p}")
+                answer = await _post(client, endpoint, body, names[p], result)
+                completions, model = _parse_completions(answer, count, endpoint, names[p])
                 if model is not None and model not in result.served_models:
                     result.served_models.append(model)
                 pieces[(p, start)] = completions
@@ -186,7 +189,7 @@ async def _post(client: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, A
         except (httpx.TransportError, TimeoutError) as exc:  # refused, reset, timed out
             failure = (f"no response within {endpoint.timeout_s:g} s"
                        if isinstance(exc, TimeoutError | httpx.TimeoutException)
-                       else describe_error(exc))
+                       else _transport_failure(exc))
         else:
             if 200 <= status < 300:
                 return _decode(content, endpoint, what)
@@ -199,6 +202,20 @@ async def _post(client: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, A
             await asyncio.sleep(wait_s)
     raise EndpointError(f"{endpoint.public_url()}: no usable answer for {what} after "
                         f"{endpoint.retries + 1} attempt(s); the last: {failure}")
+
+
+def _transport_failure(exc: BaseException) -> str:
+    """The error and, where it wraps one, the operating system's reason (httpx says "All
+    connection attempts failed"; the OSError beneath it is ConnectionRefusedError)."""
+    cause = exc.__cause__ or exc.__context__
+    for _ in range(8):  # a short chain; never loop on a cyclic one
+        if cause is None or (isinstance(cause, OSError) and cause.errno):
+            break
+        cause = cause.__cause__ or cause.__context__
+    else:
+        cause = None
+    reason = f" ({describe_error(cause)})" if cause is not None else ""
+    return describe_error(exc) + reason
 
 
 async def _send(client: httpx.AsyncClient, endpoint: Endpoint,
