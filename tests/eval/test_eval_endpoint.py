@@ -240,8 +240,10 @@ def _json(status: int, body: object, headers: dict[str, str] | None = None) -> A
     (_json(404, {"error": {"message": "The model `m` does not exist.", "type": "NotFoundError",
                            "param": None, "code": 404}}), (), 2, "does not serve model 'm'"),
     (_json(401, {"error": {"message": "bad key"}}), (), 2, "--api-key"),
+    (lambda _b, _n: (200, {}, b" " * ((64 << 20) + 1)), (), 1,
+     "sent a response of more than 64 MiB; refusing to read it"),
 ], ids=["503-every-time", "not-json", "no-choices", "too-few-choices", "text-not-a-string",
-        "no-such-route", "unknown-model", "bad-key"])
+        "no-such-route", "unknown-model", "bad-key", "huge-body"])
 def test_a_failing_or_misbehaving_server_is_one_line(answer, extra, code, needle, tmp_path,
                                                       capsys):
     with scripted(answer) as server:
