@@ -2,8 +2,9 @@
 
 Commands: ``sandbox-info``, ``run`` (one file), ``verify-reference`` (a problem set's canonical
 solutions), ``mutation-check``, ``score`` (pass@k of completions from a JSONL file),
-``humaneval-x`` (sample a checkpoint on a problem set and score it). Problem sets load in the
-HumanEval-X, MultiPL-E and MBXP layouts; each builds with its suite config.
+``humaneval-x`` (sample a problem set from a checkpoint or an OpenAI-compatible endpoint, then
+score it). Problem sets load in the HumanEval-X, MultiPL-E and MBXP layouts; each builds with
+its suite config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -30,10 +32,12 @@ from megacpp.eval import (
     DEFAULT_KS,
     BuildOptions,
     CppVerifier,
+    EvalReport,
     Limits,
     Problem,
     Sample,
     SampleResult,
+    SamplingSettings,
     Sandbox,
     SuiteConfig,
     all_mutants,
@@ -45,6 +49,7 @@ from megacpp.eval import (
     verify_samples,
 )
 from megacpp.eval.cpp import RUN_LIMITS
+from megacpp.eval.endpoint import Endpoint, completions_url, sample_endpoint
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console(highlight=False)
@@ -273,7 +278,6 @@ def score(
 
 @app.command("humaneval-x")
 def humaneval_x(
-    checkpoint: Annotated[Path, typer.Option(help="Run directory or checkpoints/step_N directory.")],
     out: Annotated[Path, typer.Option(help="Directory for samples.jsonl, summary.json, receipt.json.")],
     n: Annotated[int, typer.Option(help="Samples per problem.")] = 10,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.8,
@@ -296,11 +300,41 @@ def humaneval_x(
     pch: PchOpt = True,
     linker: LinkerOpt = "auto",
     isolation: IsolationOpt = None,
+    checkpoint: Annotated[Path | None, typer.Option(
+        help="Run directory or checkpoints/step_N directory (or sample from --endpoint).")] = None,
+    endpoint: EndpointOpt = None,
+    endpoint_model: EndpointModelOpt = None,
+    api_key: ApiKeyOpt = None,
+    concurrency: ConcurrencyOpt = 8,
+    retries: RetriesOpt = 3,
+    request_timeout: RequestTimeoutOpt = 600.0,
+    n_per_request: NPerRequestOpt = None,
 ) -> None:
     """Sample completions of a problem set's prompts (HumanEval-X C++ by default) from a
-    checkpoint and score pass@k."""
+    checkpoint, or from an OpenAI-compatible server (--endpoint URL --model NAME), and score
+    pass@k."""
+    if endpoint is not None or endpoint_model is not None:
+        if checkpoint is not None or tokenizer is not None or fallback_to_previous:
+            raise MegaCppError("--endpoint samples from a server: --checkpoint, --tokenizer and "
+                               "--fallback-to-previous are for a local model")
+        server = _endpoint(endpoint, endpoint_model, api_key, concurrency, retries,
+                           request_timeout, n_per_request)
+        problem_set = load_problem_set(problems, layout=problem_format,
+                                       suite_config=suite_config)
+        problem_file = problem_set.path
+        chosen = select_problems(problem_set.problems, task or (), limit)
+        verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
+        sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
+                                    max_new_tokens=max_new_tokens, seed=seed)
+        _print_report(_score_endpoint(server, chosen, sampling, verifier=verifier,
+                                      out_dir=out, workers=workers, ks=tuple(k or DEFAULT_KS),
+                                      problem_file=problem_file))
+        return
+    if checkpoint is None:
+        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
+                           "NAME (an OpenAI-compatible server)")
     from megacpp.cli._checkpoint import load_for_inference
-    from megacpp.eval import SamplingSettings, evaluate_generator
+    from megacpp.eval import evaluate_generator
     from megacpp.infer.generate import FunctionBodyGenerator, TextGenerator
     from megacpp.kernels.runtime import chosen_kernels
 
@@ -321,6 +355,10 @@ def humaneval_x(
                "params": sum(p.numel() for p in model.parameters())},
         ks=tuple(k or DEFAULT_KS), on_result=tick, problem_file=problem_file,
         kernels=chosen_kernels))
+    _print_report(report)
+
+
+def _print_report(report: EvalReport) -> None:
     table = Table("metric", "value")
     for kk, value in report.pass_at_k.items():
         table.add_row(f"pass@{kk}", f"{value:.4f}")
@@ -328,6 +366,62 @@ def humaneval_x(
     table.add_row("statuses", ", ".join(f"{s}={c}" for s, c in sorted(report.status_counts.items())))
     console.print(table)
     console.print(f"wrote {', '.join(str(p) for p in report.files.values())}")
+
+
+# ---- sampling from an OpenAI-compatible server (megacpp.eval.endpoint) ------------------------
+
+EndpointOpt = Annotated[str | None, typer.Option(
+    "--endpoint", help="Sample from an OpenAI-compatible server instead of a checkpoint: its "
+                       "base URL, e.g. http://127.0.0.1:8000/v1 (vLLM, TGI, megacpp serve).")]
+EndpointModelOpt = Annotated[str | None, typer.Option(
+    "--model", help="With --endpoint: the model name to request.")]
+ApiKeyOpt = Annotated[str | None, typer.Option(
+    "--api-key", envvar="OPENAI_API_KEY", show_envvar=True,
+    help="With --endpoint: bearer token for the server (not recorded).")]
+ConcurrencyOpt = Annotated[int, typer.Option(help="With --endpoint: requests in flight at most.")]
+RetriesOpt = Annotated[int, typer.Option(
+    help="With --endpoint: further attempts after a connection error, timeout, 429 or 5xx.")]
+RequestTimeoutOpt = Annotated[float, typer.Option(
+    help="With --endpoint: seconds one request may take.")]
+NPerRequestOpt = Annotated[int | None, typer.Option(
+    help="With --endpoint: completions asked per request (default: all n in one); for servers "
+         "that cap or ignore n.")]
+
+
+def _endpoint(url: str | None, model: str | None, api_key: str | None, concurrency: int,
+              retries: int, timeout_s: float, n_per_request: int | None) -> Endpoint:
+    if url is None or model is None:
+        raise MegaCppError("--endpoint URL and --model NAME go together: the server's URL and "
+                           "the model it serves")
+    return Endpoint(completions_url(url), model, api_key=api_key or None, timeout_s=timeout_s,
+                    retries=retries, concurrency=concurrency, n_per_request=n_per_request)
+
+
+def _score_endpoint(server: Endpoint, chosen: Sequence[Problem], sampling: SamplingSettings,
+                    **evaluate) -> EvalReport:
+    """Sample every problem's completions from ``server``, then verify and score them
+    (``evaluate``: :func:`evaluate_samples`'s verifier, out_dir, workers, ks, problem_file)."""
+    from megacpp.infer.generate import CPP_BODY_STOP, close_function_body
+
+    console.print(f"sampling {sampling.n} completions for each of {len(chosen)} problems from "
+                  f"{server.model} at {server.public_url()}")
+    sampled, sampling_s = _with_progress(
+        "completions", sampling.n * len(chosen), verb="sampling", work=lambda tick: (
+            sample_endpoint(server, [p.prompt for p in chosen], sampling, (CPP_BODY_STOP,),
+                            names=[p.task_id for p in chosen], on_completion=tick)))
+    samples = [Sample(problem.task_id, index, close_function_body(c.text, c.finish_reason or ""))
+               for problem, per_problem in zip(chosen, sampled.completions)
+               for index, c in enumerate(per_problem)]
+    served = sampled.served_models
+    model = {"endpoint": server.public_url(), "requested": server.model,
+             "name": served[0] if len(served) == 1 else (served or None)}
+    settings = {**asdict(sampling), "stop": [CPP_BODY_STOP], "n_per_request": server.n_per_request,
+                "concurrency": server.concurrency, "retries": server.retries,
+                "request_timeout_s": server.timeout_s, "requests": sampled.requests,
+                "retried": sampled.retried, "sampling_s": round(sampling_s, 3)}
+    report, _ = _with_progress("samples", len(samples), lambda tick: evaluate_samples(
+        chosen, samples, model=model, sampling=settings, on_result=tick, **evaluate))
+    return report
 
 
 def _suite_verifier(suite: SuiteConfig, std: str | None, sanitize: bool, pch: bool,
@@ -355,13 +449,13 @@ def _with_reference(problems: Sequence[Problem]) -> list[Problem]:
     return with_reference
 
 
-def _with_progress(what: str, total: int,
-                   work: Callable[[Callable[[object], None]], T]) -> tuple[T, float]:
+def _with_progress(what: str, total: int, work: Callable[[Callable[[object], None]], T],
+                   verb: str = "verifying") -> tuple[T, float]:
     """Run ``work(tick)`` under a progress bar; returns its result and the elapsed seconds."""
     started = time.monotonic()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=Console(stderr=True)) as progress:
-        task_id = progress.add_task(f"verifying {what}", total=total)
+        task_id = progress.add_task(f"{verb} {what}", total=total)
         result = work(lambda _result: progress.advance(task_id))
     return result, time.monotonic() - started
 
