@@ -10,7 +10,8 @@ import pytest
 from megacpp.errors import ConfigError
 from megacpp.eval import BuildOptions, CppVerifier, Sandbox, Status, leading_system_includes
 from megacpp.eval.cpp import PCH_MANIFEST, _pch_is_fresh
-from tests.eval.conftest import make_verifier
+from tests.eval.conftest import TEST_COMPILE_LIMITS, TEST_RUN_LIMITS, make_verifier
+from tests.eval.hostile_programs import GROW_UNTIL_REFUSED
 
 OK = "#include <cstdio>\nint main() { std::puts(\"hi\"); return 0; }\n"
 EXIT_1 = "int main() { return 1; }\n"
@@ -63,9 +64,16 @@ def test_the_sanitizer_build_catches_what_a_plain_build_passes(verifier):
 
 
 def test_a_sanitized_build_still_enforces_the_memory_limit():
-    verdict = make_verifier(sanitize=True).verify(
-        "int main() { char *p = new char[64ULL << 30]; return p[0]; }\n")
+    """RLIMIT_AS is lifted for ASan: the run's cgroup, or ASan's RSS limit, stops growth."""
+    sanitized = CppVerifier(BuildOptions(sanitize=True), Sandbox("namespaces"),
+                            compile_limits=TEST_COMPILE_LIMITS,
+                            run_limits=TEST_RUN_LIMITS.replace(memory_bytes=128 << 20))
+    verdict = sanitized.verify(GROW_UNTIL_REFUSED)
     assert verdict.status is Status.MEMORY_LIMIT, verdict
+    # One request larger than the whole limit is ASan's report, with the limit never reached.
+    verdict = sanitized.verify("int main() { char *p = new char[64ULL << 30]; return p[0]; }\n")
+    assert verdict.status is Status.CRASHED, verdict
+    assert "AddressSanitizer: allocation-size-too-big" in verdict.detail
 
 
 @pytest.mark.parametrize(("source", "headers"), [

@@ -64,12 +64,13 @@ def test_pass_at_k_from_a_generator(selected, humaneval_verifier, tmp_path):
     assert set(report.pass_at_k) == {1, 2}  # k=10 > n=3 has no unbiased estimate
     assert report.pass_at_k[1] == pytest.approx((1 + 2 / 3 + 0 + 1 / 3) / 4)
     assert report.pass_at_k[2] == pytest.approx((1 + 1 + 0 + 2 / 3) / 4)
-    assert report.status_counts == {"passed": 6, "crashed": 6}
+    assert report.status_counts == {"passed": 6, "failed": 6}  # `throw 1` escapes main
 
     lines = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
     assert [(r["task_id"], r["sample"]) for r in lines] == [(t, i) for t in TASKS for i in range(3)]
     assert lines[3]["completion"] == lines[4]["completion"] != WRONG  # CPP/2, both canonical
-    assert lines[5]["status"] == "crashed" and "terminate" in lines[5]["stderr"]
+    assert lines[5]["status"] == "failed" and "terminate" in lines[5]["stderr"]
+    assert lines[5]["detail"] == "uncaught exception of type int"
 
     summary = json.loads((tmp_path / SUMMARY_FILE).read_text())
     assert summary["pass_at_k"] == {"pass@1": report.pass_at_k[1], "pass@2": report.pass_at_k[2]}

@@ -107,13 +107,23 @@ def test_a_sleeping_program_is_killed_at_the_wall_clock_deadline(verifier):
     assert elapsed < 1.5 + TEST_COMPILE_LIMITS.wall_s
 
 
-@pytest.mark.parametrize("program", [ALLOCATE_64_GB, GROW_UNTIL_REFUSED], ids=["64GB", "grow"])
-def test_huge_allocations_hit_the_memory_limit(any_verifier, program):
-    verdict = any_verifier.verify(program)
+def test_growing_allocations_hit_the_memory_limit(any_verifier):
+    verdict = any_verifier.verify(GROW_UNTIL_REFUSED)
     assert verdict.status is Status.MEMORY_LIMIT, verdict
     assert "bad_alloc" in verdict.stderr
-    if program is GROW_UNTIL_REFUSED:  # it really grew, up to (not past) the limit
-        assert verdict.max_rss_kb * 1024 <= TEST_RUN_LIMITS.memory_bytes
+    # it really grew, up to (not past) the limit
+    assert TEST_RUN_LIMITS.memory_bytes // 2 < verdict.max_rss_kb * 1024
+    assert verdict.max_rss_kb * 1024 <= TEST_RUN_LIMITS.memory_bytes
+
+
+def test_a_64_gb_request_is_refused_without_being_called_a_memory_limit(any_verifier):
+    """Refused at once with a few MiB in use: the limit was never reached, and the uncaught
+    std::bad_alloc is the program's own failure."""
+    verdict = any_verifier.verify(ALLOCATE_64_GB)
+    assert verdict.status is Status.FAILED, verdict
+    assert "allocated" not in verdict.stdout
+    assert verdict.detail.startswith("uncaught exception of type std::bad_alloc"), verdict.detail
+    assert "below 25% of the 512.0 MiB limit" in verdict.detail
 
 
 def test_a_10_gb_file_is_stopped_at_the_file_size_limit(any_verifier):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -10,6 +11,10 @@ from typing import Any
 from megacpp.eval.sandbox import Execution, Limits
 
 STDERR_EXCERPT_CHARS = 2000
+
+# A refused allocation is memory_limit only with at least this share of the limit in use at peak:
+# growth by doubling (std::vector, std::string) is refused holding a third of it or more.
+NEAR_LIMIT_SHARE = 0.25
 
 # Messages a program (or its sanitizer runtime) prints when an allocation is refused.
 _OUT_OF_MEMORY_MARKERS = (
@@ -21,6 +26,17 @@ _OUT_OF_MEMORY_MARKERS = (
     b"hard rss limit exhausted",
     b"memory exhausted",
 )
+# The sanitizer's own RSS check: by construction the run reached its limit.
+_RSS_LIMIT_MARKER = b"hard rss limit exhausted"
+
+# How the C++ runtimes report an exception nothing caught (then std::terminate aborts).
+_LIBSTDCXX_UNCAUGHT = re.compile(
+    r"terminate called after throwing an instance of '(?P<type>[^\n]*)'"
+    r"(?:\n[ \t]*what\(\):[ \t]*(?P<what>[^\n]*))?")
+_LIBCXX_UNCAUGHT = re.compile(
+    r"libc\+\+abi: terminating (?:due to|with) uncaught exception of type "
+    r"(?P<type>[^\n]+?)(?:: (?P<what>[^\n]*))?(?:\n|$)")
+_MESSAGE_CHARS = 300
 
 
 class Status(str, Enum):
@@ -114,14 +130,61 @@ def _classify(execution: Execution, limits: Limits) -> tuple[Status, str]:
         return Status.OUTPUT_LIMIT, f"tried to write a file larger than {limits.file_bytes} bytes"
     if sig is None and execution.exit_code == 0:
         return Status.PASSED, "exit code 0"
-    if any(marker in execution.stderr for marker in _OUT_OF_MEMORY_MARKERS):
-        return Status.MEMORY_LIMIT, _memory_detail(limits)
+    if _reached_the_memory_limit(execution, limits):
+        return Status.MEMORY_LIMIT, _memory_detail(execution, limits)
+    exception = _uncaught_exception(execution)
+    if exception is not None:
+        return Status.FAILED, exception + _far_below_the_limit(execution, limits)
     assertion = _failed_assertion(execution)
     if assertion is not None:
         return Status.FAILED, assertion
     if sig is not None:
-        return Status.CRASHED, f"killed by {_signal_name(sig)}{_sanitizer_summary(execution)}"
+        return Status.CRASHED, f"killed by {_signal_name(sig)}{_crash_summary(execution)}"
     return Status.FAILED, f"exit code {execution.exit_code}"
+
+
+def _reached_the_memory_limit(execution: Execution, limits: Limits) -> bool:
+    """An allocation was refused because the run used (nearly) all of its memory.
+
+    A refusal with little in use is a request no limit could meet (a length read out of
+    bounds, a negative size): the program's own error, classified like any other."""
+    if _RSS_LIMIT_MARKER in execution.stderr:
+        return True
+    if not any(marker in execution.stderr for marker in _OUT_OF_MEMORY_MARKERS):
+        return False
+    share = _peak_share(execution, limits)
+    return share is not None and share >= NEAR_LIMIT_SHARE
+
+
+def _memory_limit_bytes(limits: Limits) -> int | None:
+    """The limit a refused allocation runs into: RLIMIT_AS, else (sanitizer builds) the run's."""
+    return limits.memory_bytes if limits.memory_bytes is not None else limits.run_memory_bytes()
+
+
+def _peak_share(execution: Execution, limits: Limits) -> float | None:
+    """Peak resident memory of the program as a share of its memory limit (None: unknown)."""
+    limit = _memory_limit_bytes(limits)
+    if limit is None or execution.max_rss_kb is None:
+        return None
+    return execution.max_rss_kb * 1024 / limit
+
+
+def _uncaught_exception(execution: Execution) -> str | None:
+    """'uncaught std::runtime_error: what() text' when an exception ended the program.
+
+    Either side may have thrown it (a test that signals failure by throwing, a solution that
+    throws): an exception escaping main is a defined outcome of the program, not a crash."""
+    if execution.signal != signal.SIGABRT:
+        return None
+    text = execution.stderr.decode("utf-8", "replace")
+    found = _LIBSTDCXX_UNCAUGHT.search(text) or _LIBCXX_UNCAUGHT.search(text)
+    if found is None:
+        return None
+    detail = f"uncaught exception of type {found['type'].strip()}"
+    what = (found["what"] or "").strip()
+    if what:
+        detail += f": {_shorten(what)}"
+    return detail
 
 
 def _failed_assertion(execution: Execution) -> str | None:
@@ -130,22 +193,46 @@ def _failed_assertion(execution: Execution) -> str | None:
         return None
     for line in execution.stderr.decode("utf-8", "replace").splitlines():
         if "Assertion `" in line and line.rstrip().endswith("failed."):
-            return f"assertion failed: {line[line.index('Assertion `'):].strip()}"
+            return f"assertion failed: {_shorten(line[line.index('Assertion `'):].strip())}"
     return None
 
 
-def _memory_detail(limits: Limits) -> str:
-    if limits.memory_bytes is None:
-        return "an allocation was refused"
-    return f"an allocation was refused (address-space limit {limits.memory_bytes >> 20} MiB)"
+def _far_below_the_limit(execution: Execution, limits: Limits) -> str:
+    """For a refused allocation that is not memory_limit: how little the run had in use."""
+    if not any(marker in execution.stderr for marker in _OUT_OF_MEMORY_MARKERS):
+        return ""
+    limit = _memory_limit_bytes(limits)
+    if limit is None or execution.max_rss_kb is None:
+        return ""
+    return (f" (refused with {_mib_text(execution.max_rss_kb * 1024)} in use at peak, "
+            f"below {NEAR_LIMIT_SHARE:.0%} of the {_mib_text(limit)} limit)")
 
 
-def _sanitizer_summary(execution: Execution) -> str:
-    """' (AddressSanitizer: heap-buffer-overflow)' when a sanitizer report explains the crash."""
+def _memory_detail(execution: Execution, limits: Limits) -> str:
+    if _RSS_LIMIT_MARKER in execution.stderr:
+        return "the sanitizer's resident-memory limit was exhausted"
+    limit = _memory_limit_bytes(limits) or 0  # known: the share was computed from it
+    kind = "address-space" if limits.memory_bytes is not None else "memory"
+    return (f"an allocation was refused with {_mib_text((execution.max_rss_kb or 0) * 1024)} "
+            f"in use at peak ({kind} limit {_mib_text(limit)})")
+
+
+def _crash_summary(execution: Execution) -> str:
+    """' (AddressSanitizer: heap-buffer-overflow)' when the runtime said why it aborted."""
     for line in execution.stderr.decode("utf-8", "replace").splitlines():
         if line.startswith("SUMMARY: "):
-            return f" ({line.removeprefix('SUMMARY: ').strip()})"
+            return f" ({_shorten(line.removeprefix('SUMMARY: ').strip())})"
+        if line.startswith("terminate called"):  # without an active exception, recursively
+            return f" ({_shorten(line.strip())})"
     return ""
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + "..."
+
+
+def _mib_text(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _signal_name(number: int | None) -> str | None:
