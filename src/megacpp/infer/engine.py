@@ -1,6 +1,7 @@
 """The serving engine: continuous batching over the hybrid model's paged caches.
 
-The engine schedules and coordinates; it does not touch the model. One ``Engine.step()`` is
+The engine schedules and coordinates; the model runner alone runs the model. One
+``Engine.step()`` is
 
 1. ``Scheduler.schedule()`` (:mod:`megacpp.infer.scheduler`) decides the round: which
    requests run, how many tokens each (a prefill chunk or one decode token), and which blocks
