@@ -118,13 +118,13 @@ def test_equal_length_prompts_prefill_in_one_forward_and_equal_alone(model, toke
     prompts = _prompts(model.cfg.vocab_size, lengths=(6, 6, 6, 6, 11, 11))
     engine = _engine(model, tokenizer, prefill_chunk=24)
     groups = []
-    run_prefill = engine._run_prefill
+    run_prefill = engine.runner._run_prefill
 
     def spy(chunks):  # records how many rows each prefill forward carried
         groups.append(len(chunks))
         return run_prefill(chunks)
 
-    engine._run_prefill = spy
+    engine.runner._run_prefill = spy
     together = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
     assert max(groups) >= 2
     for i, prompt in enumerate(prompts):

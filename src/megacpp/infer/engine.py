@@ -1,11 +1,21 @@
 """The serving engine: continuous batching over the hybrid model's paged caches.
 
-``Engine.step()`` runs one scheduling round (see :mod:`megacpp.infer.scheduler`): each
-prefill chunk is one forward of one row (M/R states and KV carried between chunks), and all
-decoding sequences advance together in one batched forward where every row sits at its own
-position. Sampling is per request (its own ``torch.Generator``, seeded when ``seed`` is set);
-greedy is exact argmax, so a sequence's greedy tokens do not depend on what it was batched
-with (up to floating-point summation order, which the float64 tests rule out).
+The engine schedules and coordinates; the model runner alone runs the model. One
+``Engine.step()`` is
+
+1. ``Scheduler.schedule()`` (:mod:`megacpp.infer.scheduler`) decides the round: which
+   requests run, how many tokens each (a prefill chunk or one decode token), and which blocks
+   and state slot each writes -- a :class:`~megacpp.infer.scheduler.SchedulerOutput`;
+2. ``ModelRunner.execute()`` (:mod:`megacpp.infer.model_runner`) turns it into the model's
+   inputs, runs the forward (CUDA graphs or eager) and samples -- a
+   :class:`~megacpp.infer.model_runner.ModelRunnerOutput`;
+3. :meth:`Engine.update_from_output` consumes the sampled tokens: it advances each request's
+   computed tokens, appends the tokens, detokenizes, applies stop / EOS / length, and finishes
+   requests (freeing their blocks and slot).
+
+Sampling is per request (its own ``torch.Generator``, seeded when ``seed`` is set); greedy is
+exact argmax, so a sequence's greedy tokens do not depend on what it was batched with (up to
+floating-point summation order, which the float64 tests rule out).
 
 The model's multi-token-prediction heads (``[mtp]``) are not used for serving.
 The engine is single-threaded: one thread calls add_request / abort / step.
@@ -21,10 +31,10 @@ from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import ConfigError, MegaCppError
 from megacpp.infer.cache_manager import CacheManager, default_num_blocks
 from megacpp.infer.detokenize import IncrementalDetokenizer, StopText
-from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
-from megacpp.infer.sampling import SamplingParams, sample_rows
-from megacpp.infer.scheduler import PrefillChunk, Scheduler, Sequence
-from megacpp.model.cache import PagedBatch
+from megacpp.infer.graphs import DecodeGraphs
+from megacpp.infer.model_runner import ModelRunner, ModelRunnerOutput
+from megacpp.infer.sampling import SamplingParams
+from megacpp.infer.scheduler import Scheduler, SchedulerOutput, Sequence
 from megacpp.model.model import HybridLM
 
 
@@ -121,16 +131,26 @@ class Engine:
             dtype=self.dtype,
         )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.prefill_chunk)
-        self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
-            max_width = -(-config.max_model_len // config.block_size)
-            decode_fn = compiled_decode_fn(self.model) if config.compile_decode else None
-            self.graphs = DecodeGraphs(
-                self.model, self.cache, config.max_num_seqs, max_width, decode_fn
-            )
+        self.runner = ModelRunner(
+            self.model,
+            self.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            cuda_graphs=config.cuda_graphs,
+            compile_decode=config.compile_decode,
+        )
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[RequestOutput] = []  # reported by the next step()
         self._prompt_tokens = self._generated_tokens = 0
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The runner's captured decode graphs (None: eager decode)."""
+        return self.runner.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        self.runner.graphs = graphs
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(
@@ -222,98 +242,26 @@ class Engine:
     # -- one round -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting sequences, run the prefill chunks and one batched decode step;
-        outputs for every request that produced tokens, finished or was aborted."""
+        """Schedule one round, run it, and apply its tokens; outputs for every request that
+        produced a token, finished or was aborted."""
         outputs, self._aborted = self._aborted, []
-        plan = self.scheduler.schedule()
-        sampled: list[tuple[Sequence, int]] = []
-        for group in _equal_length_groups(plan.prefills):
-            logits = self._run_prefill(group)  # [len(group), V]
-            done = []
-            for i, chunk in enumerate(group):
-                chunk.seq.num_computed = chunk.end
-                if chunk.completes:
-                    done.append(i)
-            if done:
-                sampled += self._sample([group[i].seq for i in done], logits[done])
-        if plan.decodes:
-            logits = self._run_decode(plan.decodes)
-            for seq in plan.decodes:
-                seq.num_computed += 1
-            sampled += self._sample(plan.decodes, logits)
-        for seq, token in sampled:
-            out = self._append_token(seq, token)
-            if out is not None:
-                outputs.append(out)
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute(scheduled)
+        return outputs + self.update_from_output(scheduled, result)
+
+    def update_from_output(
+        self, scheduled: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """The scheduled tokens are in the caches now; append each sampled token and finish
+        the requests that stop (their blocks and slot go back to the free lists)."""
+        for work in (*scheduled.prefills, *scheduled.decodes):
+            self.sequences[work.request_id].num_computed = work.end
+        outputs = []
+        for rid, token in zip(result.request_ids, result.sampled_token_ids, strict=True):
+            outputs.append(self._append_token(self.sequences[rid], token))
         return outputs
 
-    def _run_prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
-        """Chunks of equal length, one row each, through the model in one forward -> logits
-        [len(chunks), V] at each row's last token. (Rows are never padded: padding would run
-        the M/R recurrences over tokens that are not there.)"""
-        dev = self.device
-        ids = torch.tensor([c.seq.token_ids[c.start : c.end] for c in chunks], device=dev)
-        positions = torch.stack([torch.arange(c.start, c.end, device=dev) for c in chunks])
-        seqs = [c.seq for c in chunks]
-        batch = PagedBatch(
-            positions=positions,  # [B, L]
-            slot_mapping=torch.cat([
-                self._slot_mapping(c.seq.request_id, row) for c, row in zip(chunks, positions)
-            ]),
-            block_tables=self._block_tables(seqs, max(c.end for c in chunks)),
-            state_slots=torch.tensor([self.cache.slot_of[s.request_id] for s in seqs], device=dev),
-        )
-        return self.model.forward_paged(ids, self.cache.layers, batch)
-
-    def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Every decoding row's last token at its own position -> logits [B, V]."""
-        bs, tables = self.cache.block_size, self.cache.tables
-        ids = [s.token_ids[-1] for s in seqs]
-        pos = [s.num_computed for s in seqs]
-        slot_mapping = [tables[s.request_id][p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
-        state_slots = [self.cache.slot_of[s.request_id] for s in seqs]
-        if self.graphs is not None:
-            rows = [tables[s.request_id] for s in seqs]
-            return self.graphs.run(ids, pos, slot_mapping, state_slots, rows)
-        dev = self.device
-        batch = PagedBatch(
-            positions=torch.tensor(pos, device=dev)[:, None],
-            slot_mapping=torch.tensor(slot_mapping, device=dev),
-            block_tables=self._block_tables(seqs, max(pos) + 1),
-            state_slots=torch.tensor(state_slots, device=dev),
-        )
-        return self.model.forward_paged(torch.tensor(ids, device=dev)[:, None], self.cache.layers,
-                                        batch)
-
-    def _slot_mapping(self, seq_id: str, positions: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(self.cache.tables[seq_id], device=self.device)
-        bs = self.cache.block_size
-        return table[positions // bs] * bs + positions % bs
-
-    def _block_tables(self, seqs: list[Sequence], n_tokens: int) -> torch.Tensor:
-        """[B, ceil(n_tokens / block_size)] block ids, padded with the scratch block."""
-        width = -(-n_tokens // self.cache.block_size)
-        rows = []
-        for s in seqs:
-            table = self.cache.tables[s.request_id][:width]
-            rows.append(table + [self.cache.null_block] * (width - len(table)))
-        return torch.tensor(rows, device=self.device)
-
-    # -- sampling and outputs --------------------------------------------------------------------
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
-        """One token per row of ``logits`` [B, V], batched (a single host sync)."""
-        if all(s.generator is None for s in seqs):
-            tokens = logits.argmax(-1)
-        else:
-            params = torch.tensor(
-                [(s.params.temperature, s.params.top_p, _draw(s.generator)) for s in seqs],
-                dtype=torch.float64,
-            ).to(self.device)
-            top_k = torch.tensor([s.params.top_k for s in seqs]).to(self.device)
-            tokens = sample_rows(logits, params[:, 0], top_k, params[:, 1], params[:, 2])
-        return list(zip(seqs, tokens.tolist(), strict=True))
-
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput | None:
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
         self._generated_tokens += 1
         params = seq.params
@@ -348,18 +296,3 @@ class Engine:
             completion_tokens=seq.completion_len,
         )
 
-
-def _equal_length_groups(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-    """The step's prefill chunks grouped by length (first-seen order), so chunks of equal
-    length -- a burst of same-size prompts -- share one forward."""
-    groups: dict[int, list[PrefillChunk]] = {}
-    for chunk in chunks:
-        groups.setdefault(chunk.end - chunk.start, []).append(chunk)
-    return list(groups.values())
-
-
-def _draw(generator: torch.Generator | None) -> float:
-    """The next uniform [0, 1) of a request's generator (0 for greedy requests)."""
-    if generator is None:
-        return 0.0
-    return float(torch.rand((), generator=generator, dtype=torch.float64))

@@ -18,6 +18,11 @@ One :meth:`Scheduler.schedule` round, in this order:
 
 The oldest running sequence can always proceed (everything newer can be preempted, and the
 engine checks that one sequence at ``max_model_len`` fits), so the engine never deadlocks.
+
+The round's result is a :class:`SchedulerOutput`: for each request that runs, the tokens it
+feeds, their first position, its block table and state slot, and whether a token is sampled
+after them. The model runner (:mod:`megacpp.infer.model_runner`) needs nothing else; the
+engine then advances ``num_computed`` and appends the sampled tokens.
 """
 
 from __future__ import annotations
@@ -66,10 +71,40 @@ class PrefillChunk:
 
 
 @dataclass
-class ScheduleOutput:
+class _Plan:
+    """The round while it is being decided (preemption can still drop entries)."""
+
     prefills: list[PrefillChunk]
     decodes: list[Sequence]
     preempted: list[Sequence]
+
+
+@dataclass(eq=False, slots=True)
+class ScheduledRequest:
+    """One request's work in one step: feed ``token_ids`` at positions ``start..end-1``,
+    writing their KV into ``block_table``'s blocks and their M/R state into ``state_slot``."""
+
+    request_id: str
+    token_ids: list[int]  # a prefill chunk, or the last token when decoding
+    start: int  # position of token_ids[0] (= the tokens already in the caches)
+    block_table: list[int]  # the request's blocks in position order, covering end tokens
+    state_slot: int
+    sample: bool  # sample the next token after token_ids (decodes; a prompt's last chunk)
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own (None: greedy)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs in one step, oldest request first in each list."""
+
+    prefills: list[ScheduledRequest]  # prompt chunks, any length
+    decodes: list[ScheduledRequest]  # one token each
+    preempted: list[str]  # request ids sent back to the waiting queue this round
 
     @property
     def empty(self) -> bool:
@@ -96,31 +131,49 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.release(seq.request_id)
 
-    def schedule(self) -> ScheduleOutput:
-        out = ScheduleOutput([], [], [])
-        self._schedule_decodes(out)
-        budget = self._schedule_prefills(out, self.prefill_chunk)
-        self._admit(out, budget)
-        return out
+    def schedule(self) -> SchedulerOutput:
+        plan = _Plan([], [], [])
+        self._schedule_decodes(plan)
+        budget = self._schedule_prefills(plan, self.prefill_chunk)
+        self._admit(plan, budget)
+        return SchedulerOutput(
+            prefills=[self._scheduled(c.seq, c.start, c.end, c.completes) for c in plan.prefills],
+            decodes=[self._scheduled(s, s.num_computed, s.num_computed + 1, True)
+                     for s in plan.decodes],
+            preempted=[s.request_id for s in plan.preempted],
+        )
 
-    def _schedule_decodes(self, out: ScheduleOutput) -> None:
+    def _scheduled(self, seq: Sequence, start: int, end: int, sample: bool) -> ScheduledRequest:
+        rid = seq.request_id
+        return ScheduledRequest(
+            request_id=rid,
+            token_ids=seq.token_ids[start:end],
+            start=start,
+            block_table=self.cache.tables[rid],  # the live table: read during this step only
+            state_slot=self.cache.slot_of[rid],
+            sample=sample,
+            params=seq.params,
+            generator=seq.generator,
+        )
+
+    def _schedule_decodes(self, plan: _Plan) -> None:
         for seq in list(self.running):
             ready = seq.running and not seq.prefilling
-            if ready and self._reserve(seq, seq.num_computed + 1, out):
-                out.decodes.append(seq)
+            if ready and self._reserve(seq, seq.num_computed + 1, plan):
+                plan.decodes.append(seq)
 
-    def _schedule_prefills(self, out: ScheduleOutput, budget: int) -> int:
+    def _schedule_prefills(self, plan: _Plan, budget: int) -> int:
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.running and seq.prefilling:
                 end = min(seq.prefill_end, seq.num_computed + budget)
-                if self._reserve(seq, end, out):
-                    out.prefills.append(PrefillChunk(seq, seq.num_computed, end))
+                if self._reserve(seq, end, plan):
+                    plan.prefills.append(PrefillChunk(seq, seq.num_computed, end))
                     budget -= end - seq.num_computed
         return budget
 
-    def _admit(self, out: ScheduleOutput, budget: int) -> None:
+    def _admit(self, plan: _Plan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             end = min(len(seq.token_ids), budget)
@@ -132,27 +185,27 @@ class Scheduler:
             seq.num_computed, seq.prefill_end = 0, len(seq.token_ids)
             seq.running = True
             self.running.append(seq)
-            out.prefills.append(PrefillChunk(seq, 0, end))
+            plan.prefills.append(PrefillChunk(seq, 0, end))
             budget -= end
 
-    def _reserve(self, seq: Sequence, n_tokens: int, out: ScheduleOutput) -> bool:
+    def _reserve(self, seq: Sequence, n_tokens: int, plan: _Plan) -> bool:
         """Room for ``n_tokens`` tokens of ``seq``, preempting the newest running sequences
         as needed; False when ``seq`` itself was preempted."""
         while not self.cache.reserve(seq.request_id, n_tokens):
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self._preempt(victim, plan)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, out: ScheduleOutput) -> None:
+    def _preempt(self, seq: Sequence, plan: _Plan) -> None:
         self.running.remove(seq)
         seq.running = False
         self.cache.release(seq.request_id)
         seq.num_computed = seq.prefill_end = 0
-        if seq in out.decodes:
-            out.decodes.remove(seq)
-        out.prefills = [c for c in out.prefills if c.seq is not seq]
+        if seq in plan.decodes:
+            plan.decodes.remove(seq)
+        plan.prefills = [c for c in plan.prefills if c.seq is not seq]
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        plan.preempted.append(seq)
         self.preemptions += 1
