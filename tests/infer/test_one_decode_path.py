@@ -1,5 +1,5 @@
-"""Greedy decoding through the serving engine (paged caches) equals the contiguous-cache
-TextGenerator, token for token, for every layer family: A (GQA), A:mla, A:dsa (sparse: the
+"""Greedy decoding through TextGenerator (the serving engine, paged caches) equals the
+contiguous-cache decoder, token for token, for every layer family: A (GQA), A:mla, A:dsa (sparse: the
 prompts are longer than its top_k), M, R, E -- CPU, float32, several prompts, n > 1."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
+from megacpp.infer.batch import BatchRequest, run_batch
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.generate import TextGenerator
 from megacpp.infer.sampling import SamplingParams
@@ -46,27 +47,82 @@ def _model(pattern: str, vocab: int) -> HybridLM:
     return HybridLM(cfg).eval()
 
 
-def _engine_greedy(model, tokenizer, prompts: list[str], n: int) -> list[list[list[int]]]:
-    """Every prompt's n greedy completions (token ids, EOS left off) from one engine run."""
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, block_size=4,
-                                                   max_model_len=96, prefill_chunk=16))
-    for i, prompt in enumerate(prompts):
-        for j in range(n):
-            engine.add_request(f"{i}/{j}", prompt, GREEDY)
-    ids: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            ids.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason == "eos":
-                ids[out.request_id].pop()
-    return [[ids[f"{i}/{j}"] for j in range(n)] for i in range(len(prompts))]
+def _contiguous_greedy(model, tokenizer, prompt: str, n: int) -> list[list[int]]:
+    """The contiguous-cache decoder: n rows of the prompt prefilled together, then argmax
+    step by step; a row ends at EOS (left off) or after max_new_tokens."""
+    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]] * n)
+    cache = model.init_cache(n, ids.shape[1] + GREEDY.max_new_tokens)
+    with torch.no_grad():
+        logits = model.prefill(ids, cache)[:, -1]
+        rows: list[list[int]] = [[] for _ in range(n)]
+        done = [False] * n
+        for _ in range(GREEDY.max_new_tokens):
+            tokens = logits.argmax(-1)
+            for i, token in enumerate(tokens.tolist()):
+                if not done[i]:
+                    done[i] = token == tokenizer.eos_id
+                    if not done[i]:
+                        rows[i].append(token)
+            if all(done):
+                break
+            logits = model.decode_step(tokens, cache)
+    return rows
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_engine_greedy_equals_the_contiguous_text_generator(pattern, tokenizer):
+def test_engine_greedy_equals_the_contiguous_cache_decoder(pattern, tokenizer):
     model = _model(pattern, tokenizer.vocab_size)
-    generator = TextGenerator(model, tokenizer)
-    old = [[c.token_ids for c in generator.complete(p, 2, GREEDY)] for p in PROMPTS]
-    new = _engine_greedy(model, tokenizer, PROMPTS, 2)
+    generator = TextGenerator(model, tokenizer)  # the engine
+    new = [[c.token_ids for c in generator.complete(p, 2, GREEDY)] for p in PROMPTS]
+    old = [_contiguous_greedy(model, tokenizer, p, 2) for p in PROMPTS]
     assert new == old
     assert len({t for rows in old for row in rows for t in row}) > 4  # the tokens vary
+
+
+# The greedy tokens of the seeded float32 models above (vocabulary 600) for ID_PROMPTS,
+# EOS ignored: the tokens the contiguous-cache decoder produced, kept so the engine is held to
+# them. A change here means greedy decoding changed.
+ID_PROMPT_LENGTHS = (9, 30, 14, 23)
+RECORDED = {
+    "A E M R": [
+        [504, 36, 556, 233, 272, 412, 497, 319, 11, 53, 597, 425],
+        [224, 340, 159, 234, 354, 477, 395, 518, 548, 436, 215, 66],
+        [410, 379, 151, 293, 225, 309, 402, 68, 411, 101, 597, 350],
+        [588, 590, 125, 125, 125, 379, 554, 554, 588, 590, 419, 554]],
+    "A:mla M E": [
+        [294, 355, 374, 420, 389, 56, 228, 584, 188, 234, 580, 103],
+        [383, 167, 153, 357, 381, 436, 233, 140, 338, 372, 543, 145],
+        [140, 140, 140, 140, 140, 140, 140, 140, 140, 140, 140, 140],
+        [203, 140, 420, 56, 78, 372, 490, 48, 21, 372, 592, 333]],
+    "A:dsa R D": [
+        [57, 563, 165, 290, 597, 1, 88, 56, 28, 444, 404, 337],
+        [58, 325, 299, 143, 498, 256, 404, 502, 198, 521, 143, 238],
+        [177, 499, 487, 363, 355, 555, 127, 127, 107, 365, 15, 15],
+        [112, 177, 143, 227, 458, 266, 189, 88, 505, 555, 430, 363]],
+    "A M A:mla R A:dsa E": [
+        [7, 545, 221, 354, 524, 524, 291, 221, 197, 381, 553, 109],
+        [133, 279, 553, 291, 558, 558, 75, 372, 372, 372, 304, 199],
+        [148, 248, 13, 217, 94, 143, 289, 458, 372, 372, 84, 96],
+        [5, 5, 5, 218, 285, 285, 357, 291, 291, 291, 291, 291]],
+}
+
+
+def _id_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [[1, *torch.randint(3, 600, (n - 1,), generator=g).tolist()]
+            for n in ID_PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_engine_greedy_tokens_are_the_recorded_ones(pattern, tokenizer):
+    """Token-id prompts (no tokenizer in the loop), two rows each, batched in an engine of 4
+    rows with 4-token blocks and 16-token prefill chunks."""
+    model = _model(pattern, 600)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, block_size=4,
+                                                   max_model_len=64, prefill_chunk=16))
+    requests = [BatchRequest(f"{i}/{j}", ids, params)
+                for i, ids in enumerate(_id_prompts()) for j in range(2)]
+    results = run_batch(engine, requests)
+    for i, expected in enumerate(RECORDED[pattern]):
+        assert [results[f"{i}/{j}"].token_ids for j in range(2)] == [expected, expected]
