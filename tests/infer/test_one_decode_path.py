@@ -1,6 +1,7 @@
-"""Greedy decoding through TextGenerator (the serving engine, paged caches) equals the
-contiguous-cache decoder, token for token, for every layer family: A (GQA), A:mla, A:dsa (sparse: the
-prompts are longer than its top_k), M, R, E -- CPU, float32, several prompts, n > 1."""
+"""Greedy decoding through the serving engine (TextGenerator, run_batch) for every layer
+family: A (GQA), A:mla, A:dsa (sparse: the prompts are longer than its top_k), M, R, E, D --
+CPU, float32, several prompts, two rows each. Held to the full forward's argmax and to the
+greedy tokens recorded for these seeded models."""
 
 from __future__ import annotations
 
@@ -47,41 +48,28 @@ def _model(pattern: str, vocab: int) -> HybridLM:
     return HybridLM(cfg).eval()
 
 
-def _contiguous_greedy(model, tokenizer, prompt: str, n: int) -> list[list[int]]:
-    """The contiguous-cache decoder: n rows of the prompt prefilled together, then argmax
-    step by step; a row ends at EOS (left off) or after max_new_tokens."""
-    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]] * n)
-    cache = model.init_cache(n, ids.shape[1] + GREEDY.max_new_tokens)
-    with torch.no_grad():
-        logits = model.prefill(ids, cache)[:, -1]
-        rows: list[list[int]] = [[] for _ in range(n)]
-        done = [False] * n
-        for _ in range(GREEDY.max_new_tokens):
-            tokens = logits.argmax(-1)
-            for i, token in enumerate(tokens.tolist()):
-                if not done[i]:
-                    done[i] = token == tokenizer.eos_id
-                    if not done[i]:
-                        rows[i].append(token)
-            if all(done):
-                break
-            logits = model.decode_step(tokens, cache)
-    return rows
-
-
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_engine_greedy_equals_the_contiguous_cache_decoder(pattern, tokenizer):
+@pytest.mark.parametrize("pattern", [p for p in PATTERNS if p != "A:dsa R D"])
+def test_text_generator_greedy_equals_full_forward_argmax(pattern, tokenizer):
+    """TextGenerator (the engine) vs the uncached full forward. Not for the A:dsa-only model:
+    with 2 index heads exact indexer-score ties (ReLU zeros) are common, and the full
+    forward's top-k breaks them in ``topk`` order where decoding picks the earlier key --
+    the recorded tokens below hold that pattern."""
     model = _model(pattern, tokenizer.vocab_size)
-    generator = TextGenerator(model, tokenizer)  # the engine
-    new = [[c.token_ids for c in generator.complete(p, 2, GREEDY)] for p in PROMPTS]
-    old = [_contiguous_greedy(model, tokenizer, p, 2) for p in PROMPTS]
-    assert new == old
-    assert len({t for rows in old for row in rows for t in row}) > 4  # the tokens vary
+    generator = TextGenerator(model, tokenizer)
+    varied = set()
+    for prompt in PROMPTS:
+        rows = [c.token_ids for c in generator.complete(prompt, 2, GREEDY)]
+        assert rows[0] == rows[1]
+        ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + rows[0]])).logits[0, len(ids) - 1 : -1]
+        assert rows[0] == logits.argmax(-1).tolist()[: len(rows[0])]
+        varied |= set(rows[0])
+    assert len(varied) > 4  # the tokens vary
 
 
-# The greedy tokens of the seeded float32 models above (vocabulary 600) for ID_PROMPTS,
-# EOS ignored: the tokens the contiguous-cache decoder produced, kept so the engine is held to
-# them. A change here means greedy decoding changed.
+# The greedy tokens of the seeded float32 models above (vocabulary 600) for the token-id
+# prompts of _id_prompts, EOS ignored. A change here means greedy decoding changed.
 ID_PROMPT_LENGTHS = (9, 30, 14, 23)
 RECORDED = {
     "A E M R": [
