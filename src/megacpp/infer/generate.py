@@ -9,7 +9,8 @@ memory before anything is allocated.
 
 Sampling is per completion: sample ``j`` of a prompt draws from its own generator, seeded with
 ``seed + j`` (as the server seeds the ``n`` samples of one request), so a seeded run repeats
-exactly and a completion does not depend on what it was batched with. Greedy is argmax.
+exactly and a completion's random draws do not depend on what it was batched with. Greedy is
+argmax.
 """
 
 from __future__ import annotations
