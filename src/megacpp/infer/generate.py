@@ -54,13 +54,15 @@ class Completion:
 
 
 class TextGenerator:
-    """Generates text from a model and its tokenizer on ``device``; prompts begin with BOS."""
+    """Generates text from a model and its tokenizer on ``device`` (default: the model's);
+    prompts begin with BOS."""
 
     def __init__(self, model: HybridLM, tokenizer: CppTokenizer,
-                 device: str | torch.device = "cpu", max_num_seqs: int = MAX_NUM_SEQS) -> None:
+                 device: str | torch.device | None = None,
+                 max_num_seqs: int = MAX_NUM_SEQS) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else _device_of(model)
         self.dtype = next(model.parameters()).dtype
         self.max_num_seqs = max_num_seqs
 
@@ -131,9 +133,12 @@ def generate(
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed)
-    device = next(model.parameters()).device
-    (completion,) = TextGenerator(model, tokenizer, device).complete(prompt, 1, params)
+    (completion,) = TextGenerator(model, tokenizer).complete(prompt, 1, params)
     return completion.text
+
+
+def _device_of(model: HybridLM) -> torch.device:
+    return next(model.parameters()).device
 
 
 class FunctionBodyGenerator:
