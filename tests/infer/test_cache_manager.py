@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megacpp.errors import MegaCppError
 from megacpp.infer.cache_manager import CacheManager, IdAllocator
 from megacpp.model.attention import grouped_attention
-from megacpp.model.cache import PagedBatch, PagedPool
+from megacpp.model.cache import LockstepCache, PagedBatch, PagedPool
 from megacpp.model.model import HybridLM
 from tests.model.conftest import small_config
 
@@ -69,17 +69,20 @@ def test_a_new_slot_starts_from_the_empty_state():
 
 
 @pytest.mark.parametrize("pattern", ["AEMRD", "A:mlaMA:dsaR"])
-def test_paged_forward_with_rows_at_different_positions_equals_contiguous_decode(pattern):
+def test_paged_forward_with_rows_at_different_positions_equals_each_row_alone(pattern):
     """Two rows at lengths 5 and 9, blocks scattered through the pool, one batched decode
-    step: each row's logits equal its own contiguous-cache decode (float64)."""
+    step: each row's logits equal its own decode in a one-row cache and the full forward's
+    (float64)."""
     model, cache = _manager(pattern, num_blocks=8)
     g = torch.Generator().manual_seed(3)
     seqs = {"a": torch.randint(0, 97, (6,), generator=g), "b": torch.randint(0, 97, (10,), generator=g)}
     expected = []
     for tokens in seqs.values():
-        ref = model.init_cache(1, 16, "cpu", torch.float64)
-        model.prefill(tokens[None, :-1], ref)
-        expected.append(model.decode_step(tokens[-1:], ref))
+        ref = LockstepCache(model, 1, 16, "cpu", torch.float64)
+        model.forward_paged(tokens[None, :-1], ref.layers, ref.advance(len(tokens) - 1))
+        expected.append(model.forward_paged(tokens[None, -1:], ref.layers, ref.advance(1)))
+        torch.testing.assert_close(expected[-1][0], model(tokens[None]).logits[0, -1],
+                                   rtol=1e-9, atol=1e-9)
     cache.reserve("pad", 4)  # so the sequences' blocks are not 0, 1, 2...
     for sid, tokens in seqs.items():
         cache.open_slot(sid)

@@ -22,3 +22,23 @@ def small_config(pattern: str = "AEMRDAM", **model) -> ModelConfig:
 @pytest.fixture
 def cfg() -> ModelConfig:
     return small_config()
+
+
+def paged_decode(mixer, x, prompt: int, block_size: int = 4):
+    """An attention mixer over x [B, L, D] through a paged cache: the first ``prompt`` tokens
+    in one forward, then one token per step -> (outputs [B, L, D], the pool)."""
+    from itertools import pairwise
+
+    import torch
+
+    from megacpp.model.cache import PagedView, lockstep_batch, paged_pool
+
+    B, L, _ = x.shape
+    width = -(-L // block_size)
+    pool = paged_pool(mixer.paged_layout(), B * width, block_size, x.device, x.dtype)
+    tables = torch.arange(B * width).view(B, width)
+    bounds = [0, prompt, *range(prompt + 1, L + 1)]
+    parts = [mixer(x[:, lo:hi], cache=PagedView(pool, lockstep_batch(tables, block_size, lo,
+                                                                      hi - lo)))
+             for lo, hi in pairwise(bounds)]
+    return torch.cat(parts, dim=1), pool

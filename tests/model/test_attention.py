@@ -7,6 +7,7 @@ from megacpp.kernels.catalog import KernelSelectionError
 from megacpp.kernels.ops.document_attention.reference import document_causal_mask
 from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
 from megacpp.model.attention import GroupedQueryAttention
+from tests.model.conftest import paged_decode
 
 
 def _attn(qk_norm=True):
@@ -49,16 +50,12 @@ def test_packed_rows_go_through_the_document_attention_surface():
     clear_resolutions()
 
 
-def test_cached_prefill_and_steps_equal_full_forward():
+def test_paged_prefill_and_steps_equal_full_forward():
     attn = _attn()
     x = torch.randn(2, 9, 32, dtype=torch.float64)
-    full = attn(x)
-    cache = attn.init_cache(2, 16, torch.device("cpu"), torch.float64)
-    parts = [attn(x[:, :5], cache=cache)] + [
-        attn(x[:, t : t + 1], cache=cache) for t in range(5, 9)
-    ]
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
-    assert cache.length == 9
+    out, pool = paged_decode(attn, x, prompt=5)
+    torch.testing.assert_close(out, attn(x), rtol=1e-10, atol=1e-10)
+    assert set(pool.tensors) == {"k", "v"} and pool.tensors["k"].shape == (6, 4, 2, 8)
 
 
 def test_compiled_attention_reads_rope_tables_it_does_not_recompute():

@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from megacpp.model.cache import LockstepCache
 from megacpp.model.config import ModelConfig, load_config
 from megacpp.model.counting import count_model
 from megacpp.model.model import HybridLM, next_token_labels
@@ -68,18 +69,19 @@ def test_small_cut13_forward_backward_reaches_every_parameter():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-4)])
-def test_small_cut13_cached_decode_reproduces_full_forward(dtype, tol):
+def test_small_cut13_paged_decode_reproduces_full_forward(dtype, tol):
     model = _model(dtype)
     ids = _tokens(2, 14)
     full = model(ids).logits
-    cache = model.init_cache(2, 14, dtype=dtype)
-    prefill = model.prefill(ids[:, :6], cache)
-    steps = [model.decode_step(ids[:, t], cache) for t in range(6, 14)]
+    cache = LockstepCache(model, 2, 14, dtype=dtype, block_size=4)
+    prefill = model.forward_paged(ids[:, :6], cache.layers, cache.advance(6), all_positions=True)
+    steps = [model.forward_paged(ids[:, t : t + 1], cache.layers, cache.advance(1))
+             for t in range(6, 14)]
     torch.testing.assert_close(
         torch.cat([prefill, torch.stack(steps, 1)], 1), full, rtol=tol, atol=tol
     )
-    families = cache.bytes_by_family()
-    assert set(families) == {"A", "M", "R"}
+    cached = {b.family for b, pool in zip(model.blocks, cache.layers, strict=True) if pool}
+    assert cached == {"A", "M", "R"}
 
 
 def test_small_cut13_greedy_generation_matches_full_forward_argmax():

@@ -22,6 +22,7 @@ from megacpp.model.dsa import (
     set_dsa_mode,
 )
 from megacpp.model.mla import MultiHeadLatentAttention
+from tests.model.conftest import paged_decode
 
 D = 32
 DOCS = torch.tensor([[0] * 6 + [1] * 5 + [2] * 4])  # a packed row of 15 tokens
@@ -152,14 +153,13 @@ def test_packed_row_equals_documents_alone():
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])
-def test_cached_decode_equals_full_forward(mode):
+def test_paged_decode_equals_full_forward(mode):
     dsa = _dsa(top_k=3, mode=mode)
     x = _x(2, 12)
-    cache = dsa.init_cache(2, 16, torch.device("cpu"), torch.float64)
-    parts = [dsa(x[:, :5], cache=cache)] + [dsa(x[:, t : t + 1], cache=cache) for t in range(5, 12)]
-    torch.testing.assert_close(torch.cat(parts, 1), dsa(x), rtol=1e-10, atol=1e-10)
-    assert cache.length == 12 and cache.index_k.shape == (2, 16, 8)
-    assert cache.nbytes() == 2 * 16 * dsa.cache_bytes_per_token(torch.float64)
+    out, pool = paged_decode(dsa, x, prompt=5)
+    torch.testing.assert_close(out, dsa(x), rtol=1e-10, atol=1e-10)
+    assert pool.tensors["index_k"].shape == (6, 4, 8)  # [B * 3 blocks, block_size, di]
+    assert pool.nbytes() == 2 * 12 * dsa.cache_bytes_per_token(torch.float64)
 
 
 # -- the indexer's training signal ---------------------------------------------------------

@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megacpp.model.attention import GroupedQueryAttention
 from megacpp.model.mla import MultiHeadLatentAttention
+from tests.model.conftest import paged_decode
 
 D = 32
 
@@ -31,12 +32,8 @@ def _x(B: int, L: int, seed: int = 1) -> torch.Tensor:
 
 
 def _decode(mla: MultiHeadLatentAttention, x: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Prefill ``prompt`` tokens, then one token per step, through a fresh cache."""
-    cache = mla.init_cache(x.shape[0], x.shape[1] + 3, torch.device("cpu"), torch.float64)
-    parts = [mla(x[:, :prompt], cache=cache)]
-    parts += [mla(x[:, t : t + 1], cache=cache) for t in range(prompt, x.shape[1])]
-    assert cache.length == x.shape[1]
-    return torch.cat(parts, dim=1)
+    """Prefill ``prompt`` tokens, then one token per step, through a fresh paged cache."""
+    return paged_decode(mla, x, prompt)[0]
 
 
 @pytest.mark.parametrize("q_lora_rank", [12, 0])
@@ -85,24 +82,15 @@ def test_packed_row_equals_documents_alone():
         torch.testing.assert_close(packed[:, lo:hi], mla(x[:, lo:hi]), rtol=1e-10, atol=1e-10)
 
 
-def test_cache_layout_bytes_and_errors():
+def test_cache_layout_and_bytes():
     mla = _mla()
-    cache = mla.init_cache(3, 8, torch.device("cpu"), torch.bfloat16)
-    assert cache.latent.shape == (3, 8, 16) and cache.k_rope.shape == (3, 8, 4)
-    assert cache.nbytes() == 3 * 8 * mla.cache_bytes_per_token(torch.bfloat16)
+    assert mla.paged_layout() == {"latent": (16,), "k_rope": (4,)}
+    _, pool = paged_decode(mla, _x(3, 8), prompt=3)
+    assert pool.tensors["latent"].shape == (6, 4, 16) and pool.tensors["k_rope"].shape == (6, 4, 4)
+    assert pool.nbytes() == 3 * 8 * mla.cache_bytes_per_token(torch.float64)
     assert mla.cache_bytes_per_token(torch.bfloat16) == (16 + 4) * 2
     gqa = GroupedQueryAttention(D, n_heads=4, n_kv_heads=4, head_dim=10)  # same q.k width
     assert mla.cache_bytes_per_token() < gqa.cache_bytes_per_token()
-    x = _x(1, 9)
-    small = mla.init_cache(1, 8, torch.device("cpu"), torch.float64)
-    with pytest.raises(ValueError, match="MLA cache overflow: 9 tokens > capacity 8"):
-        mla(x, cache=small)
-    with pytest.raises(ValueError, match="drop doc_ids"):
-        mla(
-            x[:, :2],
-            doc_ids=torch.zeros(1, 2, dtype=torch.long),
-            cache=mla.init_cache(1, 8, torch.device("cpu"), torch.float64),
-        )
 
 
 @pytest.mark.parametrize("q_lora_rank", [12, 0])

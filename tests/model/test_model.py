@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
 from megacpp.errors import MegaCppError
+from megacpp.model.cache import LockstepCache
 from megacpp.model.model import IGNORE_INDEX, HybridLM, next_token_labels
 from tests.model.conftest import small_config
 
@@ -87,16 +90,25 @@ def test_seeded_determinism(cfg):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-4)])
-def test_cached_decode_reproduces_full_forward(cfg, dtype, tol):
+def test_paged_decode_reproduces_full_forward(cfg, dtype, tol):
     model = _model(cfg, dtype=dtype)
     ids = _tokens(2, 14, cfg.vocab_size)
     full = model(ids).logits
-    cache = model.init_cache(2, 14, dtype=dtype)
-    prefill = model.prefill(ids[:, :6], cache)
-    steps = [model.decode_step(ids[:, t], cache) for t in range(6, 14)]
-    got = torch.cat([prefill, torch.stack(steps, 1)], 1)
+    got = _lockstep_decode(model, ids, prompt=6, dtype=dtype)
     torch.testing.assert_close(got, full, rtol=tol, atol=tol)
-    assert cache.length == 14
+
+
+def _lockstep_decode(model, ids, prompt, dtype):
+    """Logits [B, L, V] of ``prompt`` tokens in one forward, then one token per step,
+    through a LockstepCache (the paged caches, blocks of 4 tokens)."""
+    cache = LockstepCache(model, ids.shape[0], ids.shape[1], dtype=dtype, block_size=4)
+    bounds = [0, prompt, *range(prompt + 1, ids.shape[1] + 1)]
+    parts = [model.forward_paged(ids[:, lo:hi], cache.layers, cache.advance(hi - lo),
+                                 all_positions=True) for lo, hi in pairwise(bounds)]
+    assert cache.length == ids.shape[1]
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        cache.advance(1)
+    return torch.cat(parts, 1)
 
 
 def test_greedy_generation_matches_full_forward_argmax(cfg):

@@ -9,11 +9,18 @@ back by request id.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megacpp.infer.engine import Engine
-from megacpp.infer.generate import close_function_body
 from megacpp.infer.sampling import SamplingParams
+
+CPP_BODY_STOP = "\n}"  # a closing brace in column 0 ends the function being completed
+
+
+def close_function_body(text: str, finish_reason: str) -> str:
+    """A function-body completion stopped at :data:`CPP_BODY_STOP` with that brace put back,
+    so prompt + completion is the whole function; any other ending is left as it is."""
+    return text + CPP_BODY_STOP + "\n" if finish_reason == "stop" else text
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,12 @@ class BatchResult:
     text: str  # stop-aware: never holds the stop string or anything after it
     finish_reason: str  # "stop" | "eos" | "length"
     completion_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # every sampled token, EOS included
+    stop: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     def function_body(self) -> str:
         """The completion of a C++ function whose prompt ends inside its body, with its closing
-        brace put back (:func:`~megacpp.infer.generate.close_function_body`)."""
+        brace put back (:func:`close_function_body`)."""
         return close_function_body(self.text, self.finish_reason)
 
 
@@ -41,6 +50,7 @@ def run_batch(engine: Engine, requests: Iterable[BatchRequest],
     each one finishes (progress)."""
     pending = iter(requests)
     texts: dict[str, list[str]] = {}
+    token_ids: dict[str, list[int]] = {}
     results: dict[str, BatchResult] = {}
     exhausted = False
     while True:
@@ -50,16 +60,18 @@ def run_batch(engine: Engine, requests: Iterable[BatchRequest],
                 exhausted = True
                 break
             engine.add_request(request.request_id, request.prompt, request.params)
-            texts[request.request_id] = []
+            texts[request.request_id], token_ids[request.request_id] = [], []
         if not engine.has_unfinished():
             if exhausted:
                 return results
             continue
         for out in engine.step():
             texts[out.request_id].append(out.new_text)
+            token_ids[out.request_id] += out.new_token_ids
             if out.finished:
                 result = BatchResult("".join(texts.pop(out.request_id)), out.finish_reason,
-                                     out.completion_tokens)
+                                     out.completion_tokens, token_ids.pop(out.request_id),
+                                     out.stop)
                 results[out.request_id] = result
                 if on_finish is not None:
                     on_finish(out.request_id, result)

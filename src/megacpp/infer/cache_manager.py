@@ -48,9 +48,10 @@ class IdAllocator:
         self._free.extend(ids)
 
 
-def _check_pools_fit(model: HybridLM, num_blocks: int, block_size: int, max_num_seqs: int,
-                     device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse pools larger than the device's available memory, sized on the meta device."""
+def pool_bytes(model: HybridLM, num_blocks: int, block_size: int, max_num_seqs: int,
+               dtype: torch.dtype) -> int:
+    """Bytes of the pools a :class:`CacheManager` allocates (scratch block and slot included),
+    sized on the meta device, so nothing is allocated to find out."""
     state_dtype = torch.promote_types(dtype, torch.float32)
     need = 0
     for i, layout in enumerate(model.paged_layouts()):
@@ -59,6 +60,13 @@ def _check_pools_fit(model: HybridLM, num_blocks: int, block_size: int, max_num_
         else:
             pool = model.init_state_pool(i, max_num_seqs + 1, "meta", state_dtype)
             need += pool.nbytes() if pool is not None else 0
+    return need
+
+
+def _check_pools_fit(model: HybridLM, num_blocks: int, block_size: int, max_num_seqs: int,
+                     device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse pools larger than the device's available memory."""
+    need = pool_bytes(model, num_blocks, block_size, max_num_seqs, dtype)
     check_fits(need, torch.device(device), f"the KV cache ({num_blocks} blocks of {block_size} "
                f"tokens) and {max_num_seqs} state slots", "lower --max-num-seqs, "
                "--max-model-len or --num-blocks")

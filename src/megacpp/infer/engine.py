@@ -89,6 +89,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "eos" | "length" | "abort"
     prompt_tokens: int
     completion_tokens: int
+    stop: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass
@@ -294,5 +295,6 @@ class Engine:
             finish_reason=reason,
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.completion_len,
+            stop=seq.stop_text.hit if reason == "stop" else None,
         )
 

@@ -1,12 +1,21 @@
-"""Batched text generation over the model's per-layer caches.
+"""Text generation for the CLI, the evaluator and the Python API, through the serving engine.
 
-``n`` samples of one prompt share one batch: the prompt is prefilled once per row and every
-decode step advances all rows. Rows that finished keep being computed (their outputs are
-ignored) until all are done -- simple, and exact for the batch sizes eval and CLI use.
+:class:`TextGenerator` runs every completion it is asked for as a request of one
+:class:`~megacpp.infer.engine.Engine` (paged caches, continuous batching, CUDA graphs on a
+GPU): the same decode path as ``megacpp serve``. The engine is sized to the work -- as many
+rows as there are completions, up to ``max_num_seqs`` decoded together, and room for the
+longest prompt plus ``max_new_tokens`` -- and its cache is checked against the device's
+memory before anything is allocated.
+
+Sampling is per completion: sample ``j`` of a prompt draws from its own generator, seeded with
+``seed + j`` (as the server seeds the ``n`` samples of one request), so a seeded run repeats
+exactly and a completion's random draws do not depend on what it was batched with. Greedy is
+argmax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,83 +23,101 @@ import torch
 
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
+from megacpp.infer.batch import (
+    CPP_BODY_STOP,
+    BatchRequest,
+    BatchResult,
+    close_function_body,
+    run_batch,
+)
+from megacpp.infer.cache_manager import pool_bytes
+from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.memory import check_fits
-from megacpp.infer.sampling import SamplingParams, sample_next_token
+from megacpp.infer.sampling import SamplingParams
 from megacpp.model.model import HybridLM
 
+__all__ = ["CPP_BODY_STOP", "MAX_COMPLETIONS", "Completion", "FunctionBodyGenerator",
+           "TextGenerator", "close_function_body", "generate"]
+
 MAX_COMPLETIONS = 1 << 16  # completions of one prompt at most
+MAX_NUM_SEQS = 64  # completions decoded together at most (the engine's batch)
+BLOCK_SIZE = 16  # tokens per KV block
+MAX_MODEL_LEN = 2**31 - 1  # prompt + completion tokens (an int32 position)
 
 
 @dataclass
 class Completion:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the sampled tokens (an ending EOS left off)
     finish_reason: str  # "stop" | "eos" | "length"
     stop: str | None = None  # the stop sequence that ended it
 
 
 class TextGenerator:
-    """Generates text from a model and its tokenizer; prompts begin with BOS."""
+    """Generates text from a model and its tokenizer on ``device`` (default: the model's);
+    prompts begin with BOS."""
 
-    def __init__(self, model: HybridLM, tokenizer: CppTokenizer, device: str | torch.device = "cpu"):
+    def __init__(self, model: HybridLM, tokenizer: CppTokenizer,
+                 device: str | torch.device | None = None,
+                 max_num_seqs: int = MAX_NUM_SEQS) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else _device_of(model)
         self.dtype = next(model.parameters()).dtype
+        self.max_num_seqs = max_num_seqs
 
-    @torch.no_grad()
     def complete(self, prompt: str, n: int, params: SamplingParams) -> list[Completion]:
-        """``n`` sampled completions of ``prompt``."""
-        prompt_ids = [self.tokenizer.bos_id, *self.tokenizer.encode(prompt).tolist()]
-        generator = torch.Generator(device=self.device)
-        if params.seed is None:
-            generator.seed()  # non-deterministic, and leaves the global RNG alone
-        else:
-            generator.manual_seed(params.seed)
+        """``n`` completions of ``prompt``."""
+        return self.complete_all([prompt], n, params)[0]
+
+    def complete_all(self, prompts: list[str], n: int,
+                     params: SamplingParams) -> list[list[Completion]]:
+        """``n`` completions of every prompt (prompt order, then sample order), all through
+        one engine run."""
         if not 1 <= n <= MAX_COMPLETIONS:
             raise MegaCppError(f"n = {n}: expected 1..{MAX_COMPLETIONS} completions")
-        capacity = len(prompt_ids) + params.max_new_tokens
-        self._check_cache_fits(n, capacity, params.max_new_tokens)
-        ids = torch.tensor([prompt_ids] * n, device=self.device)
-        cache = self.model.init_cache(n, capacity, self.device, self.dtype)
-        logits = self.model.prefill(ids, cache)[:, -1]
-        rows: list[list[int]] = [[] for _ in range(n)]
-        results: list[Completion | None] = [None] * n
-        for step in range(params.max_new_tokens):
-            tokens = sample_next_token(logits, params, generator)
-            for i, token in enumerate(tokens.tolist()):
-                if results[i] is None:
-                    rows[i].append(token)
-                    results[i] = self._finished(rows[i], params, last=step == params.max_new_tokens - 1)
-            if all(r is not None for r in results):
-                break
-            logits = self.model.decode_step(tokens, cache)
-        return [r for r in results if r is not None]
+        if not prompts:
+            return []
+        prompt_ids = [[self.tokenizer.bos_id, *self.tokenizer.encode(p).tolist()] for p in prompts]
+        engine = self._engine(max(map(len, prompt_ids)), n * len(prompts), params.max_new_tokens)
+        requests = [
+            BatchRequest(f"{i}/{j}", ids, dataclasses.replace(params, seed=_sample_seed(params, j)))
+            for i, ids in enumerate(prompt_ids) for j in range(n)
+        ]
+        results = run_batch(engine, requests)
+        return [[self._completion(results[f"{i}/{j}"]) for j in range(n)]
+                for i in range(len(prompts))]
 
-    def _check_cache_fits(self, n: int, capacity: int, max_new_tokens: int) -> None:
-        """Refuse a cache larger than the memory available on the device (sized on the meta
-        device, so nothing is allocated to find out)."""
-        need = self.model.init_cache(n, capacity, "meta", self.dtype).nbytes()
-        check_fits(need, self.device, f"the cache of {n} completion(s) of up to "
-                   f"{max_new_tokens} new tokens", "ask for fewer tokens or completions")
+    def _engine(self, longest_prompt: int, completions: int, max_new_tokens: int) -> Engine:
+        """An engine for ``completions`` requests of prompts up to ``longest_prompt`` tokens,
+        refused with one line when its cache cannot fit the device."""
+        rows = min(completions, self.max_num_seqs)
+        max_model_len = min(longest_prompt + max_new_tokens, MAX_MODEL_LEN)
+        has_attention = any(layout is not None for layout in self.model.paged_layouts())
+        # without attention layers the blocks hold nothing: one per row
+        block_size = BLOCK_SIZE if has_attention else max_model_len
+        num_blocks = rows * -(-max_model_len // block_size)
+        need = pool_bytes(self.model, num_blocks, block_size, rows, self.dtype)
+        check_fits(need, self.device, f"the cache of {completions} completion(s) of up to "
+                   f"{max_new_tokens} new tokens ({rows} decoded together)",
+                   "ask for fewer tokens or completions")
+        config = EngineConfig(max_num_seqs=rows, block_size=block_size, num_blocks=num_blocks,
+                              max_model_len=max_model_len)
+        return Engine(self.model, self.tokenizer, config, self.device, self.dtype)
 
-    def _finished(self, row: list[int], params: SamplingParams, last: bool) -> Completion | None:
-        if row[-1] == self.tokenizer.eos_id:
-            return Completion(self.tokenizer.decode(row[:-1]), row[:-1], "eos")
-        if params.stop:
-            text = self.tokenizer.decode(row)
-            hits = [(text.find(s), s) for s in params.stop if s in text]
-            if hits:
-                cut, stop = min(hits)
-                return Completion(text[:cut], row, "stop", stop)
-        if last:
-            return Completion(self.tokenizer.decode(row), row, "length")
-        return None
+    def _completion(self, result: BatchResult) -> Completion:
+        ids = result.token_ids[:-1] if result.finish_reason == "eos" else result.token_ids
+        return Completion(result.text, ids, result.finish_reason, result.stop)
 
     def __call__(self, prompts: list[str], n: int, temperature: float, **options: Any) -> list[list[str]]:
         """The evaluator's generator protocol: ``n`` completion strings per prompt."""
         params = SamplingParams(temperature=temperature, **options)
-        return [[c.text for c in self.complete(p, n, params)] for p in prompts]
+        return [[c.text for c in row] for row in self.complete_all(prompts, n, params)]
+
+
+def _sample_seed(params: SamplingParams, j: int) -> int | None:
+    """The seed of sample ``j``: ``seed + j`` (wrapped to 64 bits), None when unseeded."""
+    return None if params.seed is None else (params.seed + j) % 2**64
 
 
 def generate(
@@ -106,23 +133,18 @@ def generate(
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed)
-    device = next(model.parameters()).device
-    (completion,) = TextGenerator(model, tokenizer, device).complete(prompt, 1, params)
+    (completion,) = TextGenerator(model, tokenizer).complete(prompt, 1, params)
     return completion.text
 
 
-CPP_BODY_STOP = "\n}"  # a closing brace in column 0 ends the function being completed
-
-
-def close_function_body(text: str, finish_reason: str) -> str:
-    """A function-body completion stopped at :data:`CPP_BODY_STOP` with that brace put back,
-    so prompt + completion is the whole function; any other ending is left as it is."""
-    return text + CPP_BODY_STOP + "\n" if finish_reason == "stop" else text
+def _device_of(model: HybridLM) -> torch.device:
+    return next(model.parameters()).device
 
 
 class FunctionBodyGenerator:
     """Completes C++ function bodies (prompt ends inside the function): stops at the closing
-    brace in column 0 and puts that brace back, so prompt + completion is a whole function."""
+    brace in column 0 and puts that brace back, so prompt + completion is a whole function.
+    Every prompt's samples run through one engine run."""
 
     def __init__(self, generator: TextGenerator, max_new_tokens: int = 384) -> None:
         self.generator = generator
@@ -131,8 +153,5 @@ class FunctionBodyGenerator:
     def __call__(self, prompts: list[str], n: int, temperature: float, **options: Any) -> list[list[str]]:
         options.setdefault("max_new_tokens", self.max_new_tokens)
         params = SamplingParams(temperature=temperature, stop=(CPP_BODY_STOP,), **options)
-        out = []
-        for prompt in prompts:
-            completions = self.generator.complete(prompt, n, params)
-            out.append([close_function_body(c.text, c.finish_reason) for c in completions])
-        return out
+        return [[close_function_body(c.text, c.finish_reason) for c in row]
+                for row in self.generator.complete_all(prompts, n, params)]

@@ -9,7 +9,6 @@ over a block mask on CUDA, SDPA with the dense mask as the reference.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,36 +18,6 @@ from megacpp.kernels.runtime import resolve
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_range
-
-
-@dataclass
-class KVCache:
-    """Per-layer key/value cache.
-
-    Layout: ``k``, ``v``: [B, n_kv_heads, capacity, head_dim]; positions ``[0, length)`` are
-    filled (keys are stored *after* RoPE, so they never need re-rotation).
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v [B, Hkv, L, hd] at ``length``; return views of everything cached so far."""
-        start, end = self.length, self.length + k_new.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} tokens > capacity {self.capacity}")
-        self.k[:, :, start:end] = k_new
-        self.v[:, :, start:end] = v_new
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 class GroupedQueryAttention(nn.Module):
@@ -81,46 +50,32 @@ class GroupedQueryAttention(nn.Module):
         self,
         x: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
-        cache: KVCache | PagedView | None = None,
+        cache: PagedView | None = None,
         again: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
         """x [B, L, D] -> [B, L, D]. ``again``: (the same values as x, as a tensor of its own)
-        for kv_proj to read; default x."""
+        for kv_proj to read; default x. ``cache``: decode through the paged cache."""
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         kv = self.kv_proj(again[0] if again else x)
         k, v = kv.view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, hd]
-        if isinstance(cache, PagedView):
+        if cache is not None:
             return self._forward_paged(self.q_norm(q), self.k_norm(k), v, cache)
 
-        offset = cache.length if cache is not None else 0
-        positions = torch.arange(offset, offset + L, device=x.device)
         table_dtype = torch.promote_types(x.dtype, torch.float32)
-        cos, sin = rope_range(offset, L, self.head_dim, self.rope_base, table_dtype, x.device)
+        cos, sin = rope_range(0, L, self.head_dim, self.rope_base, table_dtype, x.device)
         if isinstance(self.q_norm, RMSNorm):  # QK-norm and RoPE in one op (one kernel each way
             # with the fused backend: no rotation kernels, no extra pass over q and k)
             q, k = self.q_norm(q, rope=(cos, sin)), self.k_norm(k, rope=(cos, sin))
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        mask, is_causal = None, True
-        if cache is not None:
-            if doc_ids is not None:
-                raise ValueError("cached attention decodes one document per row; drop doc_ids")
-            k, v = cache.append(k, v)
-            is_causal = False
-            if L > 1:  # query i (position offset+i) sees keys 0..offset+i
-                key_pos = torch.arange(k.shape[2], device=x.device)
-                mask = key_pos[None, :] <= positions[:, None]  # [L, T]
-        elif doc_ids is not None:  # packed rows: the catalog's document_attention surface
+        if doc_ids is not None:  # packed rows: the catalog's document_attention surface
             out = resolve("document_attention", q).fn(q, k, v, doc_ids)  # [B, H, L, hd]
-            return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))
-
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
-        )  # [B, H, L, hd]
-        return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))  # out: [B, H, L, hd]
 
     def _forward_paged(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedView
@@ -141,15 +96,6 @@ class GroupedQueryAttention(nn.Module):
     def paged_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-token cache entries of the paged layout: keys and values (after RoPE)."""
         return {"k": (self.n_kv_heads, self.head_dim), "v": (self.n_kv_heads, self.head_dim)}
-
-    def init_cache(
-        self, batch_size: int, capacity: int, device: torch.device, dtype: torch.dtype
-    ) -> KVCache:
-        shape = (batch_size, self.n_kv_heads, capacity, self.head_dim)
-        return KVCache(
-            torch.zeros(shape, device=device, dtype=dtype),
-            torch.zeros(shape, device=device, dtype=dtype),
-        )
 
     def flops_per_token(self, seq_len: int) -> int:
         """Forward matmul FLOPs per token: projections plus QK^T and AV over ``seq_len`` keys.

@@ -1,52 +1,35 @@
-"""The whole-model decoding cache: one object per layer, each with an explicit layout.
+"""The decoding cache: *paged* per-layer pools with an explicit layout.
 
-* A:gqa: :class:`~megacpp.model.attention.KVCache` -- keys/values [B, Hkv, capacity, hd].
-* A:mla / A:dsa: :class:`~megacpp.model.mla.MLACache` (compressed latent + shared RoPE key;
-  DSA also caches its indexer keys) -- see ``model/mla.py`` and ``model/dsa.py``.
-* M (Mamba-3) and R (gated delta rule): the mixer's own fixed-size recurrent state.
-* E and D: stateless (``None``).
+Attention layers keep their cache in fixed-size *blocks* of ``block_size`` tokens
+(``PagedPool``); a row's positions ``[i*bs, (i+1)*bs)`` live in block ``block_tables[row, i]``.
+The tensors are the layer's ``paged_layout()``:
 
-The serving engine uses a *paged* layout instead (see the second half of this file).
+* A:gqa -- keys/values ``k``, ``v`` [.., n_kv_heads, head_dim] (after RoPE);
+* A:mla -- the compressed ``latent`` and the shared RoPE key ``k_rope`` (see ``model/mla.py``);
+* A:dsa -- MLA's two plus the indexer keys ``index_k`` (see ``model/dsa.py``).
+
+M (Mamba-3) and R (gated delta rule) keep their fixed-size recurrent state in *slots* (the
+mixer's own state object with one row per slot); a forward gathers its rows' slots into a
+small state object, runs the mixer, and scatters the new state back. E and D are stateless.
+
+The serving engine (``megacpp.infer``) owns allocation there: blocks and slots come and go
+with requests. :class:`LockstepCache` is the fixed allocation for rows decoded together
+(``HybridLM.generate_greedy``, transformers' ``generate()``): the same layout and mixer code.
+Nothing here reads a tensor value on the host, so a paged decode step can be captured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from megacpp.model.rope import rope_cos_sin
 
-
-@dataclass
-class ModelCache:
-    layers: list[Any]  # per-layer cache objects, None for stateless sublayers
-    capacity: int  # max tokens per row (bounds the attention caches)
-    length: int = 0  # tokens already consumed per row
-    families: list[str] = field(default_factory=list)
-
-    def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.layers if c is not None)
-
-    def bytes_by_family(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for fam, c in zip(self.families, self.layers, strict=True):
-            if c is not None:
-                out[fam] = out.get(fam, 0) + c.nbytes()
-        return out
-
-
-# -- paged caches (the serving engine's layout) -----------------------------------------------
-#
-# The engine (``megacpp.infer``) owns allocation; the model only reads and writes through the
-# objects below. Attention layers keep their cache in fixed-size *blocks* of ``block_size``
-# tokens shared by all sequences (``PagedPool``); a row's positions ``[i*bs, (i+1)*bs)`` live
-# in block ``block_tables[row, i]``. M and R layers keep their fixed-size state in *slots*
-# (the mixer's own cache object with ``max_num_seqs + 1`` rows); a forward gathers its rows'
-# slots into a small cache object, runs the mixer, and scatters the new state back.
-# Nothing here reads a tensor value on the host, so a paged decode step can be captured.
+if TYPE_CHECKING:
+    from megacpp.model.model import HybridLM
 
 
 @dataclass
@@ -94,8 +77,8 @@ class PagedPool:
     """The paged cache of one attention layer: each tensor [num_blocks, block_size, *feature].
 
     The tensors are the layer's ``paged_layout()``: ``k``/``v`` for A:gqa, ``latent``/``k_rope``
-    for A:mla, plus ``index_k`` for A:dsa (all stored after norm and RoPE, as the contiguous
-    caches store them).
+    for A:mla, plus ``index_k`` for A:dsa (all stored after norm and RoPE, so never
+    re-rotated).
     """
 
     tensors: dict[str, Tensor]
@@ -169,3 +152,52 @@ def zero_state_slots(pool: Any, slots: Tensor) -> None:
     """Reset rows ``slots`` of a state pool to the empty-prefix state (zeros)."""
     for f in fields(pool):
         getattr(pool, f.name).index_fill_(0, slots, 0)
+
+
+def lockstep_batch(block_tables: Tensor, block_size: int, start: int, n_tokens: int) -> PagedBatch:
+    """The :class:`PagedBatch` of positions ``[start, start + n_tokens)`` of every row of
+    ``block_tables`` [B, W] (rows in lockstep, row r in state slot r)."""
+    B, device = block_tables.shape[0], block_tables.device
+    pos = torch.arange(start, start + n_tokens, device=device)  # [L]
+    slot_mapping = block_tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+    width = -(-(start + n_tokens) // block_size)
+    return PagedBatch(
+        positions=pos.expand(B, n_tokens).contiguous(),
+        slot_mapping=slot_mapping.flatten(),
+        block_tables=block_tables[:, :width],
+        state_slots=torch.arange(B, device=device),
+    )
+
+
+class LockstepCache:
+    """Paged caches for ``batch_size`` rows decoded together, every row at the same length:
+    row r owns blocks ``[r * W, (r + 1) * W)`` of every attention pool (W blocks hold
+    ``capacity`` tokens) and slot r of every state pool. Attention caches use ``dtype``;
+    recurrent states at least float32. The MTP modules are not cached (they only run in
+    ``HybridLM.forward``)."""
+
+    def __init__(self, model: HybridLM, batch_size: int, capacity: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 block_size: int = 16) -> None:
+        width = -(-capacity // block_size)
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        self.layers: list[Any] = []
+        for i, layout in enumerate(model.paged_layouts()):
+            if layout is not None:
+                self.layers.append(paged_pool(layout, batch_size * width, block_size, device, dtype))
+            else:
+                self.layers.append(model.init_state_pool(i, batch_size, device, state_dtype))
+        self.block_tables = torch.arange(batch_size * width, device=device).view(batch_size, width)
+        self.block_size, self.capacity, self.length = block_size, capacity, 0
+
+    def advance(self, n_tokens: int) -> PagedBatch:
+        """The batch of every row's next ``n_tokens`` tokens (cached once it has run)."""
+        if self.length + n_tokens > self.capacity:
+            raise ValueError(f"{n_tokens} more tokens do not fit the cache ({self.length} used "
+                             f"of {self.capacity})")
+        batch = lockstep_batch(self.block_tables, self.block_size, self.length, n_tokens)
+        self.length += n_tokens
+        return batch
+
+    def nbytes(self) -> int:
+        return sum(pool.nbytes() for pool in self.layers if pool is not None)

@@ -35,7 +35,6 @@ RMSNorm (V3.2 uses LayerNorm).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -52,36 +51,9 @@ from megacpp.kernels.ops.sparse_attention import (
 )
 from megacpp.model.cache import PagedView
 from megacpp.model.config import DSA_MODES
-from megacpp.model.mla import MLACache, MultiHeadLatentAttention
+from megacpp.model.mla import MultiHeadLatentAttention
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope
-
-
-@dataclass
-class DSACache:
-    """Per-layer cache of one :class:`DeepSeekSparseAttention`.
-
-    Layout: ``attn`` holds the MLA latents (``latent`` [B, capacity, kv_lora_rank],
-    ``k_rope`` [B, capacity, qk_rope_head_dim]); ``index_k`` [B, capacity, index_head_dim]
-    holds the indexer keys (after norm and RoPE) at the same positions.
-    """
-
-    attn: MLACache
-    index_k: Tensor
-
-    @property
-    def length(self) -> int:
-        return self.attn.length
-
-    def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor) -> tuple[Tensor, ...]:
-        """Write one step's rows; return views of all cached latents, RoPE keys, index keys."""
-        start = self.attn.length
-        latent_all, k_rope_all = self.attn.append(latent, k_rope)
-        self.index_k[:, start : self.attn.length] = index_k
-        return latent_all, k_rope_all, self.index_k[:, : self.attn.length]
-
-    def nbytes(self) -> int:
-        return self.attn.nbytes() + self.index_k.numel() * self.index_k.element_size()
 
 
 class LightningIndexer(nn.Module):
@@ -183,32 +155,26 @@ class DeepSeekSparseAttention(nn.Module):
         self.aux_loss: Tensor | None = None
 
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: DSACache | PagedView | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: PagedView | None = None
     ) -> Tensor:
-        if isinstance(cache, PagedView):
+        """x [B, L, D] -> [B, L, D]; with ``cache``, through the paged cache."""
+        if cache is not None:
             return self._forward_paged(x, cache)
         L = x.shape[1]
-        offset = cache.length if cache is not None else 0
-        positions = torch.arange(offset, offset + L, device=x.device)
-        cos, sin = self.attn.rope_tables(offset, L, x)
+        positions = torch.arange(L, device=x.device)
+        cos, sin = self.attn.rope_tables(0, L, x)
         q_nope, q_rope, q_in = self.attn.queries(x, cos, sin)
         latent, k_rope = self.attn.compress_kv(x, cos, sin)
         index_q, index_w = self.indexer.queries(x.detach(), q_in.detach(), cos, sin)
         index_k = self.indexer.keys(x.detach(), cos, sin)
-        if cache is not None:
-            if doc_ids is not None:
-                raise ValueError("cached attention decodes one document per row; drop doc_ids")
-            latent, k_rope, index_k = cache.append(latent, k_rope, index_k)
         queries = _Queries(self.attn.absorb_query(q_nope), q_rope, index_q, index_w)
         keys = _Keys(latent, k_rope, index_k)
 
         outputs, kl = [], []
         for rows in self._chunks(L):
             query_doc = doc_ids[:, rows] if doc_ids is not None else None
-            allowed = allowed_keys(positions[rows], latent.shape[1], query_doc, doc_ids)
-            o_latent, chunk_kl = self._attend_chunk(
-                queries.rows(rows), keys, allowed, stable=cache is not None
-            )
+            allowed = allowed_keys(positions[rows], L, query_doc, doc_ids)
+            o_latent, chunk_kl = self._attend_chunk(queries.rows(rows), keys, allowed)
             outputs.append(o_latent)
             kl.append(chunk_kl)
         self.aux_loss = (
@@ -219,8 +185,8 @@ class DeepSeekSparseAttention(nn.Module):
     def _forward_paged(self, x: Tensor, cache: PagedView) -> Tensor:
         """Rows at their own positions over the paged cache (latents, RoPE keys, index keys).
 
-        Same selection as the contiguous path: keys past a row's position (other rows' longer
-        histories, unused block entries) are never allowed, so never picked as valid."""
+        Keys past a row's position (other rows' longer histories, unused block entries) are
+        never allowed, so never picked as valid; indexer ties go to the earlier key."""
         cos, sin = self.attn.paged_rope_tables(cache, x.dtype)  # [B, L, dr/2]
         q_nope, q_rope, q_in = self.attn.queries(x, cos, sin)
         latent, k_rope = self.attn.compress_kv(x, cos, sin)
@@ -267,14 +233,6 @@ class DeepSeekSparseAttention(nn.Module):
         return o_latent, indexer_kl_loss(probs, index, allowed)
 
     # -- decoding and accounting -------------------------------------------------------------
-    def init_cache(
-        self, batch_size: int, capacity: int, device: torch.device, dtype: torch.dtype
-    ) -> DSACache:
-        index_k = torch.zeros(
-            batch_size, capacity, self.indexer.head_dim, device=device, dtype=dtype
-        )
-        return DSACache(self.attn.init_cache(batch_size, capacity, device, dtype), index_k)
-
     def paged_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-token cache entries of the paged layout: MLA's, plus the indexer key."""
         return {**self.attn.paged_layout(), "index_k": (self.indexer.head_dim,)}

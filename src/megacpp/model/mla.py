@@ -11,7 +11,7 @@ r = kv_lora_rank)::
     o_h           = softmax(scale * (q_nope_h . k_nope_h + q_pe_h . k_pe)) v_h
     y             = out_proj(o)                  # scale = (dn + dr) ** -0.5
 
-Training and prefill without a cache run this *naive* form through SDPA. The cache holds
+Training and the full forward run this *naive* form through SDPA. The (paged) cache holds
 only ``latent`` and ``k_pe`` -- ``(r + dr)`` numbers per token instead of GQA's
 ``2 * n_kv_heads * head_dim`` -- and decoding can run either form:
 
@@ -30,50 +30,17 @@ This is a mixer only: no outer pre-norm and no residual (the block wrapper adds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.kernels.ops.document_attention.reference import document_causal_mask
-from megacpp.kernels.ops.sparse_attention import allowed_keys, latent_attention
+from megacpp.kernels.ops.sparse_attention import latent_attention
 from megacpp.model.cache import PagedView
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_range
 
 DECODE_MODES = ("absorbed", "naive")
-
-
-@dataclass
-class MLACache:
-    """Per-layer latent cache of one :class:`MultiHeadLatentAttention`.
-
-    Layout: ``latent`` [B, capacity, kv_lora_rank] (after the KV RMSNorm) and ``k_rope``
-    [B, capacity, qk_rope_head_dim] (after RoPE, so never re-rotated); positions
-    ``[0, length)`` are filled.
-    """
-
-    latent: Tensor
-    k_rope: Tensor
-    length: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.latent.shape[1]
-
-    def append(self, latent: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
-        """Write [B, L, r] / [B, L, dr] at ``length``; return views of everything cached."""
-        start, end = self.length, self.length + latent.shape[1]
-        if end > self.capacity:
-            raise ValueError(f"MLA cache overflow: {end} tokens > capacity {self.capacity}")
-        self.latent[:, start:end] = latent
-        self.k_rope[:, start:end] = k_rope
-        self.length = end
-        return self.latent[:, :end], self.k_rope[:, :end]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.latent, self.k_rope))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -163,26 +130,17 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- attention ------------------------------------------------------------------------------
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: MLACache | PagedView | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, cache: PagedView | None = None
     ) -> Tensor:
-        if isinstance(cache, PagedView):
+        """x [B, L, D] -> [B, L, D]: the naive form (training, full forward), or with ``cache``
+        the ``decode_mode`` form over the paged latent cache."""
+        if cache is not None:
             return self._forward_paged(x, cache)
-        L = x.shape[1]
-        offset = cache.length if cache is not None else 0
-        positions = torch.arange(offset, offset + L, device=x.device)
-        cos, sin = self.rope_tables(offset, L, x)
+        cos, sin = self.rope_tables(0, x.shape[1], x)
         q_nope, q_rope, _ = self.queries(x, cos, sin)
         latent, k_rope = self.compress_kv(x, cos, sin)
-        if cache is None:
-            mask = None if doc_ids is None else document_causal_mask(doc_ids)[:, None]
-            return self.attend_naive(q_nope, q_rope, latent, k_rope, mask)
-        if doc_ids is not None:
-            raise ValueError("cached attention decodes one document per row; drop doc_ids")
-        latent, k_rope = cache.append(latent, k_rope)
-        allowed = allowed_keys(positions, latent.shape[1])  # [1, L, T]
-        if self.decode_mode == "absorbed":
-            return self.attend_absorbed(q_nope, q_rope, latent, k_rope, allowed)
-        return self.attend_naive(q_nope, q_rope, latent, k_rope, allowed[:, None])
+        mask = None if doc_ids is None else document_causal_mask(doc_ids)[:, None]
+        return self.attend_naive(q_nope, q_rope, latent, k_rope, mask)
 
     def _forward_paged(self, x: Tensor, cache: PagedView) -> Tensor:
         """Rows at their own positions over the paged latent cache (``decode_mode`` form)."""
@@ -222,14 +180,6 @@ class MultiHeadLatentAttention(nn.Module):
         return self.output_from_latent(o_latent)
 
     # -- decoding and accounting -------------------------------------------------------------
-    def init_cache(
-        self, batch_size: int, capacity: int, device: torch.device, dtype: torch.dtype
-    ) -> MLACache:
-        return MLACache(
-            torch.zeros(batch_size, capacity, self.kv_lora_rank, device=device, dtype=dtype),
-            torch.zeros(batch_size, capacity, self.rope_dim, device=device, dtype=dtype),
-        )
-
     def paged_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-token cache entries of the paged layout: the normalised latent and the
         rotated shared RoPE key."""

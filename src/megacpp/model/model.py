@@ -16,7 +16,7 @@ from torch import nn
 
 from megacpp.kernels.runtime import resolve
 from megacpp.model.blocks import Block
-from megacpp.model.cache import ModelCache, PagedBatch, PagedView, gather_state, scatter_state
+from megacpp.model.cache import LockstepCache, PagedBatch, PagedView, gather_state, scatter_state
 from megacpp.model.config import ModelConfig
 from megacpp.model.moe import MoE
 from megacpp.model.mtp import MultiTokenPrediction, mean_cross_entropy
@@ -82,29 +82,20 @@ class HybridLM(nn.Module):
         return list(self.blocks) + (self.mtp.blocks() if self.mtp is not None else [])
 
     def residual_stream(
-        self,
-        input_ids: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        cache: ModelCache | None = None,
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[B, L] token ids -> [B, L, D] output of the last block (before the final norm)."""
         x, pending = self.embed(input_ids), None
-        for i, block in enumerate(self.blocks):
+        for block in self.blocks:
             # each block adds the previous block's output inside its norm kernel (pending)
-            x, pending = block(x, doc_ids=doc_ids, cache=cache.layers[i] if cache is not None
-                               else None, pending=pending, defer=True)
-        if cache is not None:
-            cache.length += input_ids.shape[1]
+            x, pending = block(x, doc_ids=doc_ids, pending=pending, defer=True)
         return x if pending is None else x + pending
 
     def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        cache: ModelCache | None = None,
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[B, L] token ids -> [B, L, D] final-normed hidden states."""
-        return self.norm(self.residual_stream(input_ids, doc_ids, cache))
+        return self.norm(self.residual_stream(input_ids, doc_ids))
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -163,63 +154,30 @@ class HybridLM(nn.Module):
         return torch.stack(aux).sum() if aux else None
 
     # -- decoding -----------------------------------------------------------------------------
-    def init_cache(
-        self,
-        batch_size: int,
-        capacity: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> ModelCache:
-        """Empty per-layer caches for ``batch_size`` rows of up to ``capacity`` tokens.
-        Attention caches use ``dtype``; recurrent states use at least float32. The MTP modules
-        are not cached (they only run in :meth:`forward`)."""
-        state_dtype = torch.promote_types(dtype, torch.float32)
-        layers = []
-        for block in self.blocks:
-            mixer = block.mixer
-            if block.family == "A":
-                layers.append(mixer.init_cache(batch_size, capacity, device, dtype))
-            elif hasattr(mixer, "init_cache"):
-                layers.append(mixer.init_cache(batch_size, device=device, dtype=state_dtype))
-            else:
-                layers.append(None)
-        families = [b.family for b in self.blocks]
-        return ModelCache(layers=layers, capacity=capacity, families=families)
-
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """Consume a prompt [B, L] into ``cache``; return logits [B, L, V]."""
-        if cache.length + input_ids.shape[1] > cache.capacity:
-            raise ValueError(
-                f"prompt of {input_ids.shape[1]} tokens does not fit the cache "
-                f"({cache.length} used of {cache.capacity})"
-            )
-        return self.logits(self.hidden_states(input_ids, cache=cache))
-
-    @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """One token per row [B] -> next-token logits [B, V]."""
-        return self.prefill(tokens[:, None], cache)[:, -1]
-
     @torch.no_grad()
     def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy continuation through the cache: [B, L] -> [B, L + max_new_tokens]."""
+        """Greedy continuation, [B, L] -> [B, L + max_new_tokens], through a
+        :class:`~megacpp.model.cache.LockstepCache` of the B rows (the paged caches and mixer
+        code the serving engine runs, without its scheduler)."""
         B, L = input_ids.shape
-        cache = self.init_cache(B, L + max_new_tokens, input_ids.device, self.embed.weight.dtype)
-        next_token = self.prefill(input_ids, cache)[:, -1].argmax(-1)
-        out = [input_ids, next_token[:, None]]
-        for _ in range(max_new_tokens - 1):
-            next_token = self.decode_step(next_token, cache).argmax(-1)
-            out.append(next_token[:, None])
+        cache = LockstepCache(self, B, L + max_new_tokens, input_ids.device,
+                              self.embed.weight.dtype)
+        out, tokens = [input_ids], input_ids
+        for _ in range(max_new_tokens):
+            logits = self.forward_paged(tokens, cache.layers, cache.advance(tokens.shape[1]))
+            tokens = logits.argmax(-1)[:, None]  # [B, 1]
+            out.append(tokens)
         return torch.cat(out, dim=1)
 
     # -- paged decoding (the serving engine) ---------------------------------------------------
     @torch.no_grad()
     def forward_paged(
-        self, input_ids: torch.Tensor, layers: list, batch: PagedBatch, layer_fn=None
+        self, input_ids: torch.Tensor, layers: list, batch: PagedBatch, layer_fn=None,
+        all_positions: bool = False,
     ) -> torch.Tensor:
         """Rows at their own positions through the engine's paged caches: input_ids [B, L]
-        -> next-token logits [B, V] at each row's last real token (``batch.last_index``).
+        -> next-token logits [B, V] at each row's last real token (``batch.last_index``), or
+        with ``all_positions`` [B, L, V] at every token.
 
         ``layers[i]`` is layer i's cache: a :class:`~megacpp.model.cache.PagedPool` for
         attention, a state pool (the mixer's cache object with one row per slot) for M and R,
@@ -236,6 +194,8 @@ class HybridLM(nn.Module):
         x = self.embed(input_ids)  # [B, L, D]
         for block, pool in zip(self.blocks, layers, strict=True):
             x = layer_fn(block, pool, x, batch)
+        if all_positions:
+            return self.logits(self.norm(x))  # [B, L, V]
         if batch.last_index is None:
             last = x[:, -1]
         else:

@@ -4,9 +4,10 @@ Written by ``megacpp export hf``. ``MegaCppForCausalLM`` wraps megacpp's own ``H
 ``pip install megacpp`` is needed: the logits are the trained model's, computed by the same
 code, for every block family (attention, MLA/DSA, MoE, Mamba-3, gated delta, MTP).
 
-``generate()`` decodes through megacpp's per-layer cache (attention keys/values or latents,
-recurrent states), made on the first forward for ``max_length`` tokens per row: greedy
-and sampled decoding as in ``megacpp generate``. Beam search, padded batches and assisted
+``generate()`` decodes through megacpp's paged caches (attention keys/values or latents,
+recurrent states) with the rows of the batch in lockstep (``LockstepCache``), made on the
+first forward for ``max_length`` tokens per row: the mixer code ``megacpp generate`` and
+``megacpp serve`` decode with, driven by transformers' own generation loop. Beam search, padded batches and assisted
 decoding are not supported (the recurrent layers' states cannot be reordered or rolled back);
 they stop with an error. ``labels`` give the model's training loss (next-token cross-entropy
 plus its auxiliary and MTP losses).
@@ -16,6 +17,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from megacpp.model.cache import LockstepCache
 from megacpp.model.config import ModelConfig
 from megacpp.model.model import IGNORE_INDEX, HybridLM
 from megacpp.model.moe import MoE
@@ -24,8 +26,8 @@ from .configuration_megacpp import MegaCppConfig
 
 
 class DecodeState:
-    """``generate()``'s cache: megacpp's ModelCache, made on the first forward (for its batch
-    size) with room for ``capacity`` tokens per row."""
+    """``generate()``'s cache: a megacpp LockstepCache, made on the first forward (for its
+    batch size) with room for ``capacity`` tokens per row."""
 
     def __init__(self, capacity):
         self.capacity = capacity
@@ -98,8 +100,10 @@ class MegaCppForCausalLM(PreTrainedModel, GenerationMixin):
             logits = self.model.logits(self.model.hidden_states(input_ids))
         else:
             if megacpp_state.cache is None:
-                megacpp_state.cache = self.model.init_cache(
-                    input_ids.shape[0], megacpp_state.capacity, input_ids.device,
+                megacpp_state.cache = LockstepCache(
+                    self.model, input_ids.shape[0], megacpp_state.capacity, input_ids.device,
                     self.model.embed.weight.dtype)
-            logits = self.model.prefill(input_ids, megacpp_state.cache)
+            cache = megacpp_state.cache
+            batch = cache.advance(input_ids.shape[1])
+            logits = self.model.forward_paged(input_ids, cache.layers, batch, all_positions=True)
         return CausalLMOutputWithPast(logits=logits)
