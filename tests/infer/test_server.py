@@ -96,6 +96,18 @@ def test_n_seeds_stops_and_batched_prompts(client):
                                                "max_tokens": 30, "temperature": 0,
                                                "stop": [stop]}).json()["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.find(stop)]
+    # vLLM's stop_reason: the stop string that ended it; null when the length (or EOS) did
+    assert cut["stop_reason"] == stop
+    whole = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT,
+                                                 "max_tokens": 3, "temperature": 0}).json()
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["choices"][0]["stop_reason"] is None
+    with client.stream("POST", "/v1/completions", json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 30, "temperature": 0,
+            "stop": [stop], "stream": True}) as response:
+        streamed = sse_events(response)
+    assert streamed[-1]["choices"][0]["stop_reason"] == stop
+    assert all(c["choices"][0]["stop_reason"] is None for c in streamed[:-1])
 
 
 def test_openai_client_completions_chat_stream_and_errors(srv):

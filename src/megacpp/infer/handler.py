@@ -85,6 +85,7 @@ class Server:
         """Collect a whole response; a client that disconnects meanwhile aborts it."""
         texts = {i: [] for i in job.index.values()}
         finish: dict[int, str] = {}
+        stop_reason: dict[int, str | None] = {}  # vLLM's field: the stop string, or null
         usage = _Usage(job)
 
         async def collect() -> None:
@@ -94,6 +95,7 @@ class Server:
                 usage.add(out)
                 if out.finished:
                     finish[i] = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
+                    stop_reason[i] = out.stop
 
         collector = asyncio.ensure_future(collect())
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -118,10 +120,11 @@ class Server:
             text = "".join(texts[i])
             if job.endpoint == "chat":
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": finish.get(i)})
+                                "logprobs": None, "finish_reason": finish.get(i),
+                                "stop_reason": stop_reason.get(i)})
             else:
                 choices.append({"index": i, "text": text, "logprobs": None,
-                                "finish_reason": finish.get(i)})
+                                "finish_reason": finish.get(i), "stop_reason": stop_reason.get(i)})
         self._finish(job, 200, usage.prompt, usage.completion)
         body = {"id": job.request_id,
                 "object": "chat.completion" if job.endpoint == "chat" else "text_completion",
@@ -152,13 +155,12 @@ class Server:
                 i = job.index[out.request_id]
                 reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason) \
                     if out.finished else None
+                ended = {"finish_reason": reason, "stop_reason": out.stop if out.finished else None}
                 if chat:
                     delta = {"content": out.new_text} if out.new_text else {}
-                    choice = {"index": i, "delta": delta, "logprobs": None,
-                              "finish_reason": reason}
+                    choice = {"index": i, "delta": delta, "logprobs": None, **ended}
                 else:
-                    choice = {"index": i, "text": out.new_text, "logprobs": None,
-                              "finish_reason": reason}
+                    choice = {"index": i, "text": out.new_text, "logprobs": None, **ended}
                 yield chunk([choice])
             if (job.body.stream_options or {}).get("include_usage"):
                 yield chunk([], usage=usage.to_dict())
