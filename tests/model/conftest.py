@@ -38,7 +38,7 @@ def paged_decode(mixer, x, prompt: int, block_size: int = 4):
     pool = paged_pool(mixer.paged_layout(), B * width, block_size, x.device, x.dtype)
     tables = torch.arange(B * width).view(B, width)
     bounds = [0, prompt, *range(prompt + 1, L + 1)]
-    parts = [mixer(x[:, lo:hi], cache=PagedView(pool, lockstep_batch(tables, block_size, lo,
-                                                                      hi - lo)))
+    parts = [mixer.forward_paged(x[:, lo:hi], PagedView(pool, lockstep_batch(tables, block_size,
+                                                                              lo, hi - lo)))
              for lo, hi in pairwise(bounds)]
     return torch.cat(parts, dim=1), pool

@@ -16,11 +16,13 @@ from torch import nn
 
 from megacpp.kernels.runtime import resolve
 from megacpp.model.cache import PagedView
+from megacpp.model.config import ModelConfig
+from megacpp.model.mixer import Mixer
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_range
 
 
-class GroupedQueryAttention(nn.Module):
+class GroupedQueryAttention(Mixer):
     def __init__(
         self,
         d_model: int,
@@ -40,6 +42,12 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
 
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> GroupedQueryAttention:
+        a = cfg.attention
+        return cls(cfg.d_model, a.n_heads, a.n_kv_heads, a.head_dim, a.rope_base, a.qk_norm,
+                   cfg.norm_eps)
+
     # the pre-norm block hands x in twice (Block, RMSNorm.with_skip's fanout, as for the MoE):
     # q_proj reads x, kv_proj ``again``, and the norm's backward kernel sums their two input
     # gradients (autograd's add of them was an Inductor kernel of its own: 0.32 ms of the
@@ -47,22 +55,13 @@ class GroupedQueryAttention(nn.Module):
     INPUT_FANOUT = 2
 
     def forward(
-        self,
-        x: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        cache: PagedView | None = None,
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
         again: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
         """x [B, L, D] -> [B, L, D]. ``again``: (the same values as x, as a tensor of its own)
-        for kv_proj to read; default x. ``cache``: decode through the paged cache."""
+        for kv_proj to read; default x."""
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        kv = self.kv_proj(again[0] if again else x)
-        k, v = kv.view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, hd]
-        if cache is not None:
-            return self._forward_paged(self.q_norm(q), self.k_norm(k), v, cache)
-
+        q, k, v = self._project(x, again)
         table_dtype = torch.promote_types(x.dtype, torch.float32)
         cos, sin = rope_range(0, L, self.head_dim, self.rope_base, table_dtype, x.device)
         if isinstance(self.q_norm, RMSNorm):  # QK-norm and RoPE in one op (one kernel each way
@@ -77,12 +76,23 @@ class GroupedQueryAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.out_proj(out.transpose(1, 2).reshape(B, L, -1))  # out: [B, H, L, hd]
 
-    def _forward_paged(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedView
+    def _project(
+        self, x: torch.Tensor, again: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, L, D] -> q [B, H, L, hd], k, v [B, Hkv, L, hd] (before norm and RoPE)."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        kv = self.kv_proj(again[0] if again else x)
+        k, v = kv.view(B, L, 2, self.n_kv_heads, self.head_dim).unbind(2)
+        return q, k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward_paged(
+        self, x: torch.Tensor, cache: PagedView, again: tuple[torch.Tensor, ...] = ()
     ) -> torch.Tensor:
         """Rows at their own positions over the paged cache: write the new keys/values, gather
-        each row's blocks, attend with keys past the query's position masked.
-        q [B, H, L, hd], k/v [B, Hkv, L, hd] (before RoPE)."""
+        each row's blocks, attend with keys past the query's position masked."""
+        q, k, v = self._project(x, again)
+        q, k = self.q_norm(q), self.k_norm(k)
         B, _, L, _ = q.shape
         table_dtype = torch.promote_types(q.dtype, torch.float32)
         cos, sin = cache.batch.rope(self.head_dim, self.rope_base, table_dtype)  # [B, L, hd/2]
@@ -96,6 +106,9 @@ class GroupedQueryAttention(nn.Module):
     def paged_layout(self) -> dict[str, tuple[int, ...]]:
         """Per-token cache entries of the paged layout: keys and values (after RoPE)."""
         return {"k": (self.n_kv_heads, self.head_dim), "v": (self.n_kv_heads, self.head_dim)}
+
+    def residual_projections(self) -> list[torch.Tensor]:
+        return [self.out_proj.weight]
 
     def flops_per_token(self, seq_len: int) -> int:
         """Forward matmul FLOPs per token: projections plus QK^T and AV over ``seq_len`` keys.

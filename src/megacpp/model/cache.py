@@ -109,14 +109,16 @@ class PagedPool:
 
 @dataclass
 class PagedView:
-    """What an attention mixer receives as ``cache`` in a paged forward."""
+    """What a mixer's ``forward_paged`` receives as ``cache``: its layer's pool (a
+    :class:`PagedPool` for attention, the state pool for M and R, None for E and D) and the
+    batch."""
 
-    pool: PagedPool
+    pool: Any
     batch: PagedBatch
 
     def append(self, **values: Tensor) -> list[Tensor]:
-        """Write this forward's entries, then read back every row's cache, in ``values``'
-        order: each [B, T, *feature] with T = n_blocks * block_size."""
+        """Write this forward's entries into the (attention) pool, then read back every row's
+        cache, in ``values``' order: each [B, T, *feature] with T = n_blocks * block_size."""
         self.pool.write(self.batch, **values)
         return [self.pool.read(name, self.batch) for name in values]
 

@@ -170,9 +170,9 @@ def count_model(
     for spec, block in zip(model.plan.layers, model.blocks, strict=True):
         mixer = block.mixer
         params = sum(p.numel() for p in block.parameters())
-        inactive = mixer.inactive_params() if hasattr(mixer, "inactive_params") else 0
-        cache = mixer.cache_bytes_per_token(cache_dtype) if block.family == "A" else 0
-        state = mixer.state_bytes(1) if hasattr(mixer, "state_bytes") else 0
+        inactive = mixer.inactive_params()
+        cache = mixer.cache_bytes_per_token(cache_dtype)
+        state = mixer.state_bytes(1)
         layers.append(
             LayerCost(
                 index=spec.index,

@@ -50,7 +50,8 @@ from megacpp.kernels.ops.sparse_attention import (
     select_topk,
 )
 from megacpp.model.cache import PagedView
-from megacpp.model.config import DSA_MODES
+from megacpp.model.config import DSA_MODES, ModelConfig
+from megacpp.model.mixer import Mixer
 from megacpp.model.mla import MultiHeadLatentAttention
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope
@@ -129,7 +130,7 @@ class _Keys(NamedTuple):
         return _Keys(*(gather_keys(t, indices) for t in self))
 
 
-class DeepSeekSparseAttention(nn.Module):
+class DeepSeekSparseAttention(Mixer):
     """DSA mixer ``[B, L, d_model] -> [B, L, d_model]`` around an MLA module ``attn``."""
 
     def __init__(
@@ -154,12 +155,24 @@ class DeepSeekSparseAttention(nn.Module):
         self.indexer_loss_coef, self.query_chunk = indexer_loss_coef, query_chunk
         self.aux_loss: Tensor | None = None
 
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> DeepSeekSparseAttention:
+        d = cfg.dsa
+        return cls(
+            MultiHeadLatentAttention.from_config(cfg),
+            index_n_heads=d.index_n_heads,
+            index_head_dim=d.index_head_dim,
+            top_k=d.top_k,
+            mode=d.mode,
+            indexer_loss_coef=d.indexer_loss_coef,
+            query_chunk=d.query_chunk,
+            norm_eps=cfg.norm_eps,
+        )
+
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: PagedView | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = ()
     ) -> Tensor:
-        """x [B, L, D] -> [B, L, D]; with ``cache``, through the paged cache."""
-        if cache is not None:
-            return self._forward_paged(x, cache)
+        """x [B, L, D] -> [B, L, D] (training, full forward)."""
         L = x.shape[1]
         positions = torch.arange(L, device=x.device)
         cos, sin = self.attn.rope_tables(0, L, x)
@@ -182,7 +195,9 @@ class DeepSeekSparseAttention(nn.Module):
         )
         return self.attn.output_from_latent(torch.cat(outputs, dim=1))
 
-    def _forward_paged(self, x: Tensor, cache: PagedView) -> Tensor:
+    def forward_paged(
+        self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
+    ) -> Tensor:
         """Rows at their own positions over the paged cache (latents, RoPE keys, index keys).
 
         Keys past a row's position (other rows' longer histories, unused block entries) are
@@ -239,6 +254,9 @@ class DeepSeekSparseAttention(nn.Module):
 
     def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
         return self.attn.cache_bytes_per_token(dtype) + self.indexer.head_dim * dtype.itemsize
+
+    def residual_projections(self) -> list[Tensor]:
+        return self.attn.residual_projections()
 
     def attended_keys(self, seq_len: int) -> int:
         """Keys each query attends to at ``seq_len`` (counted over the full row, like GQA)."""

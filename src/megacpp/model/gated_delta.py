@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,10 @@ from megacpp.kernels.ops.gated_delta import (
 from megacpp.kernels.ops.gated_delta import gated_delta_rule_recurrent
 from megacpp.kernels.ops.short_conv.reference import short_causal_conv
 from megacpp.kernels.runtime import resolve
+from megacpp.model.mixer import RecurrentMixer
+
+if TYPE_CHECKING:
+    from megacpp.model.config import ModelConfig
 
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon: x / sqrt(sum(x^2) + eps)
 A_INIT_RANGE = (1.0, 16.0)  # exp(A_log) ~ U(1, 16), as in fla's GatedDeltaNet
@@ -60,7 +65,7 @@ class GatedDeltaCache:
         return sum(t.numel() * t.element_size() for t in (self.state, self.conv_state))
 
 
-class GatedDeltaNetMixer(nn.Module):
+class GatedDeltaNetMixer(RecurrentMixer):
     """Gated DeltaNet sequence mixer: ``[B, L, d_model] -> [B, L, d_model]``.
 
     Args:
@@ -126,6 +131,20 @@ class GatedDeltaNetMixer(nn.Module):
         self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
         self.reset_parameters()
 
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> GatedDeltaNetMixer:
+        r = cfg.rnn
+        return cls(
+            d_model=cfg.d_model,
+            n_heads=r.n_heads,
+            head_k_dim=r.head_k_dim,
+            head_v_dim=r.head_v_dim,
+            conv_size=r.conv_size,
+            chunk_size=r.chunk_size,
+            norm_eps=cfg.norm_eps,
+            init_std=cfg.init_std,
+        )
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Initialise every parameter (fla / Mamba-2 conventions for the decay)."""
@@ -141,9 +160,10 @@ class GatedDeltaNetMixer(nn.Module):
         nn.init.ones_(self.norm_weight)
 
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: GatedDeltaCache | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
+        cache: GatedDeltaCache | None = None,
     ) -> Tensor:
-        """Mix a sequence with the chunked op.
+        """Mix a sequence with the chunked op (``again`` is empty: ``INPUT_FANOUT`` 1).
 
         ``x`` [B, L, d_model]. ``doc_ids`` [B, L] integer document index per token of a packed
         row: any change from t-1 to t starts a new document at t, which sees neither the
@@ -162,7 +182,8 @@ class GatedDeltaNetMixer(nn.Module):
         return self._mix(x, None, cache, gated_delta_rule_recurrent)
 
     def init_cache(
-        self, batch_size: int, device: torch.device | str, dtype: torch.dtype = torch.float32
+        self, batch_size: int, device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> GatedDeltaCache:
         """An all-zero cache for ``batch_size`` sequences (nothing seen yet)."""
         shapes = self._cache_shapes(batch_size)
@@ -177,6 +198,10 @@ class GatedDeltaNetMixer(nn.Module):
         """Bytes of the decode cache for ``batch`` sequences (= ``init_cache(...).nbytes()``)."""
         numel = sum(math.prod(shape) for shape in self._cache_shapes(batch).values())
         return numel * torch.empty((), dtype=dtype).element_size()
+
+    def residual_projections(self) -> list[Tensor]:
+        """None: ``o_proj`` keeps the plain ``init_std`` normal init, not the scaled one."""
+        return []
 
     def _cache_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
         """The layout of :class:`GatedDeltaCache` for ``batch`` sequences."""

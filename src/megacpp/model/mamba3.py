@@ -12,6 +12,7 @@ residual: the block wrapper does ``x + mixer(norm(x))``. Equations: docs/mamba3.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +29,16 @@ from megacpp.kernels.ops.mamba3_scan.reference import (
     flops_per_token as scan_flops_per_token,
 )
 from megacpp.kernels.runtime import resolve
+from megacpp.model.mixer import RecurrentMixer
 from megacpp.model.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from megacpp.model.config import ModelConfig
 
 _CACHE_DTYPES = (torch.float32, torch.float64)
 
 
-class Mamba3Mixer(nn.Module):
+class Mamba3Mixer(RecurrentMixer):
     """Mamba-3 SISO mixer over ``[B, L, d_model]``.
 
     Args:
@@ -100,6 +105,22 @@ class Mamba3Mixer(nn.Module):
         self.D._no_weight_decay = True  # type: ignore[attr-defined]
         self.reset_parameters()
 
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> Mamba3Mixer:
+        m = cfg.mamba
+        return cls(
+            d_model=cfg.d_model,
+            d_state=m.d_state,
+            headdim=m.headdim,
+            expand=m.expand,
+            ngroups=m.ngroups,
+            chunk_size=m.chunk_size,
+            rope_fraction=m.rope_fraction,
+            outproj_norm=m.outproj_norm,
+            norm_eps=cfg.norm_eps,
+            init_std=cfg.init_std,
+        )
+
     def _validate(self, rope_fraction: float) -> None:
         for name in ("d_model", "d_state", "headdim", "ngroups", "chunk_size"):
             value = getattr(self, name)
@@ -151,8 +172,8 @@ class Mamba3Mixer(nn.Module):
     INPUT_FANOUT = 3
 
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: Mamba3ScanState | None = None,
-        again: tuple[Tensor, ...] = (),
+        self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
+        cache: Mamba3ScanState | None = None,
     ) -> Tensor:
         """Chunked scan over x [B, L, d_model] -> [B, L, d_model].
 
@@ -247,6 +268,9 @@ class Mamba3Mixer(nn.Module):
         P, N = self.headdim, self.d_state
         per_head = self.n_angles + P * N + N + P
         return batch * self.nheads * per_head * dtype.itemsize
+
+    def residual_projections(self) -> list[Tensor]:
+        return [self.out_proj.weight]
 
     def flops_per_token(self, seq_len: int) -> int:
         """Forward matmul FLOPs per token: projections + chunked scan (FlopCounterMode's count)."""

@@ -37,13 +37,15 @@ from torch import Tensor, nn
 from megacpp.kernels.ops.document_attention.reference import document_causal_mask
 from megacpp.kernels.ops.sparse_attention import latent_attention
 from megacpp.model.cache import PagedView
+from megacpp.model.config import ModelConfig
+from megacpp.model.mixer import Mixer
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope, rope_range
 
 DECODE_MODES = ("absorbed", "naive")
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(Mixer):
     """Multi-head latent attention: ``[B, L, d_model] -> [B, L, d_model]``.
 
     Parameters (DeepSeek's names in brackets): ``q_down`` [wq_a] and ``q_norm`` [q_norm]
@@ -80,6 +82,21 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_up = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> MultiHeadLatentAttention:
+        m = cfg.mla
+        return cls(
+            d_model=cfg.d_model,
+            n_heads=m.n_heads,
+            q_lora_rank=m.q_lora_rank,
+            kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim,
+            rope_base=m.rope_base,
+            norm_eps=cfg.norm_eps,
+        )
 
     # -- projections (shared with DSA) --------------------------------------------------------
     def rope_tables(self, offset: int, length: int, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -130,19 +147,18 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- attention ------------------------------------------------------------------------------
     def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, cache: PagedView | None = None
+        self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = ()
     ) -> Tensor:
-        """x [B, L, D] -> [B, L, D]: the naive form (training, full forward), or with ``cache``
-        the ``decode_mode`` form over the paged latent cache."""
-        if cache is not None:
-            return self._forward_paged(x, cache)
+        """x [B, L, D] -> [B, L, D] in the naive form (training, full forward)."""
         cos, sin = self.rope_tables(0, x.shape[1], x)
         q_nope, q_rope, _ = self.queries(x, cos, sin)
         latent, k_rope = self.compress_kv(x, cos, sin)
         mask = None if doc_ids is None else document_causal_mask(doc_ids)[:, None]
         return self.attend_naive(q_nope, q_rope, latent, k_rope, mask)
 
-    def _forward_paged(self, x: Tensor, cache: PagedView) -> Tensor:
+    def forward_paged(
+        self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
+    ) -> Tensor:
         """Rows at their own positions over the paged latent cache (``decode_mode`` form)."""
         cos, sin = self.paged_rope_tables(cache, x.dtype)  # [B, L, dr/2]
         q_nope, q_rope, _ = self.queries(x, cos, sin)
@@ -187,6 +203,9 @@ class MultiHeadLatentAttention(nn.Module):
 
     def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
         return (self.kv_lora_rank + self.rope_dim) * dtype.itemsize
+
+    def residual_projections(self) -> list[Tensor]:
+        return [self.out_proj.weight]
 
     def projection_flops_per_token(self) -> int:
         """Forward FLOPs of the query path, the KV down-projection and out_proj."""

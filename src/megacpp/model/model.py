@@ -16,9 +16,8 @@ from torch import nn
 
 from megacpp.kernels.runtime import resolve
 from megacpp.model.blocks import Block
-from megacpp.model.cache import LockstepCache, PagedBatch, PagedView, gather_state, scatter_state
+from megacpp.model.cache import LockstepCache, PagedBatch, PagedView
 from megacpp.model.config import ModelConfig
-from megacpp.model.moe import MoE
 from megacpp.model.mtp import MultiTokenPrediction, mean_cross_entropy
 from megacpp.model.norm import RMSNorm
 from megacpp.pattern import LayerPlan, load, require_buildable
@@ -70,11 +69,8 @@ class HybridLM(nn.Module):
                     nn.init.normal_(module.weight, std=std)
                     if module.bias is not None:
                         nn.init.zeros_(module.bias)
-            for module in block.mixer.modules():
-                out = getattr(module, "out_proj", None)
-                weight = out.weight if isinstance(out, nn.Linear) else out
-                if isinstance(weight, nn.Parameter):
-                    nn.init.normal_(weight, std=out_std)
+            for weight in block.mixer.residual_projections():
+                nn.init.normal_(weight, std=out_std)
 
     # -- forward ------------------------------------------------------------------------------
     def all_blocks(self) -> list[Block]:
@@ -150,7 +146,7 @@ class HybridLM(nn.Module):
         """Sum of the auxiliary losses the last forward left on its mixers (MoE sequence
         balance, DSA indexer KL), or None when there are none."""
         mixers = [b.mixer for b in self.all_blocks()]
-        aux = [m.aux_loss for m in mixers if getattr(m, "aux_loss", None) is not None]
+        aux = [m.aux_loss for m in mixers if m.aux_loss is not None]
         return torch.stack(aux).sum() if aux else None
 
     # -- decoding -----------------------------------------------------------------------------
@@ -179,14 +175,13 @@ class HybridLM(nn.Module):
         -> next-token logits [B, V] at each row's last real token (``batch.last_index``), or
         with ``all_positions`` [B, L, V] at every token.
 
-        ``layers[i]`` is layer i's cache: a :class:`~megacpp.model.cache.PagedPool` for
-        attention, a state pool (the mixer's cache object with one row per slot) for M and R,
-        None for E and D. M/R rows are gathered from ``batch.state_slots``, advanced (one
-        token: the mixer's recurrent ``step``; more: its chunked forward continuing from the
-        state, i.e. chunked prefill -- rows of equal length only, never padded, since padding
-        would corrupt the state) and scattered back. One-token steps run the MoE layers through
-        :func:`moe_all_experts` (same function, fixed shapes). No host syncs in a one-token
-        step: capturable in a CUDA graph for a fixed batch shape.
+        ``layers[i]`` is layer i's pool: a :class:`~megacpp.model.cache.PagedPool` of the
+        mixer's ``paged_layout()`` (attention), the mixer's ``init_cache`` state with one row
+        per slot (M, R), or None (E, D). Each block runs its mixer's ``forward_paged`` over
+        it (:class:`~megacpp.model.mixer.Mixer`): attention appends to its pages, M/R advance
+        their rows' slots (``batch.state_slots``), one-token MoE steps run every expert densely
+        (:func:`~megacpp.model.moe.moe_all_experts`). No host syncs in a one-token step:
+        capturable in a CUDA graph for a fixed batch shape.
 
         ``layer_fn`` replaces :func:`paged_layer` (same signature), e.g. by a compiled copy."""
         batch.forget()  # per-forward tables are recomputed (a replayed step reuses the batch)
@@ -203,17 +198,14 @@ class HybridLM(nn.Module):
         return self.logits(self.norm(last))  # [B, V]
 
     def paged_layouts(self) -> list[dict[str, tuple[int, ...]] | None]:
-        """Per layer: the attention layer's paged layout, or None (M, R, E, D)."""
-        return [b.mixer.paged_layout() if b.family == "A" else None for b in self.blocks]
+        """Per layer: the mixer's paged layout (attention), or None (M, R, E, D)."""
+        return [b.mixer.paged_layout() for b in self.blocks]
 
     def init_state_pool(
         self, layer: int, slots: int, device: torch.device | str, dtype: torch.dtype
     ) -> object | None:
         """Layer ``layer``'s state pool for ``slots`` sequences (M, R), or None."""
-        block = self.blocks[layer]
-        if block.family == "A" or not hasattr(block.mixer, "init_cache"):
-            return None
-        return block.mixer.init_cache(slots, device=device, dtype=dtype)
+        return self.blocks[layer].mixer.init_cache(slots, device=device, dtype=dtype)
 
     # -- MoE balancing --------------------------------------------------------------------------
     def moe_blocks(self) -> list[Block]:
@@ -234,37 +226,7 @@ class HybridLM(nn.Module):
 
 def paged_layer(block: Block, pool: object, x: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
     """One block of :meth:`HybridLM.forward_paged`: x [B, L, D] -> [B, L, D]."""
-    if block.family == "E" and x.shape[1] == 1:
-        return x + moe_all_experts(block.mixer, block.norm(x))
-    if pool is None:
-        return block(x)
-    if block.family == "A":
-        return block(x, cache=PagedView(pool, batch))
-    state = gather_state(pool, batch.state_slots)
-    x = block(x, cache=state)
-    scatter_state(pool, batch.state_slots, state)
-    return x
-
-
-def moe_all_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The routed + shared experts of ``moe`` on x [B, L, D] -> [B, L, D], computed densely:
-    every expert runs on every token and is weighted by the router's combine weight (0 for
-    the experts a token did not choose). The same function as ``MoE.forward`` (same routing,
-    same weights) without its host sync and with fixed shapes -- for decode steps, where the
-    few tokens make the dense compute cheap and reading every expert's weights is what the
-    sparse path costs anyway at batch sizes >= n_experts / top_k. Load statistics are not
-    updated (serving does not balance)."""
-    B, L, D = x.shape
-    tokens = x.reshape(-1, D)  # [T, D]
-    logits, shared_gate_up = moe.project(tokens)
-    scores, expert_idx, weights = moe.choose(logits)
-    dense = torch.zeros_like(scores).scatter_(-1, expert_idx, weights)  # [T, E]
-    gate, up = torch.einsum("td,efd->etf", tokens, moe.w_in).chunk(2, dim=-1)  # [E, T, F]
-    y = torch.bmm(F.silu(gate) * up, moe.out_proj.transpose(1, 2))  # [E, T, D]
-    out = (y * dense.t()[..., None].to(y.dtype)).sum(0)  # [T, D]
-    if moe.shared is not None:
-        out = out + moe.shared.down(shared_gate_up)
-    return out.view(B, L, D)
+    return block.forward_paged(x, PagedView(pool, batch))
 
 
 def next_token_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,18 +14,24 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megacpp.kernels.runtime import resolve
+from megacpp.model.cache import PagedView
+from megacpp.model.mixer import Mixer
 from megacpp.model.mlp import SwiGLU
+
+if TYPE_CHECKING:
+    from megacpp.model.config import ModelConfig
 
 LOAD_CHUNKS = 64  # row chunks of the per-expert load's first reduction (MoE._load)
 
 
-class MoE(nn.Module):
+class MoE(Mixer):
     def __init__(
         self,
         d_model: int,
@@ -55,6 +61,12 @@ class MoE(nn.Module):
         nn.init.normal_(self.w_in, std=init_std)
         nn.init.normal_(self.out_proj, std=init_std)
 
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> MoE:
+        e = cfg.moe
+        return cls(cfg.d_model, e.n_experts, e.top_k, e.expert_ffn, e.n_shared_experts,
+                   e.bias_update_rate, e.seq_aux_loss_coef, e.routed_scaling, cfg.init_std)
+
     # the pre-norm block may hand x in twice (Block, RMSNorm.with_skip's fanout): ``again`` for
     # the routed experts, x for the router / shared projection; the norm's backward kernel then
     # sums the two gradients (autograd's add of them took 26 us per layer at the nam56r-350m
@@ -62,7 +74,7 @@ class MoE(nn.Module):
     INPUT_FANOUT = 2
 
     def forward(
-        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: None = None,
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
         again: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
         """x [B, L, D] -> [B, L, D]. ``again``: (the same values as x, as a tensor of its own)
@@ -90,6 +102,15 @@ class MoE(nn.Module):
             else None
         )
         return out.view(B, L, D)
+
+    def forward_paged(
+        self, x: torch.Tensor, cache: PagedView, again: tuple[torch.Tensor, ...] = ()
+    ) -> torch.Tensor:
+        """One-token steps (decode) through :func:`moe_all_experts` (fixed shapes, no host
+        sync); longer inputs (prefill) through :meth:`forward`."""
+        if x.shape[1] == 1:
+            return moe_all_experts(self, x)
+        return self.forward(x, again=again)
 
     def _load(self, expert_idx: torch.Tensor) -> torch.Tensor:
         """Tokens routed to each expert [E] (float32) from the chosen experts [T, k]: the
@@ -169,6 +190,11 @@ class MoE(nn.Module):
         shared = self.shared.flops_per_token() if self.shared is not None else 0
         return 2 * d_model * self.n_experts + self.top_k * expert + shared
 
+    def residual_projections(self) -> list[torch.Tensor]:
+        """The routed experts' output weights, then the shared experts'."""
+        shared = self.shared.residual_projections() if self.shared is not None else []
+        return [self.out_proj, *shared]
+
     def inactive_params(self) -> int:
         """Parameters of the routed experts a token does not visit."""
         per_expert = self.w_in[0].numel() + self.out_proj[0].numel()
@@ -178,3 +204,24 @@ class MoE(nn.Module):
         """max/mean of the last forward's per-expert token counts (1.0 is perfectly even)."""
         mean = self.last_load.mean().item()
         return self.last_load.max().item() / mean if mean > 0 else math.nan
+
+
+def moe_all_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The routed + shared experts of ``moe`` on x [B, L, D] -> [B, L, D], computed densely:
+    every expert runs on every token and is weighted by the router's combine weight (0 for
+    the experts a token did not choose). The same function as ``MoE.forward`` (same routing,
+    same weights) without its host sync and with fixed shapes -- for decode steps, where the
+    few tokens make the dense compute cheap and reading every expert's weights is what the
+    sparse path costs anyway at batch sizes >= n_experts / top_k. Load statistics are not
+    updated (serving does not balance)."""
+    B, L, D = x.shape
+    tokens = x.reshape(-1, D)  # [T, D]
+    logits, shared_gate_up = moe.project(tokens)
+    scores, expert_idx, weights = moe.choose(logits)
+    dense = torch.zeros_like(scores).scatter_(-1, expert_idx, weights)  # [T, E]
+    gate, up = torch.einsum("td,efd->etf", tokens, moe.w_in).chunk(2, dim=-1)  # [E, T, F]
+    y = torch.bmm(F.silu(gate) * up, moe.out_proj.transpose(1, 2))  # [E, T, D]
+    out = (y * dense.t()[..., None].to(y.dtype)).sum(0)  # [T, D]
+    if moe.shared is not None:
+        out = out + moe.shared.down(shared_gate_up)
+    return out.view(B, L, D)

@@ -59,8 +59,7 @@ class MTPModule(nn.Module):
 
     def inactive_params(self) -> int:
         """Routed-expert parameters a token does not visit (E blocks)."""
-        mixers = [b.mixer for b in self.blocks]
-        return sum(m.inactive_params() for m in mixers if hasattr(m, "inactive_params"))
+        return sum(b.mixer.inactive_params() for b in self.blocks)
 
 
 class MultiTokenPrediction(nn.Module):
