@@ -104,6 +104,6 @@ class MegaCppForCausalLM(PreTrainedModel, GenerationMixin):
                     self.model, input_ids.shape[0], megacpp_state.capacity, input_ids.device,
                     self.model.embed.weight.dtype)
             cache = megacpp_state.cache
-            batch = cache.advance(input_ids.shape[1])
+            batch = cache.advance(input_ids)
             logits = self.model.forward_paged(input_ids, cache.layers, batch, all_positions=True)
         return CausalLMOutputWithPast(logits=logits)
