@@ -62,8 +62,16 @@ class HashedNgramEmbedding(nn.Module):
         self.orders, self.table_size = tuple(ng.orders), ng.table_size
         self.context_len = max(self.orders) - 1  # predecessors a decode step needs
         self.tables = nn.ModuleList(nn.Embedding(ng.table_size, cfg.d_model) for _ in self.orders)
+        self.hash_seed = ng.hash_seed
         self.register_buffer("multipliers", ngram_multipliers(self.orders, ng.hash_seed),
                              persistent=False)
+
+    @torch.no_grad()
+    def reset_multipliers(self) -> None:
+        """Recompute the hash multipliers (a buffer not saved: for a module materialised
+        from the meta device, as transformers loads an export)."""
+        values = ngram_multipliers(self.orders, self.hash_seed)
+        self.multipliers.copy_(values.to(self.multipliers.device))
 
     def reset_parameters(self) -> None:
         for table in self.tables:
