@@ -9,7 +9,6 @@ import copy
 import io
 
 import pytest
-import torch
 from rich.console import Console
 
 from megacpp.data.shards import ShardedDataset
