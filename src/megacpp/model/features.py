@@ -61,7 +61,8 @@ class HashedNgramEmbedding(nn.Module):
         ng = cfg.ngram
         self.orders, self.table_size = tuple(ng.orders), ng.table_size
         self.context_len = max(self.orders) - 1  # predecessors a decode step needs
-        self.tables = nn.ModuleList(nn.Embedding(ng.table_size, cfg.d_model) for _ in self.orders)
+        self.tables = nn.ModuleList(_zero_embedding(ng.table_size, cfg.d_model)
+                                    for _ in self.orders)
         self.hash_seed = ng.hash_seed
         self.register_buffer("multipliers", ngram_multipliers(self.orders, ng.hash_seed),
                              persistent=False)
@@ -136,7 +137,14 @@ def structure_embedding(cfg: ModelConfig) -> nn.Embedding | None:
     off."""
     if not cfg.structure.embedding:
         return None
-    return nn.Embedding(NUM_STRUCTURE_IDS, cfg.d_model)
+    return _zero_embedding(NUM_STRUCTURE_IDS, cfg.d_model)
+
+
+def _zero_embedding(rows: int, dim: int) -> nn.Embedding:
+    """A zero table, made without drawing random numbers: a model with a feature on draws
+    the same initial weights for everything else as one without it (same seed), so an
+    ablation compares the feature alone."""
+    return nn.Embedding(rows, dim, _weight=torch.zeros(rows, dim))
 
 
 def ngram_embedding(cfg: ModelConfig) -> HashedNgramEmbedding | None:

@@ -195,12 +195,12 @@ class HybridLM(nn.Module):
         """Greedy continuation, [B, L] -> [B, L + max_new_tokens], through a
         :class:`~megacpp.model.cache.LockstepCache` of the B rows (the paged caches and mixer
         code the serving engine runs, without its scheduler)."""
-        B, L = input_ids.shape
-        cache = LockstepCache(self, B, L + max_new_tokens, input_ids.device,
-                              self.embed.weight.dtype)
         if self.structure_embed is not None:
             raise MegaCppError("generate_greedy cannot compute structure ids (token ids only): "
                                "decode a structure-embedding model through the serving engine")
+        B, L = input_ids.shape
+        cache = LockstepCache(self, B, L + max_new_tokens, input_ids.device,
+                              self.embed.weight.dtype)
         out, tokens = [input_ids], input_ids
         for _ in range(max_new_tokens):
             logits = self.forward_paged(tokens, cache.layers, cache.advance(tokens))
