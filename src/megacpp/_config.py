@@ -52,8 +52,8 @@ def build_section(cls: type, table: Any, section: str, skip: frozenset[str] = fr
 
 def coerce(value: Any, hint: Any, name: str) -> Any:
     """``value`` as a ``hint`` (bool, int, float -- ints accepted --, str, tuple[str, ...] from a
-    list of strings, or a union of them such as ``bool | str``: the first that fits), or
-    ConfigError."""
+    list of strings, tuple[int, ...] from a list of integers, or a union of them such as
+    ``bool | str``: the first that fits), or ConfigError."""
     if isinstance(hint, types.UnionType):
         for option in get_args(hint):
             try:
@@ -83,6 +83,13 @@ def coerce(value: Any, hint: Any, name: str) -> Any:
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
         raise ConfigError(f"{name} = {value!r}: expected a list of strings")
+    if hint == tuple[int, ...]:
+        ints = isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
+            for v in value)
+        if ints:
+            return tuple(value)
+        raise ConfigError(f"{name} = {value!r}: expected a list of integers")
     raise TypeError(f"unsupported config type {hint} for {name}")  # a bug, not user input
 
 

@@ -41,3 +41,20 @@ def test_describe_bad_input_is_one_line_exit_2():
         assert out.returncode == 2, (args, out.stderr)
         assert needle in out.stderr and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_describe_counts_the_structure_and_ngram_tables(tmp_path):
+    config = tmp_path / "features.toml"
+    config.write_text('[model]\npattern = "AEMR"\nd_model = 64\nvocab_size = 1000\n'
+                      '[structure]\nembedding = true\n'
+                      '[ngram]\norders = [2, 3]\ntable_size = 4096\n')
+    table = megacpp("model", "describe", "AEMR", "--config", str(config))
+    assert table.returncode == 0, table.stderr
+    assert "structure embedding" in table.stdout and "n-gram embedding" in table.stdout
+    data = json.loads(megacpp("model", "describe", "AEMR", "--config", str(config),
+                              "--json").stdout)
+    totals = data["totals"]
+    assert totals["structure_params"] == 9 * 64 and totals["ngram_params"] == 2 * 4096 * 64
+    plain = json.loads(megacpp("model", "describe", "AEMR", "--config", "tiny", "--json",
+                               ).stdout)["totals"]
+    assert plain["structure_params"] == plain["ngram_params"] == 0

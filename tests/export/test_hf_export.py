@@ -36,6 +36,7 @@ FAMILIES: dict[str, dict] = {
     "R": {"model": {"pattern": "R"}},
     "D": {"model": {"pattern": "D"}},
     "MTP": {"model": {"pattern": "AD"}, "mtp": {"depth": 1, "pattern": "AE"}},
+    "ngram": {"model": {"pattern": "AM"}, "ngram": {"orders": [2, 3], "table_size": 64}},
 }
 CPP_TEXT = ("#include <vector>\r\n\ttemplate <typename T>\nint f(int x) {  // <|eos|> é ✓\n"
             "    return x  +  1;\n}\n\n")
@@ -61,6 +62,9 @@ def family_model(name: str) -> HybridLM:
     model = HybridLM(family_config(name))
     for block in model.moe_blocks():  # a trained-looking routing bias, so its export counts
         block.mixer.expert_bias.copy_(torch.randn_like(block.mixer.expert_bias))
+    if model.ngram_embed is not None:  # trained-looking n-gram tables (they start at zero)
+        for table in model.ngram_embed.tables:
+            torch.nn.init.normal_(table.weight, std=1.0)
     return model.eval()
 
 
@@ -112,6 +116,14 @@ def test_transformers_loads_the_export_with_equal_logits_and_greedy_tokens(
     with torch.no_grad():
         uncached = model(gen.sequences[:, :-1]).logits[:, prompt.shape[1] - 1:]
     assert (step_logits - uncached).abs().max().item() <= 1e-4
+
+
+def test_export_refuses_a_structure_embedding_model(tokenizer, tmp_path):
+    cfg = ModelConfig.from_dict({**family_config("A:gqa").to_dict(),
+                                 "structure": {"embedding": True}})
+    with pytest.raises(MegaCppError, match=r"structure-id embedding"):
+        export(HybridLM(cfg), tokenizer, tmp_path / "hf-structure")
+    assert not (tmp_path / "hf-structure").exists()
 
 
 def test_the_weights_are_needed_for_equal_logits(tokenizer, tmp_path):

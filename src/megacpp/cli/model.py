@@ -144,6 +144,10 @@ def _print_cost_table(cost, title: str) -> None:
     table.add_row(
         "", "embedding", "", _si(cost.embedding_params), _si(cost.embedding_params), "0", "", ""
     )
+    for name, params in (("structure embedding", cost.structure_params),
+                         ("n-gram embedding", cost.ngram_params)):
+        if params:  # gathers: no matmul FLOPs
+            table.add_row("", name, "", _si(params), _si(params), "0", "", "")
     for layer in cost.layers:
         table.add_row(
             str(layer.index),

@@ -84,6 +84,11 @@ def write_model_dir(model: HybridLM, tokenizer: CppTokenizer, out: Path, *, card
     if tokenizer.vocab_size != model.cfg.vocab_size:
         raise MegaCppError(f"tokenizer has {tokenizer.vocab_size} tokens, the model "
                            f"{model.cfg.vocab_size}")
+    if model.cfg.structure.embedding:
+        raise MegaCppError("export hf does not support a structure-id embedding "
+                           "([structure] embedding = true): transformers' forward and generate() "
+                           "pass token ids only, not tree-sitter structure ids; serve the "
+                           "checkpoint with megacpp serve instead")
     dtypes = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
     if dtypes != {torch.float32}:
         raise MegaCppError(f"export writes float32 weights; the model holds {sorted(map(str, dtypes))}")

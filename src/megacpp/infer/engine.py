@@ -17,7 +17,10 @@ Sampling is per request (its own ``torch.Generator``, seeded when ``seed`` is se
 exact argmax, so a sequence's greedy tokens do not depend on what it was batched with (up to
 floating-point summation order, which the float64 tests rule out).
 
-The model's multi-token-prediction heads (``[mtp]``) are not used for serving.
+The model's multi-token-prediction heads (``[mtp]``) are not used for serving. A model with a
+structure-id embedding gets each token's tree-sitter structure id from
+:mod:`megacpp.infer.structure` (prompt: one parse; each generated token: a parse of the
+sequence so far); a hashed n-gram branch gets each row's previous tokens from the sequence.
 The engine is single-threaded: one thread calls add_request / abort / step.
 """
 
@@ -35,6 +38,7 @@ from megacpp.infer.graphs import DecodeGraphs
 from megacpp.infer.model_runner import ModelRunner, ModelRunnerOutput
 from megacpp.infer.sampling import SamplingParams
 from megacpp.infer.scheduler import Scheduler, SchedulerOutput, Sequence
+from megacpp.infer.structure import StructureIds
 from megacpp.model.model import HybridLM
 
 
@@ -140,6 +144,8 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             compile_decode=config.compile_decode,
         )
+        self.structure = (  # per-token structure ids, for a structure-embedding model
+            StructureIds(tokenizer) if model.structure_embed is not None else None)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[RequestOutput] = []  # reported by the next step()
         self._prompt_tokens = self._generated_tokens = 0
@@ -185,6 +191,7 @@ class Engine:
             generator=generator,
             detok=IncrementalDetokenizer(self.tokenizer),
             stop_text=StopText(tuple(params.stop)),
+            structure_ids=None if self.structure is None else self.structure.label(prompt_ids),
         )
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -284,6 +291,8 @@ class Engine:
         if reason is not None:
             self.sequences.pop(seq.request_id, None)
             self.scheduler.remove(seq)
+        elif self.structure is not None:  # the id the next decode step feeds with the token
+            seq.structure_ids.append(self.structure.label_last(seq.token_ids))
         return self._output(seq, [token], text, reason)
 
     def _output(self, seq: Sequence, ids: list[int], text: str, reason: str | None) -> RequestOutput:

@@ -7,7 +7,8 @@ Padding rows feed token 0 at position 0, write their cache entries into the scra
 and their M/R state into the scratch slot, so they never touch a real sequence; padding
 table entries point at the scratch block and sit past every query's position (masked).
 
-All inputs travel in one pinned int64 buffer and one host-to-device copy per step; the
+A model's structure ids and n-gram context (``model/features.py``) are two more static
+inputs. All inputs travel in one pinned int64 buffer and one host-to-device copy per step; the
 graph reads them from fixed device addresses. Graphs are captured lazily on first use
 (:meth:`DecodeGraphs.capture_all` captures every bucket up front) and share one memory pool.
 The eager path (:meth:`HybridLM.forward_paged`) is the reference the graphs are tested
@@ -76,14 +77,24 @@ class DecodeGraphs:
         self.batches, self.widths = batch_buckets(max_batch), width_buckets(max_width)
         self.max_batch, self.max_width = max_batch, max_width
         n = max_batch
+        # optional inputs of the embedding step: structure ids [n, 1], n-gram context [n, C]
+        self.uses_structure = model.structure_embed is not None
+        self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
+        self._tables_end = 4 * n + n * max_width
+        self._structure_end = self._tables_end + (n if self.uses_structure else 0)
+        size = self._structure_end + n * self.context_len
         pinned = cache.device.type == "cuda"
-        self._host = torch.empty(4 * n + n * max_width, dtype=torch.int64, pin_memory=pinned)
+        self._host = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
         self._host_np = self._host.numpy()
         self._dev = torch.empty(self._host.shape, dtype=torch.int64, device=cache.device)
         d = self._dev
         self.ids, self.positions = d[:n].view(n, 1), d[n : 2 * n].view(n, 1)
         self.slot_mapping, self.state_slots = d[2 * n : 3 * n], d[3 * n : 4 * n]
-        self.tables = d[4 * n :].view(n, max_width)
+        self.tables = d[4 * n : self._tables_end].view(n, max_width)
+        self.structure_ids = (
+            d[self._tables_end : self._structure_end].view(n, 1) if self.uses_structure else None)
+        self.ngram_context = (
+            d[self._structure_end :].view(n, self.context_len) if self.context_len else None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buckets_used: set[tuple[int, int]] = set()
         self._pool = None
@@ -96,9 +107,18 @@ class DecodeGraphs:
         slot_mapping: list[int],
         state_slots: list[int],
         tables: list[list[int]],
+        structure_ids: list[int] | None = None,
+        ngram_context: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """Next-token logits [B, V] for B rows (a view into the graph's output buffer, valid
-        until the next call)."""
+        until the next call). ``structure_ids`` (one per row) and ``ngram_context`` (the
+        row's previous tokens) are required exactly when the model reads them."""
+        if (structure_ids is not None) != self.uses_structure:
+            raise ValueError(f"structure ids {'missing' if self.uses_structure else 'given'} "
+                             "for this model's decode graphs")
+        if (ngram_context is not None) != bool(self.context_len):
+            raise ValueError(f"n-gram context {'missing' if self.context_len else 'given'} "
+                             "for this model's decode graphs")
         B, W = len(ids), max(len(t) for t in tables)
         if B > self.max_batch or W > self.max_width:
             raise ValueError(f"decode batch {B} x {W} blocks exceeds the captured maximum "
@@ -106,11 +126,13 @@ class DecodeGraphs:
         b, w = bucket(self.batches, B), bucket(self.widths, W)
         graph, out = self._graph(b, w)  # capture first: it fills the buffers with padding
         self.buckets_used.add((b, w))
-        self._stage(ids, positions, slot_mapping, state_slots, tables)
+        self._stage(ids, positions, slot_mapping, state_slots, tables, structure_ids,
+                    ngram_context)
         graph.replay()
         return out[:B]
 
-    def _stage(self, ids, positions, slot_mapping, state_slots, tables) -> None:
+    def _stage(self, ids, positions, slot_mapping, state_slots, tables, structure_ids=None,
+               ngram_context=None) -> None:
         """Write the step's inputs (and padding everywhere else) to the device buffers."""
         n, h = self.max_batch, self._host_np
         B = len(ids)
@@ -118,9 +140,14 @@ class DecodeGraphs:
         h[:B], h[n : n + B], h[2 * n : 2 * n + B], h[3 * n : 3 * n + B] = (
             ids, positions, slot_mapping, state_slots
         )
-        table_np = h[4 * n :].reshape(n, self.max_width)
+        table_np = h[4 * n : self._tables_end].reshape(n, self.max_width)
         for i, row in enumerate(tables):
             table_np[i, : len(row)] = row
+        if structure_ids is not None:
+            h[self._tables_end : self._tables_end + B] = structure_ids
+        if ngram_context is not None:
+            context_np = h[self._structure_end :].reshape(n, self.context_len)
+            context_np[:B] = ngram_context
         self._dev.copy_(self._host, non_blocking=True)
 
     def _fill_padding(self) -> None:
@@ -128,7 +155,9 @@ class DecodeGraphs:
         h[: 2 * n] = 0  # token 0 at position 0
         h[2 * n : 3 * n] = c.null_block * c.block_size  # writes go to the scratch block
         h[3 * n : 4 * n] = c.null_slot
-        h[4 * n :] = c.null_block
+        h[4 * n : self._tables_end] = c.null_block
+        h[self._tables_end : self._structure_end] = 0  # structure id OTHER
+        h[self._structure_end :] = -1  # no previous tokens
 
     def _batch(self, b: int, w: int) -> PagedBatch:
         """The bucket's view of the static input buffers."""
@@ -137,6 +166,8 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:b],
             block_tables=self.tables[:b, :w],
             state_slots=self.state_slots[:b],
+            structure_ids=None if self.structure_ids is None else self.structure_ids[:b],
+            ngram_context=None if self.ngram_context is None else self.ngram_context[:b],
         )
 
     # -- capture ---------------------------------------------------------------------------------

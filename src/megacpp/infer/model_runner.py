@@ -17,6 +17,12 @@ Sampling is per request (its own ``torch.Generator``, one uniform draw per token
 one pass; greedy is exact argmax. The runner reads the cache manager's pools and geometry
 (block size, scratch block) but never its ownership: which blocks and slot a request holds
 comes with the scheduler output.
+
+A model with a structure-id embedding reads each scheduled token's structure id (computed by
+the engine, :mod:`megacpp.infer.structure`); a model with a hashed n-gram branch reads the
+``max(orders) - 1`` tokens before each row's first token, taken from the sequence's tokens
+(-1 before its start) -- in prefill and decode alike, so chunked prefill, preemption and
+CUDA graphs see the same features as the training forward.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class ModelRunner:
     ) -> None:
         self.model, self.cache = model, cache
         self.device = cache.device
+        self.uses_structure = model.structure_embed is not None
+        self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cuda_graphs:
             max_width = -(-max_model_len // cache.block_size)
@@ -94,6 +102,8 @@ class ModelRunner:
             ]),
             block_tables=self._block_tables(chunks, max(c.end for c in chunks)),
             state_slots=torch.tensor([c.state_slot for c in chunks], device=dev),
+            structure_ids=self._structure_ids(chunks),
+            ngram_context=self._ngram_context(chunks),
         )
         return self.model.forward_paged(ids, self.cache.layers, batch)
 
@@ -106,16 +116,41 @@ class ModelRunner:
         state_slots = [r.state_slot for r in rows]
         if self.graphs is not None:
             tables = [r.block_table for r in rows]
-            return self.graphs.run(ids, pos, slot_mapping, state_slots, tables)
+            structure = [r.structure_ids[0] for r in rows] if self.uses_structure else None
+            context = self._context_lists(rows) if self.context_len else None
+            return self.graphs.run(ids, pos, slot_mapping, state_slots, tables, structure,
+                                   context)
         dev = self.device
         batch = PagedBatch(
             positions=torch.tensor(pos, device=dev)[:, None],
             slot_mapping=torch.tensor(slot_mapping, device=dev),
             block_tables=self._block_tables(rows, max(pos) + 1),
             state_slots=torch.tensor(state_slots, device=dev),
+            structure_ids=self._structure_ids(rows),
+            ngram_context=self._ngram_context(rows),
         )
         return self.model.forward_paged(torch.tensor(ids, device=dev)[:, None], self.cache.layers,
                                         batch)
+
+    def _structure_ids(self, rows: list[ScheduledRequest]) -> torch.Tensor | None:
+        """[B, L] structure ids of the rows' tokens, or None (the model does not read them)."""
+        if not self.uses_structure:
+            return None
+        return torch.tensor([r.structure_ids for r in rows], device=self.device)
+
+    def _context_lists(self, rows: list[ScheduledRequest]) -> list[list[int]]:
+        """Per row, the ``context_len`` tokens before its first token (-1 before the start)."""
+        C, contexts = self.context_len, []
+        for r in rows:
+            before = r.history[max(0, r.start - C) : r.start]
+            contexts.append([-1] * (C - len(before)) + before)
+        return contexts
+
+    def _ngram_context(self, rows: list[ScheduledRequest]) -> torch.Tensor | None:
+        """[B, context_len] n-gram context of each row, or None (no n-gram branch)."""
+        if not self.context_len:
+            return None
+        return torch.tensor(self._context_lists(rows), device=self.device)
 
     def _slot_mapping(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Where each position's KV entry lives in the paged pools: block * size + offset."""

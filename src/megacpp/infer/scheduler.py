@@ -49,6 +49,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose cache entries are written
     prefill_end: int = 0  # prefill until num_computed reaches this
     running: bool = False  # admitted (holds a slot and blocks), not preempted or finished
+    structure_ids: list[int] | None = None  # per token, for a structure-embedding model
 
     @property
     def completion_len(self) -> int:
@@ -92,6 +93,9 @@ class ScheduledRequest:
     sample: bool  # sample the next token after token_ids (decodes; a prompt's last chunk)
     params: SamplingParams
     generator: torch.Generator | None  # the request's own (None: greedy)
+    structure_ids: list[int] | None = None  # of token_ids (a structure-embedding model)
+    history: list[int] | None = None  # the sequence's tokens (live list): those before
+    #                                   start are a hashed n-gram branch's context
 
     @property
     def end(self) -> int:
@@ -154,6 +158,8 @@ class Scheduler:
             sample=sample,
             params=seq.params,
             generator=seq.generator,
+            structure_ids=None if seq.structure_ids is None else seq.structure_ids[start:end],
+            history=seq.token_ids,
         )
 
     def _schedule_decodes(self, plan: _Plan) -> None:

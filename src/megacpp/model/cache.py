@@ -44,6 +44,11 @@ class PagedBatch:
                   (the scratch block): keys past a query's position are masked out.
     state_slots:  [B] int64 state slot of each row in the M and R pools.
     last_index:   [B] int64 index in ``L`` of each row's last real token, or None (L - 1).
+    structure_ids: [B, L] int64 structure id of each input token, for a model with a
+                  structure-id embedding (else None).
+    ngram_context: [B, max order - 1] int64 the tokens before each row's first input token,
+                  oldest first (``NO_TOKEN`` = -1 before the sequence's start), for a model
+                  with a hashed n-gram branch (else None). See ``model/features.py``.
     """
 
     positions: Tensor
@@ -51,6 +56,8 @@ class PagedBatch:
     block_tables: Tensor
     state_slots: Tensor
     last_index: Tensor | None = None
+    structure_ids: Tensor | None = None
+    ngram_context: Tensor | None = None
     _memo: dict = field(default_factory=dict, repr=False)  # tables shared by the layers
 
     def forget(self) -> None:
@@ -191,13 +198,27 @@ class LockstepCache:
                 self.layers.append(model.init_state_pool(i, batch_size, device, state_dtype))
         self.block_tables = torch.arange(batch_size * width, device=device).view(batch_size, width)
         self.block_size, self.capacity, self.length = block_size, capacity, 0
+        # a hashed n-gram branch reads each row's previous tokens: kept here, oldest first
+        self.ngram = model.ngram_embed
+        self.ngram_context = None
+        if self.ngram is not None:
+            self.ngram_context = torch.full((batch_size, self.ngram.context_len), -1,
+                                            dtype=torch.int64, device=device)
 
-    def advance(self, n_tokens: int) -> PagedBatch:
-        """The batch of every row's next ``n_tokens`` tokens (cached once it has run)."""
+    def advance(self, tokens: Tensor | int) -> PagedBatch:
+        """The batch of every row's next tokens ``tokens`` [B, n] (cached once it has run).
+        A model without a hashed n-gram branch may pass just their number n."""
+        n_tokens = tokens if isinstance(tokens, int) else tokens.shape[1]
         if self.length + n_tokens > self.capacity:
             raise ValueError(f"{n_tokens} more tokens do not fit the cache ({self.length} used "
                              f"of {self.capacity})")
         batch = lockstep_batch(self.block_tables, self.block_size, self.length, n_tokens)
+        if self.ngram is not None:
+            if isinstance(tokens, int):
+                raise ValueError("this model hashes n-grams of the previous tokens: "
+                                 "advance() needs the tokens [B, n], not their number")
+            batch.ngram_context = self.ngram_context
+            self.ngram_context = self.ngram.next_context(self.ngram_context, tokens)
         self.length += n_tokens
         return batch
 

@@ -18,6 +18,8 @@ A preset is a TOML file shipped in ``megacpp/configs/models/`` (``tiny``, ``nam5
                    v_head_dim, rope_base                      (A:mla, and A:dsa's attention)
     [dsa]          index_n_heads, index_head_dim, top_k, mode, indexer_loss_coef, query_chunk
     [mtp]          depth, loss_weight, pattern                (multi-token prediction)
+    [structure]    embedding                                  (structure-id embedding)
+    [ngram]        orders, table_size, hash_seed              (hashed n-gram embedding)
 """
 
 from __future__ import annotations
@@ -123,6 +125,31 @@ class MtpConfig:
 
 
 @dataclass(frozen=True)
+class StructureConfig:
+    """A learned embedding of each token's tree-sitter structure id
+    (``megacpp.data.structure.Structure``), added to the token embedding (see
+    ``model/features.py``). Off by default."""
+
+    embedding: bool = False
+
+
+MAX_NGRAM_ORDER = 8
+MAX_NGRAM_TABLE = 1 << 24
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Hashed n-gram embedding (Engram-style): for each order n in ``orders``, the last n
+    tokens are hashed (seeded by ``hash_seed``) into a table of ``table_size`` rows of
+    d_model, and the rows are added to the token embedding (see ``model/features.py``).
+    ``orders = []`` (the default) turns the branch off."""
+
+    orders: tuple[int, ...] = ()
+    table_size: int = 16384
+    hash_seed: int = 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     pattern: str = "AEMEAEMEAEMR"
     vocab_size: int = 32768
@@ -138,6 +165,8 @@ class ModelConfig:
     mla: MlaConfig = field(default_factory=MlaConfig)
     dsa: DsaConfig = field(default_factory=DsaConfig)
     mtp: MtpConfig = field(default_factory=MtpConfig)
+    structure: StructureConfig = field(default_factory=StructureConfig)
+    ngram: NgramConfig = field(default_factory=NgramConfig)
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
@@ -201,7 +230,9 @@ class ModelConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
-                out[f.name] = dataclasses.asdict(value)
+                table = dataclasses.asdict(value)
+                # lists, as JSON and TOML read them back (a saved config compares equal)
+                out[f.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
             else:
                 out["model"][f.name] = value
         return out
@@ -253,6 +284,7 @@ class ModelConfig:
         check(e.routed_scaling > 0, "moe.routed_scaling", e.routed_scaling, "> 0")
         self._validate_mla_dsa()
         self._validate_mtp()
+        self._validate_ngram()
 
     def _validate_mla_dsa(self) -> None:
         mla, dsa = self.mla, self.dsa
@@ -294,6 +326,19 @@ class ModelConfig:
             mtp.pattern,
             "one stage (no '|': an MTP module is not split over pipeline stages)",
         )
+
+    def _validate_ngram(self) -> None:
+        ng = self.ngram
+        check(
+            all(2 <= n <= MAX_NGRAM_ORDER for n in ng.orders)
+            and list(ng.orders) == sorted(set(ng.orders)),
+            "ngram.orders",
+            list(ng.orders),
+            f"strictly increasing integers in [2, {MAX_NGRAM_ORDER}] ([] turns the branch off)",
+        )
+        check(1 <= ng.table_size <= MAX_NGRAM_TABLE, "ngram.table_size", ng.table_size,
+              f"an integer in [1, {MAX_NGRAM_TABLE}]")
+        check(0 <= ng.hash_seed < 2**63, "ngram.hash_seed", ng.hash_seed, "an integer in [0, 2^63)")
 
     @property
     def mamba_d_inner(self) -> int:

@@ -60,11 +60,15 @@ class ModelCost:
     head_params: int  # 0 when tied
     head_flops_per_token: int
     norm_params: int = 0  # the final RMSNorm
+    structure_params: int = 0  # the structure-id embedding ([structure] embedding)
+    ngram_params: int = 0  # the hashed n-gram tables ([ngram] orders)
 
     @property
     def params(self) -> int:
         return (
             self.embedding_params
+            + self.structure_params
+            + self.ngram_params
             + self.head_params
             + self.norm_params
             + sum(layer.params for layer in self.layers)
@@ -102,6 +106,8 @@ class ModelCost:
                 "params": self.params,
                 "active_params": self.active_params,
                 "embedding_params": self.embedding_params,
+                "structure_params": self.structure_params,
+                "ngram_params": self.ngram_params,
                 "head_params": self.head_params,
                 "fwd_flops_per_token": self.fwd_flops_per_token,
                 "train_flops_per_token": self.train_flops_per_token,
@@ -198,7 +204,13 @@ def count_model(
         head_params=head_params,
         head_flops_per_token=head_flops,
         norm_params=model.norm.weight.numel(),
+        structure_params=_numel(model.structure_embed),
+        ngram_params=_numel(model.ngram_embed),
     )
+
+
+def _numel(module: torch.nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
 def _mtp_costs(model: HybridLM, seq_len: int, head_flops: int) -> list[LayerCost]:

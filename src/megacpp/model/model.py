@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacpp.errors import MegaCppError
 from megacpp.kernels.runtime import resolve
 from megacpp.model.blocks import Block
 from megacpp.model.cache import LockstepCache, PagedBatch, PagedView
 from megacpp.model.config import ModelConfig
+from megacpp.model.features import ngram_embedding, structure_embedding
 from megacpp.model.mtp import MultiTokenPrediction, mean_cross_entropy
 from megacpp.model.norm import RMSNorm
 from megacpp.pattern import LayerPlan, load, require_buildable
@@ -42,6 +44,8 @@ class HybridLM(nn.Module):
         self.plan = plan if plan is not None else load(cfg.pattern)
         require_buildable(self.plan)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.structure_embed = structure_embedding(cfg)  # None unless [structure] embedding
+        self.ngram_embed = ngram_embedding(cfg)  # None unless [ngram] orders
         self.blocks = nn.ModuleList(Block(s.family, s.variant, cfg) for s in self.plan.layers)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = (
@@ -58,6 +62,10 @@ class HybridLM(nn.Module):
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * len(self.blocks))
         nn.init.normal_(self.embed.weight, std=std)
+        if self.structure_embed is not None:
+            nn.init.zeros_(self.structure_embed.weight)
+        if self.ngram_embed is not None:
+            self.ngram_embed.reset_parameters()
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=std)
         if self.mtp is not None:
@@ -77,21 +85,48 @@ class HybridLM(nn.Module):
         """The main stack's blocks, then the MTP modules' blocks (depth order)."""
         return list(self.blocks) + (self.mtp.blocks() if self.mtp is not None else [])
 
+    def embed_inputs(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        structure_ids: torch.Tensor | None = None,
+        ngram_context: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[B, L] token ids -> [B, L, D]: the token embedding plus, where configured, the
+        structure-id embedding of ``structure_ids`` [B, L] and the hashed n-gram embedding
+        (its predecessors: ``ngram_context`` [B, max order - 1] before each row, then the
+        row's own tokens within each document of ``doc_ids``). See ``model/features.py``."""
+        x = self.embed(input_ids)
+        if self.structure_embed is not None:
+            if structure_ids is None:
+                raise MegaCppError("this model embeds structure ids ([structure] embedding = "
+                                   "true): its inputs must carry structure_ids")
+            x = x + self.structure_embed(structure_ids)
+        if self.ngram_embed is not None:
+            x = x + self.ngram_embed(input_ids, ngram_context, doc_ids)
+        return x
+
     def residual_stream(
-        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        structure_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, L] token ids -> [B, L, D] output of the last block (before the final norm)."""
-        x, pending = self.embed(input_ids), None
+        x, pending = self.embed_inputs(input_ids, doc_ids, structure_ids), None
         for block in self.blocks:
             # each block adds the previous block's output inside its norm kernel (pending)
             x, pending = block(x, doc_ids=doc_ids, pending=pending, defer=True)
         return x if pending is None else x + pending
 
     def hidden_states(
-        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        structure_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, L] token ids -> [B, L, D] final-normed hidden states."""
-        return self.norm(self.residual_stream(input_ids, doc_ids))
+        return self.norm(self.residual_stream(input_ids, doc_ids, structure_ids))
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -104,8 +139,9 @@ class HybridLM(nn.Module):
         input_ids: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        structure_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
-        x = self.residual_stream(input_ids, doc_ids)
+        x = self.residual_stream(input_ids, doc_ids, structure_ids)
         h = self.norm(x)
         mtp_logits = (
             None if self.mtp is None else self.mtp(x, input_ids, doc_ids, self.embed, self.logits)
@@ -155,12 +191,15 @@ class HybridLM(nn.Module):
         """Greedy continuation, [B, L] -> [B, L + max_new_tokens], through a
         :class:`~megacpp.model.cache.LockstepCache` of the B rows (the paged caches and mixer
         code the serving engine runs, without its scheduler)."""
+        if self.structure_embed is not None:
+            raise MegaCppError("generate_greedy cannot compute structure ids (token ids only): "
+                               "decode a structure-embedding model through the serving engine")
         B, L = input_ids.shape
         cache = LockstepCache(self, B, L + max_new_tokens, input_ids.device,
                               self.embed.weight.dtype)
         out, tokens = [input_ids], input_ids
         for _ in range(max_new_tokens):
-            logits = self.forward_paged(tokens, cache.layers, cache.advance(tokens.shape[1]))
+            logits = self.forward_paged(tokens, cache.layers, cache.advance(tokens))
             tokens = logits.argmax(-1)[:, None]  # [B, 1]
             out.append(tokens)
         return torch.cat(out, dim=1)
@@ -186,7 +225,8 @@ class HybridLM(nn.Module):
         ``layer_fn`` replaces :func:`paged_layer` (same signature), e.g. by a compiled copy."""
         batch.forget()  # per-forward tables are recomputed (a replayed step reuses the batch)
         layer_fn = layer_fn or paged_layer
-        x = self.embed(input_ids)  # [B, L, D]
+        x = self.embed_inputs(input_ids, structure_ids=batch.structure_ids,
+                              ngram_context=batch.ngram_context)  # [B, L, D]
         for block, pool in zip(self.blocks, layers, strict=True):
             x = layer_fn(block, pool, x, batch)
         if all_positions:

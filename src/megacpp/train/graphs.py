@@ -65,7 +65,7 @@ from megacpp.kernels.timing import GraphCaptureError
 from megacpp.train.optim import Optimizers
 
 WARMUP_STEPS = 3  # eager steps before capture (the PyTorch CUDA-graph notes use 3)
-INPUT_KEYS = ("input_ids", "labels", "doc_ids")
+INPUT_KEYS = ("input_ids", "labels", "doc_ids", "structure_ids")  # every loader batch has all
 
 Batch = dict[str, Tensor]
 

@@ -7,8 +7,9 @@ Grouping (:func:`group_parameters`):
   projections) except the MoE router and modules marked ``_no_muon`` (LoRA adapters), plus the
   MoE's 3-D expert weights ``w_in`` [E, 2F, D] and ``out_proj`` [E, D, F], orthogonalized per
   expert (batched).
-* **AdamW with weight decay** -- the embedding / LM head, the MoE router, other >= 2-D
-  weights (the gated-delta short-conv kernel, LoRA adapters).
+* **AdamW with weight decay** -- the embeddings (token, structure-id, hashed n-gram) / LM
+  head, the MoE router, other >= 2-D weights (the gated-delta short-conv kernel, LoRA
+  adapters).
 * **AdamW without weight decay** -- norms, biases (including Mamba's ``B_bias``/``C_bias``
   and ``dt_bias``), and parameters the mixers mark ``_no_weight_decay`` (``A_log``, ``D``...).
 

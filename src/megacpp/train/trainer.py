@@ -405,6 +405,7 @@ class _Session:
             raise ConfigError(f"model.vocab_size = {model_cfg.vocab_size} is smaller than the "
                               f"dataset's tokenizer ({vocab} tokens, {self.cfg.data_dir}); set "
                               f"model.vocab_size >= {vocab} or \"dataset\"")
+        _require_structure_ids(model_cfg, dataset)
         return model_cfg
 
     def _setup_data(self, dataset: ShardedDataset) -> None:
@@ -715,8 +716,12 @@ class _Session:
         input_ids = batch["input_ids"].to(device, non_blocking=True)  # [B, L]
         labels = batch["labels"].to(device, non_blocking=True)  # [B, L]
         doc_ids = batch["doc_ids"].to(device, non_blocking=True)  # [B, L]
+        structure_ids = None  # [B, L], read only by a model with a structure-id embedding
+        if self.model_cfg.structure.embedding:
+            structure_ids = batch["structure_ids"].to(device, non_blocking=True)
         with self._autocast():
-            out = self.model(input_ids, doc_ids=doc_ids, labels=labels)
+            out = self.model(input_ids, doc_ids=doc_ids, labels=labels,
+                             structure_ids=structure_ids)
         ce_sum = out.lm_loss.float() * n_targets  # the mean over targets (0 without any)
         zero = ce_sum.new_zeros(())
         aux = out.aux_loss.float() if out.aux_loss is not None else zero
@@ -1024,6 +1029,19 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _count_targets(batch: dict[str, torch.Tensor]) -> int:
     """Real next-token targets of a batch (its labels are on the host: no device sync)."""
     return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def _require_structure_ids(model_cfg: ModelConfig, dataset: ShardedDataset) -> None:
+    """A structure-id embedding needs a dataset built with structure ids (a build with
+    ``[structure] enabled = false`` stores OTHER for every token)."""
+    if not model_cfg.structure.embedding:
+        return
+    build = dataset.manifest.get("config", {}).get("structure", {})
+    if not build.get("enabled", False):
+        raise ConfigError(
+            f"the model embeds structure ids ([structure] embedding = true) but the dataset "
+            f"{dataset.root} has none (built with [structure] enabled = false); rebuild it with "
+            "[structure] enabled = true or set [structure] embedding = false")
 
 
 def _verify_dataset(path: Path) -> None:

@@ -19,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from megacpp.model.cache import LockstepCache
 from megacpp.model.config import ModelConfig
+from megacpp.model.features import HashedNgramEmbedding
 from megacpp.model.model import IGNORE_INDEX, HybridLM
 from megacpp.model.moe import MoE
 
@@ -47,11 +48,13 @@ class MegaCppForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module):
-        """HybridLM initialises its own weights; after loading, only the MoE's load counters
-        (buffers that are not saved) need values."""
+        """HybridLM initialises its own weights; after loading, only the buffers that are not
+        saved need values: the MoE's load counters and the n-gram hash multipliers."""
         if isinstance(module, MoE):
             module.routed_tokens.zero_()
             module.last_load.zero_()
+        if isinstance(module, HashedNgramEmbedding):
+            module.reset_multipliers()
 
     def get_input_embeddings(self):
         return self.model.embed
@@ -104,6 +107,6 @@ class MegaCppForCausalLM(PreTrainedModel, GenerationMixin):
                     self.model, input_ids.shape[0], megacpp_state.capacity, input_ids.device,
                     self.model.embed.weight.dtype)
             cache = megacpp_state.cache
-            batch = cache.advance(input_ids.shape[1])
+            batch = cache.advance(input_ids)
             logits = self.model.forward_paged(input_ids, cache.layers, batch, all_positions=True)
         return CausalLMOutputWithPast(logits=logits)
