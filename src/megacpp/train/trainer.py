@@ -20,6 +20,7 @@ DDP (a flat gradient buffer, its all-reduces captured) and under FSDP2.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import shutil
@@ -176,6 +177,12 @@ def train(
         if session is not None and not failed:
             session.release_graphs()  # before the communicators go (StepGraphs.release)
         if owns_group and not (failed and env.distributed):
+            # the session's model (DDP's reducer, FSDP2's state) and its pending collective
+            # work are freed now, while the group and the interpreter are alive: a cycle left
+            # for the interpreter's exit could free gloo work there, which aborts the process
+            # ("terminate called without an active exception")
+            session = None
+            gc.collect()
             shutdown_distributed()  # (after a failure a peer may be gone: the process exits)
 
 
