@@ -165,3 +165,117 @@ def test_bad_mtp_config_names_the_field(mtp, needle):
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_dict({"mtp": mtp})
     assert needle in str(info.value)
+
+
+# -- the fused linear cross-entropy path ------------------------------------------------------
+def _head_loss_backend(monkeypatch, fused: bool) -> None:
+    """Make ``HybridLM.lm_loss`` (the main and the MTP head loss) resolve the
+    ``linear_cross_entropy`` surface to a fused-role backend (``fused``) or to the catalog's
+    fallback, leaving every other surface to the real resolution. On CPU the fused role is
+    played by the surface's plain-PyTorch reference: it takes hidden states, the head weight
+    and labels, as the Triton kernel does."""
+    import megacpp.model.model as model_module
+    from megacpp.kernels.catalog import Backend, Requirements
+    from megacpp.kernels.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+    from megacpp.kernels.registry import default_catalog
+    from megacpp.kernels.runtime import resolve
+
+    fallback = default_catalog().of("linear_cross_entropy", "fallback")[0]
+    as_fused = Backend("reference_as_fused", "linear_cross_entropy", "chosen", Requirements(),
+                       linear_cross_entropy_reference)
+
+    def pick(surface, like):
+        if surface != "linear_cross_entropy":
+            return resolve(surface, like)
+        return as_fused if fused and like.device.type == "cpu" else (
+            resolve(surface, like) if fused else fallback)
+
+    monkeypatch.setattr(model_module, "resolve", pick)
+
+
+def _labels_with_ignored_ends(ids):
+    labels = next_token_labels(ids)  # the last position is ignored
+    labels[:, :2] = IGNORE_INDEX  # and the first two: every depth has ignored targets at both ends
+    return labels
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_fused_mtp_loss_builds_no_logits_and_matches_the_logits_path(monkeypatch, depth):
+    """Loss and gradients (hidden states in, head weight, MTP and main parameters) from the
+    fused path equal the logits path's in float32; the fused forward never calls the head."""
+    model = _model(_cfg(depth=depth, mtp_pattern="A:mla E"), torch.float32).train()
+    ids = _tokens(2, 16)
+    labels = _labels_with_ignored_ends(ids)
+    results = {}
+    for fused in (False, True):
+        _head_loss_backend(monkeypatch, fused)
+        if fused:  # no [B, L, V] logits anywhere: the head's matmul is never run
+            monkeypatch.setattr(HybridLM, "logits", _no_logits)
+        model.zero_grad()
+        x = model.residual_stream(ids).detach().requires_grad_()  # the MTP modules' input
+        normed = model.mtp(x, ids, None, model.embed)
+        mtp_loss, mtp_logits = model.mtp.loss(normed, labels, IGNORE_INDEX, model.lm_loss)
+        assert (mtp_logits is None) == fused
+        mtp_loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                 if n.startswith(("mtp.", "embed.")) and p.grad is not None}
+        out = model(ids, labels=labels)  # the whole model's outputs on the same path
+        assert (out.mtp_logits is None) == fused and (out.logits is None) == fused
+        results[fused] = (mtp_loss.detach(), x.grad, grads, out.mtp_loss.detach(), out.loss)
+    (loss, dx, grads, out_mtp, out_loss), (f_loss, f_dx, f_grads, f_out_mtp, f_out_loss) = (
+        results[False], results[True])
+    assert torch.isfinite(loss) and loss > 0
+    torch.testing.assert_close(f_loss, loss)
+    torch.testing.assert_close(f_out_mtp, out_mtp)
+    torch.testing.assert_close(f_out_loss.detach(), out_loss.detach())
+    torch.testing.assert_close(f_dx, dx)
+    assert "embed.weight" in grads and any(n.startswith(f"mtp.depths.{depth - 1}.") for n in grads)
+    assert f_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(f_grads[name], grad, msg=name)
+
+
+def _no_logits(self, h):
+    raise AssertionError("the fused loss path built logits")
+
+
+def test_without_labels_the_mtp_logits_are_returned_whatever_the_loss_backend(monkeypatch):
+    model = _model(_cfg(depth=2))
+    ids = _tokens(1, 10)
+    reference = model(ids).mtp_logits
+    _head_loss_backend(monkeypatch, fused=True)
+    drafts = model(ids).mtp_logits
+    assert [t.shape for t in drafts] == [(1, 10, V), (1, 10, V)]
+    for a, b in zip(drafts, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_fused_mtp_loss_on_cuda_bf16_matches_the_logits_path(monkeypatch, depth):
+    """The catalog's fused linear cross-entropy (Triton) for the main and the MTP losses of a
+    bf16 model against the logits path, every other surface as ``auto`` chose it."""
+    from megacpp.kernels.runtime import chosen_kernels, kernel_mode_override
+
+    cfg = ModelConfig.from_dict({
+        "model": {"pattern": "AE", "vocab_size": 4096, "d_model": 256},
+        "attention": {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64},
+        "mtp": {"depth": depth, "pattern": "AE"}})
+    torch.manual_seed(0)
+    model = HybridLM(cfg).cuda().bfloat16().train()
+    ids = torch.randint(0, 4096, (2, 256), device="cuda")
+    labels = _labels_with_ignored_ends(ids)
+    mtp_params = [p for n, p in model.named_parameters() if n.startswith("mtp.")]
+    results = {}
+    with kernel_mode_override("auto"):
+        for fused in (False, True):
+            _head_loss_backend(monkeypatch, fused)
+            out = model(ids, labels=labels)
+            assert (out.mtp_logits is None) == fused
+            grads = torch.autograd.grad(out.mtp_loss, [model.embed.weight, *mtp_params])
+            results[fused] = (out.mtp_loss.float(), [g.float() for g in grads])
+        assert chosen_kernels()["linear_cross_entropy"] == "triton_chunked"
+    (ref_loss, ref_grads), (loss, grads) = results[False], results[True]
+    assert abs(loss - ref_loss) / ref_loss < 1e-2
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert ((g - r).norm() / r.norm()).item() < 5e-2

@@ -34,7 +34,9 @@ class ModelOutput:
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None  # MoE balance + DSA indexer KL (training mode)
     mtp_loss: torch.Tensor | None = None  # mean cross-entropy over MTP depths (unweighted)
-    mtp_logits: list[torch.Tensor] | None = None  # per depth k: [B, L, V], predicts t+k+1
+    # per MTP depth k: [B, L, V], predicts t+k+1; None without MTP or when a fused loss
+    # skipped the logits (as for ``logits``)
+    mtp_logits: list[torch.Tensor] | None = None
 
 
 class HybridLM(nn.Module):
@@ -143,17 +145,17 @@ class HybridLM(nn.Module):
     ) -> ModelOutput:
         x = self.residual_stream(input_ids, doc_ids, structure_ids)
         h = self.norm(x)
-        mtp_logits = (
-            None if self.mtp is None else self.mtp(x, input_ids, doc_ids, self.embed, self.logits)
-        )
+        # per MTP depth: normed hidden states [B, L, D], the shared head's input
+        mtp_normed = None if self.mtp is None else self.mtp(x, input_ids, doc_ids, self.embed)
         if labels is None:
+            mtp_logits = None if mtp_normed is None else [self.logits(n) for n in mtp_normed]
             return ModelOutput(logits=self.logits(h), mtp_logits=mtp_logits)
         lm_loss, logits = self.lm_loss(h, labels)
         aux_loss = self._aux_loss()
         loss = lm_loss if aux_loss is None else lm_loss + aux_loss
-        mtp_loss = None
-        if mtp_logits is not None:
-            mtp_loss = self.mtp.loss(mtp_logits, labels, IGNORE_INDEX)
+        mtp_loss = mtp_logits = None
+        if mtp_normed is not None:
+            mtp_loss, mtp_logits = self.mtp.loss(mtp_normed, labels, IGNORE_INDEX, self.lm_loss)
             loss = loss + self.mtp.loss_weight * mtp_loss
         return ModelOutput(
             logits=logits,
@@ -167,10 +169,11 @@ class HybridLM(nn.Module):
     def lm_loss(
         self, h: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(mean next-token cross-entropy over the real targets -- 0 when there are none --,
-        the logits or None) from the final hidden states h [B, L, D]: when the catalog chose a
-        fused linear cross-entropy backend for h's device and dtype, straight from h without
-        the logits; else from the logits."""
+        """(mean cross-entropy over the real targets of labels [B, L] -- 0 when there are
+        none --, the logits or None) from head-input hidden states h [B, L, D] (the final
+        ones, or an MTP depth's): when the catalog chose a fused linear cross-entropy backend
+        for h's device and dtype, straight from h and the head weight without the logits;
+        else from the logits."""
         backend = resolve("linear_cross_entropy", h)
         if backend.role != "fallback":
             loss = backend.fn(h.flatten(0, 1), self._head_weight(), labels.flatten(), IGNORE_INDEX)

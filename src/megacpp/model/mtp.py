@@ -16,8 +16,15 @@ Documents: ``Emb(t_{i+k})`` is zero where token i + k lies past the row or in an
 document, and the depth-k target ``t_{i+k+1}`` is kept only where the next-token targets
 ``labels[i], ..., labels[i+k]`` are all real -- an unbroken chain inside one document (the
 data loader marks every document boundary with ``IGNORE_INDEX``). The MTP loss is the mean
-cross-entropy over depths; the model adds ``loss_weight`` times it to its loss. The logits
-of every depth are returned too, so serving can later use them as a speculative draft.
+cross-entropy over depths; the model adds ``loss_weight`` times it to its loss.
+
+:meth:`MultiTokenPrediction.forward` returns each depth's normed hidden states
+``rms_norm_k(h^k)``; the head and the loss are the model's. Each depth's loss goes through
+the same head loss as the main next-token loss (``HybridLM.lm_loss``): with a fused linear
+cross-entropy backend it comes straight from the normed hidden states and the head weight,
+and no logits are built; on the reference path it is the cross-entropy of the logits, which
+are returned too (and always without labels), so serving can later use them as a
+speculative draft.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ from megacpp.model.blocks import Block
 from megacpp.model.config import ModelConfig
 from megacpp.model.norm import RMSNorm
 from megacpp.pattern import LayerPlan, load
+
+# (normed hidden states [B, L, D], targets [B, L]) -> (mean cross-entropy, logits [B, L, V]
+# or None when a fused linear cross-entropy skipped them)
+HeadLoss = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
 
 
 class MTPModule(nn.Module):
@@ -75,31 +86,30 @@ class MultiTokenPrediction(nn.Module):
         return [block for module in self.depths for block in module.blocks]
 
     def forward(
-        self,
-        h: Tensor,
-        input_ids: Tensor,
-        doc_ids: Tensor | None,
-        embed: nn.Embedding,
-        head: Callable[[Tensor], Tensor],
+        self, h: Tensor, input_ids: Tensor, doc_ids: Tensor | None, embed: nn.Embedding
     ) -> list[Tensor]:
-        """Main-stack output h [B, L, D] -> logits [B, L, V] per depth (depth k at position i
-        predicts token i + k + 1)."""
-        logits = []
+        """Main-stack output h [B, L, D] -> each depth's normed hidden states [B, L, D], the
+        shared head's input (depth k at position i predicts token i + k + 1)."""
+        normed = []
         for depth, module in enumerate(self.depths, start=1):
             future, present = future_tokens(input_ids, doc_ids, depth)
             future_emb = embed(future).masked_fill(~present[..., None], 0.0)
             h = module(h, future_emb, doc_ids)
-            logits.append(head(module.norm(h)))
-        return logits
+            normed.append(module.norm(h))
+        return normed
 
-    def loss(self, logits: list[Tensor], labels: Tensor, ignore_index: int) -> Tensor:
-        """Mean over depths of the cross-entropy against :func:`mtp_labels`."""
-        losses = [
-            mean_cross_entropy(depth_logits, mtp_labels(labels, depth, ignore_index),
-                               ignore_index)
-            for depth, depth_logits in enumerate(logits, start=1)
-        ]
-        return torch.stack(losses).mean()
+    def loss(
+        self, normed: list[Tensor], labels: Tensor, ignore_index: int, head_loss: HeadLoss
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """(mean over depths of ``head_loss`` against :func:`mtp_labels`, the logits of every
+        depth or None when ``head_loss`` built none) from :meth:`forward`'s hidden states."""
+        losses, logits = [], []
+        for depth, depth_normed in enumerate(normed, start=1):
+            loss, depth_logits = head_loss(depth_normed, mtp_labels(labels, depth, ignore_index))
+            losses.append(loss)
+            logits.append(depth_logits)
+        kept = None if any(lg is None for lg in logits) else logits
+        return torch.stack(losses).mean(), kept
 
 
 def future_tokens(input_ids: Tensor, doc_ids: Tensor | None, depth: int) -> tuple[Tensor, Tensor]:
