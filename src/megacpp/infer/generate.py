@@ -33,7 +33,7 @@ from megacpp.infer.batch import (
 from megacpp.infer.cache_manager import pool_bytes
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.memory import check_fits
-from megacpp.infer.sampling import SamplingParams
+from megacpp.infer.sampling import SamplingParams, sample_seed
 from megacpp.model.model import HybridLM
 
 __all__ = ["CPP_BODY_STOP", "MAX_COMPLETIONS", "Completion", "FunctionBodyGenerator",
@@ -81,7 +81,7 @@ class TextGenerator:
         prompt_ids = [[self.tokenizer.bos_id, *self.tokenizer.encode(p).tolist()] for p in prompts]
         engine = self._engine(max(map(len, prompt_ids)), n * len(prompts), params.max_new_tokens)
         requests = [
-            BatchRequest(f"{i}/{j}", ids, dataclasses.replace(params, seed=_sample_seed(params, j)))
+            BatchRequest(f"{i}/{j}", ids, dataclasses.replace(params, seed=sample_seed(params.seed, j)))
             for i, ids in enumerate(prompt_ids) for j in range(n)
         ]
         results = run_batch(engine, requests)
@@ -113,11 +113,6 @@ class TextGenerator:
         """The evaluator's generator protocol: ``n`` completion strings per prompt."""
         params = SamplingParams(temperature=temperature, **options)
         return [[c.text for c in row] for row in self.complete_all(prompts, n, params)]
-
-
-def _sample_seed(params: SamplingParams, j: int) -> int | None:
-    """The seed of sample ``j``: ``seed + j`` (wrapped to 64 bits), None when unseeded."""
-    return None if params.seed is None else (params.seed + j) % 2**64
 
 
 def generate(

@@ -23,7 +23,7 @@ from megacpp.infer.protocol import (
     stop_strings,
 )
 from megacpp.infer.router import Route, Router
-from megacpp.infer.sampling import SamplingParams
+from megacpp.infer.sampling import SamplingParams, sample_seed
 
 SPECIALIST_HEADER = "x-megacpp-specialist"
 ROUTE_HEADER = "x-megacpp-route"
@@ -152,6 +152,6 @@ def _params(body: Body, max_tokens: int, stops: tuple[str, ...], j: int) -> Samp
         top_p=1.0 if body.top_p is None else body.top_p,
         max_new_tokens=max_tokens,
         stop=stops,
-        seed=None if body.seed is None else body.seed + j,
+        seed=sample_seed(body.seed, j),
         ignore_eos=body.ignore_eos,
     )

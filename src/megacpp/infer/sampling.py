@@ -47,6 +47,13 @@ class SamplingParams:
             raise MegaCppError(f"stop sequences must be non-empty strings, got {self.stop!r}")
 
 
+def sample_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample ``j`` of a request seeded ``seed``: ``seed + j`` (wrapped to 64 bits,
+    the same generator state), None when unseeded; the server, the CLI and the evaluator
+    seed the ``n`` samples of a prompt this way."""
+    return None if seed is None else (seed + j) % 2**64
+
+
 def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """(logits - each row's max) / temperature, in float32. Shifting first keeps a tiny
     temperature finite: the best tokens stay at 0 (not 0/0 when the temperature rounds to 0
