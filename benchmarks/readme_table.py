@@ -139,11 +139,11 @@ def scaling_table() -> str:
     return "\n".join(lines)
 
 
-def quality_table() -> str:
+def quality_table(benchmark: str = "quality") -> str:
     lines = [("| candidate | params (active) | lr | tokens | val bits/byte "
               "| HumanEval-X pass@1 greedy | pass@10 (n=20, T=0.8) |"),
              "|---|---|---|---|---|---|---|"]
-    folders = list(_devices("quality"))
+    folders = list(_devices(benchmark))
     for folder in folders:
         data = _load(folder / "quality.json") or {}
         for name, cand in data.get("candidates", {}).items():
@@ -152,7 +152,7 @@ def quality_table() -> str:
                 continue
             active = final.get("active_params") or final["params"]
             scores = cand.get("humaneval") or {}
-            greedy = sampled = "not scored"
+            greedy = sampled = "not scored" if scores else "not sampled"
             if scores.get("scored"):
                 greedy = f"{scores['greedy']['pass_at_k']['pass@1']:.3f}"
                 sampled = f"{scores['sampled']['pass_at_k']['pass@10']:.3f}"
@@ -235,7 +235,8 @@ def kernels_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"quality": quality_table, "scaling": scaling_table, "results": headline_table,
+TABLES = {"quality": quality_table,
+          "quality_recipe": lambda: quality_table("quality_recipe"), "scaling": scaling_table, "results": headline_table,
           "kernels": kernels_table}
 
 
