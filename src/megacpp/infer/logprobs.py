@@ -15,9 +15,10 @@ entries, as OpenAI documents); and the chat object (``{"content": [{"token", "lo
 "bytes", "top_logprobs"}]}``; :func:`chat_logprobs`), whose ``top_logprobs`` lists exactly
 the ``k`` most likely tokens.
 
-A token's string is its bytes decoded as UTF-8 (a token that ends inside a multi-byte
-character shows U+FFFD; the chat format's ``bytes`` are exact); a special token shows its name
-(``<|eos|>``). ``text_offset`` is where the token's text starts in the returned text: the
+A token's string is its bytes decoded as UTF-8; a token whose bytes are not whole UTF-8
+characters (part of a multi-byte character) is written ``bytes:\\xe2\\x80`` as OpenAI does, so
+distinct tokens keep distinct strings (the chat format's ``bytes`` hold them exactly); a
+special token shows its name (``<|eos|>``). ``text_offset`` is where the token's text starts in the returned text: the
 characters the incremental detokenizer had released before it.
 """
 
@@ -80,9 +81,12 @@ class _TokenText:
 
     def text(self, token: int) -> str:
         piece = self.table[token] if 0 <= token < len(self.table) else b""
-        if piece:
-            return piece.decode("utf-8", "replace")
-        return self.tokenizer.hf.id_to_token(token) or ""
+        if not piece:
+            return self.tokenizer.hf.id_to_token(token) or ""
+        try:
+            return piece.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
 class CompletionLogprobs:
@@ -108,7 +112,9 @@ class CompletionLogprobs:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            top = {self._text.text(t): lp for t, lp in entry.top}
+            top: dict[str, float] = {}
+            for t, lp in entry.top:  # best first: a repeated string keeps its best logprob
+                top.setdefault(self._text.text(t), lp)
             top.setdefault(self._text.text(token), entry.logprob)  # the chosen token, always
             out["token_logprobs"].append(entry.logprob)
             out["top_logprobs"].append(top)

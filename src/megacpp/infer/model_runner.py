@@ -89,10 +89,12 @@ class ModelRunner:
         out = ModelRunnerOutput([], [])
         for group in _equal_length_groups(scheduled.prefills):
             scored = group[0].params.prompt_logprobs is not None
-            logits = self._run_prefill(group, all_positions=scored)  # [B, V] or [B, L, V]
             if scored:
+                logits = self._run_prefill(group, all_positions=True)  # [B, L, V]
                 out.prompt_logprobs.update(self._prompt_logprobs(group, logits))
                 logits = logits[:, -1]  # [B, V]: equal-length rows, unpadded
+            else:
+                logits = self._run_prefill(group)  # [B, V]
             done = [i for i, req in enumerate(group) if req.sample]
             if done:
                 sampled += self._sample([group[i] for i in done], logits[done], out.logprobs)
