@@ -30,9 +30,10 @@ LENGTHS = (1, 5, 17, 33, 9, 23)  # 1: BOS only; prefill chunks of 8
 
 def reference_logprobs(model: HybridLM, ids: list[int]) -> torch.Tensor:
     """[len(ids), V] log-softmax of a plain full-sequence forward (position t predicts t+1)."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits.double(), dim=-1)
+        logits = model(torch.tensor([ids], device=device)).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1).cpu()
 
 
 def assert_entry(entry, token: int, row: torch.Tensor, k: int, tol: float) -> None:
@@ -56,10 +57,10 @@ def model() -> HybridLM:
     return HybridLM(cfg).double().eval()
 
 
-def run_engine(model, requests: dict, **config) -> tuple[dict, Engine]:
+def run_engine(model, requests: dict, device: str = "cpu", **config) -> tuple[dict, Engine]:
     """Every request to the end: per request id, (generated ids, outputs)."""
     defaults = {"max_num_seqs": 8, "block_size": 4, "max_model_len": 96, "prefill_chunk": 8}
-    engine = Engine(model, tiny_tokenizer(), EngineConfig(**{**defaults, **config}))
+    engine = Engine(model, tiny_tokenizer(), EngineConfig(**{**defaults, **config}), device)
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     outs = {rid: [] for rid in requests}
@@ -100,6 +101,27 @@ def test_engine_logprobs_equal_a_full_forward(model, tight):
             assert_entry(prompt_entries[t], prompt[t], ref[t - 1], 2, 1e-5)
         entries = [e for o in outs for e in o.logprobs]
         assert len(entries) == len(generated)
+        for i, (token, entry) in enumerate(zip(generated, entries, strict=True)):
+            assert_entry(entry, token, ref[len(prompt) + i - 1], 3, 1e-5)
+
+
+@pytest.mark.gpu
+def test_engine_logprobs_on_cuda_with_graphs_equal_a_full_forward():
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(load_config("tiny"), vocab_size=tiny_tokenizer().vocab_size,
+                              init_std=0.3)
+    model = HybridLM(cfg).double().cuda().eval()
+    params = SamplingParams(temperature=0.8, top_k=5, max_new_tokens=12, seed=3,
+                            ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    requests = {str(i): (p, params) for i, p in enumerate(prompts(cfg.vocab_size))}
+    results, engine = run_engine(model, requests, device="cuda")
+    assert engine.graphs is not None and engine.graphs.graphs  # decode replayed graphs
+    for rid, (prompt, _) in requests.items():
+        generated, outs = results[rid]
+        ref = reference_logprobs(model, prompt + generated)
+        for t in range(1, len(prompt)):
+            assert_entry(outs[0].prompt_logprobs[t], prompt[t], ref[t - 1], 2, 1e-5)
+        entries = [e for o in outs for e in o.logprobs]
         for i, (token, entry) in enumerate(zip(generated, entries, strict=True)):
             assert_entry(entry, token, ref[len(prompt) + i - 1], 3, 1e-5)
 
