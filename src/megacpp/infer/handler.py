@@ -1,7 +1,8 @@
 """The state behind the app (:class:`Server`: specialists, router, metrics) and how one
 request runs: submit its engine requests, then answer with one JSON body, or with
-Server-Sent Events (one ``data: {json}`` chunk per engine output that carries text, then
-``data: [DONE]``), aborting the engine requests when the client goes away."""
+Server-Sent Events (one ``data: {json}`` chunk per engine output that carries text, or
+tokens when logprobs are asked, then ``data: [DONE]``), aborting the engine requests when the
+client goes away. With ``echo``, a choice's prompt (and its logprobs) comes first."""
 
 from __future__ import annotations
 
