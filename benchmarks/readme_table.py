@@ -113,10 +113,14 @@ def _verifier(data: dict) -> list[list[str]]:
               f"{best['passed']}/{best['programs']} pass")]]
 
 
-def _commands_block(folder: Path) -> list[str]:
+def _commands_block(folder: Path, inline_max: int = 3) -> list[str]:
+    """The commands behind a table: inline up to ``inline_max`` lines, else a link to them."""
     rel = folder.relative_to(ROOT).as_posix()
-    return ["", f"Measured in [{rel}]({rel}) by:", "", "```bash",
-            *_command(folder).splitlines(), "```"]
+    commands = _command(folder).splitlines()
+    if len(commands) > inline_max:
+        return ["", f"Measured in [{rel}]({rel}) by the {len(commands)} lines of "
+                f"[command.txt]({rel}/command.txt)."]
+    return ["", f"Measured in [{rel}]({rel}) by:", "", "```bash", *commands, "```"]
 
 
 def scaling_table() -> str:
