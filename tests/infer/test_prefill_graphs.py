@@ -9,21 +9,32 @@ import dataclasses
 import pytest
 import torch
 
+from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.errors import MegaCppError
 from megacpp.infer.engine import Engine
 from megacpp.infer.prefill_graphs import PrefillGraphs, length_buckets
 from megacpp.infer.scheduler import ScheduledRequest
-from tests.infer.test_engine import (  # noqa: F401 - fixtures
-    GREEDY,
-    _engine,
-    _prompts,
-    _run,
-    model,
-    tiny_model,
-    tokenizer,
-)
+from megacpp.model.model import HybridLM
+from tests.infer.test_engine import GREEDY, HEADERS, _engine, _latent, _model, _prompts, _run, _tiny
 
 LENGTHS = (1, 5, 17, 33, 9, 23, 40)  # prefill_chunk 24: 33 and 40 continue eagerly
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> CppTokenizer:
+    texts = [p.read_text(encoding="utf-8") for p in HEADERS]
+    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
+
+
+@pytest.fixture(scope="module", params=["tiny", "latent"])
+def model(request, tokenizer) -> HybridLM:
+    build = _tiny if request.param == "tiny" else _latent
+    return _model(build(tokenizer.vocab_size))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer) -> HybridLM:
+    return _model(_tiny(tokenizer.vocab_size))
 
 
 def _with_prefill_graphs(engine: Engine, max_tokens: int = 64) -> PrefillGraphs:
@@ -59,7 +70,7 @@ def test_length_buckets_and_groups(tiny_model, tokenizer):
     engine = _engine(tiny_model, tokenizer, max_model_len=96)
     graphs = _with_prefill_graphs(engine, max_tokens=64)
     assert graphs.lengths == [16, 32, 64]  # 96 > max_tokens
-    chunk = lambda n, start=0: ScheduledRequest(  # noqa: E731
+    chunk = lambda n, start=0: ScheduledRequest(
         "r", [1] * n, start, [0] * 24, 0, True, GREEDY, None)
     assert graphs.takes(chunk(64)) and not graphs.takes(chunk(65))
     assert not graphs.takes(chunk(8, start=8))  # continues a sequence: eager
