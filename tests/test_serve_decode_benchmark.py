@@ -35,7 +35,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
            "--dtype", "float32", "--prompt-len", "8", "--block-size", "4", *args]
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "HOME": str(Path.home())}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
 
 
 @pytest.mark.slow
