@@ -16,8 +16,9 @@ Both systems run in this one process on one device, in bf16 weights (no autocast
 - **hf-static**: the same Llama through transformers' documented fast path: a static KV
   cache (``StaticCache``, one per batch size, reused across calls after ``reset()``, so its
   tensors keep their addresses) with which ``generate`` compiles its decode forward itself
-  (``CompileConfig``: inductor, ``reduce-overhead`` = CUDA graphs; ``--hf-compile-backend``,
-  ``--hf-compile-mode``). Its prefill runs eagerly, as ``generate`` does.
+  (``CompileConfig``: inductor, ``reduce-overhead`` = CUDA graphs, one static graph per batch
+  size; ``--hf-compile-backend``, ``--hf-compile-mode``). Its prefill runs eagerly, as
+  ``generate`` does.
 
 Per batch size ``B``: ``B`` prompts of ``--prompt-len`` random token ids (BOS first; the
 same ids for both systems) all arrive at t0; each generates exactly ``--new-tokens`` tokens
@@ -231,7 +232,9 @@ def hf_compile_config(args):
     from transformers import CompileConfig
 
     mode = None if args.hf_compile_mode == "none" else args.hf_compile_mode
-    config = CompileConfig(backend=args.hf_compile_backend, mode=mode, fullgraph=True)
+    # dynamic=False: one graph specialised per batch size (each is compiled in its warm-up),
+    # instead of the default's switch to a dynamic batch dimension at the second size
+    config = CompileConfig(backend=args.hf_compile_backend, mode=mode, dynamic=False)
     config._compile_all_devices = True  # documented hook: also compile off CUDA
     return config
 
