@@ -79,6 +79,8 @@ def test_length_buckets_and_groups(tiny_model, tokenizer):
     assert [[len(c.token_ids) for c in g] for g in groups] == [[2, 3, 5, 7], [9, 16], [40]]
     with pytest.raises(ValueError, match="fit no bucket"):
         graphs.run([chunk(8, start=8)])
+    graphs.capture_all()  # every bucket of at most 64 tokens
+    assert sorted(graphs.graphs) == [(1, 16), (1, 32), (1, 64), (2, 16), (2, 32), (4, 16)]
 
 
 def test_padded_prefill_equals_eager_logits_and_tokens(model, tokenizer):

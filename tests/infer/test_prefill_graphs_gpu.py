@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from megacpp.infer.prefill_graphs import PrefillGraphs
 from megacpp.infer.sampling import SamplingParams
 from megacpp.model.config import load_config
 from megacpp.model.model import HybridLM
@@ -51,6 +52,10 @@ def test_captured_prefill_equals_eager_prefill_float64(family, tokenizer):  # no
 
 @pytest.mark.gpu
 def test_captured_prefill_bf16_serving_kernels(tokenizer):  # noqa: F811
+    """bf16 under ``--kernels auto``: the captured replay equals the same padded forward run
+    eagerly (same kernels and shapes: tight), and the unpadded eager prefill within bf16
+    noise (left padding moves the scans' chunk boundaries; a near-tied MoE routing choice
+    may flip for a token, so the bound is on the median row and on most first tokens)."""
     from megacpp.kernels.runtime import chosen_kernels, clear_resolutions, kernel_mode_override
 
     model = _model("tiny", tokenizer.vocab_size, torch.bfloat16)
@@ -59,19 +64,28 @@ def test_captured_prefill_bf16_serving_kernels(tokenizer):  # noqa: F811
     config = {"prefill_chunk": 256, "prefill_graph_tokens": 512}  # one step prefills all
     clear_resolutions()
     with kernel_mode_override("auto"):
-        graphed = _engine(model, tokenizer, **config)
-        _, steps = _logits_by_step(graphed, requests)
+        captured = _engine(model, tokenizer, **config)
+        first = _logits_by_step(captured, requests)[1][0]
         chosen = chosen_kernels()
-        _, want_steps = _logits_by_step(_engine(model, tokenizer, prefill_graphs=False, **config),
-                                        requests)
+        replayed = _engine(model, tokenizer, **config)
+        replayed.runner.prefill_graphs = PrefillGraphs(
+            model, replayed.cache, 12, 128, 512, capture=False)  # the padded path, eagerly
+        padded_eager = _logits_by_step(replayed, requests)[1][0]
+        unpadded = _engine(model, tokenizer, prefill_graphs=False, **config)
+        plain = _logits_by_step(unpadded, requests)[1][0]
     clear_resolutions()
     assert chosen["mamba3_scan"] == "triton_chunked" and chosen["gated_delta"] == "triton_chunked"
     if torch.cuda.get_device_capability() >= (9, 0):
         assert chosen["moe_experts"] == "grouped_mm"  # the captured experts are the grouped ones
-    assert graphed.runner.prefill_graphs.graphs
-    first, want_first = steps[0], want_steps[0]  # every prompt's first token: one prefill step
-    assert first.keys() == want_first.keys() == requests.keys()
+    graphs = captured.runner.prefill_graphs.graphs
+    assert graphs and all(isinstance(g, torch.cuda.CUDAGraph) for g, _ in graphs.values())
+    assert first.keys() == padded_eager.keys() == plain.keys() == requests.keys()
     for rid in first:
-        a, b = first[rid].float(), want_first[rid].float()
-        torch.testing.assert_close(a, b, rtol=0, atol=0.03 * b.abs().max().item())
-        assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.999
+        scale = padded_eager[rid].float().abs().max().item()
+        torch.testing.assert_close(first[rid].float(), padded_eager[rid].float(), rtol=0,
+                                   atol=0.01 * scale)
+    errors = sorted((first[rid].float() - plain[rid].float()).abs().max().item()
+                    / plain[rid].float().abs().max().item() for rid in first)
+    assert errors[len(errors) // 2] < 0.03, errors
+    same_token = sum(int(first[r].argmax() == plain[r].argmax()) for r in first)
+    assert same_token >= len(first) - 1, same_token

@@ -28,6 +28,9 @@ the last index (its logits are read there) and:
   angle, which cancels in each interaction (they depend only on angle differences);
 * padding rows (batch up to the bucket) write into the scratch block and scratch slot.
 
+Graphs are captured lazily on first use (:meth:`PrefillGraphs.capture_all` captures every
+bucket up front) and share one memory pool, apart from the decode graphs' pool.
+
 The eager path (unpadded, grouped by equal length, :meth:`HybridLM.forward_paged`) is the
 reference the padded replay is tested against (``tests/infer/test_prefill_graphs.py``, CPU
 and CUDA). A model with a hashed n-gram branch prefills eagerly (its n-gram windows would
@@ -204,6 +207,13 @@ class PrefillGraphs:
         )
 
     # -- capture ---------------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Capture every bucket now (largest first, so smaller ones reuse its memory)."""
+        for b in reversed(self.batches):
+            for n in reversed(self.lengths):
+                if b * n <= self.max_tokens:
+                    self._graph(b, n)
+
     def _graph(self, b: int, n: int) -> tuple[object, torch.Tensor]:
         if (b, n) not in self.graphs:
             width = -(-n // self.cache.block_size)
