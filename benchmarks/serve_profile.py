@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from megacpp.infer.engine import Engine, EngineConfig
@@ -112,41 +113,39 @@ def _labelled_layer(block, pool, x, batch):
         return paged_layer(block, pool, x, batch)
 
 
-def _device_time_us(evt) -> float:
-    return getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-
-
-def _self_device_time_us(evt) -> float:
-    return getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+ANNOTATIONS = ("decode_step", "block ")  # our record_function names (also on the GPU track)
 
 
 def _summary(run: dict, steps: int) -> dict:
-    averages = run["prof"].key_averages()
-    launches = {a.key: a.count / steps for a in averages if a.key in HOST_LAUNCHES}
-    kernels = [a for a in averages if _self_device_time_us(a) > 0 and not a.key.startswith("cuda")
-               and a.key != "decode_step"]
-    device_ms = sum(_self_device_time_us(a) for a in kernels) / steps / 1e3
-    top = sorted(kernels, key=_self_device_time_us, reverse=True)[:25]
+    launches: dict[str, float] = defaultdict(float)
+    kernels: dict[str, list[float]] = defaultdict(list)  # name -> device us of each call
+    for evt in run["prof"].events():
+        if evt.device_type == DeviceType.CPU and evt.name in HOST_LAUNCHES:
+            launches[evt.name] += 1 / steps
+        elif evt.device_type == DeviceType.CUDA and not evt.name.startswith(ANNOTATIONS):
+            kernels[evt.name].append(evt.device_time_total)
+    top = sorted(kernels.items(), key=lambda kv: sum(kv[1]), reverse=True)[:25]
     return {
         "step_ms": run["wall_s"] / steps * 1e3,
-        "host_launches_per_step": launches,
+        "host_launches_per_step": dict(launches),
         "host_launch_calls_per_step": sum(launches.values()),
-        "device_kernels_per_step": sum(a.count for a in kernels) / steps,
-        "device_busy_ms_per_step": device_ms,
-        "top_kernels": [{"name": a.key[:120], "calls_per_step": a.count / steps,
-                         "device_ms_per_step": _self_device_time_us(a) / steps / 1e3}
-                        for a in top],
+        "device_kernels_per_step": sum(len(v) for v in kernels.values()) / steps,
+        "device_busy_ms_per_step": sum(sum(v) for v in kernels.values()) / steps / 1e3,
+        "top_kernels": [{"name": name[:120], "calls_per_step": len(times) / steps,
+                         "device_ms_per_step": sum(times) / steps / 1e3}
+                        for name, times in top],
     }
 
 
 def _families(run: dict, steps: int) -> dict[str, float]:
-    """Device time (CPU time without CUDA) per block family per step, in ms."""
-    out = {}
-    for a in run["prof"].key_averages():
-        if a.key.startswith("block "):
-            t = _device_time_us(a) or a.cpu_time_total
-            out[a.key.removeprefix("block ")] = t / steps / 1e3
-    return out
+    """Per block family, ms per step: the device time of the kernels each block launched
+    (the CPU time of its ops where nothing ran on CUDA)."""
+    out: dict[str, float] = defaultdict(float)
+    for evt in run["prof"].events():
+        if evt.device_type == DeviceType.CPU and evt.name.startswith("block "):
+            t = evt.device_time_total or evt.cpu_time_total
+            out[evt.name.removeprefix("block ")] += t / steps / 1e3
+    return dict(out)
 
 
 def _bytes_per_step(engine: Engine, batch: int, context: float, step_s: float) -> dict:

@@ -81,6 +81,18 @@ class _Bucket:
             start += size
         self.host = torch.empty(start, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.dev = torch.empty(start, dtype=torch.int64, device=device)
+        # the last host-to-device copy (a replay that samples nothing syncs nothing, so the
+        # next staging waits for it before overwriting the pinned buffer)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def upload(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def wait_for_upload(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def host_view(self, name: str, cols: int) -> np.ndarray:
         lo, hi = self.offsets[name]
@@ -164,6 +176,7 @@ class PrefillGraphs:
 
     def _stage(self, buf: _Bucket, chunks: list[ScheduledRequest]) -> None:
         """Write the chunks, left-padded, into the bucket's buffers (padding elsewhere)."""
+        buf.wait_for_upload()
         self._fill_padding(buf)
         bs, n = self.cache.block_size, buf.n
         ids, positions = buf.host_view("ids", n), buf.host_view("positions", n)
@@ -182,7 +195,7 @@ class PrefillGraphs:
             state_slots[i, 0] = chunk.state_slot
             if self.uses_structure:
                 buf.host_view("structure", n)[i, pad:] = chunk.structure_ids
-        buf.dev.copy_(buf.host, non_blocking=True)
+        buf.upload()
 
     def _fill_padding(self, buf: _Bucket) -> None:
         c = self.cache
