@@ -235,7 +235,7 @@ def hf_compile_config(args):
     # dynamic=False: one graph specialised per batch size (each is compiled in its warm-up),
     # instead of the default's switch to a dynamic batch dimension at the second size
     config = CompileConfig(backend=args.hf_compile_backend, mode=mode, dynamic=False)
-    config._compile_all_devices = True  # documented hook: also compile off CUDA
+    config._compile_all_devices = True  # transformers: compile off CUDA too (for testing)
     return config
 
 
