@@ -42,9 +42,10 @@ engine/hf ratios and writes, to ``--out`` (default ``benchmarks/results/serve_de
 ``serve_decode.json``, one ``bench`` receipt per (system, B) under ``receipts/serve_decode/``
 and ``command.txt``.
 
-``--profile`` measures nothing of the above: per batch size it profiles ``--profile-steps``
-engine decode steps (after a prefill and warm-up) with ``torch.profiler`` and writes
-``profile_B<B>.json`` and ``.txt``: host launches (kernel and graph launches) and device
+``--profile`` measures nothing of the above: per batch size it profiles, with
+``torch.profiler``, the engine step that prefills all prompts (as served and eagerly) and
+``--profile-steps`` decode steps (after a warm-up), and writes ``profile_B<B>.json`` and
+``.txt``: host launches (kernel and graph launches) and device
 kernels per decode step, the kernels' device time by name, the device time per block
 family from an eager pass (``record_function`` per block; a captured graph hides that
 split), and the weight bytes a decode step reads (counted from the model: every weight

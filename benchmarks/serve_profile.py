@@ -4,6 +4,8 @@ Per batch size ``B``: ``B`` prompts are prefilled and decoded until every row de
 the decode graphs are captured, then ``--profile-steps`` decode steps run under
 ``torch.profiler`` twice:
 
+0. first, the step that prefills all ``B`` prompts, as served (prefill graphs) and eagerly:
+   its wall time, host launches and device kernels;
 1. as served (captured CUDA graphs): wall time per step, host launches per step
    (``cudaLaunchKernel``-like calls, ``cudaGraphLaunch``, async copies), device kernels per
    step, and each kernel name's device time per step;
@@ -56,9 +58,11 @@ def profile_engine(args, device: torch.device, dtype: torch.dtype, tok, batch: i
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, tok.vocab_size)
-    for i in range(batch):
-        body = torch.randint(16, vocab, (args.prompt_len - 1,), generator=g).tolist()
-        engine.add_request(f"p{i}", [tok.bos_id, *body], params)
+    prompts = [[tok.bos_id, *torch.randint(16, vocab, (args.prompt_len - 1,), generator=g).tolist()]
+               for _ in range(batch)]
+    prefill = _profile_prefills(engine, prompts, params, device)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
     produced: dict[str, int] = defaultdict(int)
     while len(produced) < batch or min(produced.values()) < WARM_STEPS:
         for o in engine.step():
@@ -77,6 +81,7 @@ def profile_engine(args, device: torch.device, dtype: torch.dtype, tok, batch: i
         "batch": batch, "prompt_len": args.prompt_len, "steps": steps,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "preset": args.preset,
+        "prefill": prefill,
         "served": _summary(served, steps),
         "eager_by_family_ms_per_step": _families(eager, steps),
         "eager_step_ms": eager["wall_s"] / steps * 1e3,
@@ -90,7 +95,34 @@ def profile_engine(args, device: torch.device, dtype: torch.dtype, tok, batch: i
     return result
 
 
-def _profile_steps(engine: Engine, steps: int, device: torch.device) -> dict:
+def _profile_prefills(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                      device: torch.device) -> dict:
+    """The step that prefills every prompt (one step: the budget holds them all), profiled as
+    served (prefill graphs where on) and eagerly, each after an unprofiled warm-up of its own
+    (the graphs' capture, the eager path's first-call costs); the requests are aborted after
+    each step."""
+    out = {}
+    graphs = engine.runner.prefill_graphs
+    for mode in ("served", "eager"):
+        engine.runner.prefill_graphs = graphs if mode == "served" else None
+        for attempt in ("warm", "profiled"):
+            ids = [f"{mode}-{attempt}-{i}" for i in range(len(prompts))]
+            for rid, prompt in zip(ids, prompts, strict=True):
+                engine.add_request(rid, prompt, params)
+            run = _profile_steps(engine, 1, device, check_rows=False)
+            for rid in ids:
+                engine.abort(rid)
+            engine.step()  # reports the aborts
+        out[mode] = _summary(run, 1)
+        out[mode].pop("top_kernels")
+        out[mode]["step_ms"] = run["wall_s"] * 1e3
+    engine.runner.prefill_graphs = graphs
+    out["graphs"] = graphs is not None
+    return out
+
+
+def _profile_steps(engine: Engine, steps: int, device: torch.device,
+                   check_rows: bool = True) -> dict:
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -100,7 +132,8 @@ def _profile_steps(engine: Engine, steps: int, device: torch.device) -> dict:
         for _ in range(steps):
             with record_function("decode_step"):
                 outputs = engine.step()
-            assert len(outputs) == len(engine.sequences), "a row did not decode"
+            if check_rows:
+                assert len(outputs) == len(engine.sequences), "a row did not decode"
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
@@ -181,8 +214,13 @@ def _text(r: dict) -> str:
     launches = {k: round(v, 1) for k, v in s["host_launches_per_step"].items()}
     families = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["eager_by_family_ms_per_step"].items()))
     mib = 2**20
+    pre = r["prefill"]
     lines = [
         f"decode profile  B={r['batch']}  {r['preset']}  {r['dtype']}  on {r['device']}",
+        (f"prefill step of {r['batch']} x {r['prompt_len']} tokens: served "
+         f"{pre['served']['step_ms']:.2f} ms ({'prefill graphs' if pre['graphs'] else 'eager'},"
+         f" {pre['served']['host_launch_calls_per_step']:.0f} host launch calls), eager "
+         f"{pre['eager']['step_ms']:.2f} ms ({pre['eager']['host_launch_calls_per_step']:.0f})"),
         f"step {s['step_ms']:.3f} ms (served)  {r['eager_step_ms']:.3f} ms (eager, labelled)",
         f"host launch calls per step {s['host_launch_calls_per_step']:.1f}  {launches}",
         (f"device kernels per step {s['device_kernels_per_step']:.1f}  "

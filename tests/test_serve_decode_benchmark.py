@@ -73,3 +73,6 @@ def test_profile_mode_writes_the_decode_step_summary(tokenizer_json: Path, tmp_p
     assert counted["weights_read_per_step"] <= counted["weights_bytes"]
     assert counted["weights_read_per_token"] == counted["weights_read_per_step"] / 2
     assert "decode profile  B=2" in (out / "profile_B2.txt").read_text()
+    prefill = result["prefill"]  # one step prefills both prompts, as served and eagerly
+    assert prefill["graphs"] is False  # on a CPU the engine prefills eagerly
+    assert prefill["served"]["step_ms"] > 0 and prefill["eager"]["step_ms"] > 0
