@@ -49,9 +49,9 @@ def _logits_by_step(engine: Engine, requests) -> tuple[dict, list[dict[str, torc
     steps: list[dict[str, torch.Tensor]] = []
     sample = engine.runner._sample
 
-    def spy(rows, logits):
+    def spy(rows, logits, *args, **kwargs):
         steps[-1].update({r.request_id: logits[i].clone() for i, r in enumerate(rows)})
-        return sample(rows, logits)
+        return sample(rows, logits, *args, **kwargs)
 
     engine.runner._sample = spy
     step = engine.step
