@@ -359,7 +359,14 @@ def bench_hf(args, device, dtype, tok: CppTokenizer, system: str = "hf") -> list
     meta = {"device": device, "vocab": min(cfg.vocab_size, tok.vocab_size), "bos": tok.bos_id,
             "name": name, "params": params, "active_params": params}
     caches: dict = {}
-    compile_config = hf_compile_config(args) if system == "hf-static" else None
+    compile_config = None
+    if system == "hf-static":
+        compile_config = hf_compile_config(args)
+        # one specialised graph per batch size: past dynamo's recompile limit it would run
+        # the later sizes uncompiled
+        from torch._dynamo import config as dynamo
+
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * len(args.batch))
 
     def runner(prompts, new_tokens, tag):
         if system == "hf-static":
