@@ -150,26 +150,33 @@ def scaling_table() -> str:
     return "\n".join(lines)
 
 
-def quality_table() -> str:
-    lines = [("| candidate | params (active) | lr | tokens | val bits/byte "
-              "| HumanEval-X pass@1 greedy | pass@10 (n=20, T=0.8) |"),
-             "|---|---|---|---|---|---|---|"]
-    folders = list(_devices("quality"))
-    for folder in folders:
-        data = _load(folder / "quality.json") or {}
+def quality_table(benchmark: str = "quality") -> str:
+    """One row per candidate; the HumanEval-X columns only where a run sampled."""
+    folders = list(_devices(benchmark))
+    runs = [(folder, _load(folder / "quality.json") or {}) for folder in folders]
+    sampled = any(c.get("humaneval") for _, data in runs
+                  for c in data.get("candidates", {}).values())
+    head = "| candidate | params (active) | lr | tokens | tokens/s | val bits/byte |"
+    lines = [head + (" HumanEval-X pass@1 greedy | pass@10 (n=20, T=0.8) |" if sampled else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if sampled else "")]
+    for _, data in runs:
         for name, cand in data.get("candidates", {}).items():
             final = cand.get("final") or {}
             if final.get("final_val_bpb") is None:
                 continue
             active = final.get("active_params") or final["params"]
-            scores = cand.get("humaneval") or {}
-            greedy = sampled = "not scored"
-            if scores.get("scored"):
-                greedy = f"{scores['greedy']['pass_at_k']['pass@1']:.3f}"
-                sampled = f"{scores['sampled']['pass_at_k']['pass@10']:.3f}"
-            lines.append(f"| {name} | {final['params'] / 1e6:.0f}M ({active / 1e6:.0f}M) | "
-                         f"{cand['lr']:g} | {final['tokens'] / 1e6:.1f}M | "
-                         f"**{final['final_val_bpb']:.3f}** | {greedy} | {sampled} |")
+            row = (f"| {name} | {final['params'] / 1e6:.0f}M ({active / 1e6:.0f}M) | "
+                   f"{cand['lr']:g} | {final['tokens'] / 1e6:.1f}M | "
+                   f"{_fmt(final.get('steady_tokens_per_s') or final['tokens_per_s'], 0)} | "
+                   f"**{final['final_val_bpb']:.3f}** |")
+            if sampled:
+                scores = cand.get("humaneval") or {}
+                greedy = other = "not scored" if scores else "not sampled"
+                if scores.get("scored"):
+                    greedy = f"{scores['greedy']['pass_at_k']['pass@1']:.3f}"
+                    other = f"{scores['sampled']['pass_at_k']['pass@10']:.3f}"
+                row += f" {greedy} | {other} |"
+            lines.append(row)
         goal = data.get("goal") or {}
         if goal.get("final_val_bpb"):
             bpb = goal["final_val_bpb"]
@@ -246,7 +253,7 @@ def kernels_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"quality": quality_table, "scaling": scaling_table, "results": headline_table,
+TABLES = {"quality": lambda: quality_table("quality_recipe"), "scaling": scaling_table, "results": headline_table,
           "kernels": kernels_table}
 
 

@@ -181,3 +181,36 @@ def test_structure_model_pads_its_ids_and_ngram_model_is_refused(tokenizer):
     ngram = features._model(tokenizer.vocab_size, orders=(2, 3))
     with pytest.raises(MegaCppError, match="n-gram"):
         _with_prefill_graphs(features._engine(ngram, tokenizer))
+
+
+def test_prompt_logprobs_prefill_eagerly_beside_the_graphs(tiny_model, tokenizer):
+    """A chunk that asks for prompt logprobs (every position's logits) prefills eagerly; the
+    others go through the graphs; tokens and logprobs equal the eager engine's."""
+    prompts = _prompts(tiny_model.cfg.vocab_size, (5, 17, 9, 23))
+    scored = dataclasses.replace(GREEDY, logprobs=2, prompt_logprobs=2)
+    requests = {str(i): (p, scored if i % 2 else GREEDY) for i, p in enumerate(prompts)}
+
+    def outputs(engine):
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        got = {rid: [] for rid in requests}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[o.request_id].append(o)
+        return got
+
+    want = outputs(_engine(tiny_model, tokenizer, prefill_chunk=24))
+    engine = _engine(tiny_model, tokenizer, prefill_chunk=24)
+    graphs = _with_prefill_graphs(engine)
+    got = outputs(engine)
+    assert graphs.buckets_used
+    for rid in requests:
+        assert [o.new_token_ids for o in got[rid]] == [o.new_token_ids for o in want[rid]]
+        for a, b in zip(got[rid], want[rid], strict=True):
+            for name in ("logprobs", "prompt_logprobs"):
+                xs, ys = getattr(a, name) or [], getattr(b, name) or []
+                assert len(xs) == len(ys)
+                for x, y in zip(xs, ys, strict=True):
+                    assert (x is None) == (y is None)
+                    if x is not None:
+                        assert x.token == y.token and abs(x.logprob - y.logprob) < 1e-9

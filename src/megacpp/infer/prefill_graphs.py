@@ -34,7 +34,8 @@ bucket up front) and share one memory pool, apart from the decode graphs' pool.
 The eager path (unpadded, grouped by equal length, :meth:`HybridLM.forward_paged`) is the
 reference the padded replay is tested against (``tests/infer/test_prefill_graphs.py``, CPU
 and CUDA). A model with a hashed n-gram branch prefills eagerly (its n-gram windows would
-span the padding).
+span the padding), and the model runner keeps chunks that want prompt logprobs (every
+position's logits) on the eager path.
 """
 
 from __future__ import annotations
