@@ -80,6 +80,17 @@ def _serve(data: dict) -> list[list[str]]:
                     (f"{_fmt(eng['decode_tok_s'], 0)} tokens/s, {ratio['decode_tok_s']:.1f}x "
                      "transformers `generate` with its default dynamic cache (not its "
                      "static-cache compiled path)")])
+    static = data.get("engine_over_hf_static", {})
+    if static:
+        batch = max(static, key=int)
+        eng = next((r for r in data["results"]
+                    if r["system"] == "engine" and r["batch"] == int(batch)), None)
+        ratio = static[batch]
+        if eng is not None:
+            out.append(["serving vs transformers' static-cache compiled generate, batch " + batch,
+                        (f"decode {ratio['decode_tok_s']:.2f}x, TTFT p50 "
+                         f"{_fmt(eng['ttft_ms_p50'])} ms ({ratio['ttft_ms_p50']:.2f}x the "
+                         f"peer's), ITL p50 {ratio['itl_ms_p50']:.2f}x the peer's")])
     return out
 
 

@@ -58,6 +58,9 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
+    prefill_graphs: Annotated[bool, typer.Option(
+        help="On CUDA: replay prompts' first prefill chunks as captured CUDA graphs per "
+             "(batch, length) bucket.")] = True,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     dtype: Annotated[str | None, typer.Option(
@@ -88,7 +91,7 @@ def serve(
         raise MegaCppError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                          max_waiting=max_waiting)
+                          max_waiting=max_waiting, prefill_graphs=prefill_graphs)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     classifier = _load_router(router)
     sock = _bind(host, port)  # before loading: a taken port fails fast
