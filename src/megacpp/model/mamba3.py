@@ -272,6 +272,10 @@ class Mamba3Mixer(RecurrentMixer):
     def residual_projections(self) -> list[Tensor]:
         return [self.out_proj.weight]
 
+    def direct_weight_linears(self) -> tuple[str, ...]:
+        """in_proj: :meth:`_project` multiplies three row slices of its weight."""
+        return ("in_proj",)
+
     def flops_per_token(self, seq_len: int) -> int:
         """Forward matmul FLOPs per token: projections + chunked scan (FlopCounterMode's count)."""
         projections = 2 * self.d_model * (sum(self._split) + self.d_inner)

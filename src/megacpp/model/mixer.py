@@ -100,6 +100,13 @@ class Mixer(nn.Module, ABC):
         with the GPT-2 scaled std (``HybridLM._init_weights``), in init order."""
         return []
 
+    def direct_weight_linears(self) -> tuple[str, ...]:
+        """Names of child ``nn.Linear`` layers whose weight the mixer multiplies itself
+        (``F.linear`` on the weight, a slice of it, or a concatenation), not by calling the
+        layer: a swap of the layer for another implementation (FP8 training) would not reach
+        those products, so the swap leaves these layers as they are."""
+        return ()
+
 
 class RecurrentMixer(Mixer):
     """A mixer with a fixed-size recurrent state (M, R): one token at a time through
