@@ -2,9 +2,8 @@
 float8 e4m3 by its own dynamic scale (one per tensor, or one per row of the GEMM's reduction),
 rounded there, brought back and multiplied in float32.
 
-The scale is ``E4M3_MAX / amax`` rounded down to a power of two (what torchao's recipes use:
-``round_scales_to_power_of_2``), so dequantizing is exact and the only error is float8's
-rounding of each element."""
+The scale is ``E4M3_MAX / amax`` in float32; the rowwise recipe rounds it down to a power of
+two (torchao's ``round_scales_to_power_of_2``), the tensorwise one keeps it as it is."""
 
 from __future__ import annotations
 
@@ -28,7 +27,9 @@ def quantize_dequantize(t: Tensor, recipe: str) -> Tensor:
         amax = t32.abs().amax(dim=-1, keepdim=True)
     else:
         raise ValueError(f"FP8 recipe {recipe!r} not one of {', '.join(RECIPES)}")
-    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.clamp(min=EPS))))
+    scale = E4M3_MAX / amax.clamp(min=EPS)
+    if recipe == "rowwise":
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
     return (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() / scale
 
 
