@@ -13,7 +13,7 @@ from megacpp.kernels.ops.float8_linear.spec import backend_of
 from megacpp.kernels.registry import default_catalog
 
 pytest.importorskip("torchao")
-from megacpp.kernels.ops.float8_linear.torchao_float8 import float8_linear_torchao  # noqa: E402
+from megacpp.kernels.ops.float8_linear.torchao_float8 import float8_linear_torchao
 
 FP8_STACK = {"packages": frozenset({"torchao", "triton"}), "torch_ops": frozenset({"_scaled_mm"})}
 
@@ -59,12 +59,14 @@ def test_emulated_torchao_forward_matches_the_reference_and_backward_is_close(re
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # the same float8 rounding
     high = x_ref.detach() @ w_ref.detach().t()
     assert (out - high).norm() / high.norm() > 1e-3  # it did round through float8
-    grad = torch.randn_like(out)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     out.backward(grad)
     ref.backward(grad)
-    # the recipe also rounds the output gradient through float8: a few % apart, not more
+    # the recipe also rounds the output gradient through float8 (e5m2 tensorwise: ~5%;
+    # e4m3 rowwise: ~3%), and nothing else differs
+    bound = {"tensorwise": 0.07, "rowwise": 0.04}[recipe]
     for got, want in ((x.grad, x_ref.grad), (w.grad, w_ref.grad)):
-        assert (got - want).norm() / want.norm() < 0.08
+        assert 0.01 < (got - want).norm() / want.norm() < bound
 
 
 def test_the_reference_rounds_through_e4m3_with_its_recipes_scales():

@@ -47,7 +47,7 @@ class ExecutionPlan:
     grad_sync: str | None  # flat | ddp under DDP with several ranks; None otherwise
     grad_sync_why: str
     float8: str = "off"  # off | tensorwise | rowwise (the linear layers' GEMMs)
-    float8_why: str = "parallel.float8 = \"off\" (the default): bf16 GEMMs"
+    float8_why: str = "default: bf16 GEMMs"
 
     def lines(self) -> list[str]:
         """One line per mode, e.g. ``cuda_graph: on (default on CUDA)``."""
@@ -88,7 +88,7 @@ def plan_execution(cfg: ParallelSection, device: torch.device, strategy: str,
         else:
             grad_sync, grad_sync_why = cfg.grad_sync, f"parallel.grad_sync = \"{cfg.grad_sync}\""
     require_float8(cfg.float8, device)  # fails closed before anything is built
-    float8_why = ("parallel.float8 = \"off\" (the default): bf16 GEMMs" if cfg.float8 == "off"
+    float8_why = ("default: bf16 GEMMs" if cfg.float8 == "off"
                   else f"parallel.float8 = \"{cfg.float8}\": torchao float8 linear layers")
     return ExecutionPlan(kernels, kernels_why, compile_on, compile_why, graph, graph_why,
                          cfg.cuda_graph is True, grad_sync, grad_sync_why, cfg.float8,

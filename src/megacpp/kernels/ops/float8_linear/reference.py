@@ -30,12 +30,14 @@ def quantize_dequantize(t: Tensor, recipe: str) -> Tensor:
     scale = E4M3_MAX / amax.clamp(min=EPS)
     if recipe == "rowwise":
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() / scale
+    rounded = (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() / scale
+    return t32 + (rounded - t32).detach()  # the rounding passes gradients straight through
 
 
 def float8_linear_reference(x: Tensor, weight: Tensor, recipe: str = "tensorwise") -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N] (x's dtype) with both operands rounded
     through float8 as the recipe's forward GEMM rounds them. The backward is float32 autograd
-    through that rounding (the recipes also round the output gradient; tests allow for it)."""
+    with the rounded operands, the rounding itself passing gradients straight through (the
+    recipes also round the output gradient to float8; tests allow for that)."""
     out = F.linear(quantize_dequantize(x, recipe), quantize_dequantize(weight, recipe))
     return out.to(x.dtype)

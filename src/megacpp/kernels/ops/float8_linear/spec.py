@@ -18,8 +18,8 @@ _MODULE = "megacpp.kernels.ops.float8_linear.torchao_float8"
 SURFACE = Surface(
     "float8_linear",
     "x [..., K] (bf16 under autocast), weight [N, K] (its master dtype) -> [..., N]: both "
-    "operands cast to float8 e4m3 with dynamic power-of-two scales (per tensor: "
-    "tensorwise; per row of the reduction dim: rowwise), the GEMM by torch._scaled_mm "
+    "operands cast to float8 e4m3 with dynamic scales (per tensor: tensorwise; per row "
+    "of the reduction dim, rounded down to powers of two: rowwise), the GEMM by torch._scaled_mm "
     "(fp32 accumulation), the output in x's dtype; backward casts the output gradient "
     "(e5m2 tensorwise, e4m3 rowwise) for the two gradient GEMMs; K and N multiples of 16; "
     "saves the float8 operands",
