@@ -82,6 +82,38 @@ def test_the_reference_rounds_through_e4m3_with_its_recipes_scales():
         quantize_dequantize(t, "blockwise")
 
 
+def test_linear_rows_takes_float8_for_aligned_slices_and_bf16_for_the_rest():
+    import dataclasses
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from megacpp.kernels.ops.float8_linear.torchao_float8 import (
+        import_torchao,
+        is_float8_linear,
+        linear_rows,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    plain = nn.Linear(64, 72, bias=False)  # rows 0:32 and 32:64 aligned, 64:72 not
+    x = torch.randn(10, 64, generator=gen) * 2
+    torch.testing.assert_close(linear_rows(plain, x, 8, 40), F.linear(x, plain.weight[8:40]))
+    float8 = import_torchao()
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name("rowwise"),
+                                 emulate=True)
+    layer = float8.float8_linear.Float8Linear.from_float(plain, config=config)
+    assert is_float8_linear(layer) and not is_float8_linear(plain)
+    for start, stop in ((0, 32), (32, 64)):
+        torch.testing.assert_close(linear_rows(layer, x, start, stop), float8_linear_reference(
+            x, layer.weight[start:stop], "rowwise"), rtol=1e-5, atol=1e-5)
+    rest = linear_rows(layer, x, 64)
+    assert torch.equal(rest, F.linear(x, layer.weight[64:]))  # 8 rows: no float8 GEMM
+    weight = layer.weight
+    x.requires_grad_()
+    linear_rows(layer, x, 0, 32).sum().backward()
+    assert weight.grad[:32].abs().sum() > 0 and not weight.grad[32:].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_torchao_scaled_mm_matches_the_reference_on_the_gpu(recipe):

@@ -68,7 +68,9 @@ def test_the_filter_keeps_the_head_the_directly_read_and_the_odd_shapes_in_bf16(
     assert decisions["lm_head"].startswith("the LM head")
     assert decisions["blocks.1.mixer.router"].startswith("MoE multiplies its weight itself")
     assert decisions["blocks.1.mixer.shared.in_proj"].startswith("MoE multiplies")
-    assert decisions["blocks.2.mixer.in_proj"].startswith("Mamba3Mixer multiplies")
+    assert decisions["blocks.2.mixer.in_proj"] is None  # row slices: only its in dim counts
+    gathered = linear_decisions(model, min_dim=64, fsdp_float8_all_gather=True)
+    assert gathered["blocks.2.mixer.in_proj"].startswith("Mamba3Mixer multiplies row slices")
     assert "not multiples of 16" in decisions["blocks.7.mixer.in_proj"]  # 128 x 388
     assert decisions["blocks.0.mixer.q_proj"] is None
     small = linear_decisions(model, min_dim=129)
@@ -99,10 +101,14 @@ def test_converted_model_keeps_its_names_and_trains_close_to_bf16(recipe):
     assert report.converted and all(is_float8_linear(modules[n]) for n in report.converted)
     assert "blocks.0.mixer.q_proj" in report.converted
     assert not is_float8_linear(modules["blocks.1.mixer.router"])
+    assert is_float8_linear(modules["blocks.2.mixer.in_proj"])
+    assert report.sliced == ["blocks.2.mixer.in_proj", "blocks.6.mixer.in_proj"]
     lines = report.lines()
     assert lines[0] == (f"float8 ({recipe}): {len(report.converted)} linear layers converted, "
                         f"{len(report.kept)} kept in bf16")
     assert "  float8  blocks.*.mixer.q_proj x2" in lines
+    assert ("  float8  blocks.*.mixer.in_proj x2 (row slices: each slice of rows a multiple of "
+            "16 in float8, the rest bf16)") in lines
     assert any(line.startswith("  bf16    blocks.*.mixer.w_in|out_proj x3: routed-expert")
                for line in lines)
     assert any("embed: an embedding lookup" in line for line in lines)

@@ -8,7 +8,11 @@ stays in bf16, and why, is logged per layer group:
 * the LM head (the fused linear cross-entropy reads its weight; tied heads are the
   embedding, which is no linear layer) and the embeddings;
 * layers whose weight the mixer multiplies itself (``Mixer.direct_weight_linears``: the MoE
-  router with the shared experts' in_proj, Mamba-3's in_proj);
+  router stacked with the shared experts' in_proj; router logits stay bf16). Mamba-3's
+  in_proj, multiplied in three row slices (``Mixer.row_sliced_linears``), converts: each
+  slice takes the float8 GEMM when its row count is a multiple of 16
+  (:func:`~megacpp.kernels.ops.float8_linear.torchao_float8.linear_rows`), the small rest
+  slice stays bf16;
 * shapes the float8 GEMM cannot take (an in or out dim not a multiple of 16) or too small to
   gain (a dim under ``parallel.float8_min_dim``; the scaling work then costs more than the
   GEMM saves);
@@ -63,6 +67,7 @@ class Float8Report:
     recipe: str
     converted: list[str] = field(default_factory=list)
     kept: list[tuple[str, str]] = field(default_factory=list)  # (name, reason)
+    sliced: list[str] = field(default_factory=list)  # converted, multiplied in row slices
     fsdp_float8_all_gather: bool = False
 
     def lines(self) -> list[str]:
@@ -71,8 +76,11 @@ class Float8Report:
         summary = (f"float8 ({self.recipe}): {len(self.converted)} linear layers converted, "
                    f"{len(self.kept)} kept in bf16{gather}")
         lines = [summary]
+        sliced = set(_groups(self.sliced))
         for name, count in _groups(self.converted).items():
-            lines.append(f"  float8  {name}{_times(count)}")
+            note = (" (row slices: each slice of rows a multiple of 16 in float8, the rest "
+                    "bf16)" if name in sliced else "")
+            lines.append(f"  float8  {name}{_times(count)}{note}")
         for reason, names in _by_reason(self.kept).items():
             for name, count in _groups(names).items():
                 lines.append(f"  bf16    {name}{_times(count)}: {reason}")
@@ -101,9 +109,14 @@ def require_float8(recipe: str, device: torch.device) -> None:
             "\"off\" to train in bf16")
 
 
-def linear_decisions(model: nn.Module, min_dim: int) -> dict[str, str | None]:
-    """Every ``nn.Linear`` of ``model`` by name: None where it converts, else why it stays."""
-    direct = _direct_weight_linears(model)
+def linear_decisions(model: nn.Module, min_dim: int,
+                     fsdp_float8_all_gather: bool = False) -> dict[str, str | None]:
+    """Every ``nn.Linear`` of ``model`` by name: None where it converts, else why it stays.
+
+    A layer a mixer multiplies in row slices (``Mixer.row_sliced_linears``) needs only its
+    input dim aligned: each slice picks float8 or bf16 by its own row count."""
+    direct = _mixer_linears(model, "direct_weight_linears")
+    sliced = _mixer_linears(model, "row_sliced_linears")
     head = _head_names(model)
     decisions: dict[str, str | None] = {}
     for name, module in model.named_modules():
@@ -114,6 +127,13 @@ def linear_decisions(model: nn.Module, min_dim: int) -> dict[str, str | None]:
             decisions[name] = "the LM head (the fused linear cross-entropy reads its weight)"
         elif name in direct:
             decisions[name] = f"{direct[name]} multiplies its weight itself, not through the layer"
+        elif name in sliced and fsdp_float8_all_gather:
+            decisions[name] = (f"{sliced[name]} multiplies row slices of it, which a weight "
+                               "gathered in float8 does not serve")
+        elif name in sliced:
+            decisions[name] = (f"in dim {in_dim} not a multiple of {ALIGN}" if in_dim % ALIGN
+                               else f"in dim {in_dim} under parallel.float8_min_dim = {min_dim}"
+                               if in_dim < min_dim else None)
         elif in_dim % ALIGN or out_dim % ALIGN:
             decisions[name] = (f"in/out dims {in_dim}x{out_dim} not multiples of {ALIGN} "
                                "(the float8 GEMM needs them)")
@@ -132,29 +152,32 @@ def apply_float8(model: nn.Module, recipe: str, *, min_dim: int,
     ``fsdp_float8_all_gather``: FSDP2 (applied next) all-gathers their weights in float8
     (tensorwise only). ``emulate``: torchao's emulation (float8 casts and scales, high-precision
     matmuls) -- for tests on devices without FP8."""
-    decisions = linear_decisions(model, min_dim)
+    decisions = linear_decisions(model, min_dim, fsdp_float8_all_gather)
     gather = fsdp_float8_all_gather
     config = float8_config(recipe, emulate=emulate, fsdp_float8_all_gather=gather)
     convert_linears(model, config, lambda module, name: decisions.get(name, "?") is None)
     report = Float8Report(recipe, fsdp_float8_all_gather=gather)
+    sliced = _mixer_linears(model, "row_sliced_linears")
     for name, module in model.named_modules():
         if name in decisions:
             if is_float8_linear(module):
                 report.converted.append(name)
+                if name in sliced:
+                    report.sliced.append(name)
             else:
                 report.kept.append((name, decisions[name] or "not converted by torchao"))
     report.kept += _expert_gemms(model) + _lookups(model)
     return report
 
 
-def _direct_weight_linears(model: nn.Module) -> dict[str, str]:
-    """``{linear name: the mixer class that reads its weight}`` over every mixer."""
+def _mixer_linears(model: nn.Module, member: str) -> dict[str, str]:
+    """``{linear name: its mixer's class}`` of what every mixer's ``member()`` names."""
     from megacpp.model.mixer import Mixer
 
     found: dict[str, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, Mixer):
-            for child in module.direct_weight_linears():
+            for child in getattr(module, member)():
                 found[f"{name}.{child}" if name else child] = type(module).__name__
     return found
 

@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.errors import ConfigError
 
 RECIPES = ("tensorwise", "rowwise")
+ALIGN = 16  # the float8 GEMM's dims must be multiples of this
 _QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
@@ -77,6 +79,23 @@ def is_float8_linear(module: nn.Module) -> bool:
     """Whether ``module`` is torchao's Float8Linear (False when torchao is absent)."""
     cls = type(module)
     return cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
+
+
+def linear_rows(layer: nn.Linear, x: Tensor, start: int, stop: int | None = None) -> Tensor:
+    """x [..., K] @ layer.weight[start:stop]^T -> [..., rows]: one row slice of a linear
+    layer's product, for mixers that split one projection into several GEMMs. Through the
+    layer's float8 GEMM when the layer is torchao's Float8Linear and the slice's row count is
+    a multiple of 16 (as the float8 GEMM needs; each slice gets its own weight scale), else
+    ``F.linear`` (autocast's bf16)."""
+    weight = layer.weight[start:stop]
+    if not is_float8_linear(layer) or weight.shape[0] % ALIGN:
+        return F.linear(x, weight)
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if torch.is_autocast_enabled():  # what Float8Linear.forward does with its input
+        x = x.to(torch.get_autocast_gpu_dtype())
+    return matmul_with_hp_or_float8_args.apply(x, weight.t(), layer.linear_mm_config,
+                                               layer.config)
 
 
 def float8_linear_torchao(x: Tensor, weight: Tensor, recipe: str = "tensorwise",
