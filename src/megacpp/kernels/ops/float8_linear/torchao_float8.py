@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megacpp.errors import ConfigError
+from megacpp.errors import ConfigError, describe_error
 
 RECIPES = ("tensorwise", "rowwise")
 ALIGN = 16  # the float8 GEMM's dims must be multiples of this
@@ -47,6 +47,10 @@ def import_torchao() -> Any:
     except ImportError as exc:
         raise ConfigError(f"parallel.float8 needs torchao ({exc}); install the fp8 extra: "
                           "pip install 'megacpp[fp8]'") from None
+    except Exception as exc:  # a torchao built for another torch fails in its own ways
+        raise ConfigError(f"parallel.float8: torchao does not import on torch "
+                          f"{torch.__version__} ({describe_error(exc)}); the fp8 extra pins a "
+                          "torchao for torch >= 2.11") from None
 
 
 def float8_config(recipe: str, *, emulate: bool = False,
