@@ -47,7 +47,7 @@ def import_torchao() -> Any:
     except ImportError as exc:
         raise ConfigError(f"parallel.float8 needs torchao ({exc}); install the fp8 extra: "
                           "pip install 'megacpp[fp8]'") from None
-    except Exception as exc:  # a torchao built for another torch fails in its own ways
+    except Exception as exc:  # noqa: BLE001 -- a torchao built for another torch fails its own ways
         raise ConfigError(f"parallel.float8: torchao does not import on torch "
                           f"{torch.__version__} ({describe_error(exc)}); the fp8 extra pins a "
                           "torchao for torch >= 2.11") from None
