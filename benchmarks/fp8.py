@@ -81,6 +81,7 @@ class SpeedRow:
     mfu_fp8: float | None = None  # against the measured float8 matmul peak
     flops_per_token: float | None = None
     graph_mode: str | None = None  # what the run's log says ran (a capture may fall back)
+    float8_layers: dict | None = None  # the lane's report: converted / kept layer groups
     run_dir: str | None = None
 
 
@@ -169,7 +170,9 @@ def speed_row(preset: str, config: str, recipe: str, graphs: bool, args: argpars
     if not steps:
         row.status, row.error = "failed", f"no steps after step {args.skip_steps} in {run_dir}"
         return row
-    receipt = json.loads((run_dir / "receipt.json").read_text())["metrics"]
+    full = json.loads((run_dir / "receipt.json").read_text())
+    receipt = full["metrics"]
+    row.float8_layers = full["config"]["invocation"].get("float8")
     seconds = statistics.median(r["time_s"] for r in steps)
     tokens_per_step = steps[0]["tokens"] // steps[0]["step"]
     row.step_ms = 1e3 * seconds

@@ -33,7 +33,7 @@ def test_fp8_benchmark_runs_bf16_skips_fp8_on_the_cpu_and_writes_results(tmp_pat
     bf16, fp8 = speed["off", False], speed["tensorwise", False]
     assert bf16["status"] == "ok" and bf16["tokens_per_s"] > 0 and bf16["speedup"] == 1.0
     assert bf16["peak_mem_gib"] > 0 and bf16["flops_per_token"] > 0
-    assert "cuda_graph off" in bf16["graph_mode"]
+    assert "cuda_graph off" in bf16["graph_mode"] and bf16["float8_layers"] is None
     assert fp8["status"] == "skipped" and fp8["tokens_per_s"] is None
     assert fp8["error"].startswith('parallel.float8 = "tensorwise" cannot run on this device')
     loss = {r["float8"]: r for r in results["loss"]}
