@@ -108,6 +108,10 @@ def test_linear_rows_takes_float8_for_aligned_slices_and_bf16_for_the_rest():
             x, layer.weight[start:stop], "rowwise"), rtol=1e-5, atol=1e-5)
     rest = linear_rows(layer, x, 64)
     assert torch.equal(rest, F.linear(x, layer.weight[64:]))  # 8 rows: no float8 GEMM
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the input cast as Float8Linear's
+        assert linear_rows(layer, x, 0, 32).dtype == torch.bfloat16
+        torch.testing.assert_close(linear_rows(layer, x, 0, 32), float8_linear_reference(
+            x.bfloat16(), layer.weight[:32], "rowwise"), rtol=1e-2, atol=1e-2)
     weight = layer.weight
     x.requires_grad_()
     linear_rows(layer, x, 0, 32).sum().backward()

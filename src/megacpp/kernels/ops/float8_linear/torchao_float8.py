@@ -96,8 +96,8 @@ def linear_rows(layer: nn.Linear, x: Tensor, start: int, stop: int | None = None
         return F.linear(x, weight)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
-    if torch.is_autocast_enabled():  # what Float8Linear.forward does with its input
-        x = x.to(torch.get_autocast_gpu_dtype())
+    if torch.is_autocast_enabled(x.device.type):  # as Float8Linear.forward casts its input
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     return matmul_with_hp_or_float8_args.apply(x, weight.t(), layer.linear_mm_config,
                                                layer.config)
 
