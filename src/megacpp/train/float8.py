@@ -26,10 +26,10 @@ The norms, scans, attention and the cross-entropy keep their own kernels.
 
 Order (torchao's float8 docs, torchtitan): the swap comes first, before activation
 checkpointing, ``torch.compile`` and ``fully_shard``; compile fuses the amax / scale / cast
-work around each GEMM (torchao's float8 training relies on it for its speed). Under FSDP2 with the tensorwise
-recipe, ``parallel.float8_fsdp_all_gather = true`` all-gathers the weights in float8
-(torchao's ``enable_fsdp_float8_all_gather``): a quarter of the bytes of the fp32 masters'
-gather; each weight's scale comes from an all-reduced amax of its shards (torchao's
+work around each GEMM (torchao's float8 training relies on it for its speed). Under FSDP2
+with the tensorwise recipe, ``parallel.float8_fsdp_all_gather = true`` all-gathers the
+weights in float8 (torchao's ``enable_fsdp_float8_all_gather``): a quarter of the bytes of
+the fp32 masters' gather; each weight's scale comes from an all-reduced amax of its shards (torchao's
 ``precompute_float8_dynamic_scale_for_fsdp``, one all-reduce for all weights, is not used).
 
 The lane fails closed: :func:`require_float8` stops a run whose device cannot run the
