@@ -393,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
             for recipe in ("off", *args.recipes):
                 row = loss_row(preset, config, recipe, args, data)
                 console.print(f"{preset} float8={recipe} loss run: {row.status} final "
-                              f"{_f(row.final_loss, '.4f')} ({time.perf_counter() - started:.0f} s)")
+                              f"{_f(row.final_loss, '.4f')} "
+                              f"({time.perf_counter() - started:.0f} s)")
                 loss.append(row)
     relate(speed, loss)
     print_tables(speed, loss, peaks)

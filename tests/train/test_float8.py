@@ -89,7 +89,8 @@ def test_converted_model_keeps_its_names_and_trains_close_to_bf16(recipe):
 
     model = _tiny()
     names = [n for n, _ in model.named_parameters()]
-    ids = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=gen)
     reference = _loss(model, ids)
     reference.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
