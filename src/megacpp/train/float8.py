@@ -31,7 +31,9 @@ with the tensorwise recipe, ``parallel.float8_fsdp_all_gather = true`` all-gathe
 weights in float8 (torchao's ``enable_fsdp_float8_all_gather``): a quarter of the bytes of
 the fp32 masters' gather; each weight's scale comes from an all-reduced amax of its shards
 (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, one all-reduce for all weights, is
-not used). The lane fails closed: :func:`require_float8` stops a run whose device cannot run
+not used).
+
+The lane fails closed: :func:`require_float8` stops a run whose device cannot run
 the recipe's GEMMs (CPU, CUDA before sm_89, rowwise before sm_90, no torchao) with one line,
 before the model is built.
 """
