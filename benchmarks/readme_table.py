@@ -129,8 +129,8 @@ def _commands_block(folder: Path, inline_max: int = 3) -> list[str]:
     rel = folder.relative_to(ROOT).as_posix()
     commands = _command(folder).splitlines()
     if len(commands) > inline_max:
-        return ["", f"Measured in [{rel}]({rel}) by the {len(commands)} lines of "
-                f"[command.txt]({rel}/command.txt)."]
+        return ["", (f"Measured in [{rel}]({rel}) by the {len(commands)} lines of "
+                     f"[command.txt]({rel}/command.txt).")]
     return ["", f"Measured in [{rel}]({rel}) by:", "", "```bash", *commands, "```"]
 
 
