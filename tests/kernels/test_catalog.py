@@ -39,9 +39,11 @@ def test_every_surface_has_a_reference_and_documented_rows() -> None:
     for name in catalog.surfaces:
         assert len(catalog.of(name, "fallback")) == 1, name
     rows = {b.key: b for b in catalog.backends}
-    for key in ("mamba3_scan/mamba_ssm", "gated_delta/fla", "linear_cross_entropy/liger"):
+    for key in ("mamba3_scan/mamba_ssm", "mamba3_mimo_scan/mamba_ssm", "gated_delta/fla",
+                "linear_cross_entropy/liger"):
         assert rows[key].role == "donor" and rows[key].reason
-    for key in ("attention/flash_attn_3", "attention/flash_attn_4", "mamba3_scan/tilelang_mimo"):
+    for key in ("attention/flash_attn_3", "attention/flash_attn_4",
+                "mamba3_mimo_scan/triton_chunked"):
         assert rows[key].role == "deferred" and rows[key].reason
     assert rows["attention/sdpa_flash"].role == "chosen"
     assert rows["mamba3_scan/triton_chunked"].role == "chosen"
