@@ -222,6 +222,18 @@ def test_a_backend_that_refuses_the_inputs_is_skipped_with_its_reason() -> None:
     inputs["reset"][0, 20] = True
     with pytest.raises(BackendUnsupported, match="without packed documents"):
         peers.mamba3_siso_combined(**inputs)
+    # so does the MIMO one, and a rotation it does not have (it rotates N/4 or N/2 pairs)
+    mimo = default_catalog().surface("mamba3_mimo_scan")
+    case = {**mimo.cases["check"], "seq": 40, "resets": 1}
+    inputs = mimo.make_inputs(case, torch.float32, torch.device("cpu"),
+                              torch.Generator().manual_seed(0))
+    inputs["reset"][0, 20] = True
+    with pytest.raises(BackendUnsupported, match="no packed-document reset"):
+        peers.mamba3_mimo_tilelang(**inputs)
+    inputs.pop("reset")
+    inputs["angles"] = inputs["angles"][..., :3]
+    with pytest.raises(BackendUnsupported, match="rotates N/2 or N/4 pairs; got 3"):
+        peers.mamba3_mimo_tilelang(**inputs)
 
 
 def test_fla_check_guard_names_hopper_with_triton_before_3_7_1(

@@ -80,7 +80,7 @@ SURFACE = Surface(
     "output_final_state=False); fp32 accumulation. No fast kernel of ours: the chunked "
     "reference is what the model runs on every device",
     mamba3_mimo_scan_chunked, _mimo_inputs,
-    {"check": {"batch": 2, "seq": 100, "groups": 1, "heads": 4, "d_state": 32, "headdim": 32,
+    {"check": {"batch": 2, "seq": 128, "groups": 1, "heads": 4, "d_state": 32, "headdim": 32,
                "angles": 8, "rank": 4, "chunk": 16},
      # mamba_ssm's MIMO kernels' tuned shape: 32 heads x 64, d_state 128, R 4, chunk 64 / R
      "seq4096": {"batch": 8, "seq": 4096, "groups": 1, "heads": 32, "d_state": 128,
