@@ -147,9 +147,10 @@ def test_init_matches_mamba_ssm_conventions():
 
 def test_built_from_the_config_by_the_pattern():
     cfg = small_config("AM:mimo")
-    assert cfg.mamba.mimo_rank == 4
+    assert (cfg.mamba.mimo_rank, cfg.mamba.mimo_chunk_size, cfg.mamba.chunk_size) == (4, 16, 4)
     mixer = build_mixer("M", "mimo", cfg)
     assert isinstance(mixer, Mamba3MimoMixer) and mixer.mimo_rank == 4
+    assert mixer.chunk_size == 16  # mimo_chunk_size; M:siso layers keep chunk_size
     assert mixer.B_bias.shape == (mixer.nheads, 4, cfg.mamba.d_state)
 
 
@@ -158,6 +159,8 @@ def test_built_from_the_config_by_the_pattern():
 def test_bad_mimo_rank_is_refused_naming_the_field(rank, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({"model": {"pattern": "M:mimo"}, "mamba": {"mimo_rank": rank}})
+    with pytest.raises(ConfigError, match="mamba.mimo_chunk_size = 0 is invalid"):
+        ModelConfig.from_dict({"model": {"pattern": "M:mimo"}, "mamba": {"mimo_chunk_size": 0}})
     with pytest.raises(ConfigError, match="mimo_rank must be a positive int"):
         Mamba3MimoMixer(**{**CONFIG, "mimo_rank": 0})
 

@@ -23,7 +23,7 @@ from tests.train.helpers import TINY_MODEL, run_config, train_losses, write_conf
 def test_a_mimo_model_trains_checkpoints_and_serves_its_full_forwards_tokens(tmp_path,
                                                                             cpp_dataset):
     config = run_config(cpp_dataset, tmp_path / "run", train={"steps": 4, "eval_every": 2})
-    mamba = {**copy.deepcopy(TINY_MODEL["mamba"]), "mimo_rank": 2, "chunk_size": 8}
+    mamba = {**copy.deepcopy(TINY_MODEL["mamba"]), "mimo_rank": 2, "mimo_chunk_size": 8}
     config["model"].update(pattern="AM:mimoE", mamba=mamba)
     cfg = load_run_config(write_config(tmp_path / "run.toml", config), [])
     result = train(cfg, console=Console(file=io.StringIO()))

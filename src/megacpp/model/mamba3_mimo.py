@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 class Mamba3MimoMixer(Mamba3Mixer):
     """Mamba-3 MIMO mixer over ``[B, L, d_model]``: :class:`Mamba3Mixer`'s arguments plus
-    ``mimo_rank`` (R >= 1, the rank of each token's state update)."""
+    ``mimo_rank`` (R >= 1, the rank of each token's state update). ``chunk_size`` counts
+    tokens: a chunk's score tile is (chunk_size * R)^2 (the config's ``mimo_chunk_size``)."""
 
     def __init__(self, d_model: int, *, mimo_rank: int = 4, d_state: int = 128, **kwargs) -> None:
         if not (isinstance(mimo_rank, int) and mimo_rank >= 1):
@@ -72,7 +73,7 @@ class Mamba3MimoMixer(Mamba3Mixer):
             headdim=m.headdim,
             expand=m.expand,
             ngroups=m.ngroups,
-            chunk_size=m.chunk_size,
+            chunk_size=m.mimo_chunk_size,
             rope_fraction=m.rope_fraction,
             outproj_norm=m.outproj_norm,
             norm_eps=cfg.norm_eps,
