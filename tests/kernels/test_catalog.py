@@ -47,6 +47,7 @@ def test_every_surface_has_a_reference_and_documented_rows() -> None:
         assert rows[key].role == "deferred" and rows[key].reason
     assert rows["attention/sdpa_flash"].role == "chosen"
     assert rows["mamba3_scan/triton_chunked"].role == "chosen"
+    assert rows["mamba3_mimo_scan/triton_intra"].role == "chosen"
     assert rows["gated_delta/triton_chunked"].role == "chosen"
 
 
@@ -54,10 +55,11 @@ def test_selection_on_hopper_picks_the_chosen_backends() -> None:
     catalog = default_catalog()
     picks = {s: select(catalog, s, H100, "bfloat16").backend.name
              for s in ("rmsnorm", "linear_cross_entropy", "moe_experts", "attention",
-                       "mamba3_scan", "gated_delta")}
+                       "mamba3_scan", "mamba3_mimo_scan", "gated_delta")}
     assert picks == {"rmsnorm": "triton_fused", "linear_cross_entropy": "triton_chunked",
                      "moe_experts": "grouped_mm", "attention": "sdpa_flash",
-                     "mamba3_scan": "triton_chunked", "gated_delta": "triton_chunked"}
+                     "mamba3_scan": "triton_chunked", "mamba3_mimo_scan": "triton_intra",
+                     "gated_delta": "triton_chunked"}
 
 
 def test_selection_fails_closed_listing_every_candidate() -> None:

@@ -23,7 +23,6 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
     flops_per_token as mimo_scan_flops_per_token,
 )
 from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
-    mamba3_mimo_scan_chunked,
     mamba3_mimo_scan_recurrent,
     zero_mimo_state,
 )
@@ -98,12 +97,10 @@ class Mamba3MimoMixer(Mamba3Mixer):
         ``again`` as in :meth:`Mamba3Mixer.forward`."""
         reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
         inputs = self._scan_inputs(x, again)
-        # a cached prefill continuing a non-zero state runs the chunked reference (the one form
-        # here that takes an initial state); otherwise the catalog's backend for the surface
-        initial = None if cache is None or cache.is_zero() else cache
-        scan = (mamba3_mimo_scan_chunked if initial is not None
-                else resolve("mamba3_mimo_scan", inputs["v"]).fn)
-        y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
+        # the catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
+        # continue from a cache (a prefill)
+        scan = resolve("mamba3_mimo_scan", inputs["v"]).fn
+        y, final = scan(**inputs, reset=reset, initial_state=cache, chunk_size=self.chunk_size,
                         output_final_state=cache is not None)
         if cache is not None:
             cache.update_(final)

@@ -30,6 +30,7 @@ token's biased, rotated keys) and v [B, H, P] (the last token's x, before the up
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,21 @@ def mamba3_mimo_scan_chunked(
     the chunk state sums T*R outer products. L is padded to a multiple of ``min(chunk_size,
     L)`` with tokens that change nothing.
     """
+    return chunked_scan(
+        _intra_chunk, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles, mimo_z, mimo_o,
+        D, z, reset, initial_state, chunk_size, output_final_state)
+
+
+def chunked_scan(
+    intra: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor,
+    trap: Tensor, q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
+    mimo_z: Tensor | None, mimo_o: Tensor | None, D: Tensor | None, z: Tensor | None,
+    reset: Tensor | None, initial_state: Mamba3ScanState | None, chunk_size: int,
+    output_final_state: bool,
+) -> tuple[Tensor, Mamba3ScanState | None]:
+    """:func:`mamba3_mimo_scan_chunked` with its intra-chunk quadratic form computed by
+    ``intra`` (:func:`_intra_chunk`'s arguments and result; the Triton backend passes its
+    kernel)."""
     _check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles, mimo_z, mimo_o, D,
                   z, reset)
     if chunk_size < 1:
@@ -177,7 +193,7 @@ def mamba3_mimo_scan_chunked(
     a_cs = torch.cumsum(adtc, dim=2).transpose(2, 3)  # [B, C, H, T] decay log from chunk start
     seg = torch.cumsum(resetc.long(), dim=2)  # [B, C, T] resets seen so far in the chunk
 
-    y_intra = _intra_chunk(qc, kc, xc, a_cs, gammac, scalec, seg)
+    y_intra = intra(qc, kc, xc, a_cs, gammac, scalec, seg)
     chunk_state, chunk_decay = _chunk_states(kc, xc, a_cs, scalec, seg)
     ssm_in, ssm_final = _pass_states(ssm0, chunk_state, chunk_decay)
     carry = (torch.exp(a_cs) * (seg == 0)[:, :, None]).transpose(2, 3)  # [B, C, T, H]

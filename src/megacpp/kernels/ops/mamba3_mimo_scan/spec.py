@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megacpp.kernels.catalog import Backend, Requirements, Surface
-from megacpp.kernels.declare import lazy
+from megacpp.kernels.declare import CUDA_SM80, FLOATS, lazy
 from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
     flops_per_token,
     mamba3_mimo_scan_chunked,
@@ -77,8 +77,10 @@ SURFACE = Surface(
     "biases [H, R, N], mimo_v / mimo_z / mimo_o [H, R, P], D [H], reset [B, L] bool -> y "
     "[B, L, H, P] (summed with mimo_o; [B, L, R, H, P] with mimo_o=None) in v.dtype + final "
     "state (angle [B, H, A], ssm [B, H, P, N], k [B, R, H, N], v [B, H, P]; None with "
-    "output_final_state=False); fp32 accumulation. No fast kernel of ours: the chunked "
-    "reference is what the model runs on every device",
+    "output_final_state=False); fp32 accumulation. triton_intra: the chunked form with "
+    "its intra-chunk [T*R, T*R] form in Triton (fwd+bwd; saves the rows-layout q, k, x "
+    "copies, nothing [T*R, T*R]) and the rest in PyTorch; chunk_size * R <= 128, d_state "
+    "and headdim <= 128, no float64",
     mamba3_mimo_scan_chunked, _mimo_inputs,
     {"check": {"batch": 2, "seq": 128, "groups": 1, "heads": 4, "d_state": 32, "headdim": 32,
                "angles": 8, "rank": 4, "chunk": 16},
@@ -89,12 +91,14 @@ SURFACE = Surface(
 )
 
 BACKENDS = (
+    Backend("triton_intra", "mamba3_mimo_scan", "chosen",
+            Requirements(packages=("triton",), dtypes=FLOATS, **CUDA_SM80),
+            lazy("megacpp.kernels.ops.mamba3_mimo_scan.triton", "mamba3_mimo_scan_triton")),
     Backend("reference", "mamba3_mimo_scan", "fallback", Requirements(), mamba3_mimo_scan_chunked),
     Backend("triton_chunked", "mamba3_mimo_scan", "deferred",
             Requirements(devices=("cuda",), packages=("triton",)), None,
-            "not written: the model's M:mimo layers run the chunked PyTorch reference (the "
-            "SISO Triton scan's kernels would need the T x T score tiles widened to "
-            "T*R x T*R)"),
+            "not written: a whole-scan kernel (state passing and read-out fused, as the SISO "
+            "triton_chunked); triton_intra moves only the intra-chunk form"),
     Backend("mamba_ssm", "mamba3_mimo_scan", "donor",
             Requirements(devices=("cuda",), min_capability=(9, 0),
                          packages=("mamba_ssm", "tilelang"), dtypes=("bfloat16",)),
