@@ -21,6 +21,7 @@ pass over chunks, the read-out of the carried state, skip, gate) is the referenc
 differentiated by autograd. Limits: T*R <= 128, d_state <= 128, headdim <= 128 (larger
 tiles would not fit a program's registers); float64 runs the reference. Matmul operands are
 bf16 / fp16 as given (float32 with IEEE products for float32 inputs); sums in float32.
+Launch settings: ``configs.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from torch import Tensor
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.device import next_power_of_2
+from megacpp.kernels.launch import for_device
+from megacpp.kernels.ops.mamba3_mimo_scan.configs import CONFIGS
 from megacpp.kernels.ops.mamba3_mimo_scan.reference import chunked_scan
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
 
@@ -119,8 +122,9 @@ def _mimo_intra_bwd(Q, K, X, A, SC, GM, SEG, DY, DQ, DK, DX, ROWS4, H, T, TR, N,
 
 def _meta(q: Tensor, x: Tensor, rank: int) -> dict:
     TR, N, P = q.shape[-2], q.shape[-1], x.shape[-1]
+    config = for_device(CONFIGS, q.device)
     return {"R": rank, "TRB": max(16, next_power_of_2(TR)), "NB": max(16, next_power_of_2(N)),
-            "PB": max(16, next_power_of_2(P)), "num_warps": 4}
+            "PB": max(16, next_power_of_2(P)), "num_warps": config.num_warps}
 
 
 class _IntraFn(torch.autograd.Function):
