@@ -7,29 +7,41 @@ import pytest
 import torch
 
 from megacpp.kernels.ops.mamba3_mimo_scan import mamba3_mimo_scan_chunked
+from megacpp.kernels.ops.mamba3_scan import Mamba3ScanState
 from tests.kernels.interpreter import run_interpreter_check
-from tests.kernels.test_mamba3_mimo_scan_reference import make_inputs, random_reset
+from tests.kernels.test_mamba3_mimo_scan_reference import make_inputs, random_reset, random_state
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def compare(scan, inputs: dict, reset, chunk_size: int, tol: float) -> float:
-    """y, the final state and the gradient of every input: scan against the reference (run
-    in float64 on the same values). Returns the largest relative error."""
+def compare(scan, inputs: dict, reset, chunk_size: int, tol: float, state=None) -> float:
+    """y, the final state and the gradient of every input (and of ``state``, an initial
+    state, through y and the final state): scan against the reference (run in float64 on
+    the same values). Returns the largest relative error."""
+    if state is not None:
+        inputs = {**inputs, **{f"state_{n}": t for n, t in zip(("angle", "ssm", "k", "v"),
+                                                                 state.tensors(), strict=True)}}
     names = list(inputs)
-    leaves = [{n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
-              for _ in range(2)]
-    ref_leaves = {n: t.double().detach().requires_grad_() for n, t in leaves[1].items()}
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
+    ref_leaves = {n: t.double().detach().requires_grad_() for n, t in leaves.items()}
     device = inputs["v"].device
     reset = None if reset is None else reset.to(device)
-    y, final = scan(**leaves[0], reset=reset, chunk_size=chunk_size)
-    y_ref, final_ref = mamba3_mimo_scan_chunked(**ref_leaves, reset=reset, chunk_size=chunk_size)
+    results = []
+    for fn, args in ((scan, leaves), (mamba3_mimo_scan_chunked, ref_leaves)):
+        kw = {n: t for n, t in args.items() if not n.startswith("state_")}
+        initial = None if state is None else Mamba3ScanState(
+            *(args[f"state_{n}"] for n in ("angle", "ssm", "k", "v")))
+        results.append(fn(**kw, reset=reset, initial_state=initial, chunk_size=chunk_size))
+    (y, final), (y_ref, final_ref) = results
     g = torch.Generator().manual_seed(3)
     cot = torch.randn(y.shape, generator=g, dtype=torch.float64).to(device)
-    grads = torch.autograd.grad((y.double() * cot).sum(), [leaves[0][n] for n in names])
-    grads_ref = torch.autograd.grad((y_ref * cot).sum(), [ref_leaves[n] for n in names])
+    cot_s = torch.randn(final.ssm.shape, generator=g, dtype=torch.float64).to(device)
+    grads = torch.autograd.grad((y.double() * cot).sum() + (final.ssm.double() * cot_s).sum(),
+                                [leaves[n] for n in names])
+    grads_ref = torch.autograd.grad((y_ref * cot).sum() + (final_ref.ssm * cot_s).sum(),
+                                    [ref_leaves[n] for n in names])
     errors = {"y": _rel(y, y_ref), "ssm": _rel(final.ssm, final_ref.ssm)}
     errors.update({f"d{n}": _rel(a, b) for n, a, b in zip(names, grads, grads_ref, strict=True)})
     worst = max(errors.values())
@@ -55,6 +67,12 @@ def _interpreter_check() -> list[float]:
     inputs = make_inputs(batch=1, seqlen=20, rank=1, groups=1, nheads=2, d_state=8,
                          headdim=4, n_angles=1, dtype=torch.float32, seed=6)
     errors.append(compare(mamba3_mimo_scan_triton, inputs, random_reset(1, 20), 32, 1e-5))
+    # continuing from an initial state (a cached prefill), 5 chunks, no reset; a state of
+    # 2 x 64 x 24 entries walks in two 1024-entry tiles of the pass kernels
+    inputs = make_inputs(batch=1, seqlen=18, rank=2, groups=1, nheads=2, d_state=24,
+                         headdim=64, n_angles=3, dtype=torch.float32, seed=8)
+    errors.append(compare(mamba3_mimo_scan_triton, inputs, None, 4, 1e-5,
+                          state=random_state(inputs)))
     return errors
 
 

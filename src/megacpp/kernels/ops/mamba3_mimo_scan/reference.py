@@ -147,20 +147,21 @@ def mamba3_mimo_scan_chunked(
     L)`` with tokens that change nothing.
     """
     return chunked_scan(
-        _intra_chunk, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles, mimo_z, mimo_o,
+        _intra_chunk, _pass_states, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles, mimo_z, mimo_o,
         D, z, reset, initial_state, chunk_size, output_final_state)
 
 
 def chunked_scan(
-    intra: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor,
-    trap: Tensor, q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
+    intra: Callable[..., Tensor], pass_states: Callable[..., tuple[Tensor, Tensor]],
+    q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor, q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
     mimo_z: Tensor | None, mimo_o: Tensor | None, D: Tensor | None, z: Tensor | None,
     reset: Tensor | None, initial_state: Mamba3ScanState | None, chunk_size: int,
     output_final_state: bool,
 ) -> tuple[Tensor, Mamba3ScanState | None]:
     """:func:`mamba3_mimo_scan_chunked` with its intra-chunk quadratic form computed by
-    ``intra`` (:func:`_intra_chunk`'s arguments and result; the Triton backend passes its
-    kernel)."""
+    ``intra`` and the sequential pass over chunks by ``pass_states`` (the arguments and
+    results of :func:`_intra_chunk` and the SISO scan's ``_pass_states``; the Triton backend
+    passes its kernels)."""
     _check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles, mimo_z, mimo_o, D,
                   z, reset)
     if chunk_size < 1:
@@ -195,7 +196,7 @@ def chunked_scan(
 
     y_intra = intra(qc, kc, xc, a_cs, gammac, scalec, seg)
     chunk_state, chunk_decay = _chunk_states(kc, xc, a_cs, scalec, seg)
-    ssm_in, ssm_final = _pass_states(ssm0, chunk_state, chunk_decay)
+    ssm_in, ssm_final = pass_states(ssm0, chunk_state, chunk_decay)
     carry = (torch.exp(a_cs) * (seg == 0)[:, :, None]).transpose(2, 3)  # [B, C, T, H]
     y_inter = torch.einsum("bctrhn,bchpn->bctrhp", qc, ssm_in) * carry[:, :, :, None, :, None]
 

@@ -16,9 +16,13 @@ from dW = dP * S as four per-row sums (summed over each token's R rows on the ho
 d a_t = sum (dW * W_off) over t's rows, d a_s = -sum over s's columns, d scale_s = sum of
 dW * exp(a_t - a_s) over s's columns, d gamma_t = sum of dW over t's diagonal block.
 
-Everything else (rotation, biases, the MIMO projections, the chunk states, the sequential
-pass over chunks, the read-out of the carried state, skip, gate) is the reference's PyTorch,
-differentiated by autograd. Limits: T*R <= 128, d_state <= 128, headdim <= 128 (larger
+The sequential pass over chunks (s <- decay_c s + chunk_state_c, storing the state entering
+each chunk) is a second pair of kernels, one program per (head, 1024 state entries), instead
+of the reference's Python loop of a few small kernels per chunk (256 chunks at L 4096, T 16).
+
+Everything else (rotation, biases, the MIMO projections, the chunk states' einsum, the
+read-out of the carried state, skip, gate) is the reference's PyTorch, differentiated by
+autograd. Limits: T*R <= 128, d_state <= 128, headdim <= 128 (larger
 tiles would not fit a program's registers); float64 runs the reference. Matmul operands are
 bf16 / fp16 as given (float32 with IEEE products for float32 inputs); sums in float32.
 Launch settings: ``configs.py``.
@@ -120,6 +124,85 @@ def _mimo_intra_bwd(Q, K, X, A, SC, GM, SEG, DY, DQ, DK, DX, ROWS4, H, T, TR, N,
     tl.store(out + 3 * TR + i, tl.sum(tl.where(diag, dw, 0.0), axis=1), mask=valid)  # d gamma
 
 
+@triton.jit
+def _mimo_pass_fwd(S0, CS, DEC, SIN, SF, NC, PN, BLOCK: tl.constexpr):
+    """One (head, tile of the P*N state) a program: walk the chunks, storing the state that
+    enters each and the last; s <- decay_c s + chunk_state_c (float32)."""
+    bh, tile = tl.program_id(0), tl.program_id(1)
+    off = tile * BLOCK + tl.arange(0, BLOCK)
+    m = off < PN
+    s = tl.load(S0 + bh.to(tl.int64) * PN + off, mask=m, other=0.0)
+    for c in range(NC):
+        row = (bh.to(tl.int64) * NC + c) * PN
+        tl.store(SIN + row + off, s, mask=m)
+        s = tl.load(DEC + bh * NC + c) * s + tl.load(CS + row + off, mask=m, other=0.0)
+    tl.store(SF + bh.to(tl.int64) * PN + off, s, mask=m)
+
+
+@triton.jit
+def _mimo_pass_bwd(SIN, DEC, DSIN, DSF, DCS, DDEC, DS0, NC, PN, NT, BLOCK: tl.constexpr):
+    """The walk backwards: g (the gradient of the state leaving chunk c) gives d chunk_state_c
+    = g and the tile's share of d decay_c = sum(g * S_in[c]); then g <- decay_c g +
+    d S_in[c], and finally d S0 = g."""
+    bh, tile = tl.program_id(0), tl.program_id(1)
+    off = tile * BLOCK + tl.arange(0, BLOCK)
+    m = off < PN
+    g = tl.load(DSF + bh.to(tl.int64) * PN + off, mask=m, other=0.0)
+    for i in range(NC):
+        c = NC - 1 - i
+        row = (bh.to(tl.int64) * NC + c) * PN
+        tl.store(DCS + row + off, g, mask=m)
+        s_in = tl.load(SIN + row + off, mask=m, other=0.0)
+        tl.store(DDEC + (bh * NC + c) * NT + tile, tl.sum(g * s_in, axis=0))
+        g = tl.load(DEC + bh * NC + c) * g + tl.load(DSIN + row + off, mask=m, other=0.0)
+    tl.store(DS0 + bh.to(tl.int64) * PN + off, g, mask=m)
+
+
+_PASS_BLOCK = 1024
+
+
+class _PassFn(torch.autograd.Function):
+    """ssm0 [B*H, PN], chunk_state [B*H, C, PN], decay [B*H, C] (float32, contiguous) ->
+    the entering states [B*H, C, PN] and the last [B*H, PN]."""
+
+    @staticmethod
+    def forward(ctx, s0, cs, dec):
+        BH, NC, PN = cs.shape
+        s_in, s_final = torch.empty_like(cs), torch.empty_like(s0)
+        grid = (BH, triton.cdiv(PN, _PASS_BLOCK))
+        _mimo_pass_fwd[grid](s0, cs, dec, s_in, s_final, NC, PN, BLOCK=_PASS_BLOCK,
+                             num_warps=4)
+        ctx.save_for_backward(s_in, dec)
+        return s_in, s_final
+
+    @staticmethod
+    def backward(ctx, d_in, d_final):
+        s_in, dec = ctx.saved_tensors
+        BH, NC, PN = s_in.shape
+        NT = triton.cdiv(PN, _PASS_BLOCK)
+        d_in = torch.zeros_like(s_in) if d_in is None else d_in.float().contiguous()
+        d_final = (torch.zeros(BH, PN, device=s_in.device) if d_final is None
+                   else d_final.float().contiguous())
+        d_cs, d_s0 = torch.empty_like(s_in), torch.empty_like(d_final)
+        d_dec = torch.empty(BH, NC, NT, device=s_in.device, dtype=torch.float32)
+        _mimo_pass_bwd[(BH, NT)](s_in, dec, d_in, d_final, d_cs, d_dec, d_s0, NC, PN, NT,
+                                 BLOCK=_PASS_BLOCK, num_warps=4)
+        return d_s0, d_cs, d_dec.sum(-1)
+
+
+def _pass_triton(ssm0: Tensor, chunk_state: Tensor, chunk_decay: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+    """The SISO reference's ``_pass_states`` (same arguments and results: ssm0 [B, H, P, N],
+    chunk_state [B, C, H, P, N], chunk_decay [B, C, H]) through the kernels."""
+    B, C, H, P, N = chunk_state.shape
+    s_in, s_final = _PassFn.apply(
+        ssm0.float().reshape(B * H, P * N).contiguous(),
+        chunk_state.float().transpose(1, 2).reshape(B * H, C, P * N).contiguous(),
+        chunk_decay.float().transpose(1, 2).reshape(B * H, C).contiguous())
+    s_in = s_in.reshape(B, H, C, P, N).transpose(1, 2).to(chunk_state.dtype)
+    return s_in, s_final.reshape(B, H, P, N).to(chunk_state.dtype)
+
+
 def _meta(q: Tensor, x: Tensor, rank: int) -> dict:
     TR, N, P = q.shape[-2], q.shape[-1], x.shape[-1]
     config = for_device(CONFIGS, q.device)
@@ -197,6 +280,6 @@ def mamba3_mimo_scan_triton(
             f"mamba3_mimo_scan triton: needs chunk_size * rank <= {MAX_ROWS}, d_state <= "
             f"{MAX_D_STATE} and headdim <= {MAX_HEADDIM}, got {rows}, {q.shape[-1]} and "
             f"{v.shape[-1]} (lower [mamba] mimo_chunk_size, or use the reference)")
-    return chunked_scan(_intra_triton, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles,
+    return chunked_scan(_intra_triton, _pass_triton, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles,
                         mimo_z, mimo_o, D, z, reset, initial_state, chunk_size,
                         output_final_state)
