@@ -49,7 +49,8 @@ MAX_HEADDIM = 128
 
 @triton.jit
 def _mimo_weights(A, SC, GM, SEG, pid, seg_row, i, j, valid_i, valid_j, T, R: tl.constexpr):
-    """W [TRB, TRB] (float32) and its off-diagonal decay D = exp(a_t - a_s) (masked)."""
+    """W [TRB, TRB] between rows i and columns j (float32), its off-diagonal decay
+    exp(a_t - a_s) (0 outside s < t in one document) and the same-token mask."""
     ti, tj = i // R, j // R
     a_i = tl.load(A + pid * T + ti, mask=valid_i, other=0.0)
     a_j = tl.load(A + pid * T + tj, mask=valid_j, other=0.0)
@@ -67,6 +68,7 @@ def _mimo_weights(A, SC, GM, SEG, pid, seg_row, i, j, valid_i, valid_j, T, R: tl
 
 @triton.jit
 def _mimo_tiles(Q, K, X, pid, i, valid_i, n, p, TR, N, P):
+    """The program's q, k [TRB, NB] and x [TRB, PB] tiles (operand dtype) and their rows."""
     rows = pid.to(tl.int64) * TR + i
     qk_mask = valid_i[:, None] & (n < N)[None, :]
     q = tl.load(Q + rows[:, None] * N + n[None, :], mask=qk_mask, other=0.0)
@@ -78,7 +80,7 @@ def _mimo_tiles(Q, K, X, pid, i, valid_i, n, p, TR, N, P):
 
 @triton.jit
 def _mimo_intra_fwd(Q, K, X, A, SC, GM, SEG, Y, H, T, TR, N, P, R: tl.constexpr,
-               TRB: tl.constexpr, NB: tl.constexpr, PB: tl.constexpr):
+                    TRB: tl.constexpr, NB: tl.constexpr, PB: tl.constexpr):
     pid = tl.program_id(0)  # (row, chunk, head) flattened
     i = tl.arange(0, TRB)
     n, p = tl.arange(0, NB), tl.arange(0, PB)
@@ -93,7 +95,7 @@ def _mimo_intra_fwd(Q, K, X, A, SC, GM, SEG, Y, H, T, TR, N, P, R: tl.constexpr,
 
 @triton.jit
 def _mimo_intra_bwd(Q, K, X, A, SC, GM, SEG, DY, DQ, DK, DX, ROWS4, H, T, TR, N, P,
-               R: tl.constexpr, TRB: tl.constexpr, NB: tl.constexpr, PB: tl.constexpr):
+                    R: tl.constexpr, TRB: tl.constexpr, NB: tl.constexpr, PB: tl.constexpr):
     pid = tl.program_id(0)
     i = tl.arange(0, TRB)
     n, p = tl.arange(0, NB), tl.arange(0, PB)
