@@ -73,6 +73,10 @@ def _interpreter_check() -> list[float]:
                          headdim=64, n_angles=3, dtype=torch.float32, seed=8)
     errors.append(compare(mamba3_mimo_scan_triton, inputs, None, 4, 1e-5,
                           state=random_state(inputs)))
+    # the largest tile: rank 8, chunk 16 (128 rows), two chunks, resets
+    inputs = make_inputs(batch=1, seqlen=32, rank=8, groups=1, nheads=1, d_state=8,
+                         headdim=4, n_angles=2, dtype=torch.float32, seed=9)
+    errors.append(compare(mamba3_mimo_scan_triton, inputs, random_reset(1, 32), 16, 1e-5))
     return errors
 
 
