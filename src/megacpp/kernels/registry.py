@@ -19,6 +19,7 @@ SURFACES = (
     "attention",
     "document_attention",
     "mamba3_scan",
+    "mamba3_mimo_scan",
     "short_conv",
     "gated_delta",
     "muon_momentum",
