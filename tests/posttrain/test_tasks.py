@@ -8,8 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from megacpp.eval import Sample, Status, load_problem_set, verify_samples
 from megacpp.errors import MegaCppError
+from megacpp.eval import Sample, Status, load_problem_set, verify_samples
 from megacpp.eval.problems import default_problems_path
 from megacpp.posttrain.common import PosttrainError, read_pairs
 from megacpp.posttrain.tasks import FAMILY_NAMES, generate_tasks, write_task_set
