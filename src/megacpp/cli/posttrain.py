@@ -145,8 +145,6 @@ def grpo(
                      seed=seed, workers=workers,
                      lora=LoraOptions(r=lora_r, alpha=lora_alpha, targets=tuple(lora_target or ())))
     cfg.check()
-    if eval_limit is not None and eval_limit < 1:
-        raise MegaCppError(f"--eval-limit {eval_limit}: expected >= 1")
     train_set = load_problem_set(train)
     heldout_set = load_problem_set(heldout) if heldout is not None else None
     if heldout_set is not None:

@@ -14,6 +14,7 @@ Output layout of a post-training run directory ``OUT``::
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -99,14 +100,19 @@ class LoraOptions:
     dropout: float = 0.0
     targets: tuple[str, ...] = ()  # empty: every linear layer LoRA can adapt
 
+    def check(self) -> None:
+        if self.r < 0:
+            raise PosttrainError(f"--lora-r {self.r}: expected >= 0 (0: full fine-tuning)")
+        if self.r and not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise PosttrainError(f"--lora-alpha {self.alpha}: expected a number > 0")
+
 
 def make_policy(model: HybridLM, lora: LoraOptions) -> Any:
     """Make ``model`` trainable in place: LoRA adapters (only they train) or every parameter.
     Returns the :class:`~megacpp.train.finetune.LoraState`, or None for full fine-tuning."""
     from megacpp.train.finetune import LoraState, add_lora, hold_frozen_routing, lora_targets
 
-    if lora.r < 0:
-        raise PosttrainError(f"--lora-r {lora.r}: expected >= 0 (0: full fine-tuning)")
+    lora.check()
     if lora.r == 0:
         for p in model.parameters():
             p.requires_grad_(True)

@@ -114,6 +114,9 @@ class GrpoConfig:
                                  "[0, 1)")
         if self.eval_every < 0 or self.save_every < 0:
             raise PosttrainError("--eval-every and --save-every must be >= 0")
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise PosttrainError(f"--eval-limit {self.eval_limit}: expected >= 1")
+        self.lora.check()
 
 
 # -- the math -----------------------------------------------------------------------------------

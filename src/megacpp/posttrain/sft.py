@@ -57,6 +57,7 @@ class SftConfig:
             raise PosttrainError(f"--lr {self.lr}: expected a number > 0")
         if self.save_every < 0:
             raise PosttrainError(f"--save-every {self.save_every}: expected >= 0")
+        self.lora.check()
 
 
 def encode_pair(tokenizer: CppTokenizer, pair: Pair) -> tuple[list[int], int]:

@@ -365,9 +365,9 @@ def check_no_leakage(tasks: Sequence[Task]) -> None:
 def write_task_set(out: str | Path, seed: int = 0, heldout_fraction: float = 0.25,
                    per_family: int | None = None, families: Sequence[str] = ()) -> dict[str, Any]:
     """Write the task set into ``out``; returns the manifest (also ``manifest.json``)."""
+    tasks = generate_tasks(seed, heldout_fraction, per_family, families)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tasks = generate_tasks(seed, heldout_fraction, per_family, families)
     files: dict[str, Path] = {}
     for split in ("train", "heldout"):
         records = [t.record for t in tasks if t.split == split]
