@@ -173,3 +173,15 @@ def test_a_model_that_learned_the_tasks_earns_reward(task_dir, tokenizer, base_d
     (record,) = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     assert record["pass_rate"] >= 0.5 and record["reward"] >= 0.5, record
     assert record["kl"] == 0.0
+
+
+def test_time_budget_ends_the_run_after_the_step_that_passes_it(task_dir, tokenizer, verifier,
+                                                                tmp_path):
+    problems = load_problem_set(task_dir / "train.jsonl").problems[:1]
+    cfg = GrpoConfig(steps=50, tasks_per_step=1, group_size=2, max_new_tokens=4,
+                     time_budget_s=1e-3, workers=1, lora=LoraOptions(r=2))
+    metrics = run_grpo(tiny_model(tokenizer), tokenizer, problems, [], verifier,
+                       tmp_path / "run", cfg, base="tiny")
+    assert metrics["steps"] == 1.0
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
+    assert (tmp_path / "run" / "checkpoints" / "step_000001" / "config.json").is_file()

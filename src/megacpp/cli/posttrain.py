@@ -121,6 +121,9 @@ def grpo(
     eval_limit: Annotated[int | None, typer.Option(
         help="Held-out problems evaluated at most.")] = None,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: at the end).")] = 0,
+    time_budget_s: Annotated[float, typer.Option(
+        help="Stop after the step that passes this many seconds of GRPO (0: run --steps); "
+             "the held-out evaluation and checkpoint follow.")] = 0.0,
     workers: Annotated[int, typer.Option(help="Parallel compile+run workers.")] = 4,
     isolation: Annotated[str | None, typer.Option(
         help="Sandbox isolation: namespaces (default) or rlimits.")] = None,
@@ -142,7 +145,7 @@ def grpo(
                      clip_eps=clip_eps, kl_coef=kl_coef, inner_steps=inner_steps,
                      compile_credit=compile_credit, micro_batch=micro_batch,
                      eval_every=eval_every, eval_limit=eval_limit, save_every=save_every,
-                     seed=seed, workers=workers,
+                     time_budget_s=time_budget_s, seed=seed, workers=workers,
                      lora=LoraOptions(r=lora_r, alpha=lora_alpha, targets=tuple(lora_target or ())))
     cfg.check()
     train_set = load_problem_set(train)

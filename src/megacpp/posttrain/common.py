@@ -13,6 +13,7 @@ Output layout of a post-training run directory ``OUT``::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -149,6 +150,13 @@ def plain_copy(model: HybridLM, lora: Any) -> HybridLM:
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def autocast(device: torch.device):
+    """bf16 autocast for training forwards on CUDA (the weights stay float32); nothing on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def index_batches(n: int, batch_size: int, seed: int):

@@ -51,6 +51,7 @@ from megacpp.posttrain.common import (
     LoraOptions,
     MetricsLog,
     PosttrainError,
+    autocast,
     check_out_dir,
     frozen_copy,
     index_batches,
@@ -87,6 +88,7 @@ class GrpoConfig:
     micro_batch: int = 16  # completions per forward/backward
     eval_every: int = 10  # 0: held-out pass@1 only at step 0 and the end
     eval_limit: int | None = None  # held-out problems evaluated (None: all)
+    time_budget_s: float = 0.0  # stop after the step that passes this many seconds (0: none)
     save_every: int = 0
     seed: int = 0
     workers: int = 4  # verifier threads
@@ -112,6 +114,8 @@ class GrpoConfig:
         if not 0 <= self.compile_credit < 1:
             raise PosttrainError(f"--compile-credit {self.compile_credit}: expected a number in "
                                  "[0, 1)")
+        if not (math.isfinite(self.time_budget_s) and self.time_budget_s >= 0):
+            raise PosttrainError(f"--time-budget-s {self.time_budget_s}: expected a number >= 0")
         if self.eval_every < 0 or self.save_every < 0:
             raise PosttrainError("--eval-every and --save-every must be >= 0")
         if self.eval_limit is not None and self.eval_limit < 1:
@@ -130,8 +134,11 @@ def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch
 
 def token_logprobs(model: HybridLM, input_ids: torch.Tensor, labels: torch.Tensor
                    ) -> torch.Tensor:
-    """[B, L] log-probabilities of the targets ``labels`` (0 where ignored)."""
-    logits = model(input_ids).logits.float()  # [B, L, V]
+    """[B, L] log-probabilities of the targets ``labels`` (0 where ignored); the forward runs
+    under bf16 autocast on CUDA, the log-softmax in float32."""
+    with autocast(input_ids.device):
+        logits = model(input_ids).logits
+    logits = logits.float()  # [B, L, V]
     mask = labels != IGNORE_INDEX
     picked = torch.gather(F.log_softmax(logits, dim=-1), 2,
                           labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, L]
@@ -365,19 +372,24 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
     checkpoint = None
     try:
         evaluate(0)
+        steps_started = time.monotonic()  # the budget counts GRPO steps, not the first eval
         for step in range(1, cfg.steps + 1):
             emit(run.step(step, list(train)))
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            last = step == cfg.steps or (cfg.time_budget_s > 0 and
+                                         time.monotonic() - steps_started >= cfg.time_budget_s)
+            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                 evaluate(step)
-            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+            if (cfg.save_every and step % cfg.save_every == 0) or last:
                 checkpoint = save_checkpoint(out, step, model, tokenizer, lora, base, card)
+            if last:
+                break
     finally:
         log.close()
     final = publish_final(out, checkpoint)
     plot = plot_grpo(records, out / PLOT_FILE)
     train_records = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    metrics = {"steps": float(cfg.steps), "first_reward": train_records[0]["reward"],
+    metrics = {"steps": float(len(train_records)), "first_reward": train_records[0]["reward"],
                "final_reward": train_records[-1]["reward"],
                "mean_reward": sum(r["reward"] for r in train_records) / len(train_records),
                "final_kl": train_records[-1]["kl"], "wall_s": time.monotonic() - started}

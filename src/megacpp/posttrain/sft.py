@@ -25,6 +25,7 @@ from megacpp.posttrain.common import (
     MetricsLog,
     Pair,
     PosttrainError,
+    autocast,
     check_out_dir,
     index_batches,
     make_policy,
@@ -86,7 +87,8 @@ def completion_loss(model: HybridLM, input_ids: torch.Tensor, labels: torch.Tens
                     ) -> torch.Tensor:
     """The model's loss (mean cross-entropy over the completion targets, plus its auxiliary
     losses)."""
-    return model(input_ids, labels=labels).loss
+    with autocast(input_ids.device):
+        return model(input_ids, labels=labels).loss
 
 
 def encode_pairs(tokenizer: CppTokenizer, pairs: Sequence[Pair], max_len: int
