@@ -28,13 +28,17 @@ CONFIG = EngineConfig(max_num_seqs=4, max_model_len=128)
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
-    """A 4-step LoRA SFT of the tiny serving model: its adapter and its merged export."""
+    """A 4-step LoRA SFT of the tiny serving model (also written as ``base/`` beside it): its
+    adapter and its merged export."""
+    from megacpp.export.hf import write_model_dir
+
     tok = tiny_tokenizer()
-    out = tmp_path_factory.mktemp("lora") / "run"
+    root = tmp_path_factory.mktemp("lora")
+    write_model_dir(tiny_model(tok.vocab_size), tok, root / "base", card="tiny\n")
     pairs = [Pair(p, " return 0;\n}\n") for p in PROMPTS]
-    run_sft(tiny_model(tok.vocab_size), tok, pairs, out,
+    run_sft(tiny_model(tok.vocab_size), tok, pairs, root / "run",
             SftConfig(steps=4, batch_size=3, lr=5e-2, lora=LoraOptions(r=4)), base="tiny")
-    return out
+    return root / "run"
 
 
 def base_set(runtime: bool = False) -> tuple[Specialist, AdapterSet]:
@@ -43,7 +47,7 @@ def base_set(runtime: bool = False) -> tuple[Specialist, AdapterSet]:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     spec = Specialist("base", AsyncEngine(Engine(model, tok, CONFIG), "base"), tok,
                       CONFIG.max_model_len)
-    return spec, AdapterSet.of(spec, tiny_model(tok.vocab_size), state, runtime)
+    return spec, AdapterSet.of(spec, state, runtime)
 
 
 def merged_specialist(run) -> Specialist:
@@ -158,3 +162,16 @@ def test_serve_lora_misuse_is_one_line(lora, needle, tmp_path):
     code, _, err = run_cli("serve", "--checkpoint", str(tmp_path), "--lora", lora)
     assert_one_error_line(code, err, ("serve", "--lora", lora))
     assert needle in err
+
+
+@pytest.mark.slow
+def test_megacpp_serve_lora_answers_as_the_merged_checkpoint(sft_run):
+    from tests.infer.server_helpers import serve_process
+
+    adapter = sft_run / "adapters" / "step_000004"
+    args = ("--checkpoint", f"base={sft_run.parent / 'base'}", "--checkpoint",
+            f"merged={sft_run / 'model'}", "--lora", f"sft={adapter}", "--device", "cpu",
+            "--max-model-len", "128")
+    with serve_process(*args) as (url, _), httpx.Client(base_url=url, timeout=30) as client:
+        assert greedy(client, "sft") == greedy(client, "merged")
+        assert greedy(client, "sft") != greedy(client, "base")

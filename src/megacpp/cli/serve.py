@@ -143,10 +143,8 @@ def _load_adapters(base, state, named, runtime):
     """The adapter set over the first checkpoint (``state``: its weights before the engine
     cast them); every --lora adapter is checked against it here, before serving starts."""
     from megacpp.infer.adapters import AdapterSet
-    from megacpp.model.model import HybridLM
 
-    model = HybridLM(base.engine.engine.model.cfg)
-    adapters = AdapterSet.of(base, model, state, runtime)
+    adapters = AdapterSet.of(base, state, runtime)
     for name, path in named:
         if name == base.name:
             raise MegaCppError(f"--lora {name}: the checkpoint is already served under that name")

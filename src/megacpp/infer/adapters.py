@@ -2,10 +2,10 @@
 
 An adapter directory is peft's format (``adapter_config.json`` + ``adapter_model.safetensors``,
 as ``megacpp train`` with ``[lora]``, ``megacpp posttrain`` and ``megacpp export hf
---adapter-only`` write it). Loading one builds a copy of the base model from the base's
-float32 weights, wraps the adapter's target layers with peft (the same code that trained
-it, :mod:`megacpp.train.finetune`), loads the adapter weights, folds them in and puts the
-plain layers back -- exactly what a merged export holds -- and gives it its own engine. A
+--adapter-only`` write it). Loading one copies the base model (its float32 weights), wraps
+the adapter's target layers with peft (the same code that trained it,
+:mod:`megacpp.train.finetune`), loads the adapter weights, folds them in and puts the plain
+layers back -- exactly what a merged export holds -- and gives it its own engine. A
 request picks it by ``"model": NAME``; the router (``auto``) can name it like any
 specialist. Each adapter costs one model copy and one KV cache: this serves a handful of
 small specialists, not hundreds of adapters batched through one engine.
@@ -18,6 +18,7 @@ serving throughout, and an unloaded adapter's running requests end as when the s
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -71,22 +72,23 @@ def read_adapter(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     return lora, weights
 
 
-def merged_model(base: HybridLM, base_state: dict[str, torch.Tensor], path: str | Path
-                 ) -> HybridLM:
-    """A new HybridLM (CPU, float32): ``base_state`` with the adapter at ``path`` folded in."""
+def merged_model(base: HybridLM, path: str | Path) -> HybridLM:
+    """A copy of ``base`` (a float32 HybridLM that has never run a forward), on its device,
+    with the adapter at ``path`` folded in."""
     from peft import set_peft_model_state_dict
 
     from megacpp.train.finetune import PEFT_PREFIX, add_lora, merge_lora
 
     lora, weights = read_adapter(path)
-    model = HybridLM(base.cfg)
-    model.load_state_dict(base_state)
+    model = copy.deepcopy(base)  # a memory copy: much faster than building and loading one
     try:
         add_lora(model, lora)
     except (MegaCppError, ValueError) as exc:
         raise AdapterError(f"{path}: its target modules do not fit the base model ({exc})") \
             from None
-    state = {name.removeprefix(PEFT_PREFIX): tensor.float() for name, tensor in weights.items()}
+    device = next(base.parameters()).device
+    state = {name.removeprefix(PEFT_PREFIX): tensor.float().to(device)
+             for name, tensor in weights.items()}
     wanted = {name for name, _ in model.named_parameters() if ".lora_" in name}
     try:
         result = set_peft_model_state_dict(model, state)
@@ -104,29 +106,33 @@ def merged_model(base: HybridLM, base_state: dict[str, torch.Tensor], path: str 
 
 @dataclass
 class AdapterSet:
-    """The base specialist's float32 weights and what builds an adapter's specialist."""
+    """The base specialist, its float32 weights and what builds an adapter's specialist."""
 
     base: Specialist
-    base_model: HybridLM
-    base_state: dict[str, torch.Tensor]  # float32, CPU: merged from, for every adapter
+    base_model: HybridLM  # float32 on the engine's device, never run: adapters merge into a copy
     config: EngineConfig
     device: torch.device
     dtype: torch.dtype
     runtime: bool = False  # the HTTP load/unload routes are enabled
 
     @classmethod
-    def of(cls, base: Specialist, model: HybridLM, state: dict[str, torch.Tensor],
+    def of(cls, base: Specialist, state: dict[str, torch.Tensor],
            runtime: bool = False) -> AdapterSet:
+        """Over ``base``, whose float32 weights (before its engine cast them) are ``state``.
+        The float32 copy lives on the engine's device, so an adapter is copied and merged
+        there (on a GPU: device memory copies and small matmuls)."""
         engine = base.engine.engine
-        return cls(base, model, {k: v.detach().float().cpu() for k, v in state.items()},
-                   engine.config, engine.device, engine.dtype, runtime)
+        model = HybridLM(engine.model.cfg)
+        model.load_state_dict({k: v.detach().float() for k, v in state.items()})
+        return cls(base, model.to(engine.device).eval(), engine.config, engine.device,
+                   engine.dtype, runtime)
 
     def __post_init__(self) -> None:
         self.loaded: dict[str, str] = {}  # adapter name -> its directory
 
     def build(self, name: str, path: str | Path) -> Specialist:
         """The specialist of the adapter at ``path`` (not started, not registered)."""
-        model = merged_model(self.base_model, self.base_state, path)
+        model = merged_model(self.base_model, path)
         engine = Engine(model, self.base.tokenizer, self.config, self.device, self.dtype)
         return Specialist(name, AsyncEngine(engine, name), self.base.tokenizer,
                           self.config.max_model_len, str(path))
