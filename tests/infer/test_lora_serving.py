@@ -175,3 +175,24 @@ def test_megacpp_serve_lora_answers_as_the_merged_checkpoint(sft_run):
     with serve_process(*args) as (url, _), httpx.Client(base_url=url, timeout=30) as client:
         assert greedy(client, "sft") == greedy(client, "merged")
         assert greedy(client, "sft") != greedy(client, "base")
+
+
+def test_the_router_adds_and_removes_specialists():
+    import numpy as np
+
+    from megacpp.errors import MegaCppError
+    from megacpp.infer.router import Router, SnippetClassifier
+
+    classifier = SnippetClassifier(["base", "sft"], ["int"], np.ones((2, 1)))
+    router = Router(["base", "sft"], classifier)
+    router.add("hot")
+    assert router.route("hot", "int x;").name == "hot"
+    for bad in ("hot", "auto", "a b", ""):
+        with pytest.raises(MegaCppError):
+            router.add(bad)
+    for kept, needle in (("base", "default model"), ("sft", "label of the router model")):
+        with pytest.raises(MegaCppError, match=needle):
+            router.remove(kept)
+    router.remove("hot")
+    with pytest.raises(MegaCppError, match="not served here"):
+        router.route("hot", "int x;")
