@@ -83,7 +83,7 @@ class Body(_Strict):
 class CompletionRequest(Body):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle: the text after the completion (jobs.py)
 
 
 class ChatMessage(_Strict):
@@ -109,7 +109,7 @@ def refuse_unsupported(body: Body) -> None:
     """A :class:`BadRequest` for a field this server cannot honour, unless it is neutral."""
     neutral = {"logprobs": (None, False, 0), "presence_penalty": (None, 0), "frequency_penalty":
                (None, 0), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (False,),
-               "suffix": (None, ""), "tools": (None, [])}
+               "tools": (None, [])}
     for name, allowed in neutral.items():
         if name not in type(body).model_fields:
             continue
