@@ -86,6 +86,7 @@ BAD_INPUT: dict[str, tuple[str, ...]] = {
     "eval mutation-check": ("--per-problem", "0"),
     "eval score": ("{json}", "--out", "{tmp}/score", "--problems", "{json}"),
     "eval humaneval-x": ("--checkpoint", "{dir}", "--out", "{tmp}/he", "--device", "tpu"),
+    "eval infill": ("{cpp}", "--checkpoint", "{dir}", "--out", "{tmp}/in", "--device", "tpu"),
     "serve": ("--checkpoint", "{dir}", "--device", "tpu"),
     "serve router-train": ("--source", "a={dir}", "--out", "{tmp}/r.json"),
     "kernels list": ("--dtype", "int3"),

@@ -554,6 +554,8 @@ def infill(
     elif checkpoint is None:
         raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
                            "NAME (an OpenAI-compatible server)")
+    else:
+        device = resolve_device(device)
     documents, where = load_documents(source)
     tasks = make_tasks(documents, span, spans_per_document=spans_per_file, max_lines=max_lines,
                        seed=seed, prefix_chars=prefix_chars, suffix_chars=suffix_chars,
@@ -595,7 +597,7 @@ def _local_filler(checkpoint: Path, tokenizer: Path | None, device: str, fallbac
     from megacpp.infer.generate import MAX_NUM_SEQS, TextGenerator
     from megacpp.infer.sampling import SamplingParams
 
-    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, resolve_device(device),
+    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
                                           fallback_to_previous=fallback)
     FimIds.of(tok)  # refuse a tokenizer without FIM tokens before any work
     generator = TextGenerator(model, tok)

@@ -11,8 +11,9 @@ waiting queue 429, a stopped engine 503, an engine failure 500.
 
 Sampling fields: ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``n``, ``stop`` (a string or up to 16 strings), ``seed``, ``stream``,
-``stream_options.include_usage``, plus the extensions ``top_k`` and ``ignore_eos``. Fields
-this server cannot honour (``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``,
+``stream_options.include_usage``, plus the extensions ``top_k`` and ``ignore_eos``;
+completions also take ``suffix`` (fill in the middle, see jobs.py). Fields this server
+cannot honour (``logprobs``, ``echo``, penalties, ``logit_bias``,
 ``best_of`` > 1, tools) are refused with 400 unless they are at their neutral value;
 other unknown fields are ignored. A string prompt is encoded with BOS first; a prompt of
 token ids is used as is. ``max_tokens`` defaults to 16 for completions (as OpenAI) and to
