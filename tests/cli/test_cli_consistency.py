@@ -90,6 +90,7 @@ BAD_INPUT: dict[str, tuple[str, ...]] = {
     "posttrain sft": ("--base", "{dir}", "--data", "/dev/zero", "--out", "{tmp}/sft"),
     "posttrain grpo": ("--base", "{dir}", "--train", "{json}", "--out", "{tmp}/grpo",
                        "--group-size", "1"),
+    "eval infill": ("{cpp}", "--checkpoint", "{dir}", "--out", "{tmp}/in", "--device", "tpu"),
     "serve": ("--checkpoint", "{dir}", "--device", "tpu"),
     "serve router-train": ("--source", "a={dir}", "--out", "{tmp}/r.json"),
     "kernels list": ("--dtype", "int3"),
