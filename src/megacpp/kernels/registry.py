@@ -17,6 +17,7 @@ SURFACES = (
     "moe_experts",
     "attention",
     "document_attention",
+    "sparse_attention",
     "mamba3_scan",
     "short_conv",
     "gated_delta",
