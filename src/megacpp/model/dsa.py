@@ -24,8 +24,11 @@ the MoE balance loss) in training mode. V3.2 also freezes the rest of the model 
 warm-up; that is the trainer's choice (see :func:`indexer_parameters`).
 
 Queries are processed in chunks of ``query_chunk``, so no tensor is ever ``L x L``: the
-largest live tensors are ``[B, C, max(H, Hi), T]`` scores and, in the sparse path, the
-gathered ``[B, C, top_k, r + dr + di]`` key rows. When ``top_k`` covers every key the
+largest live tensors are ``[B, C, max(H, Hi), T]`` scores and, in the sparse path on the
+reference backend, the gathered ``[B, C, top_k, r + dr + di]`` key rows. The attention over
+the selected keys is the ``sparse_attention`` catalog surface: its Triton backend loads the
+selected latent rows by index and runs the whole row in one call (the selection of every
+chunk is made first); the indexer KL still gathers the ``[B, C, top_k, di]`` index keys. When ``top_k`` covers every key the
 selection keeps all allowed keys, so the layer takes the dense path (same result, no gather).
 V3.2's FP8 indexer and Hadamard rotation are precision tricks for its kernels; this
 reference computes the indexer in float32 (float64 for float64 models). Its key norm is our
@@ -255,19 +258,24 @@ class DeepSeekSparseAttention(Mixer):
         queries = _Queries(self.attn.absorb_query(q_nope), q_rope, index_q, index_w)
         keys = _Keys(latent, k_rope, index_k)
 
-        outputs, kl = [], []
+        chunks = []  # (rows, queries, allowed [B|1, C, L], selection or None) per chunk
         for rows in self._chunks(L):
             query_doc = doc_ids[:, rows] if doc_ids is not None else None
             allowed = allowed_keys(positions[rows], L, query_doc, doc_ids)
-            o_latent, chunk_kl = self._attend_chunk(
-                queries.rows(rows), keys, allowed, ("full", rows.start, rows.stop)
-            )
-            outputs.append(o_latent)
-            kl.append(chunk_kl)
+            q = queries.rows(rows)
+            where = ("full", rows.start, rows.stop)
+            chunks.append((rows, q, allowed, self._selection(q, keys, allowed, where)))
+        backend = resolve("sparse_attention", queries.latent)
+        if backend.role != "fallback" and all(c[3] is not None for c in chunks):
+            o_latent, kl = self._attend_whole(backend.fn, queries, keys, chunks)
+        else:  # the reference, or a chunk to attend densely: chunk by chunk
+            parts = [self._attend_chunk(q, keys, allowed, sel) for _, q, allowed, sel in chunks]
+            o_latent = torch.cat([o for o, _ in parts], dim=1)
+            kl = [chunk_kl for _, chunk_kl in parts]
         self.aux_loss = None
         if self.training and self.indexer is not None:
             self.aux_loss = self.indexer_loss_coef * torch.cat(kl, dim=1).mean()
-        return self.attn.output_from_latent(torch.cat(outputs, dim=1))
+        return self.attn.output_from_latent(o_latent)
 
     def forward_paged(
         self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
@@ -290,50 +298,77 @@ class DeepSeekSparseAttention(Mixer):
             keys = _Keys(*cache.append(latent=latent, k_rope=k_rope, index_k=index_k))
         queries = _Queries(self.attn.absorb_query(q_nope), q_rope, index_q, index_w)
         allowed = cache.batch.allowed_keys(keys.latent.shape[1])  # [B, L, T]
-        outputs = [
-            self._attend_chunk(queries.rows(rows), keys, allowed[:, rows],
-                               ("paged", rows.start, rows.stop), stable=True)[0]
-            for rows in self._chunks(x.shape[1])
-        ]
+        outputs = []
+        for rows in self._chunks(x.shape[1]):
+            q, where = queries.rows(rows), ("paged", rows.start, rows.stop)
+            selection = self._selection(q, keys, allowed[:, rows], where, stable=True)
+            outputs.append(self._attend_chunk(q, keys, allowed[:, rows], selection)[0])
         return self.attn.output_from_latent(torch.cat(outputs, dim=1))
 
     def _chunks(self, length: int) -> Iterator[slice]:
         for start in range(0, length, self.query_chunk):
             yield slice(start, min(start + self.query_chunk, length))
 
-    def _attend_chunk(
+    def _selection(
         self, q: _Queries, keys: _Keys, allowed: Tensor, where: tuple, stable: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """One chunk of C queries over T keys -> o_latent [B, C, H, r], per-query KL [B, C]
-        (None in eval mode and in a layer without an indexer).
+    ) -> tuple[Tensor, Tensor] | None:
+        """The chunk's selection (indices, valid [B, C, k]), or None to attend densely (the
+        warm-up, top_k covering every key, or a reusing layer without a cache entry).
 
         ``where`` (path, first row, end row) names the chunk in the index cache. ``stable``
         (decoding): equal indexer scores are broken toward the earlier position, so the
         selection does not depend on how many (disallowed) keys pad the row -- the relu makes
         exact ties (score 0) common, and ``topk``'s tie order varies with T."""
-        selection = None
-        if self.mode == "sparse" and self.top_k < keys.latent.shape[1]:
-            selection = self._select(q, keys, allowed, where, stable)
-        if selection is None:  # dense: every allowed key (warm-up, top_k covers them all, or
-            attended = keys.shared()  # a reusing layer without a cache entry)
+        if self.mode != "sparse" or self.top_k >= keys.latent.shape[1]:
+            return None
+        return self._select(q, keys, allowed, where, stable)
+
+    def _attend_chunk(
+        self, q: _Queries, keys: _Keys, allowed: Tensor, selection: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """One chunk of C queries over T keys -> o_latent [B, C, H, r], per-query KL [B, C]
+        (None in eval mode and in a layer without an indexer): over the ``selection`` through
+        the ``sparse_attention`` surface, or densely over every allowed key when None."""
+        if selection is None:
+            attended = keys.shared()
             o_latent, probs = latent_attention(
                 q.latent, q.rope, attended.latent, attended.rope, allowed, self.attn.scale
             )
             if not self.training or self.indexer is None:
                 return o_latent, None
-            target = probs.detach().mean(dim=2)  # [B, C, K]
-        else:
-            picked, allowed = selection  # [B, C, k] key indices, valid flags
-            want_probs = self.training and self.indexer is not None
-            o_latent, target = resolve("sparse_attention", q.latent).fn(
-                q.latent, q.rope, keys.latent, keys.rope, picked, allowed, self.attn.scale,
-                want_probs,
-            )
-            if not want_probs:
-                return o_latent, None
-            attended = _Keys(None, None, gather_keys(keys.index, picked))
-        index = indexer_scores(q.index, q.index_weights, attended.index, self.indexer.scale)
-        return o_latent, indexer_kl_to_target(target, index, allowed)
+            return o_latent, self._kl(q, attended.index, probs.detach().mean(dim=2), allowed)
+        picked, valid = selection  # [B, C, k] key indices, valid flags
+        want_probs = self.training and self.indexer is not None
+        o_latent, target = resolve("sparse_attention", q.latent).fn(
+            q.latent, q.rope, keys.latent, keys.rope, picked, valid, self.attn.scale, want_probs
+        )
+        if not want_probs:
+            return o_latent, None
+        return o_latent, self._kl(q, gather_keys(keys.index, picked), target, valid)
+
+    def _attend_whole(
+        self, attend, queries: _Queries, keys: _Keys, chunks: list
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Every chunk's selection in one call of a fast ``sparse_attention`` backend (it
+        makes nothing [B, C, k, r], so the whole row fits; one launch instead of one per
+        chunk) -> o_latent [B, L, H, r] and the per-chunk KLs (training with an indexer)."""
+        picked = torch.cat([sel[0] for *_, sel in chunks], dim=1)  # [B, L, k]
+        valid = torch.cat([sel[1] for *_, sel in chunks], dim=1)
+        want_probs = self.training and self.indexer is not None
+        o_latent, target = attend(
+            queries.latent, queries.rope, keys.latent, keys.rope, picked, valid,
+            self.attn.scale, want_probs,
+        )
+        if not want_probs:
+            return o_latent, []
+        return o_latent, [self._kl(q, gather_keys(keys.index, sel[0]), target[:, rows], sel[1])
+                          for rows, q, _, sel in chunks]
+
+    def _kl(self, q: _Queries, index_keys: Tensor, target: Tensor, allowed: Tensor) -> Tensor:
+        """Per-query indexer KL [B, C] toward ``target`` (the head-mean attention [B, C, K])
+        over the attended index keys [B, C|1, K, di]."""
+        index = indexer_scores(q.index, q.index_weights, index_keys, self.indexer.scale)
+        return indexer_kl_to_target(target, index, allowed)
 
     def _select(
         self, q: _Queries, keys: _Keys, allowed: Tensor, where: tuple, stable: bool

@@ -38,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megacpp.errors import MegaCppError
+from megacpp.kernels.amp import autocast_operands
 from megacpp.kernels.device import next_power_of_2
 from megacpp.kernels.launch import for_device
 from megacpp.kernels.ops.sparse_attention.configs import CONFIGS, SparseAttentionConfig
@@ -212,6 +213,10 @@ def _checked(q_latent: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, i
             f"{[list(t.shape) for t in (q_latent, q_rope, latent, k_rope, indices, valid)]}")
     if q_latent.dtype == torch.float64:
         raise MegaCppError("sparse_attention triton: float64 is not supported (use the reference)")
+    if len({t.dtype for t in (q_latent, q_rope, latent, k_rope)}) != 1:
+        raise MegaCppError("sparse_attention triton: q_latent, q_rope, latent and k_rope must "
+                           "share one dtype, got "
+                           f"{[str(t.dtype) for t in (q_latent, q_rope, latent, k_rope)]}")
     if max(latent.numel(), q_latent.numel(), indices.numel()) >= 2**31:
         raise MegaCppError("sparse_attention triton: tensors of 2**31 elements or more are not "
                            "supported (32-bit offsets); split the batch")
@@ -225,7 +230,9 @@ def sparse_latent_attention_triton(
 ) -> tuple[Tensor, Tensor | None]:
     """Same contract as :func:`megacpp.kernels.ops.sparse_attention.reference.
     sparse_latent_attention` (bf16, fp16 or fp32 operands). ``config``: the launch setting
-    (default: ``configs.CONFIGS`` for the device)."""
+    (default: ``configs.CONFIGS`` for the device). Under autocast, float32 operands run in
+    the autocast dtype, as the reference's einsums do."""
+    q_latent, q_rope, latent, k_rope = autocast_operands(q_latent, q_rope, latent, k_rope)
     idx = _checked(q_latent, q_rope, latent, k_rope, indices, valid)
     config = config or for_device(CONFIGS, q_latent.device)
     out = _SparseLatentAttentionFn.apply(q_latent, q_rope, latent, k_rope, idx, float(scale),
