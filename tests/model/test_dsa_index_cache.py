@@ -16,7 +16,7 @@ from megacpp.model.mlp import SwiGLU
 from megacpp.model.model import HybridLM, next_token_labels
 from tests.model.conftest import paged_decode
 from tests.model.test_cut13 import small_cut13
-from tests.model.test_dsa import D, DOCS, _x
+from tests.model.test_dsa import DOCS, D, _x
 
 CUT13_DSA = [3, 6, 9]  # the A:dsa layers of "A:mla E M A:dsa E M A:dsa E M A:dsa E R"
 

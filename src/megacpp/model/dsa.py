@@ -28,15 +28,16 @@ largest live tensors are ``[B, C, max(H, Hi), T]`` scores and, in the sparse pat
 reference backend, the gathered ``[B, C, top_k, r + dr + di]`` key rows. The attention over
 the selected keys is the ``sparse_attention`` catalog surface: its Triton backend loads the
 selected latent rows by index and runs the whole row in one call (the selection of every
-chunk is made first); the indexer KL still gathers the ``[B, C, top_k, di]`` index keys. When ``top_k`` covers every key the
-selection keeps all allowed keys, so the layer takes the dense path (same result, no gather).
+chunk is made first); the indexer KL still gathers the ``[B, C, top_k, di]`` index keys.
+When ``top_k`` covers every key the selection keeps all allowed keys, so the layer takes the
+dense path (same result, no gather).
 V3.2's FP8 indexer and Hadamard rotation are precision tricks for its kernels; this
 reference computes the indexer in float32 (float64 for float64 models). Its key norm is our
 RMSNorm (V3.2 uses LayerNorm).
 
 Index cache (``[dsa] index_from``): a DSA layer may reuse the top-k selection an earlier DSA
-layer made in the same forward instead of running an indexer of its own (neighbouring layers
-pick largely the same keys; IndexCache, Bai et al. 2025). A reusing layer has no indexer: no
+layer made in the same forward instead of running an indexer of its own (it pays where
+neighbouring layers would pick similar keys). A reusing layer has no indexer: no
 parameters, no ``index_k`` in its paged cache, no indexer FLOPs and no KL. Its source writes
 each chunk's ``(indices, valid)`` to an :class:`IndexCache`, cleared at the start of every
 forward of the source; the reusing layer looks the chunk up by its rows, batch size, key count

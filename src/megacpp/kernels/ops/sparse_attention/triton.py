@@ -155,7 +155,7 @@ def _sparse_bwd(QL, QR, LAT, KR, IDX, DO, LSE, DELTA, DQL, DQR, DLAT, DKR, scale
              mask=qr_mask)
 
 
-def _meta(q_latent: Tensor, q_rope: Tensor, k: int, config: SparseAttentionConfig) -> dict:
+def _meta(q_latent: Tensor, q_rope: Tensor, config: SparseAttentionConfig) -> dict:
     H, R, DR = q_latent.shape[2], q_latent.shape[3], q_rope.shape[3]
     return {"H": H, "R": R, "DR": DR, "BH": max(16, next_power_of_2(H)),
             "BR": max(16, next_power_of_2(R)), "BDR": max(16, next_power_of_2(DR)),
@@ -167,13 +167,13 @@ class _SparseLatentAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_latent: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
                 idx: Tensor, scale: float, with_probs: bool, config: SparseAttentionConfig):
-        B, C, H, R = q_latent.shape
+        B, C, H, _ = q_latent.shape
         T, K = latent.shape[1], idx.shape[-1]
         ql, qr, lat, kr = (t.contiguous() for t in (q_latent, q_rope, latent, k_rope))
         o = torch.empty_like(ql)
         lse = torch.empty(B, C, H, device=ql.device, dtype=torch.float32)
         probs = torch.empty(B, C, K, device=ql.device, dtype=torch.float32) if with_probs else lse
-        meta = _meta(ql, qr, K, config)
+        meta = _meta(ql, qr, config)
         _sparse_fwd[(C, B)](ql, qr, lat, kr, idx, o, lse, probs, scale, C, T, K,
                             WRITE_PROBS=with_probs, **meta)
         ctx.save_for_backward(ql, qr, lat, kr, idx, o, lse)
@@ -186,7 +186,7 @@ class _SparseLatentAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor, *_dprobs):
         ql, qr, lat, kr, idx, o, lse = ctx.saved_tensors
-        B, C, H, R = ql.shape
+        B, C, _, R = ql.shape
         T, K = lat.shape[1], idx.shape[-1]
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)  # [B, C, H]
@@ -194,7 +194,7 @@ class _SparseLatentAttentionFn(torch.autograd.Function):
         dlat = torch.zeros(B, T, R, device=ql.device, dtype=torch.float32)
         dkr = torch.zeros(B, T, qr.shape[-1], device=ql.device, dtype=torch.float32)
         _sparse_bwd[(C, B)](ql, qr, lat, kr, idx, do, lse, delta, dql, dqr, dlat, dkr,
-                            ctx.scale, C, T, K, **_meta(ql, qr, K, ctx.config))
+                            ctx.scale, C, T, K, **_meta(ql, qr, ctx.config))
         return dql, dqr, dlat.to(lat.dtype), dkr.to(kr.dtype), None, None, None, None
 
 
