@@ -43,9 +43,6 @@ from megacpp.kernels.device import next_power_of_2
 from megacpp.kernels.launch import for_device
 from megacpp.kernels.ops.sparse_attention.configs import CONFIGS, SparseAttentionConfig
 
-# finite stand-in for -inf as the running max: exp(-inf - m) is 0 and the first rescale is 1
-_NEG_BIG = -1.0e30
-
 
 @triton.jit
 def _load_rows(IDX, LAT, KR, row_q, b, T, K, j0, r, dr, R: tl.constexpr, DR: tl.constexpr,
@@ -87,7 +84,8 @@ def _sparse_fwd(QL, QR, LAT, KR, IDX, O, LSE, PROBS, scale, L, T, K, H: tl.const
                  mask=hm[:, None] & (r < R)[None, :], other=0.0)  # [BH, BR]
     qr = tl.load(QR + (row_q * H + h[:, None]) * DR + dr[None, :],
                  mask=hm[:, None] & (dr < DR)[None, :], other=0.0)  # [BH, BDR]
-    m_i = tl.full([BH], _NEG_BIG, dtype=tl.float32)
+    # running max from a finite stand-in for -inf: exp(-inf - m) is 0, the first rescale is 1
+    m_i = tl.full([BH], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, BR], dtype=tl.float32)
     for j0 in range(0, K, BK):
