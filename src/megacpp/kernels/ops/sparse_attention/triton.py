@@ -154,10 +154,14 @@ def _sparse_bwd(QL, QR, LAT, KR, IDX, DO, LSE, DELTA, DQL, DQR, DLAT, DKR, scale
 
 
 def _meta(q_latent: Tensor, q_rope: Tensor, config: SparseAttentionConfig) -> dict:
+    """Block sizes: heads, latent and RoPE widths padded to powers of two >= 16; the key
+    block capped so the backward's float32 [BK, BR] key-gradient tile stays at 8192 values
+    (64 keys at r 128, 16 at r 512) instead of spilling registers."""
     H, R, DR = q_latent.shape[2], q_latent.shape[3], q_rope.shape[3]
+    BR = max(16, next_power_of_2(R))
     return {"H": H, "R": R, "DR": DR, "BH": max(16, next_power_of_2(H)),
-            "BR": max(16, next_power_of_2(R)), "BDR": max(16, next_power_of_2(DR)),
-            "BK": config.block_k, "num_warps": config.num_warps,
+            "BR": BR, "BDR": max(16, next_power_of_2(DR)),
+            "BK": min(config.block_k, max(16, 8192 // BR)), "num_warps": config.num_warps,
             "PREC": "ieee" if q_latent.dtype == torch.float32 else "tf32"}
 
 
