@@ -35,9 +35,9 @@ def _pair(top_k: int = 4, query_chunk: int = 4, seed: int = 0):
 
 def _cached_selection(source: DeepSeekSparseAttention, L: int) -> torch.Tensor:
     """The source's last selection as a [B, L, L] keep mask (valid picks only)."""
-    chunks = sorted(source.index_cache._entries.items(), key=lambda item: item[0][1])
-    picked = torch.cat([v[0] for _, v in chunks], dim=1)
-    valid = torch.cat([v[1] for _, v in chunks], dim=1)
+    chunks = sorted(source.index_cache._entries, key=lambda entry: entry[0][1])  # by first row
+    picked = torch.cat([indices for _, indices, _ in chunks], dim=1)
+    valid = torch.cat([valid for *_, valid in chunks], dim=1)
     keep = torch.zeros(picked.shape[0], L, L, dtype=torch.bool)
     return keep.scatter(-1, picked, valid)
 

@@ -162,16 +162,22 @@ class IndexCache:
     object, not a module: it holds no parameters and is never saved."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, tuple[Tensor, Tensor]] = {}
+        # (key, indices, valid) per chunk, a list changed in place: under torch.compile a dict
+        # mutated in a traced frame makes dynamo refuse the catalog's read-only mappings
+        # (``resolve``) later in that frame
+        self._entries: list[tuple[tuple, Tensor, Tensor]] = []
 
     def clear(self) -> None:
         self._entries.clear()
 
     def store(self, key: tuple, indices: Tensor, valid: Tensor) -> None:
-        self._entries[key] = (indices, valid)
+        self._entries.append((key, indices, valid))
 
     def lookup(self, key: tuple) -> tuple[Tensor, Tensor] | None:
-        return self._entries.get(key)
+        for entry_key, indices, valid in self._entries:
+            if entry_key == key:
+                return indices, valid
+        return None
 
     def __len__(self) -> int:
         return len(self._entries)
