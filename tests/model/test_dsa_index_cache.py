@@ -217,3 +217,18 @@ def test_model_paged_decode_reuses_indices_and_reproduces_full_forward():
                                rtol=1e-9, atol=1e-9)
     assert all(model.blocks[i].mixer.index_cache_misses == 0 for i in CUT13_DSA)
     assert "index_k" not in cache.layers[6].tensors and "index_k" in cache.layers[3].tensors
+
+
+def test_source_and_reusing_layer_compile_as_one_graph():
+    """The cache's writes and lookups trace without a graph break (fullgraph), training mode:
+    the same output as eager, no miss."""
+    source, reuser = _pair()
+    source.train(), reuser.train()
+
+    def both(x):
+        return reuser(source(x))
+
+    x = _x(2, 12)
+    expected = both(x)
+    torch.testing.assert_close(torch.compile(both, fullgraph=True, backend="eager")(x), expected)
+    assert reuser.index_cache_misses == 0
