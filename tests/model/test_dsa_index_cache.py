@@ -232,3 +232,13 @@ def test_source_and_reusing_layer_compile_as_one_graph():
     expected = both(x)
     torch.testing.assert_close(torch.compile(both, fullgraph=True, backend="eager")(x), expected)
     assert reuser.index_cache_misses == 0
+
+
+def test_a_model_built_from_another_plan_checks_index_from_again():
+    from megacpp.pattern import load
+
+    cfg = _cut13([-1, 3, 3])
+    with pytest.raises(ConfigError, match="index_from has 3 entries; the stack has 2"):
+        HybridLM(cfg, load("A:dsa E A:dsa E"))
+    with pytest.raises(ConfigError, match="layer 6 cannot reuse layer 3.*same stage"):
+        HybridLM(cfg, load("A:mla E M A:dsa E M | A:dsa E M A:dsa E R"))

@@ -447,10 +447,14 @@ class DeepSeekSparseAttention(Mixer):
         return a.projection_flops_per_token() + absorb + attention + indexer
 
 
-def share_indices(mixers: Sequence[Mixer], index_from: Sequence[int]) -> None:
-    """Link the DSA layers of a stack (``mixers``, in layer order) per ``[dsa] index_from``:
-    one entry per DSA layer, -1 for a layer with its own indexer, else the index of the layer
-    whose selection it reuses (checked by the config; checked again here, fail closed)."""
+def share_indices(
+    mixers: Sequence[Mixer], index_from: Sequence[int], stages: Sequence[int] | None = None
+) -> None:
+    """Link the DSA layers of a stack (``mixers``, in layer order; ``stages``: each layer's
+    pipeline stage) per ``[dsa] index_from``: one entry per DSA layer, -1 for a layer with its
+    own indexer, else the index of the layer whose selection it reuses. The config checks
+    the list against its own pattern; this checks it again against the stack actually built
+    (a model may be built from another plan), fail closed."""
     if not index_from:
         return
     dsa_layers = [i for i, m in enumerate(mixers) if isinstance(m, DeepSeekSparseAttention)]
@@ -460,9 +464,9 @@ def share_indices(mixers: Sequence[Mixer], index_from: Sequence[int]) -> None:
     for layer, source in zip(dsa_layers, index_from, strict=True):
         if source < 0:
             continue
-        if not 0 <= source < layer:
+        if not 0 <= source < layer or (stages is not None and stages[source] != stages[layer]):
             raise ConfigError(f"dsa.index_from: layer {layer} cannot reuse layer {source}; "
-                              "the source must be an earlier layer")
+                              "the source must be an earlier layer of the same stage")
         mixers[layer].reuse_indices_of(mixers[source])
 
 

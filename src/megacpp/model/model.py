@@ -55,7 +55,8 @@ class HybridLM(nn.Module):
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
-        share_indices([b.mixer for b in self.blocks], cfg.dsa.index_from)  # [dsa] index_from
+        share_indices([b.mixer for b in self.blocks], cfg.dsa.index_from,  # [dsa] index_from
+                      [s.stage for s in self.plan.layers])
         self._init_weights()
 
     # -- init ---------------------------------------------------------------------------------
