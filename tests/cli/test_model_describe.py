@@ -24,9 +24,9 @@ def test_describe_nam56r_json_totals_add_up():
 
 
 def test_describe_table_shows_every_layer():
-    out = megacpp("model", "describe", "AEMR|D", "--config", "tiny")
+    out = megacpp("model", "describe", "AEMR|DM:mimo", "--config", "tiny")
     assert out.returncode == 0, out.stderr
-    for needle in ("embedding", "lm_head (tied)", "A", "E", "M", "R", "D", "MFLOP/tok"):
+    for needle in ("embedding", "lm_head (tied)", "A", "E", "M", "M:mimo", "R", "D", "MFLOP/tok"):
         assert needle in out.stdout
 
 
@@ -35,7 +35,6 @@ def test_describe_bad_input_is_one_line_exit_2():
         (("AEXM",), "unknown"),
         (("AEM", "--config", "nope"), "unknown preset 'nope'"),
         (("AEM", "--seq-len", "0"), "--seq-len must be positive"),
-        (("M:mimo",), "not implemented yet"),
     ]:
         out = megacpp("model", "describe", *args)
         assert out.returncode == 2, (args, out.stderr)

@@ -62,9 +62,13 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA: replay the decode step as captured CUDA graphs
     compile_decode: bool = False  # with cuda_graphs: torch.compile each block family's
     #                               decode step first (fewer kernels; slow first steps)
+    prefill_graphs: bool = True  # on CUDA: replay first prefill chunks as captured CUDA
+    #                              graphs per (batch, length) bucket (infer/prefill_graphs.py)
+    prefill_graph_tokens: int = 2048  # the largest captured prefill bucket (batch x length)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting"):
+        for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting",
+                     "prefill_graph_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise ConfigError(f"EngineConfig.{name} must be an integer in 1..2^31-1, "
@@ -155,6 +159,8 @@ class Engine:
             max_model_len=config.max_model_len,
             cuda_graphs=config.cuda_graphs,
             compile_decode=config.compile_decode,
+            prefill_graphs=config.prefill_graphs,
+            prefill_graph_tokens=config.prefill_graph_tokens,
         )
         self.structure = (  # per-token structure ids, for a structure-embedding model
             StructureIds(tokenizer) if model.structure_embed is not None else None)

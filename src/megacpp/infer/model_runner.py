@@ -6,9 +6,11 @@ position tensors, the slot mapping (where each token's KV entry is written in th
 pools), block tables (padded with the scratch block) and state slots -- runs
 :meth:`HybridLM.forward_paged` over the engine's pools and samples:
 
-* prefill chunks of equal length share one [B, L] forward (a burst of same-size prompts);
-  rows are never padded, since padding would run the M/R recurrences over tokens that are not
-  there. A token is sampled only after a prompt's last chunk.
+* chunks that start their sequence (and want no prompt logprobs) run through the captured
+  prefill graphs (:mod:`megacpp.infer.prefill_graphs`, CUDA with ``prefill_graphs``):
+  left-padded to a (batch, length) bucket, any lengths in one replay. Other chunks of equal
+  length share one eager [B, L] forward (a burst of same-size prompts), never padded. A
+  token is sampled only after a prompt's last chunk.
 * all decoding requests advance together in one [B, 1] forward where every row sits at its
   own position -- through the captured CUDA graphs (:mod:`megacpp.infer.graphs`) on CUDA with
   ``cuda_graphs``, eagerly otherwise.
@@ -39,6 +41,7 @@ import torch
 from megacpp.infer.cache_manager import CacheManager
 from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
 from megacpp.infer.logprobs import TokenLogprob, token_logprobs, truncated
+from megacpp.infer.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from megacpp.infer.sampling import sample_rows
 from megacpp.infer.scheduler import ScheduledRequest, SchedulerOutput
 from megacpp.model.cache import PagedBatch
@@ -71,6 +74,8 @@ class ModelRunner:
         max_model_len: int,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        prefill_graphs: bool = True,
+        prefill_graph_tokens: int = 2048,
     ) -> None:
         self.model, self.cache = model, cache
         self.device = cache.device
@@ -81,20 +86,24 @@ class ModelRunner:
             max_width = -(-max_model_len // cache.block_size)
             decode_fn = compiled_decode_fn(model) if compile_decode else None
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_width, decode_fn)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.device.type == "cuda" and prefill_graphs and supports_prefill_graphs(model):
+            self.prefill_graphs = PrefillGraphs(model, cache, max_num_seqs, max_model_len,
+                                                prefill_graph_tokens)
 
     @torch.no_grad()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step's prefill chunks and its batched decode; sample where asked."""
         sampled: list[tuple[str, int]] = []
         out = ModelRunnerOutput([], [])
-        for group in _equal_length_groups(scheduled.prefills):
-            scored = group[0].params.prompt_logprobs is not None
+        for group, run in self._prefill_groups(scheduled.prefills):
+            scored = group[0].params.prompt_logprobs is not None  # eager groups only
             if scored:
                 logits = self._run_prefill(group, all_positions=True)  # [B, L, V]
                 out.prompt_logprobs.update(self._prompt_logprobs(group, logits))
                 logits = logits[:, -1]  # [B, V]: equal-length rows, unpadded
             else:
-                logits = self._run_prefill(group)  # [B, V]
+                logits = run(group)  # [B, V]
             done = [i for i, req in enumerate(group) if req.sample]
             if done:
                 sampled += self._sample([group[i] for i in done], logits[done], out.logprobs)
@@ -104,6 +113,19 @@ class ModelRunner:
         out.request_ids = [rid for rid, _ in sampled]
         out.sampled_token_ids = [token for _, token in sampled]
         return out
+
+    def _prefill_groups(self, chunks: list[ScheduledRequest]) -> list[tuple[list, object]]:
+        """The step's prefill chunks as (group, runner): the prefill graphs' groups first,
+        then the rest grouped by equal length for the eager forward."""
+        graphs = self.prefill_graphs
+        if graphs is None:
+            return [(g, self._run_prefill) for g in _equal_length_groups(chunks)]
+        # prompt logprobs need every position's logits: those chunks prefill eagerly
+        graphed = [graphs.takes(c) and c.params.prompt_logprobs is None for c in chunks]
+        taken = [c for c, g in zip(chunks, graphed, strict=True) if g]
+        rest = [c for c, g in zip(chunks, graphed, strict=True) if not g]
+        return ([(g, graphs.run) for g in graphs.groups(taken)]
+                + [(g, self._run_prefill) for g in _equal_length_groups(rest)])
 
     # -- inputs and forward ----------------------------------------------------------------------
     def _run_prefill(self, chunks: list[ScheduledRequest], all_positions: bool = False

@@ -9,7 +9,8 @@ A preset is a TOML file shipped in ``megacpp/configs/models/`` (``tiny``, ``nam5
 
     [model]        pattern, vocab_size, d_model, norm_eps, tie_embeddings, init_std
     [attention]    n_heads, n_kv_heads, head_dim, rope_base, qk_norm
-    [mamba]        d_state, headdim, expand, ngroups, chunk_size, rope_fraction, outproj_norm
+    [mamba]        d_state, headdim, expand, ngroups, chunk_size, rope_fraction, outproj_norm,
+                   mimo_rank, mimo_chunk_size                 (the last two: M:mimo only)
     [rnn]          n_heads, head_k_dim, head_v_dim, conv_size, chunk_size
     [moe]          n_experts, top_k, n_shared_experts, expert_ffn, bias_update_rate,
                    seq_aux_loss_coef, routed_scaling
@@ -56,6 +57,11 @@ class MambaConfig:
     # per-head RMSNorm of the scan output before the silu(z) gate (mamba_ssm's
     # is_outproj_norm); without it the output is unbounded and training diverges (docs/mamba3.md)
     outproj_norm: bool = True
+    # rank R of each token's state update in M:mimo layers (R B/C vectors and R copies of x
+    # per head), and their chunk length: a chunk's score tile is (chunk * R)^2, so mamba_ssm
+    # recommends 64 / R. M:siso layers ignore both (they use chunk_size)
+    mimo_rank: int = 4
+    mimo_chunk_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -251,7 +257,10 @@ class ModelConfig:
         a, m, r, e = self.attention, self.mamba, self.rnn, self.moe
         _positive(self, "model", ("vocab_size", "d_model"))
         _positive(a, "attention", ("n_heads", "n_kv_heads", "head_dim"))
-        _positive(m, "mamba", ("d_state", "headdim", "expand", "ngroups", "chunk_size"))
+        _positive(m, "mamba", ("d_state", "headdim", "expand", "ngroups", "chunk_size",
+                               "mimo_chunk_size"))
+        check(1 <= m.mimo_rank <= MAX_MIMO_RANK, "mamba.mimo_rank", m.mimo_rank,
+              f"an integer in [1, {MAX_MIMO_RANK}]")
         _positive(r, "rnn", ("n_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"))
         _positive(e, "moe", ("n_experts", "top_k", "expert_ffn"))
         _positive(self.mlp, "mlp", ("ffn",))
@@ -420,6 +429,8 @@ def config_from_pattern(pattern: str, preset: str | Path = "tiny", **overrides: 
 
 # -- helpers --------------------------------------------------------------------------------
 MAX_DIM = 1 << 20  # any one size of a model (width, heads, experts, vocabulary) at most
+# the MIMO chunked scan's score tiles are (chunk * R)^2 per head: past 16 they outgrow memory
+MAX_MIMO_RANK = 16
 
 
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
