@@ -47,6 +47,9 @@ BENCH = {  # surface -> (cases, backends in table order)
     "attention": (["bench"], ["sdpa_flash", "reference"]),
     # the nam56r-350m step's attention over packed rows (12 / 2 heads, L 2048, two documents)
     "document_attention": (["step"], ["flex", "reference"]),
+    # DSA's attention over the selected keys at nam56r-cut13's widths (8 heads, kv_lora_rank
+    # 128, rope 32, top_k 512) over an 8k-token row, with the indexer KL's head-mean probs
+    "sparse_attention": (["cut13_8k"], ["triton", "reference"]),
     # the nam56r R mixer's q | k | v conv: 16k tokens, 1024 channels of the in_proj output
     "short_conv": (["nam56r"], ["triton", "torch_compile", "reference"]),
     # nam56r presets' R mixer (4 heads, K 64, V 128) at 4k and 8k tokens; fla's 16 x 128 shape

@@ -18,6 +18,7 @@ SURFACES = (
     "moe_experts",
     "attention",
     "document_attention",
+    "sparse_attention",
     "mamba3_scan",
     "mamba3_mimo_scan",
     "short_conv",
