@@ -27,7 +27,7 @@ CUDA graphs see the same features as the training forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ from megacpp.infer.cache_manager import CacheManager
 from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
 from megacpp.infer.sampling import sample_rows
 from megacpp.infer.scheduler import ScheduledRequest, SchedulerOutput
+from megacpp.infer.speculative import SpecStep, SpeculativeDecoder
 from megacpp.model.cache import PagedBatch
 from megacpp.model.model import HybridLM
 
@@ -45,6 +46,8 @@ class ModelRunnerOutput:
 
     request_ids: list[str]
     sampled_token_ids: list[int]  # one per request id
+    # decoding rows that ran a speculative step (several tokens each; not in request_ids)
+    speculative: dict[str, SpecStep] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -66,6 +69,7 @@ class ModelRunner:
         self.uses_structure = model.structure_embed is not None
         self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
         self.graphs: DecodeGraphs | None = None
+        self.speculative: SpeculativeDecoder | None = None  # set by the engine (MTP drafts)
         if self.device.type == "cuda" and cuda_graphs:
             max_width = -(-max_model_len // cache.block_size)
             decode_fn = compiled_decode_fn(model) if compile_decode else None
@@ -75,17 +79,25 @@ class ModelRunner:
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step's prefill chunks and its batched decode; sample where asked."""
         sampled: list[tuple[str, int]] = []
+        spec = self.speculative
         for group in _equal_length_groups(scheduled.prefills):
             logits = self._run_prefill(group)  # [len(group), V]
             done = [i for i, req in enumerate(group) if req.sample]
-            if done:
-                sampled += self._sample([group[i] for i in done], logits[done])
-        if scheduled.decodes:
-            logits = self._run_decode(scheduled.decodes)  # [B, V]
-            sampled += self._sample(scheduled.decodes, logits)
+            group_sampled = self._sample([group[i] for i in done], logits[done]) if done else []
+            if spec is not None:
+                spec.after_prefill(group, dict(group_sampled))
+            sampled += group_sampled
+        decodes, speculated = scheduled.decodes, {}
+        if spec is not None and decodes:
+            speculated = spec.decode([r for r in decodes if spec.budget(r) > 0])
+            decodes = [r for r in decodes if r.request_id not in speculated]
+        if decodes:
+            logits = self._run_decode(decodes)  # [B, V]
+            sampled += self._sample(decodes, logits)
         return ModelRunnerOutput(
             request_ids=[rid for rid, _ in sampled],
             sampled_token_ids=[token for _, token in sampled],
+            speculative=speculated,
         )
 
     # -- inputs and forward ----------------------------------------------------------------------
@@ -105,7 +117,10 @@ class ModelRunner:
             structure_ids=self._structure_ids(chunks),
             ngram_context=self._ngram_context(chunks),
         )
-        return self.model.forward_paged(ids, self.cache.layers, batch)
+        hidden = self.model.residual_paged(ids, self.cache.layers, batch)  # [B, L, D]
+        if self.speculative is not None:
+            self.speculative.prefilled(chunks, hidden)
+        return self.model.logits(self.model.norm(hidden[:, -1]))
 
     def _run_decode(self, rows: list[ScheduledRequest]) -> torch.Tensor:
         """Every decoding row's last token at its own position -> logits [B, V]."""
