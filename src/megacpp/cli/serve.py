@@ -58,6 +58,9 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
+    speculative_tokens: Annotated[int, typer.Option(
+        help="Greedy requests: tokens the model's MTP head drafts per step, verified by the "
+             "model (0: off; needs [model.mtp] depth >= 1).")] = 0,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     dtype: Annotated[str | None, typer.Option(
@@ -88,7 +91,7 @@ def serve(
         raise MegaCppError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                          max_waiting=max_waiting)
+                          max_waiting=max_waiting, speculative_tokens=speculative_tokens)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     classifier = _load_router(router)
     sock = _bind(host, port)  # before loading: a taken port fails fast
@@ -122,9 +125,11 @@ def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_p
             else resolved.name
     model, tok, ckpt = load_for_inference(path, tokenizer, device, fallback_to_previous)
     engine = Engine(model, tok, config, device=device, dtype=dtype)
+    spec = (f", speculative decoding: {config.speculative_tokens} MTP drafts per step"
+            if config.speculative_tokens else "")
     typer.echo(f"loaded {name}: {ckpt} ({sum(p.numel() for p in model.parameters()):,} "
                f"parameters, {config.total_blocks} KV blocks x {config.block_size} tokens, "
-               f"{config.max_num_seqs} slots)")
+               f"{config.max_num_seqs} slots{spec})")
     return Specialist(name, AsyncEngine(engine, name), tok, config.max_model_len, str(ckpt))
 
 
