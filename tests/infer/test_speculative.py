@@ -15,7 +15,7 @@ from megacpp.errors import ConfigError
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.sampling import SamplingParams
 from megacpp.infer.speculative import SpeculativeDecoder
-from megacpp.model.config import ModelConfig, MtpConfig
+from megacpp.model.config import ModelConfig, MtpConfig, NgramConfig
 from megacpp.model.model import HybridLM
 
 HEADERS = sorted(Path("/usr/include/c++/12/bits").glob("stl_*.h"))[:6]
@@ -159,3 +159,14 @@ def test_recurrent_mtp_module_is_refused(tokenizer):
 def test_bad_speculative_tokens(k):
     with pytest.raises(ConfigError, match="speculative_tokens must be an integer in 0..16"):
         EngineConfig(speculative_tokens=k)
+
+
+def test_ngram_model_speculates_exactly(tokenizer):
+    """A hashed n-gram branch reads the tokens before each verified draft (history, then the
+    drafts themselves): still plain greedy output."""
+    cfg = _small(tokenizer.vocab_size, mtp=MtpConfig(depth=1),
+                 ngram=NgramConfig(orders=(2, 3), table_size=256))
+    torch.manual_seed(0)
+    model = HybridLM(cfg).double().eval()
+    prompts = _prompts(tokenizer.vocab_size)[1:3]
+    assert _run(_engine(model, tokenizer, 2), prompts) == _run(_engine(model, tokenizer, 0), prompts)
