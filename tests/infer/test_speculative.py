@@ -170,3 +170,16 @@ def test_ngram_model_speculates_exactly(tokenizer):
     model = HybridLM(cfg).double().eval()
     prompts = _prompts(tokenizer.vocab_size)[1:3]
     assert _run(_engine(model, tokenizer, 2), prompts) == _run(_engine(model, tokenizer, 0), prompts)
+
+
+def test_text_generator_speculates(model, tokenizer):
+    """`megacpp generate --temperature 0 --speculative-tokens K`'s path: the same text."""
+    from megacpp.infer.generate import TextGenerator
+
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    prompt = "template <typename T>\nstruct box {"
+    plain_text = TextGenerator(model, tokenizer).complete(prompt, 1, params)
+    spec_text = TextGenerator(model, tokenizer, speculative_tokens=3).complete(prompt, 1, params)
+    assert spec_text == plain_text
+    with pytest.raises(ConfigError, match="speculative_tokens must be an integer"):
+        TextGenerator(model, tokenizer, speculative_tokens=99)
