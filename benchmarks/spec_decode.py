@@ -39,7 +39,7 @@ On a CPU (the tiny preset, 200 steps; minutes on a free core)::
     megacpp train --config tiny-cpu --set data.dir=data/tiny-cpp --set run.out_dir=runs/tiny-mtp \\
         --set model.mtp.depth=1 --set train.steps=200 --set schedule.warmup_steps=20
     PYTHONPATH=src python benchmarks/spec_decode.py --checkpoint runs/tiny-mtp \\
-        --data data/tiny-cpp --device cpu --dtype float32 --batch 1 --k 1 2 3 \\
+        --data data/tiny-cpp --device cpu --dtype float32 --threads 1 --batch 1 --k 1 2 3 \\
         --prompt-len 64 --new-tokens 64 --prompts 4
 """
 
@@ -229,8 +229,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--out", type=Path, default=None,
                     help="results folder (default: benchmarks/results/spec_decode/<device>)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's); 1 keeps a shared CPU's "
+                         "timings from thread contention")
     ap.add_argument("--skip-preflight", action="append", default=[], metavar="RULE")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/spec_decode.py: --device cuda but no CUDA GPU here")
@@ -252,7 +257,8 @@ def main() -> None:
         "spec_decode", device_slug() if device.type == "cuda" else device.type)
     begin(out, "spec_decode", "spec_decode")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "dtype": args.dtype, "checkpoint": str(source),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": args.dtype, "checkpoint": str(source),
             "model_pattern": model.cfg.pattern, "mtp_depth": model.cfg.mtp.depth,
             "mtp_pattern": model.cfg.mtp.pattern,
             "params": sum(p.numel() for p in model.parameters()),

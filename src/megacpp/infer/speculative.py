@@ -43,15 +43,17 @@ from megacpp.errors import ConfigError
 from megacpp.infer.cache_manager import CacheManager
 from megacpp.infer.memory import check_fits
 from megacpp.infer.scheduler import ScheduledRequest
-from megacpp.model.cache import PagedBatch, PagedView, gather_state, paged_pool
+from megacpp.model.cache import PagedBatch, gather_state, paged_pool
 from megacpp.model.mixer import RecurrentMixer
 from megacpp.model.model import HybridLM, paged_layer
+from megacpp.model.moe import moe_all_experts
 
 if TYPE_CHECKING:
     from megacpp.infer.model_runner import ModelRunner
 
 MAX_SPECULATIVE_TOKENS = 16
 DRAFT_FAMILIES = ("A", "E", "D")  # MTP sublayers whose draft positions can be overwritten
+DENSE_MOE_TOKENS = 16  # MoE over at most this many tokens per row runs every expert densely
 
 
 def check_speculative(model: HybridLM, k: int) -> None:
@@ -101,7 +103,7 @@ class _RecordStates:
 
     def __call__(self, block, pool, x: Tensor, batch: PagedBatch) -> Tensor:
         if not isinstance(block.mixer, RecurrentMixer):
-            return paged_layer(block, pool, x, batch)
+            return _few_token_layer(block, pool, x, batch)
         x, h, _ = block.fused_pre_norm(x)
         state = gather_state(pool, batch.state_slots)
         outs, kept = [], []
@@ -119,6 +121,16 @@ class _RecordStates:
             for f in fields(pool):
                 per_position = torch.stack([getattr(s, f.name) for s in kept])  # [L, B, ...]
                 getattr(pool, f.name).index_copy_(0, slots, per_position[accepted, rows])
+
+
+def _few_token_layer(block, pool, x: Tensor, batch: PagedBatch) -> Tensor:
+    """:func:`paged_layer`, with MoE over a few tokens (a verify or a draft step) through the
+    decode step's dense :func:`moe_all_experts` instead of the routed prefill path: the same
+    function, and much cheaper for a handful of tokens."""
+    if block.family == "E" and x.shape[1] <= DENSE_MOE_TOKENS:
+        x, h, _ = block.fused_pre_norm(x)
+        return x + moe_all_experts(block.mixer, h)
+    return paged_layer(block, pool, x, batch)
 
 
 def _clone_state(state: Any) -> Any:
@@ -268,7 +280,7 @@ class SpeculativeDecoder:
         emb = self.model.embed(tokens)
         x = m.in_proj(torch.cat([m.hidden_norm(h_prev), m.embed_norm(emb)], dim=-1))
         for block, pool in zip(m.blocks, self.pools, strict=True):
-            x = block.forward_paged(x, PagedView(pool, batch))
+            x = _few_token_layer(block, pool, x, batch)
         return x
 
     def _mtp_logits(self, h: Tensor) -> Tensor:
