@@ -58,6 +58,9 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
+    prefill_graphs: Annotated[bool, typer.Option(
+        help="On CUDA: replay prompts' first prefill chunks as captured CUDA graphs per "
+             "(batch, length) bucket.")] = True,
     speculative_tokens: Annotated[int, typer.Option(
         help="Greedy requests: tokens the model's MTP head drafts per step, verified by the "
              "model (0: off; needs [model.mtp] depth >= 1).")] = 0,
@@ -91,7 +94,8 @@ def serve(
         raise MegaCppError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                          max_waiting=max_waiting, speculative_tokens=speculative_tokens)
+                          max_waiting=max_waiting, prefill_graphs=prefill_graphs,
+                          speculative_tokens=speculative_tokens)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     classifier = _load_router(router)
     sock = _bind(host, port)  # before loading: a taken port fails fast

@@ -24,8 +24,9 @@ the M/R layers advance one token at a time through their decode ``step`` (the ke
 decoding runs, so recurrent numerics match it exactly) and each position's state is kept,
 so a step is one forward however many drafts are rejected.
 
-Only greedy requests speculate: a sampled request (temperature > 0) decodes one token at a
-time through the plain path, with its usual draws. Speculation needs an MTP module whose
+Only greedy requests without logprobs speculate: a sampled request (temperature > 0) decodes
+one token at a time through the plain path, with its usual draws, and so does a request that
+asks for logprobs. Speculation needs an MTP module whose
 sublayers are attention, MoE or dense MLP (its draft positions are overwritten, which a
 recurrent state cannot be), and a model without a structure-id embedding (draft tokens have
 no parse).
@@ -161,7 +162,10 @@ class SpeculativeDecoder:
 
     # -- who speculates --------------------------------------------------------------------------
     def wants(self, req: ScheduledRequest) -> bool:
-        return req.generator is None
+        """Greedy requests that ask for no logprobs speculate."""
+        params = req.params
+        return (req.generator is None and params.logprobs is None
+                and params.prompt_logprobs is None)
 
     def budget(self, req: ScheduledRequest) -> int:
         """Drafts this decoding row verifies now (0: a plain decode)."""

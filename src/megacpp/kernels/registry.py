@@ -14,6 +14,7 @@ from megacpp.kernels.catalog import Catalog
 SURFACES = (
     "rmsnorm",
     "linear_cross_entropy",
+    "float8_linear",
     "moe_experts",
     "attention",
     "document_attention",

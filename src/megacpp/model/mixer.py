@@ -100,6 +100,21 @@ class Mixer(nn.Module, ABC):
         with the GPT-2 scaled std (``HybridLM._init_weights``), in init order."""
         return []
 
+    def direct_weight_linears(self) -> tuple[str, ...]:
+        """Names of child ``nn.Linear`` layers whose weight the mixer multiplies itself
+        (``F.linear`` on the weight, a slice of it, or a concatenation), not by calling the
+        layer: a swap of the layer for another implementation (FP8 training) would not reach
+        those products, so the swap leaves these layers as they are."""
+        return ()
+
+    def row_sliced_linears(self) -> tuple[str, ...]:
+        """Names of child ``nn.Linear`` layers whose product the mixer computes in row slices
+        of the weight, each through
+        :func:`megacpp.kernels.ops.float8_linear.torchao_float8.linear_rows` (which takes the
+        layer's own GEMM for a slice: float8 for slices of 16-multiple rows once the layer is
+        torchao's Float8Linear). Their whole output dim need not be a multiple of 16."""
+        return ()
+
 
 class RecurrentMixer(Mixer):
     """A mixer with a fixed-size recurrent state (M, R): one token at a time through
@@ -108,10 +123,11 @@ class RecurrentMixer(Mixer):
     @abstractmethod
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
-        cache: Any = None,
+        cache: Any = None, fresh: bool = False,
     ) -> Tensor:
         """:meth:`Mixer.forward`; with ``cache`` (an :meth:`init_cache` state), continue from
-        it and write the final state back (prefill)."""
+        it and write the final state back (prefill). ``fresh``: start from the empty state
+        whatever ``cache`` holds (only the final state is written)."""
 
     @abstractmethod
     def step(self, x: Tensor, cache: Any) -> Tensor:
@@ -131,13 +147,15 @@ class RecurrentMixer(Mixer):
     ) -> Tensor:
         """The rows' slots (``cache.batch.state_slots``) gathered from the state pool, advanced
         (one token: :meth:`step`; more: the chunked forward from the state, i.e. chunked
-        prefill -- rows of equal length only, never padded, since padding would corrupt the
-        state) and scattered back."""
-        slots = cache.batch.state_slots
+        prefill) and scattered back. Padding is allowed only before a row's tokens, in a
+        document of its own (``batch.doc_ids``), so it never reaches the state."""
+        batch = cache.batch
+        slots = batch.state_slots
         state = gather_state(cache.pool, slots)
-        if x.shape[1] == 1:
+        if x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh:
             out = self.step(x, state)
         else:
-            out = self.forward(x, again=again, cache=state)
+            out = self.forward(x, doc_ids=batch.doc_ids, again=again, cache=state,
+                               fresh=batch.fresh)
         scatter_state(cache.pool, slots, state)
         return out
