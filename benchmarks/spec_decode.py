@@ -22,11 +22,14 @@ decode_tok_s / plain's. Writes ``spec_decode.json``, one ``bench`` receipt per (
 under ``receipts/spec_decode/`` and ``command.txt`` to ``--out`` (default
 ``benchmarks/results/spec_decode/<device>``).
 
-A trained MTP head (the 1.5x goal needs one; a random head is almost never accepted).
+A trained MTP head is needed (the 1.5x goal needs one; a random head is almost never
+accepted). The speculative step runs eagerly while ``plain`` replays CUDA graphs, so on a GPU
+compare ``spec-k*`` with ``plain-eager`` for what speculation itself gains, and with ``plain``
+for what a user gets.
 
 On one GPU (an H100: a few minutes of training, then the benchmark)::
 
-    megacpp data build /usr/include/c++/12 --out data/libstdcxx-32k
+    megacpp data build /usr/include/c++/12 --out data/libstdcxx-32k --config cpp
     megacpp train --config nam56r-small-gpu --set run.out_dir=runs/mtp-small \\
         --set model.mtp.depth=1 --set train.steps=1500 --set schedule.warmup_steps=100 \\
         --set checkpoint.every=500 --set train.eval_every=500
