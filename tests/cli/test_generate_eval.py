@@ -37,6 +37,11 @@ def test_generate_bad_input_is_one_line(run_dir, tmp_path):
         (("--checkpoint", str(tmp_path), "--prompt", "x"), "neither a run directory"),
         (("--checkpoint", str(run_dir)), "exactly one of --prompt"),
         (("--checkpoint", str(run_dir), "--prompt", "x", "--temperature", "-1"), "temperature"),
+        (("--checkpoint", str(run_dir), "--prompt", "x", "--temperature", "0",
+          "--speculative-tokens", "2"),
+         "--speculative-tokens 2 needs a model with multi-token-prediction heads"),
+        (("--checkpoint", str(run_dir), "--prompt", "x", "--speculative-tokens", "2"),
+         "drafts for greedy decoding only"),
     ]:
         out = megacpp("generate", *args, check=False)
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr

@@ -87,6 +87,10 @@ def test_serve_bad_input_is_one_line(setup, tmp_path, capsys):
         (("--checkpoint", "bad name=x"), "NAME=PATH"),
         (("--checkpoint", lib, "--port", "70000"), "--port"),
         (("--checkpoint", lib, "--tokenizer", tok, "--kernels", "turbo"), "--kernels"),
+        (("--checkpoint", lib, "--tokenizer", tok, "--speculative-tokens", "2", "--port", "0"),
+         "--speculative-tokens 2 needs a model with multi-token-prediction heads"),
+        (("--checkpoint", lib, "--tokenizer", tok, "--speculative-tokens", "99"),
+         "speculative_tokens must be an integer in 0..16"),
     ]:
         assert needle in cli_error(capsys, "serve", *args), args
     for args, needle in [

@@ -27,6 +27,8 @@ FAMILIES = {
     "megacpp_engine_free_slots": ("gauge", {"model"}),
     "megacpp_engine_total_slots": ("gauge", {"model"}),
     "megacpp_engine_preemptions_total": ("counter", {"model"}),
+    "megacpp_engine_spec_draft_tokens_total": ("counter", {"model"}),
+    "megacpp_engine_spec_accepted_tokens_total": ("counter", {"model"}),
     "megacpp_engine_steps_total": ("counter", {"model"}),
     "megacpp_engine_step_seconds_total": ("counter", {"model"}),
     "megacpp_engine_up": ("gauge", {"model"}),

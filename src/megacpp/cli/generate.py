@@ -33,6 +33,9 @@ def generate(
     function_body: Annotated[bool, typer.Option(
         "--function-body", help="Complete a C++ function body: stop at its closing brace.")] = False,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
+    speculative_tokens: Annotated[int, typer.Option(
+        help="Greedy (--temperature 0): tokens the model's MTP head drafts per step, verified "
+             "by the model (0: off; needs [model.mtp] depth >= 1).")] = 0,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
@@ -53,10 +56,14 @@ def generate(
         (CPP_BODY_STOP,) if function_body else ())
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             max_new_tokens=max_new_tokens, stop=stops, seed=seed)
+    if speculative_tokens and temperature != 0:
+        raise MegaCppError(f"--speculative-tokens {speculative_tokens} drafts for greedy decoding "
+                           "only: add --temperature 0 (or drop --speculative-tokens)")
     device = resolve_device(device)
     model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
                                           fallback_to_previous=fallback_to_previous)
-    completions = TextGenerator(model, tok, device).complete(prompt, n, params)
+    generator = TextGenerator(model, tok, device, speculative_tokens=speculative_tokens)
+    completions = generator.complete(prompt, n, params)
     console = Console()
     for i, c in enumerate(completions):
         text = c.text + (CPP_BODY_STOP + "\n" if function_body and c.stop == CPP_BODY_STOP else "")

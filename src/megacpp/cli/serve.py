@@ -67,6 +67,9 @@ def serve(
     prefill_graphs: Annotated[bool, typer.Option(
         help="On CUDA: replay prompts' first prefill chunks as captured CUDA graphs per "
              "(batch, length) bucket.")] = True,
+    speculative_tokens: Annotated[int, typer.Option(
+        help="Greedy requests: tokens the model's MTP head drafts per step, verified by the "
+             "model (0: off; needs [model.mtp] depth >= 1).")] = 0,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     dtype: Annotated[str | None, typer.Option(
@@ -97,7 +100,8 @@ def serve(
         raise MegaCppError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                          max_waiting=max_waiting, prefill_graphs=prefill_graphs)
+                          max_waiting=max_waiting, prefill_graphs=prefill_graphs,
+                          speculative_tokens=speculative_tokens)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     adapters_named = _adapter_options(lora or [])
     classifier = _load_router(router)
@@ -171,9 +175,11 @@ def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_p
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()} \
         if keep_state else None
     engine = Engine(model, tok, config, device=device, dtype=dtype)
+    spec = (f", speculative decoding: {config.speculative_tokens} MTP drafts per step"
+            if config.speculative_tokens else "")
     typer.echo(f"loaded {name}: {ckpt} ({sum(p.numel() for p in model.parameters()):,} "
                f"parameters, {config.total_blocks} KV blocks x {config.block_size} tokens, "
-               f"{config.max_num_seqs} slots)")
+               f"{config.max_num_seqs} slots{spec})")
     return Specialist(name, AsyncEngine(engine, name), tok, config.max_model_len, str(ckpt)), state
 
 

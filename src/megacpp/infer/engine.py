@@ -17,7 +17,11 @@ Sampling is per request (its own ``torch.Generator``, seeded when ``seed`` is se
 exact argmax, so a sequence's greedy tokens do not depend on what it was batched with (up to
 floating-point summation order, which the float64 tests rule out).
 
-The model's multi-token-prediction heads (``[mtp]``) are not used for serving. A model with a
+With ``speculative_tokens`` k > 0, greedy requests decode by self-speculation
+(:mod:`megacpp.infer.speculative`): the model's first multi-token-prediction module drafts k
+tokens, one forward of the main stack verifies them, and a step appends the accepted drafts
+plus the model's next token -- the same tokens as one-at-a-time greedy decoding. Without it the
+``[mtp]`` modules are not used for serving. A model with a
 structure-id embedding gets each token's tree-sitter structure id from
 :mod:`megacpp.infer.structure` (prompt: one parse; each generated token: a parse of the
 sequence so far); a hashed n-gram branch gets each row's previous tokens from the sequence.
@@ -33,6 +37,7 @@ preemption does not add them twice, and a prompt position that was never compute
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +51,7 @@ from megacpp.infer.logprobs import TokenLogprob
 from megacpp.infer.model_runner import ModelRunner, ModelRunnerOutput
 from megacpp.infer.sampling import SamplingParams
 from megacpp.infer.scheduler import Scheduler, SchedulerOutput, Sequence
+from megacpp.infer.speculative import MAX_SPECULATIVE_TOKENS, SpecStep, SpeculativeDecoder
 from megacpp.infer.structure import StructureIds
 from megacpp.model.model import HybridLM
 
@@ -65,6 +71,7 @@ class EngineConfig:
     prefill_graphs: bool = True  # on CUDA: replay first prefill chunks as captured CUDA
     #                              graphs per (batch, length) bucket (infer/prefill_graphs.py)
     prefill_graph_tokens: int = 2048  # the largest captured prefill bucket (batch x length)
+    speculative_tokens: int = 0  # greedy requests: MTP drafts verified per step (0: off)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting",
@@ -73,6 +80,10 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise ConfigError(f"EngineConfig.{name} must be an integer in 1..2^31-1, "
                                   f"got {value!r}")
+        k = self.speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"EngineConfig.speculative_tokens must be an integer in "
+                              f"0..{MAX_SPECULATIVE_TOKENS} (0: off), got {k!r}")
         if self.num_blocks is not None:
             if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks < 2**31:
                 raise ConfigError(
@@ -123,6 +134,8 @@ class EngineStats:
     preemptions: int  # cumulative
     prompt_tokens: int  # cumulative, counted once per request
     generated_tokens: int  # cumulative
+    spec_draft_tokens: int = 0  # cumulative: MTP drafts verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # cumulative: drafts the main model accepted
 
 
 class Engine:
@@ -151,7 +164,11 @@ class Engine:
             device=self.device,
             dtype=self.dtype,
         )
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.prefill_chunk)
+        k = config.speculative_tokens
+        self.speculative = (SpeculativeDecoder(self.model, self.cache, k, config.max_model_len,
+                                               self.dtype) if k else None)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.prefill_chunk,
+                                   lookahead=k, max_model_len=config.max_model_len)
         self.runner = ModelRunner(
             self.model,
             self.cache,
@@ -162,6 +179,8 @@ class Engine:
             prefill_graphs=config.prefill_graphs,
             prefill_graph_tokens=config.prefill_graph_tokens,
         )
+        if self.speculative is not None:
+            self.runner.speculative, self.speculative.runner = self.speculative, self.runner
         self.structure = (  # per-token structure ids, for a structure-embedding model
             StructureIds(tokenizer) if model.structure_embed is not None else None)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
@@ -269,6 +288,8 @@ class Engine:
             preemptions=self.scheduler.preemptions,
             prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated_tokens,
+            spec_draft_tokens=0 if self.speculative is None else self.speculative.draft_tokens,
+            spec_accepted_tokens=0 if self.speculative is None else self.speculative.accepted_tokens,
         )
 
     # -- one round -------------------------------------------------------------------------------
@@ -294,7 +315,24 @@ class Engine:
         for rid, token in zip(result.request_ids, result.sampled_token_ids, strict=True):
             outputs.append(self._append_token(self.sequences[rid], token,
                                               result.logprobs.get(rid)))
+        for rid, spec in result.speculative.items():
+            outputs.append(self._append_speculated(self.sequences[rid], spec))
+        if self.speculative is not None:
+            self.speculative.forget(set(self.sequences))
         return outputs
+
+    def _append_speculated(self, seq: Sequence, spec: SpecStep) -> RequestOutput:
+        """A speculative step's tokens, one at a time until the request finishes (the tokens
+        after that are dropped), as one output."""
+        seq.num_computed = spec.num_computed
+        ids, text = [], ""
+        for token in spec.tokens:
+            out = self._append_token(seq, token)
+            ids.append(token)
+            text += out.new_text
+            if out.finished:
+                break
+        return dataclasses.replace(out, new_token_ids=ids, new_text=text)
 
     def _add_prompt_logprobs(self, seq: Sequence, first: int,
                              entries: list[TokenLogprob]) -> None:

@@ -35,6 +35,7 @@ from megacpp.infer.cache_manager import pool_bytes
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.memory import check_fits
 from megacpp.infer.sampling import SamplingParams, sample_seed
+from megacpp.infer.speculative import check_speculative
 from megacpp.model.model import HybridLM
 
 __all__ = ["CPP_BODY_STOP", "MAX_COMPLETIONS", "Completion", "FunctionBodyGenerator",
@@ -60,12 +61,16 @@ class TextGenerator:
 
     def __init__(self, model: HybridLM, tokenizer: CppTokenizer,
                  device: str | torch.device | None = None,
-                 max_num_seqs: int = MAX_NUM_SEQS) -> None:
+                 max_num_seqs: int = MAX_NUM_SEQS, speculative_tokens: int = 0) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else _device_of(model)
         self.dtype = next(model.parameters()).dtype
         self.max_num_seqs = max_num_seqs
+        self.speculative_tokens = speculative_tokens  # MTP drafts per greedy step (0: off)
+        if speculative_tokens:  # refused before any prompt is read
+            EngineConfig(speculative_tokens=speculative_tokens)
+            check_speculative(model, speculative_tokens)
 
     def complete(self, prompt: str, n: int, params: SamplingParams) -> list[Completion]:
         """``n`` completions of ``prompt``."""
@@ -120,7 +125,8 @@ class TextGenerator:
                    f"{max_new_tokens} new tokens ({rows} decoded together)",
                    "ask for fewer tokens or completions")
         config = EngineConfig(max_num_seqs=rows, block_size=block_size, num_blocks=num_blocks,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len,
+                              speculative_tokens=self.speculative_tokens)
         return Engine(self.model, self.tokenizer, config, self.device, self.dtype)
 
     def _completion(self, result: BatchResult) -> Completion:

@@ -6,8 +6,9 @@ Families (labels): ``megacpp_requests_total`` (endpoint, model, code; 499: the c
 away), ``megacpp_route_total`` (model, how), ``megacpp_prompt_tokens_total`` and
 ``megacpp_generation_tokens_total`` (model), the engine gauges ``megacpp_engine_running``,
 ``_waiting``, ``_free_blocks``, ``_total_blocks``, ``_free_slots``, ``_total_slots`` and
-``_up``, the engine counters ``megacpp_engine_preemptions_total``, ``_steps_total`` and
-``_step_seconds_total`` (model), and the histograms ``megacpp_request_duration_seconds``
+``_up``, the engine counters ``megacpp_engine_preemptions_total``, ``_steps_total``, ``_step_seconds_total`` and
+``_spec_draft_tokens_total`` / ``_spec_accepted_tokens_total`` (speculative decoding: their
+ratio is the acceptance rate) (model), and the histograms ``megacpp_request_duration_seconds``
 (endpoint), ``megacpp_time_to_first_token_seconds`` and
 ``megacpp_inter_token_latency_seconds`` (model).
 """
@@ -48,6 +49,10 @@ class _EngineStats(Collector):
             yield gauge
         for metric, help_, value in (
             ("preemptions", "Sequences preempted (recomputed)", lambda e: e.stats.preemptions),
+            ("spec_draft_tokens", "MTP draft tokens verified (speculative decoding)",
+             lambda e: e.stats.spec_draft_tokens),
+            ("spec_accepted_tokens", "MTP draft tokens accepted (speculative decoding)",
+             lambda e: e.stats.spec_accepted_tokens),
             ("steps", "Engine steps run", lambda e: e.steps),
             ("step_seconds", "Time inside engine steps", lambda e: e.step_seconds),
         ):

@@ -44,6 +44,7 @@ from megacpp.infer.logprobs import TokenLogprob, token_logprobs, truncated
 from megacpp.infer.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from megacpp.infer.sampling import sample_rows
 from megacpp.infer.scheduler import ScheduledRequest, SchedulerOutput
+from megacpp.infer.speculative import SpecStep, SpeculativeDecoder
 from megacpp.model.cache import PagedBatch
 from megacpp.model.model import HybridLM
 
@@ -59,6 +60,8 @@ class ModelRunnerOutput:
     # request id -> (t, entries for the known tokens t, t+1, ... that the chunk's positions
     # predict) for prefill chunks of requests with SamplingParams.prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # decoding rows that ran a speculative step (several tokens each; not in request_ids)
+    speculative: dict[str, SpecStep] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -82,6 +85,7 @@ class ModelRunner:
         self.uses_structure = model.structure_embed is not None
         self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
         self.graphs: DecodeGraphs | None = None
+        self.speculative: SpeculativeDecoder | None = None  # set by the engine (MTP drafts)
         if self.device.type == "cuda" and cuda_graphs:
             max_width = -(-max_model_len // cache.block_size)
             decode_fn = compiled_decode_fn(model) if compile_decode else None
@@ -96,6 +100,7 @@ class ModelRunner:
         """Run the step's prefill chunks and its batched decode; sample where asked."""
         sampled: list[tuple[str, int]] = []
         out = ModelRunnerOutput([], [])
+        spec = self.speculative
         for group, run in self._prefill_groups(scheduled.prefills):
             scored = group[0].params.prompt_logprobs is not None  # eager groups only
             if scored:
@@ -105,11 +110,20 @@ class ModelRunner:
             else:
                 logits = run(group)  # [B, V]
             done = [i for i, req in enumerate(group) if req.sample]
+            group_sampled = []
             if done:
-                sampled += self._sample([group[i] for i in done], logits[done], out.logprobs)
-        if scheduled.decodes:
-            logits = self._run_decode(scheduled.decodes)  # [B, V]
-            sampled += self._sample(scheduled.decodes, logits, out.logprobs)
+                group_sampled = self._sample([group[i] for i in done], logits[done],
+                                             out.logprobs)
+                sampled += group_sampled
+            if spec is not None:  # the MTP module's cache, and a draft after a last chunk
+                spec.after_prefill(group, dict(group_sampled))
+        decodes = scheduled.decodes
+        if spec is not None and decodes:
+            out.speculative = spec.decode([r for r in decodes if spec.budget(r) > 0])
+            decodes = [r for r in decodes if r.request_id not in out.speculative]
+        if decodes:
+            logits = self._run_decode(decodes)  # [B, V]
+            sampled += self._sample(decodes, logits, out.logprobs)
         out.request_ids = [rid for rid, _ in sampled]
         out.sampled_token_ids = [token for _, token in sampled]
         return out
@@ -120,8 +134,11 @@ class ModelRunner:
         graphs = self.prefill_graphs
         if graphs is None:
             return [(g, self._run_prefill) for g in _equal_length_groups(chunks)]
-        # prompt logprobs need every position's logits: those chunks prefill eagerly
-        graphed = [graphs.takes(c) and c.params.prompt_logprobs is None for c in chunks]
+        # prompt logprobs need every position's logits, and speculating requests the main
+        # stack's output for the MTP module: those chunks prefill eagerly
+        spec = self.speculative
+        graphed = [graphs.takes(c) and c.params.prompt_logprobs is None
+                   and not (spec is not None and spec.wants(c)) for c in chunks]
         taken = [c for c, g in zip(chunks, graphed, strict=True) if g]
         rest = [c for c, g in zip(chunks, graphed, strict=True) if not g]
         return ([(g, graphs.run) for g in graphs.groups(taken)]
@@ -145,8 +162,10 @@ class ModelRunner:
             structure_ids=self._structure_ids(chunks),
             ngram_context=self._ngram_context(chunks),
         )
-        return self.model.forward_paged(ids, self.cache.layers, batch,
-                                        all_positions=all_positions)
+        hidden = self.model.residual_paged(ids, self.cache.layers, batch)  # [B, L, D]
+        if self.speculative is not None:
+            self.speculative.prefilled(chunks, hidden)
+        return self.model.logits(self.model.norm(hidden if all_positions else hidden[:, -1]))
 
     def _run_decode(self, rows: list[ScheduledRequest]) -> torch.Tensor:
         """Every decoding row's last token at its own position -> logits [B, V]."""

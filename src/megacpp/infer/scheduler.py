@@ -8,7 +8,8 @@ step feeds its last token and samples the next.
 
 One :meth:`Scheduler.schedule` round, in this order:
 
-1. every decoding sequence (oldest first) gets room for one more token; when the blocks run
+1. every decoding sequence (oldest first) gets room for one more token (a greedy one, with
+   speculative decoding on, for ``lookahead`` more: its drafts); when the blocks run
    out, the newest running sequence is preempted (its blocks and slot are freed and it goes
    back to the head of the waiting queue with prompt + generated tokens, to be recomputed);
 2. prefilling sequences (oldest first) get up to ``prefill_chunk`` prompt tokens in total,
@@ -116,9 +117,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, prefill_chunk: int) -> None:
+    def __init__(self, cache: CacheManager, max_num_seqs: int, prefill_chunk: int,
+                 lookahead: int = 0, max_model_len: int = 2**31 - 1) -> None:
         self.cache = cache
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
+        # greedy decodes reserve room for this many more tokens (speculative drafts)
+        self.lookahead, self.max_model_len = lookahead, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.preemptions = 0
@@ -165,7 +169,9 @@ class Scheduler:
     def _schedule_decodes(self, plan: _Plan) -> None:
         for seq in list(self.running):
             ready = seq.running and not seq.prefilling
-            if ready and self._reserve(seq, seq.num_computed + 1, plan):
+            extra = self.lookahead if seq.generator is None else 0
+            room = min(seq.num_computed + 1 + extra, max(self.max_model_len, seq.num_computed + 1))
+            if ready and self._reserve(seq, room, plan):
                 plan.decodes.append(seq)
 
     def _schedule_prefills(self, plan: _Plan, budget: int) -> int:

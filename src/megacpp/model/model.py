@@ -229,12 +229,7 @@ class HybridLM(nn.Module):
         capturable in a CUDA graph for a fixed batch shape.
 
         ``layer_fn`` replaces :func:`paged_layer` (same signature), e.g. by a compiled copy."""
-        batch.forget()  # per-forward tables are recomputed (a replayed step reuses the batch)
-        layer_fn = layer_fn or paged_layer
-        x = self.embed_inputs(input_ids, structure_ids=batch.structure_ids,
-                              ngram_context=batch.ngram_context)  # [B, L, D]
-        for block, pool in zip(self.blocks, layers, strict=True):
-            x = layer_fn(block, pool, x, batch)
+        x = self.residual_paged(input_ids, layers, batch, layer_fn)  # [B, L, D]
         if all_positions:
             return self.logits(self.norm(x))  # [B, L, V]
         if batch.last_index is None:
@@ -242,6 +237,20 @@ class HybridLM(nn.Module):
         else:
             last = x[torch.arange(x.shape[0], device=x.device), batch.last_index]
         return self.logits(self.norm(last))  # [B, V]
+
+    @torch.no_grad()
+    def residual_paged(
+        self, input_ids: torch.Tensor, layers: list, batch: PagedBatch, layer_fn=None
+    ) -> torch.Tensor:
+        """:meth:`forward_paged`'s main stack: input_ids [B, L] -> the last block's output
+        [B, L, D] (before the final norm: the MTP modules' input)."""
+        batch.forget()  # per-forward tables are recomputed (a replayed step reuses the batch)
+        layer_fn = layer_fn or paged_layer
+        x = self.embed_inputs(input_ids, structure_ids=batch.structure_ids,
+                              ngram_context=batch.ngram_context)  # [B, L, D]
+        for block, pool in zip(self.blocks, layers, strict=True):
+            x = layer_fn(block, pool, x, batch)
+        return x
 
     def paged_layouts(self) -> list[dict[str, tuple[int, ...]] | None]:
         """Per layer: the mixer's paged layout (attention), or None (M, R, E, D)."""
