@@ -168,11 +168,11 @@ class _PassFn(torch.autograd.Function):
     the entering states [B*H, C, PN] and the last [B*H, PN]."""
 
     @staticmethod
-    def forward(ctx, s0, cs, dec):
+    def forward(ctx, state0, cs, dec):
         BH, NC, PN = cs.shape
-        s_in, s_final = torch.empty_like(cs), torch.empty_like(s0)
+        s_in, s_final = torch.empty_like(cs), torch.empty_like(state0)
         grid = (BH, triton.cdiv(PN, _PASS_BLOCK))
-        _mimo_pass_fwd[grid](s0, cs, dec, s_in, s_final, NC, PN, BLOCK=_PASS_BLOCK,
+        _mimo_pass_fwd[grid](state0, cs, dec, s_in, s_final, NC, PN, BLOCK=_PASS_BLOCK,
                              num_warps=4)
         ctx.save_for_backward(s_in, dec)
         return s_in, s_final
@@ -185,11 +185,11 @@ class _PassFn(torch.autograd.Function):
         d_in = torch.zeros_like(s_in) if d_in is None else d_in.float().contiguous()
         d_final = (torch.zeros(BH, PN, device=s_in.device) if d_final is None
                    else d_final.float().contiguous())
-        d_cs, d_s0 = torch.empty_like(s_in), torch.empty_like(d_final)
+        d_cs, d_state0 = torch.empty_like(s_in), torch.empty_like(d_final)
         d_dec = torch.empty(BH, NC, NT, device=s_in.device, dtype=torch.float32)
-        _mimo_pass_bwd[(BH, NT)](s_in, dec, d_in, d_final, d_cs, d_dec, d_s0, NC, PN, NT,
+        _mimo_pass_bwd[(BH, NT)](s_in, dec, d_in, d_final, d_cs, d_dec, d_state0, NC, PN, NT,
                                  BLOCK=_PASS_BLOCK, num_warps=4)
-        return d_s0, d_cs, d_dec.sum(-1)
+        return d_state0, d_cs, d_dec.sum(-1)
 
 
 def _pass_triton(ssm0: Tensor, chunk_state: Tensor, chunk_decay: Tensor
