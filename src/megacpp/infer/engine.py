@@ -54,9 +54,13 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA: replay the decode step as captured CUDA graphs
     compile_decode: bool = False  # with cuda_graphs: torch.compile each block family's
     #                               decode step first (fewer kernels; slow first steps)
+    prefix_cache: bool = True  # reuse KV blocks and M/R state snapshots of shared prefixes
+    prefix_snapshots: int | None = None  # M/R snapshot rows; None: 2 * max_num_seqs
+    snapshot_interval: int = 512  # M/R snapshot grid in tokens (rounded up to whole blocks)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting"):
+        for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting",
+                     "snapshot_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise ConfigError(f"EngineConfig.{name} must be an integer in 1..2^31-1, "
@@ -72,6 +76,19 @@ class EngineConfig:
                     f"EngineConfig: num_blocks * block_size = {self.num_blocks * self.block_size}"
                     f" tokens cannot hold one sequence of max_model_len = {self.max_model_len}"
                 )
+        if self.prefix_snapshots is not None and (
+                not isinstance(self.prefix_snapshots, int) or isinstance(self.prefix_snapshots, bool)
+                or not 1 <= self.prefix_snapshots < 2**31):
+            raise ConfigError(f"EngineConfig.prefix_snapshots must be an integer in 1..2^31-1 or "
+                              f"None, got {self.prefix_snapshots!r}")
+
+    @property
+    def snapshot_rows(self) -> int:
+        """M/R snapshot rows the prefix cache keeps (0 with prefix caching off)."""
+        if not self.prefix_cache:
+            return 0
+        return self.prefix_snapshots if self.prefix_snapshots is not None \
+            else 2 * self.max_num_seqs
 
     @property
     def total_blocks(self) -> int:
@@ -107,6 +124,17 @@ class EngineStats:
     preemptions: int  # cumulative
     prompt_tokens: int  # cumulative, counted once per request
     generated_tokens: int  # cumulative
+    prefix_queried_tokens: int = 0  # cumulative: prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # cumulative: of those, tokens whose caches were reused
+    prefix_cached_blocks: int = 0  # blocks indexed by the prefix cache (held or free)
+    prefix_snapshots: int = 0  # M/R state snapshots held
+    prefix_evicted_blocks: int = 0  # cumulative: cached blocks handed out again
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Reused / looked-up prompt tokens (0 before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens \
+            if self.prefix_queried_tokens else 0.0
 
 
 class Engine:
@@ -134,6 +162,9 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             device=self.device,
             dtype=self.dtype,
+            prefix_cache=config.prefix_cache,
+            snapshots=config.snapshot_rows,
+            snapshot_interval=config.snapshot_interval,
         )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.prefill_chunk)
         self.runner = ModelRunner(
@@ -235,6 +266,7 @@ class Engine:
         return bool(self.sequences) or bool(self._aborted)
 
     def stats(self) -> EngineStats:
+        prefix = self.cache.prefix
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -245,6 +277,13 @@ class Engine:
             preemptions=self.scheduler.preemptions,
             prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated_tokens,
+            **({} if prefix is None else {
+                "prefix_queried_tokens": prefix.queried_tokens,
+                "prefix_hit_tokens": prefix.hit_tokens,
+                "prefix_cached_blocks": prefix.cached_blocks,
+                "prefix_snapshots": prefix.snapshots,
+                "prefix_evicted_blocks": prefix.blocks.evictions,
+            }),
         )
 
     # -- one round -------------------------------------------------------------------------------
@@ -263,7 +302,7 @@ class Engine:
         """The scheduled tokens are in the caches now; append each sampled token and finish
         the requests that stop (their blocks and slot go back to the free lists)."""
         for work in (*scheduled.prefills, *scheduled.decodes):
-            self.sequences[work.request_id].num_computed = work.end
+            self.scheduler.computed(self.sequences[work.request_id], work.end)
         outputs = []
         for rid, token in zip(result.request_ids, result.sampled_token_ids, strict=True):
             outputs.append(self._append_token(self.sequences[rid], token))

@@ -14,7 +14,9 @@ One :meth:`Scheduler.schedule` round, in this order:
 2. prefilling sequences (oldest first) get up to ``prefill_chunk`` prompt tokens in total,
    with the same preemption rule;
 3. waiting sequences are admitted (FCFS, no preemption) while a state slot, blocks for their
-   first chunk and prefill budget remain.
+   first chunk and prefill budget remain. With prefix caching a sequence starts after the
+   longest cached prefix of its tokens (:mod:`megacpp.infer.prefix_cache`), and a model with
+   M/R layers has its prefill chunks cut at the cache's snapshot boundaries.
 
 The oldest running sequence can always proceed (everything newer can be preempted, and the
 engine checks that one sequence at ``max_model_len`` fits), so the engine never deadlocks.
@@ -135,6 +137,12 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.release(seq.request_id)
 
+    def computed(self, seq: Sequence, end: int) -> None:
+        """``seq``'s tokens up to ``end`` are in the caches (its step ran)."""
+        if seq.prefilling:
+            self.cache.computed(seq.request_id, seq.token_ids, seq.structure_ids, end)
+        seq.num_computed = end
+
     def schedule(self) -> SchedulerOutput:
         plan = _Plan([], [], [])
         self._schedule_decodes(plan)
@@ -173,7 +181,9 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.running and seq.prefilling:
-                end = min(seq.prefill_end, seq.num_computed + budget)
+                end = self.cache.chunk_end(seq.num_computed,
+                                           min(seq.prefill_end, seq.num_computed + budget),
+                                           seq.prefill_end)
                 if self._reserve(seq, end, plan):
                     plan.prefills.append(PrefillChunk(seq, seq.num_computed, end))
                     budget -= end - seq.num_computed
@@ -182,17 +192,19 @@ class Scheduler:
     def _admit(self, plan: _Plan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            end = min(len(seq.token_ids), budget)
-            if self.cache.slots.num_free == 0 or not self.cache.can_hold(seq.request_id, end):
+            n_tokens = len(seq.token_ids)
+            hit = self.cache.match_prefix(seq.token_ids, seq.structure_ids)
+            start = hit.num_tokens
+            end = self.cache.chunk_end(start, min(n_tokens, start + budget), n_tokens)
+            if not self.cache.can_admit(hit, end):
                 return
             self.waiting.popleft()
-            self.cache.open_slot(seq.request_id)
-            self.cache.reserve(seq.request_id, end)
-            seq.num_computed, seq.prefill_end = 0, len(seq.token_ids)
+            self.cache.admit(seq.request_id, hit, end, n_tokens)
+            seq.num_computed, seq.prefill_end = start, n_tokens
             seq.running = True
             self.running.append(seq)
-            plan.prefills.append(PrefillChunk(seq, 0, end))
-            budget -= end
+            plan.prefills.append(PrefillChunk(seq, start, end))
+            budget -= end - start
 
     def _reserve(self, seq: Sequence, n_tokens: int, plan: _Plan) -> bool:
         """Room for ``n_tokens`` tokens of ``seq``, preempting the newest running sequences
