@@ -5,7 +5,6 @@ pressure and after aborts."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,12 @@ from megacpp.errors import ConfigError
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.prefix_cache import BlockPool, prompt_hashes
 from megacpp.infer.sampling import SamplingParams
-from megacpp.model.config import ModelConfig, load_config
+from megacpp.model.config import ModelConfig
 from megacpp.model.model import HybridLM
 from tests.model.conftest import small_config
 
 HEADERS = sorted(Path("/usr/include/c++/12/bits").glob("stl_*.h"))[:4]
-GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 BS = 4  # tokens per block in these engines
 
 
@@ -36,11 +35,11 @@ def _model(cfg: ModelConfig) -> HybridLM:
     return HybridLM(cfg).double().eval()
 
 
-@pytest.fixture(scope="module", params=["tiny", "latent", "attention"])
+@pytest.fixture(scope="module", params=["hybrid", "latent", "attention"])
 def model(request, tokenizer) -> HybridLM:
     vocab = tokenizer.vocab_size
-    if request.param == "tiny":  # A, E, M, R (the tiny preset's pattern)
-        return _model(dataclasses.replace(load_config("tiny"), vocab_size=vocab, init_std=0.3))
+    if request.param == "hybrid":  # A, E, M, R
+        return _model(small_config("AMEAR", vocab_size=vocab, init_std=0.3))
     if request.param == "latent":  # MLA and DSA pages with M and R states
         return _model(ModelConfig.from_dict({
             "model": {"pattern": "A:mla M R A:dsa D", "vocab_size": vocab, "d_model": 32,
@@ -151,7 +150,8 @@ def test_hits_reuse_blocks_and_skip_prefill(tokenizer):
 
 
 def test_cached_blocks_and_snapshots_are_evicted_under_pressure(tokenizer):
-    """16 blocks (64 tokens), 3 snapshot rows: distinct 30-token prompts one after another
+    """16 blocks (64 tokens), 3 snapshot rows: distinct 30-token prompts (8 blocks with their
+    completion) one after another
     must evict cached blocks and snapshots; tokens stay those of an engine without caching,
     and a prompt whose prefix was evicted misses."""
     model = _model(small_config("AMRA", vocab_size=tokenizer.vocab_size, init_std=0.3))
@@ -160,7 +160,7 @@ def test_cached_blocks_and_snapshots_are_evicted_under_pressure(tokenizer):
                for i in range(4)}
     prompts["again3"] = list(prompts["p3"])  # p3's blocks and last snapshot are cached
     prompts["again0"] = list(prompts["p0"])  # p0's blocks are gone by now
-    tight = {"num_blocks": 16, "max_model_len": 48, "prefix_snapshots": 3}
+    tight = {"num_blocks": 16, "max_model_len": 40, "prefix_snapshots": 3}
     off = _run(_engine(model, tokenizer, False, **tight), prompts, together=False)
     engine = _engine(model, tokenizer, True, **tight)
     hits = []

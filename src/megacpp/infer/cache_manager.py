@@ -184,8 +184,13 @@ class CacheManager:
         """A prefill chunk of ``seq_id`` ending at token ``end`` ran: index its full blocks
         and snapshot its state on a block boundary."""
         if self.prefix is not None:
-            slot = torch.tensor([self.slot_of[seq_id]], device=self.device)
-            self.prefix.computed(seq_id, self.tables[seq_id], token_ids, extra, end, slot)
+            self.prefix.computed(seq_id, self.tables[seq_id], token_ids, extra, end,
+                                 self.slot_of[seq_id])
+
+    def flush(self) -> None:
+        """Take the snapshots the last step asked for (before the next forward runs)."""
+        if self.prefix is not None:
+            self.prefix.flush(self.device)
 
     def open_slot(self, seq_id: str) -> int:
         """Give ``seq_id`` a state slot, reset to the empty-prefix state."""

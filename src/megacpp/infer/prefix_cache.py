@@ -13,14 +13,15 @@ loses its tail before its head (a block is useless without its parent).
 **Recurrent layers (M, R).** A Mamba-3 or gated-delta layer's state (its conv tail and
 the trapezoid's previous k, v included) after position ``b`` cannot be rebuilt from KV blocks,
 so the cache keeps *snapshots*: copies of every M/R layer's slot row, keyed by the hash of the
-block that ends at ``b``. Snapshots are taken at block boundaries on a grid of
-``snapshot_interval`` tokens and at each prompt's last block boundary before its last token
-(the grid serves prompts that share a file prefix and differ after it; the last boundary
-serves a repeated or extended prompt; a snapshot per block would cut prefill into block-sized
-chunks). A chunk of prefill that would cross one of those boundaries is cut there (the slot
-holds the state only at a chunk's end), and after every chunk that ends on a block boundary
-the slot is copied into a snapshot row. Snapshot rows are a fixed pool, evicted least recently
-used; a snapshot is dropped with the block it is keyed by.
+block that ends at ``b``. Prefill chunks are cut at a grid of ``snapshot_interval`` tokens
+and, in a prompt longer than one interval, at its last block boundary before its last token
+(the slot holds the state only at a chunk's end); after every chunk that ends on a block
+boundary (a prompt's end included, when it falls on one) the slot is copied into a snapshot
+row, in one batched copy per step. The grid serves prompts that share a file prefix and differ
+after it, the last boundary a repeated or extended prompt; a snapshot per block would cut
+prefill into block-sized chunks, and cutting short prompts would cost an extra forward where
+the snapshot saves little. Snapshot rows are a fixed pool, evicted least recently used; a
+snapshot is dropped with the block it is keyed by.
 
 **A hit.** A new request walks its prompt's block hashes (at most up to the block boundary
 before its last token, which must run to give the first token's logits) while they are
@@ -158,6 +159,7 @@ class PrefixCache:
         n_rows = _rows(snapshot_pools[0]) if snapshot_pools else 0
         self._free_rows = list(range(n_rows))
         self.snapshot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU: oldest first
+        self._pending: dict[int, int] = {}  # snapshot row -> the slot to copy at flush()
         self.seq_hashes: dict[str, list[bytes]] = {}  # running sequence -> its block hashes
         self.queried_tokens = self.hit_tokens = 0
         self.snapshot_evictions = 0
@@ -187,6 +189,7 @@ class PrefixCache:
         gets the snapshot, the lookup is counted."""
         self.blocks.touch(list(hit.blocks))
         if hit.snapshot is not None:
+            self.flush(slots.device)
             self.snapshot_of.move_to_end(hit.hashes[hit.num_tokens // self.block_size - 1])
             row = torch.tensor([hit.snapshot], device=slots.device)
             for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
@@ -198,19 +201,20 @@ class PrefixCache:
     # -- filling ---------------------------------------------------------------------------------
     def chunk_end(self, start: int, end: int, prefill_end: int) -> int:
         """``end`` cut at the first snapshot boundary after ``start`` (models with M/R layers
-        only): a multiple of ``snapshot_interval`` or the last block boundary before the
-        prompt's last token."""
+        only): a multiple of ``snapshot_interval``, or -- a prompt longer than that -- the last
+        block boundary before its last token. A shorter prompt is never cut (the extra forward
+        would cost more than the snapshot saves)."""
         if not self.recurrent:
             return end
-        grid = (start // self.snapshot_interval + 1) * self.snapshot_interval
-        last = (prefill_end - 1) // self.block_size * self.block_size
-        cuts = [c for c in (grid, last) if start < c < end]
-        return min(cuts, default=end)
+        cuts = [(start // self.snapshot_interval + 1) * self.snapshot_interval]
+        if prefill_end > self.snapshot_interval:
+            cuts.append((prefill_end - 1) // self.block_size * self.block_size)
+        return min([c for c in cuts if start < c < end], default=end)
 
     def computed(self, seq_id: str, table: list[int], token_ids: list[int],
-                 extra: list[int] | None, end: int, slot: torch.Tensor) -> None:
+                 extra: list[int] | None, end: int, slot: int) -> None:
         """Tokens up to ``end`` of ``seq_id`` are in the caches (a prefill chunk ran): index
-        its newly full blocks; on a block boundary, snapshot its slot ``slot`` [1]."""
+        its newly full blocks; on a block boundary, snapshot its state slot ``slot``."""
         n_full = end // self.block_size
         hashes = prompt_hashes(token_ids, extra, self.block_size, n_full,
                                self.seq_hashes.get(seq_id))
@@ -223,7 +227,9 @@ class PrefixCache:
         if self.recurrent and n_full and end % self.block_size == 0:
             self._snapshot(hashes[n_full - 1], slot)
 
-    def _snapshot(self, key: bytes, slot: torch.Tensor) -> None:
+    def _snapshot(self, key: bytes, slot: int) -> None:
+        """Keep slot ``slot``'s state as the snapshot of prefix ``key`` (copied at the next
+        :meth:`flush`, before any forward changes the slot)."""
         if key not in self.block_of or not self.snapshot_pools:
             return
         if key in self.snapshot_of:
@@ -231,13 +237,22 @@ class PrefixCache:
             return
         if not self._free_rows:
             _, row = self.snapshot_of.popitem(last=False)
+            self._pending.pop(row, None)
             self.snapshot_evictions += 1
             self._free_rows.append(row)
         row = self._free_rows.pop()
         self.snapshot_of[key] = row
-        rows = torch.tensor([row], device=slot.device)
+        self._pending[row] = slot
+
+    def flush(self, device: torch.device) -> None:
+        """Copy the step's new snapshots out of their slots: one copy per state tensor."""
+        if not self._pending:
+            return
+        rows = torch.tensor(list(self._pending), device=device)
+        slots = torch.tensor(list(self._pending.values()), device=device)
         for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
-            _copy_rows(state, slot, snaps, rows)
+            _copy_rows(state, slots, snaps, rows)
+        self._pending.clear()
 
     def release(self, seq_id: str) -> None:
         self.seq_hashes.pop(seq_id, None)
@@ -248,6 +263,7 @@ class PrefixCache:
         del self.block_of[h]
         row = self.snapshot_of.pop(h, None)
         if row is not None:
+            self._pending.pop(row, None)
             self._free_rows.append(row)
 
     # -- accounting ------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ class Scheduler:
         seq.num_computed = end
 
     def schedule(self) -> SchedulerOutput:
+        self.cache.flush()  # the last step's snapshots, before any slot is reused or advanced
         plan = _Plan([], [], [])
         self._schedule_decodes(plan)
         budget = self._schedule_prefills(plan, self.prefill_chunk)
