@@ -58,6 +58,13 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache",
+        help="Reuse the KV blocks and M/R state snapshots of prompts that share a prefix.")] = True,
+    prefix_snapshots: Annotated[int | None, typer.Option(
+        help="M/R state snapshots the prefix cache keeps (default: 2 x max-num-seqs).")] = None,
+    snapshot_interval: Annotated[int, typer.Option(
+        help="Tokens between M/R state snapshots in a long prompt (whole blocks).")] = 512,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     dtype: Annotated[str | None, typer.Option(
@@ -88,7 +95,8 @@ def serve(
         raise MegaCppError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                          max_waiting=max_waiting)
+                          max_waiting=max_waiting, prefix_cache=prefix_cache,
+                          prefix_snapshots=prefix_snapshots, snapshot_interval=snapshot_interval)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     classifier = _load_router(router)
     sock = _bind(host, port)  # before loading: a taken port fails fast
@@ -124,7 +132,8 @@ def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_p
     engine = Engine(model, tok, config, device=device, dtype=dtype)
     typer.echo(f"loaded {name}: {ckpt} ({sum(p.numel() for p in model.parameters()):,} "
                f"parameters, {config.total_blocks} KV blocks x {config.block_size} tokens, "
-               f"{config.max_num_seqs} slots)")
+               f"{config.max_num_seqs} slots, prefix cache "
+               f"{'on' if config.prefix_cache else 'off'})")
     return Specialist(name, AsyncEngine(engine, name), tok, config.max_model_len, str(ckpt))
 
 

@@ -165,19 +165,19 @@ class CacheManager:
             return need <= self.blocks.num_free
         return need <= self.blocks.num_free_after(list(hit.blocks))
 
-    def admit(self, seq_id: str, hit: PrefixHit, n_tokens: int, prompt_len: int) -> None:
-        """Open ``seq_id`` (after :meth:`can_admit`): a slot holding the hit's state, a table
-        starting with the hit's blocks and grown to ``n_tokens`` tokens."""
+    def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int) -> None:
+        """Open ``seq_id`` (after :meth:`can_admit`; :meth:`reserve` grows its table): a slot
+        holding the hit's state and a table starting with the hit's blocks."""
         slot = self.open_slot(seq_id)
+        self.tables[seq_id] = list(hit.blocks)
         if self.prefix is not None:
             self.prefix.admit(seq_id, hit, prompt_len, torch.tensor([slot], device=self.device))
-            self.tables[seq_id] = list(hit.blocks)
-        if not self.reserve(seq_id, n_tokens):
-            raise AssertionError(f"admit({seq_id!r}) without room for {n_tokens} tokens")
 
-    def chunk_end(self, start: int, end: int, prefill_end: int) -> int:
+    def chunk_end(self, seq_id: str, start: int, end: int, prefill_end: int) -> int:
         """A prefill chunk's end, cut at a snapshot boundary (see :mod:`prefix_cache`)."""
-        return end if self.prefix is None else self.prefix.chunk_end(start, end, prefill_end)
+        if self.prefix is None:
+            return end
+        return self.prefix.chunk_end(seq_id, start, end, prefill_end)
 
     def computed(self, seq_id: str, token_ids: list[int], extra: list[int] | None,
                  end: int) -> None:

@@ -14,13 +14,14 @@ loses its tail before its head (a block is useless without its parent).
 the trapezoid's previous k, v included) after position ``b`` cannot be rebuilt from KV blocks,
 so the cache keeps *snapshots*: copies of every M/R layer's slot row, keyed by the hash of the
 block that ends at ``b``. Prefill chunks are cut at a grid of ``snapshot_interval`` tokens
-and, in a prompt longer than one interval, at its last block boundary before its last token
+and at a prompt's last block boundary before its last token (if the prompt is longer than one
+interval or its first block was found cached)
 (the slot holds the state only at a chunk's end); after every chunk that ends on a block
 boundary (a prompt's end included, when it falls on one) the slot is copied into a snapshot
 row, in one batched copy per step. The grid serves prompts that share a file prefix and differ
 after it, the last boundary a repeated or extended prompt; a snapshot per block would cut
-prefill into block-sized chunks, and cutting short prompts would cost an extra forward where
-the snapshot saves little. Snapshot rows are a fixed pool, evicted least recently used; a
+prefill into block-sized chunks, and cutting every short prompt would cost an extra forward
+where a snapshot may never be used (a second request that shares its first block pays it). Snapshot rows are a fixed pool, evicted least recently used; a
 snapshot is dropped with the block it is keyed by.
 
 **A hit.** A new request walks its prompt's block hashes (at most up to the block boundary
@@ -139,6 +140,7 @@ class PrefixHit:
     blocks: tuple[int, ...]
     snapshot: int | None
     hashes: tuple[bytes, ...]  # the prompt's full-block hashes computed for the lookup
+    cached_blocks: int = 0  # leading blocks found cached (before backing off to a snapshot)
 
 
 NO_HIT = PrefixHit(0, (), None, ())
@@ -161,6 +163,7 @@ class PrefixCache:
         self.snapshot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU: oldest first
         self._pending: dict[int, int] = {}  # snapshot row -> the slot to copy at flush()
         self.seq_hashes: dict[str, list[bytes]] = {}  # running sequence -> its block hashes
+        self.sharing: set[str] = set()  # running sequences whose first block was cached
         self.queried_tokens = self.hit_tokens = 0
         self.snapshot_evictions = 0
 
@@ -182,7 +185,8 @@ class PrefixCache:
             while n > 0 and hashes[n - 1] not in self.snapshot_of:
                 n -= 1
             snapshot = self.snapshot_of[hashes[n - 1]] if n else None
-        return PrefixHit(n * self.block_size, tuple(blocks[:n]), snapshot, tuple(hashes))
+        return PrefixHit(n * self.block_size, tuple(blocks[:n]), snapshot, tuple(hashes),
+                         len(blocks))
 
     def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int, slots: torch.Tensor) -> None:
         """Start ``seq_id`` from ``hit``: its blocks are referenced, its slot ``slots`` [1]
@@ -195,19 +199,22 @@ class PrefixCache:
             for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
                 _copy_rows(snaps, row, state, slots)
         self.seq_hashes[seq_id] = list(hit.hashes)
+        if hit.cached_blocks:
+            self.sharing.add(seq_id)
         self.queried_tokens += prompt_len
         self.hit_tokens += hit.num_tokens
 
     # -- filling ---------------------------------------------------------------------------------
-    def chunk_end(self, start: int, end: int, prefill_end: int) -> int:
+    def chunk_end(self, seq_id: str, start: int, end: int, prefill_end: int) -> int:
         """``end`` cut at the first snapshot boundary after ``start`` (models with M/R layers
-        only): a multiple of ``snapshot_interval``, or -- a prompt longer than that -- the last
-        block boundary before its last token. A shorter prompt is never cut (the extra forward
-        would cost more than the snapshot saves)."""
+        only): a multiple of ``snapshot_interval``, or the last block boundary before the
+        prompt's last token -- in a prompt longer than one interval or one whose first block
+        was found cached (a short prompt that shares nothing is not cut: the extra forward
+        would cost more than a snapshot nobody may ask for saves)."""
         if not self.recurrent:
             return end
         cuts = [(start // self.snapshot_interval + 1) * self.snapshot_interval]
-        if prefill_end > self.snapshot_interval:
+        if prefill_end > self.snapshot_interval or seq_id in self.sharing:
             cuts.append((prefill_end - 1) // self.block_size * self.block_size)
         return min([c for c in cuts if start < c < end], default=end)
 
@@ -256,6 +263,7 @@ class PrefixCache:
 
     def release(self, seq_id: str) -> None:
         self.seq_hashes.pop(seq_id, None)
+        self.sharing.discard(seq_id)
 
     def _evicted(self, block: int) -> None:
         """A cached block is reused: its hash and the snapshot keyed by it go."""

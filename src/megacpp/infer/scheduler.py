@@ -182,7 +182,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.running and seq.prefilling:
-                end = self.cache.chunk_end(seq.num_computed,
+                end = self.cache.chunk_end(seq.request_id, seq.num_computed,
                                            min(seq.prefill_end, seq.num_computed + budget),
                                            seq.prefill_end)
                 if self._reserve(seq, end, plan):
@@ -193,14 +193,19 @@ class Scheduler:
     def _admit(self, plan: _Plan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.cache.slots.num_free == 0:
+                return
             n_tokens = len(seq.token_ids)
             hit = self.cache.match_prefix(seq.token_ids, seq.structure_ids)
             start = hit.num_tokens
-            end = self.cache.chunk_end(start, min(n_tokens, start + budget), n_tokens)
-            if not self.cache.can_admit(hit, end):
+            if not self.cache.can_admit(hit, min(n_tokens, start + budget)):
                 return
             self.waiting.popleft()
-            self.cache.admit(seq.request_id, hit, end, n_tokens)
+            self.cache.admit(seq.request_id, hit, n_tokens)
+            end = self.cache.chunk_end(seq.request_id, start, min(n_tokens, start + budget),
+                                       n_tokens)
+            if not self.cache.reserve(seq.request_id, end):
+                raise AssertionError(f"admitted {seq.request_id!r} without room for {end} tokens")
             seq.num_computed, seq.prefill_end = start, n_tokens
             seq.running = True
             self.running.append(seq)
