@@ -109,8 +109,9 @@ def test_greedy_tokens_identical_with_and_without_prefix_cache(model, tokenizer,
     stats = engine.stats()
     assert stats.prefix_queried_tokens == sum(len(p) for p in prompts.values())
     if not together:  # each request finds the earlier ones' blocks
-        # extend 16, diverge 8, multiple 8 (12 without M/R), repeat 16, long 16
-        assert stats.prefix_hit_tokens >= 16 + 8 + 8 + 16 + 16
+        # extend 16, diverge 0 (8 without M/R: base left no snapshot at 8), multiple 8
+        # (diverge's grid snapshot; 12 without M/R), repeat 16, long 16
+        assert stats.prefix_hit_tokens >= 16 + 0 + 8 + 16 + 16
         has_state = any(b.family in "MR" for b in model.blocks)
         assert (stats.prefix_snapshots > 0) == has_state
     cache = engine.cache
@@ -149,8 +150,31 @@ def test_hits_reuse_blocks_and_skip_prefill(tokenizer):
     assert engine.stats().free_blocks == engine.stats().total_blocks
 
 
+def test_a_burst_waits_for_the_shared_prefix_instead_of_computing_it_twice(tokenizer):
+    model = _model(small_config("AMRA", vocab_size=tokenizer.vocab_size, init_std=0.3))
+    base = _prompts(model.cfg.vocab_size)["base"]
+    prompts = {"a": base + [5, 6], "b": base + [7, 8, 9], "c": [1, 2, 3, 4, 5, 6]}
+    off = _run(_engine(model, tokenizer, False), prompts, together=True)
+    engine = _engine(model, tokenizer, True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    on = {rid: [] for rid in prompts}
+    first_chunk = {}
+    while engine.has_unfinished():
+        scheduled = engine.scheduler.schedule()
+        for work in scheduled.prefills:
+            first_chunk.setdefault(work.request_id, (work.start, work.end))
+        for out in engine.update_from_output(scheduled, engine.runner.execute(scheduled)):
+            on[out.request_id] += out.new_token_ids
+    assert on == off
+    # b waited (a computes its blocks) and c behind it too (first come, first served); b then
+    # starts from a's snapshot at 16
+    assert first_chunk["a"] == (0, 16) and first_chunk["b"][0] == 16
+    assert engine.stats().prefix_hit_tokens == 16
+
+
 def test_cached_blocks_and_snapshots_are_evicted_under_pressure(tokenizer):
-    """16 blocks (64 tokens), 3 snapshot rows: distinct 30-token prompts (8 blocks with their
+    """16 blocks (64 tokens), 1 snapshot row: distinct 30-token prompts (8 blocks with their
     completion) one after another
     must evict cached blocks and snapshots; tokens stay those of an engine without caching,
     and a prompt whose prefix was evicted misses."""
@@ -158,9 +182,9 @@ def test_cached_blocks_and_snapshots_are_evicted_under_pressure(tokenizer):
     g = torch.Generator().manual_seed(4)
     prompts = {f"p{i}": [1, *torch.randint(3, model.cfg.vocab_size, (29,), generator=g).tolist()]
                for i in range(4)}
-    prompts["again3"] = list(prompts["p3"])  # p3's blocks and last snapshot are cached
+    prompts["again3"] = list(prompts["p3"])  # p3's blocks and snapshot are cached
     prompts["again0"] = list(prompts["p0"])  # p0's blocks are gone by now
-    tight = {"num_blocks": 16, "max_model_len": 40, "prefix_snapshots": 3}
+    tight = {"num_blocks": 16, "max_model_len": 40, "prefix_snapshots": 1}
     off = _run(_engine(model, tokenizer, False, **tight), prompts, together=False)
     engine = _engine(model, tokenizer, True, **tight)
     hits = []
@@ -170,11 +194,11 @@ def test_cached_blocks_and_snapshots_are_evicted_under_pressure(tokenizer):
         assert on[rid] == off[rid], rid
         hits.append(engine.stats().prefix_hit_tokens - before)
         stats = engine.stats()
-        assert stats.prefix_cached_blocks <= stats.total_blocks and stats.prefix_snapshots <= 3
+        assert stats.prefix_cached_blocks <= stats.total_blocks and stats.prefix_snapshots <= 1
     stats = engine.stats()
     assert stats.prefix_evicted_blocks > 0 and engine.cache.prefix.snapshot_evictions > 0
     assert hits[:4] == [0, 0, 0, 0]
-    assert hits[4] == 28  # p3: the snapshot at its last block boundary before token 30
+    assert hits[4] == 16  # p3: the snapshot where its first chunk (16 tokens) ended
     assert hits[5] == 0  # p0 was evicted
     assert stats.free_blocks == stats.total_blocks
     prefix = engine.cache.prefix

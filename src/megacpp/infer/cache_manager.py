@@ -157,8 +157,11 @@ class CacheManager:
         return NO_HIT if self.prefix is None else self.prefix.match(token_ids, extra)
 
     def can_admit(self, hit: PrefixHit, n_tokens: int) -> bool:
-        """A free slot, and blocks for ``n_tokens`` tokens beyond the hit's blocks."""
+        """A free slot, blocks for ``n_tokens`` tokens beyond the hit's blocks, and (prefix
+        caching) no running sequence computing the prompt's next uncached block."""
         if self.slots.num_free == 0:
+            return False
+        if self.prefix is not None and self.prefix.in_flight(hit):
             return False
         need = -(-n_tokens // self.block_size) - len(hit.blocks)
         if self.prefix is None:

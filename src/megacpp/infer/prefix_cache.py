@@ -13,16 +13,16 @@ loses its tail before its head (a block is useless without its parent).
 **Recurrent layers (M, R).** A Mamba-3 or gated-delta layer's state (its conv tail and
 the trapezoid's previous k, v included) after position ``b`` cannot be rebuilt from KV blocks,
 so the cache keeps *snapshots*: copies of every M/R layer's slot row, keyed by the hash of the
-block that ends at ``b``. Prefill chunks are cut at a grid of ``snapshot_interval`` tokens
-and at a prompt's last block boundary before its last token (if the prompt is longer than one
-interval or its first block was found cached)
-(the slot holds the state only at a chunk's end); after every chunk that ends on a block
-boundary (a prompt's end included, when it falls on one) the slot is copied into a snapshot
-row, in one batched copy per step. The grid serves prompts that share a file prefix and differ
-after it, the last boundary a repeated or extended prompt; a snapshot per block would cut
-prefill into block-sized chunks, and cutting every short prompt would cost an extra forward
-where a snapshot may never be used (a second request that shares its first block pays it). Snapshot rows are a fixed pool, evicted least recently used; a
-snapshot is dropped with the block it is keyed by.
+block that ends at ``b``. After every prefill chunk that ends on a block boundary (one that
+``prefill_chunk`` ended, a prompt's end when it falls on one) the slot is copied into a
+snapshot row, in one batched copy per step. A sequence whose first block was found cached --
+one that shares a prefix with something seen before, so more sharing is likely -- also has
+its chunks cut at a grid of ``snapshot_interval`` tokens and at its prompt's last block
+boundary before its last token (when that lies a quarter interval or more past the grid point
+before it), so later requests find snapshots where their prompts diverge from it or repeat it.
+A sequence that shares nothing is never cut: cold traffic pays no extra forward. A snapshot
+per block would cut prefill into block-sized chunks. Snapshot rows are a fixed pool, evicted
+least recently used; a snapshot is dropped with the block it is keyed by.
 
 **A hit.** A new request walks its prompt's block hashes (at most up to the block boundary
 before its last token, which must run to give the first token's logits) while they are
@@ -30,6 +30,11 @@ cached. A model with M/R layers then backs off to the longest of those prefixes 
 snapshot. The request's block table starts with the hit blocks (their counts go up), its slot
 starts from the snapshot, and prefill runs from there. Without M/R layers no snapshots are
 needed and nothing is cut.
+
+**Requests arriving together.** A waiting request whose first uncached block is being
+computed by a running sequence (a burst of prompts with one file prefix) is not admitted until
+that sequence has computed it: it then starts from the cache instead of computing the prefix
+a second time in the same steps. Admission stays first come, first served.
 
 Only prompt blocks (and the recomputed tokens of a preempted sequence) are hashed; blocks
 filled while decoding are not.
@@ -161,9 +166,12 @@ class PrefixCache:
         n_rows = _rows(snapshot_pools[0]) if snapshot_pools else 0
         self._free_rows = list(range(n_rows))
         self.snapshot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU: oldest first
-        self._pending: dict[int, int] = {}  # snapshot row -> the slot to copy at flush()
+        self._to_copy: dict[int, int] = {}  # snapshot row -> the slot to copy at flush()
         self.seq_hashes: dict[str, list[bytes]] = {}  # running sequence -> its block hashes
         self.sharing: set[str] = set()  # running sequences whose first block was cached
+        self.in_progress: dict[bytes, int] = {}  # hash -> running sequences yet to compute it
+        self._in_progress_span: dict[str, list[int]] = {}  # sequence -> [first, end) of its blocks
+        #                                                  counted in ``in_progress``
         self.queried_tokens = self.hit_tokens = 0
         self.snapshot_evictions = 0
 
@@ -201,21 +209,48 @@ class PrefixCache:
         self.seq_hashes[seq_id] = list(hit.hashes)
         if hit.cached_blocks:
             self.sharing.add(seq_id)
+        first = hit.num_tokens // self.block_size
+        for h in hit.hashes[first:]:
+            self.in_progress[h] = self.in_progress.get(h, 0) + 1
+        self._in_progress_span[seq_id] = [first, len(hit.hashes)]
         self.queried_tokens += prompt_len
         self.hit_tokens += hit.num_tokens
 
+    def in_flight(self, hit: PrefixHit) -> bool:
+        """The first block of the prompt that is not cached is being computed by a running
+        sequence: admitting now would compute it twice, waiting gives a longer hit."""
+        n = hit.cached_blocks
+        return n < len(hit.hashes) and hit.hashes[n] in self.in_progress
+
+    def _progressed(self, seq_id: str, upto: int) -> None:
+        """``seq_id``'s counted blocks before ``upto`` are computed (or never will be)."""
+        span = self._in_progress_span.get(seq_id)
+        if span is None:
+            return
+        hashes = self.seq_hashes[seq_id]
+        while span[0] < min(upto, span[1]):
+            h = hashes[span[0]]
+            self.in_progress[h] -= 1
+            if not self.in_progress[h]:
+                del self.in_progress[h]
+            span[0] += 1
+
     # -- filling ---------------------------------------------------------------------------------
     def chunk_end(self, seq_id: str, start: int, end: int, prefill_end: int) -> int:
-        """``end`` cut at the first snapshot boundary after ``start`` (models with M/R layers
-        only): a multiple of ``snapshot_interval``, or the last block boundary before the
-        prompt's last token -- in a prompt longer than one interval or one whose first block
-        was found cached (a short prompt that shares nothing is not cut: the extra forward
-        would cost more than a snapshot nobody may ask for saves)."""
-        if not self.recurrent:
+        """``end`` cut at the first snapshot boundary after ``start``, for a sequence whose
+        first block was found cached (sharing is likely) of a model with M/R layers: a
+        multiple of ``snapshot_interval``, or the prompt's last block boundary before its last
+        token when that lies at least a quarter interval past the grid point before it
+        (closer, the grid's snapshot serves a repeat almost as well as an extra forward would).
+        Other sequences are not cut: they pay no extra forward for snapshots nobody may ask
+        for, and still leave one at each chunk end that falls on a block boundary."""
+        if not self.recurrent or seq_id not in self.sharing:
             return end
-        cuts = [(start // self.snapshot_interval + 1) * self.snapshot_interval]
-        if prefill_end > self.snapshot_interval or seq_id in self.sharing:
-            cuts.append((prefill_end - 1) // self.block_size * self.block_size)
+        interval = self.snapshot_interval
+        cuts = [(start // interval + 1) * interval]
+        last = (prefill_end - 1) // self.block_size * self.block_size
+        if last % interval >= interval // 4:
+            cuts.append(last)
         return min([c for c in cuts if start < c < end], default=end)
 
     def computed(self, seq_id: str, table: list[int], token_ids: list[int],
@@ -226,6 +261,7 @@ class PrefixCache:
         hashes = prompt_hashes(token_ids, extra, self.block_size, n_full,
                                self.seq_hashes.get(seq_id))
         self.seq_hashes[seq_id] = hashes
+        self._progressed(seq_id, n_full)
         for i in range(n_full):
             h, block = hashes[i], table[i]
             if h not in self.block_of and block not in self.hash_of:
@@ -244,24 +280,26 @@ class PrefixCache:
             return
         if not self._free_rows:
             _, row = self.snapshot_of.popitem(last=False)
-            self._pending.pop(row, None)
+            self._to_copy.pop(row, None)
             self.snapshot_evictions += 1
             self._free_rows.append(row)
         row = self._free_rows.pop()
         self.snapshot_of[key] = row
-        self._pending[row] = slot
+        self._to_copy[row] = slot
 
     def flush(self, device: torch.device) -> None:
         """Copy the step's new snapshots out of their slots: one copy per state tensor."""
-        if not self._pending:
+        if not self._to_copy:
             return
-        rows = torch.tensor(list(self._pending), device=device)
-        slots = torch.tensor(list(self._pending.values()), device=device)
+        rows = torch.tensor(list(self._to_copy), device=device)
+        slots = torch.tensor(list(self._to_copy.values()), device=device)
         for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
             _copy_rows(state, slots, snaps, rows)
-        self._pending.clear()
+        self._to_copy.clear()
 
     def release(self, seq_id: str) -> None:
+        self._progressed(seq_id, len(self.seq_hashes.get(seq_id, ())))
+        self._in_progress_span.pop(seq_id, None)
         self.seq_hashes.pop(seq_id, None)
         self.sharing.discard(seq_id)
 
@@ -271,7 +309,7 @@ class PrefixCache:
         del self.block_of[h]
         row = self.snapshot_of.pop(h, None)
         if row is not None:
-            self._pending.pop(row, None)
+            self._to_copy.pop(row, None)
             self._free_rows.append(row)
 
     # -- accounting ------------------------------------------------------------------------------
