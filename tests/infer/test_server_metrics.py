@@ -113,5 +113,9 @@ def test_metric_names_types_and_labels_before_and_after_requests():
         assert by_labels(samples, "megacpp_engine_steps_total")[tiny] >= 4
         assert by_labels(samples, "megacpp_engine_step_seconds_total")[tiny] > 0
         srv.wait_idle()
-        gauges = by_labels(scrape(srv.url)[1], "megacpp_engine_free_blocks")
+        samples = scrape(srv.url)[1]
+        gauges = by_labels(samples, "megacpp_engine_free_blocks")
         assert gauges[tiny] == srv.stats().total_blocks > 0
+        # every prompt token was looked up in the prefix cache once
+        assert by_labels(samples, "megacpp_engine_prefix_cache_queries_total")[tiny] == \
+            by_labels(samples, "megacpp_prompt_tokens_total")[tiny]
