@@ -167,9 +167,10 @@ def test_a_burst_waits_for_the_shared_prefix_instead_of_computing_it_twice(token
         for out in engine.update_from_output(scheduled, engine.runner.execute(scheduled)):
             on[out.request_id] += out.new_token_ids
     assert on == off
-    # b waited (a computes its blocks) and c behind it too (first come, first served); b then
-    # starts from a's snapshot at 16
-    assert first_chunk["a"] == (0, 16) and first_chunk["b"][0] == 16
+    # a shares its first block with waiting b, so its chunks are cut at the snapshot grid (8);
+    # b waited while a computed their common blocks (c behind it: first come, first served),
+    # then started from a's snapshot at 16
+    assert first_chunk["a"] == (0, 8) and first_chunk["b"][0] == 16
     assert engine.stats().prefix_hit_tokens == 16
 
 

@@ -176,6 +176,11 @@ class CacheManager:
         if self.prefix is not None:
             self.prefix.admit(seq_id, hit, prompt_len, torch.tensor([slot], device=self.device))
 
+    def expect_sharing(self, seq_id: str) -> None:
+        """A waiting request starts like ``seq_id``: leave snapshots it can start from."""
+        if self.prefix is not None:
+            self.prefix.expect_sharing(seq_id)
+
     def chunk_end(self, seq_id: str, start: int, end: int, prefill_end: int) -> int:
         """A prefill chunk's end, cut at a snapshot boundary (see :mod:`prefix_cache`)."""
         if self.prefix is None:

@@ -15,11 +15,12 @@ the trapezoid's previous k, v included) after position ``b`` cannot be rebuilt f
 so the cache keeps *snapshots*: copies of every M/R layer's slot row, keyed by the hash of the
 block that ends at ``b``. After every prefill chunk that ends on a block boundary (one that
 ``prefill_chunk`` ended, a prompt's end when it falls on one) the slot is copied into a
-snapshot row, in one batched copy per step. A sequence whose first block was found cached --
-one that shares a prefix with something seen before, so more sharing is likely -- also has
-its chunks cut at a grid of ``snapshot_interval`` tokens and at its prompt's last block
-boundary before its last token (when that lies a quarter interval or more past the grid point
-before it), so later requests find snapshots where their prompts diverge from it or repeat it.
+snapshot row, in one batched copy per step. A sequence whose first block was found cached or
+equals a waiting request's -- it shares a prefix, so more sharing is likely -- also has its
+chunks cut at a grid of ``snapshot_interval`` tokens and at its prompt's last block boundary
+before its last token (when that lies in the first interval or a quarter interval or more
+past the grid point before it), so later requests find snapshots where their prompts diverge
+from it or repeat it.
 A sequence that shares nothing is never cut: cold traffic pays no extra forward. A snapshot
 per block would cut prefill into block-sized chunks. Snapshot rows are a fixed pool, evicted
 least recently used; a snapshot is dropped with the block it is keyed by.
@@ -236,20 +237,27 @@ class PrefixCache:
             span[0] += 1
 
     # -- filling ---------------------------------------------------------------------------------
+    def expect_sharing(self, seq_id: str) -> None:
+        """A waiting request starts with the same block as ``seq_id``: cut its chunks at
+        snapshot boundaries (:meth:`chunk_end`) so the waiting one can start from a snapshot."""
+        if seq_id in self.seq_hashes:
+            self.sharing.add(seq_id)
+
     def chunk_end(self, seq_id: str, start: int, end: int, prefill_end: int) -> int:
-        """``end`` cut at the first snapshot boundary after ``start``, for a sequence whose
-        first block was found cached (sharing is likely) of a model with M/R layers: a
-        multiple of ``snapshot_interval``, or the prompt's last block boundary before its last
-        token when that lies at least a quarter interval past the grid point before it
-        (closer, the grid's snapshot serves a repeat almost as well as an extra forward would).
-        Other sequences are not cut: they pay no extra forward for snapshots nobody may ask
-        for, and still leave one at each chunk end that falls on a block boundary."""
+        """``end`` cut at the first snapshot boundary after ``start``, for a sequence that
+        shares its first block with a cached prompt or a waiting request (more sharing is
+        likely), of a model with M/R layers: a multiple of ``snapshot_interval``, or the
+        prompt's last block boundary before its last token when that lies in the first
+        interval or a quarter interval or more past the grid point before it (closer, the
+        grid's snapshot serves a repeat almost as well as an extra forward would). Other
+        sequences are not cut: they pay no extra forward for snapshots nobody may ask for, and
+        still leave one at each chunk end that falls on a block boundary."""
         if not self.recurrent or seq_id not in self.sharing:
             return end
         interval = self.snapshot_interval
         cuts = [(start // interval + 1) * interval]
         last = (prefill_end - 1) // self.block_size * self.block_size
-        if last % interval >= interval // 4:
+        if last < interval or last % interval >= interval // 4:
             cuts.append(last)
         return min([c for c in cuts if start < c < end], default=end)
 

@@ -29,6 +29,7 @@ engine then advances ``num_computed`` and appends the sampled tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -202,6 +203,9 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self.cache.admit(seq.request_id, hit, n_tokens)
+            if any(_same_first_block(seq, other, self.cache.block_size)
+                   for other in itertools.islice(self.waiting, self.max_num_seqs)):
+                self.cache.expect_sharing(seq.request_id)
             end = self.cache.chunk_end(seq.request_id, start, min(n_tokens, start + budget),
                                        n_tokens)
             if not self.cache.reserve(seq.request_id, end):
@@ -233,3 +237,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
         self.preemptions += 1
+
+
+def _same_first_block(a: Sequence, b: Sequence, block_size: int) -> bool:
+    """``a`` and ``b`` start with the same full block (tokens and structure ids)."""
+    if len(a.token_ids) <= block_size or len(b.token_ids) <= block_size:
+        return False
+    if a.token_ids[:block_size] != b.token_ids[:block_size]:
+        return False
+    return a.structure_ids is None or a.structure_ids[:block_size] == \
+        (b.structure_ids or [])[:block_size]
