@@ -80,6 +80,17 @@ def _serve(data: dict) -> list[list[str]]:
                     (f"{_fmt(eng['decode_tok_s'], 0)} tokens/s, {ratio['decode_tok_s']:.1f}x "
                      "transformers `generate` with its default dynamic cache (not its "
                      "static-cache compiled path)")])
+    static = data.get("engine_over_hf_static", {})
+    if static:
+        batch = max(static, key=int)
+        eng = next((r for r in data["results"]
+                    if r["system"] == "engine" and r["batch"] == int(batch)), None)
+        ratio = static[batch]
+        if eng is not None:
+            out.append(["serving vs transformers' static-cache compiled generate, batch " + batch,
+                        (f"decode {ratio['decode_tok_s']:.2f}x, TTFT p50 "
+                         f"{_fmt(eng['ttft_ms_p50'])} ms ({ratio['ttft_ms_p50']:.2f}x the "
+                         f"peer's), ITL p50 {ratio['itl_ms_p50']:.2f}x the peer's")])
     return out
 
 
@@ -113,10 +124,14 @@ def _verifier(data: dict) -> list[list[str]]:
               f"{best['passed']}/{best['programs']} pass")]]
 
 
-def _commands_block(folder: Path) -> list[str]:
+def _commands_block(folder: Path, inline_max: int = 3) -> list[str]:
+    """The commands behind a table: inline up to ``inline_max`` lines, else a link to them."""
     rel = folder.relative_to(ROOT).as_posix()
-    return ["", f"Measured in [{rel}]({rel}) by:", "", "```bash",
-            *_command(folder).splitlines(), "```"]
+    commands = _command(folder).splitlines()
+    if len(commands) > inline_max:
+        return ["", f"Measured in [{rel}]({rel}) by the {len(commands)} lines of "
+                f"[command.txt]({rel}/command.txt)."]
+    return ["", f"Measured in [{rel}]({rel}) by:", "", "```bash", *commands, "```"]
 
 
 def scaling_table() -> str:
@@ -139,26 +154,33 @@ def scaling_table() -> str:
     return "\n".join(lines)
 
 
-def quality_table() -> str:
-    lines = [("| candidate | params (active) | lr | tokens | val bits/byte "
-              "| HumanEval-X pass@1 greedy | pass@10 (n=20, T=0.8) |"),
-             "|---|---|---|---|---|---|---|"]
-    folders = list(_devices("quality"))
-    for folder in folders:
-        data = _load(folder / "quality.json") or {}
+def quality_table(benchmark: str = "quality") -> str:
+    """One row per candidate; the HumanEval-X columns only where a run sampled."""
+    folders = list(_devices(benchmark))
+    runs = [(folder, _load(folder / "quality.json") or {}) for folder in folders]
+    sampled = any(c.get("humaneval") for _, data in runs
+                  for c in data.get("candidates", {}).values())
+    head = "| candidate | params (active) | lr | tokens | tokens/s | val bits/byte |"
+    lines = [head + (" HumanEval-X pass@1 greedy | pass@10 (n=20, T=0.8) |" if sampled else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if sampled else "")]
+    for _, data in runs:
         for name, cand in data.get("candidates", {}).items():
             final = cand.get("final") or {}
             if final.get("final_val_bpb") is None:
                 continue
             active = final.get("active_params") or final["params"]
-            scores = cand.get("humaneval") or {}
-            greedy = sampled = "not scored"
-            if scores.get("scored"):
-                greedy = f"{scores['greedy']['pass_at_k']['pass@1']:.3f}"
-                sampled = f"{scores['sampled']['pass_at_k']['pass@10']:.3f}"
-            lines.append(f"| {name} | {final['params'] / 1e6:.0f}M ({active / 1e6:.0f}M) | "
-                         f"{cand['lr']:g} | {final['tokens'] / 1e6:.1f}M | "
-                         f"**{final['final_val_bpb']:.3f}** | {greedy} | {sampled} |")
+            row = (f"| {name} | {final['params'] / 1e6:.0f}M ({active / 1e6:.0f}M) | "
+                   f"{cand['lr']:g} | {final['tokens'] / 1e6:.1f}M | "
+                   f"{_fmt(final.get('steady_tokens_per_s') or final['tokens_per_s'], 0)} | "
+                   f"**{final['final_val_bpb']:.3f}** |")
+            if sampled:
+                scores = cand.get("humaneval") or {}
+                greedy = other = "not scored" if scores else "not sampled"
+                if scores.get("scored"):
+                    greedy = f"{scores['greedy']['pass_at_k']['pass@1']:.3f}"
+                    other = f"{scores['sampled']['pass_at_k']['pass@10']:.3f}"
+                row += f" {greedy} | {other} |"
+            lines.append(row)
         goal = data.get("goal") or {}
         if goal.get("final_val_bpb"):
             bpb = goal["final_val_bpb"]
@@ -235,7 +257,7 @@ def kernels_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"quality": quality_table, "scaling": scaling_table, "results": headline_table,
+TABLES = {"quality": lambda: quality_table("quality_recipe"), "scaling": scaling_table, "results": headline_table,
           "kernels": kernels_table}
 
 

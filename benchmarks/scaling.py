@@ -196,6 +196,15 @@ def completed(run_dir: Path) -> bool:
     return receipt.get("config", {}).get("outcome", {}).get("status") == "completed"
 
 
+def last_step(run_dir: Path) -> int:
+    """The last training step in ``run_dir``'s metrics.jsonl (0 if none)."""
+    try:
+        records = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, ValueError):
+        return 0
+    return max((r["step"] for r in records if r.get("type") == "train"), default=0)
+
+
 def measure(row: Row, run_dir: Path, skip: int) -> Row:
     """Fill ``row`` from the run's metrics.jsonl (steps after ``skip``) and receipt."""
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -206,7 +215,6 @@ def measure(row: Row, run_dir: Path, skip: int) -> Row:
         row.status, row.error = "failed", f"no steps after step {skip} in {run_dir}"
         return row
     times = [r["time_s"] for r in steps]
-    receipt = json.loads((run_dir / "receipt.json").read_text())
     row.global_batch, row.modes = setup["global_batch"], setup["modes"]
     tokens_per_step = train[0]["tokens"] // train[0]["step"]  # a fresh run: step 1 is first
     row.seq_len = tokens_per_step // row.global_batch
@@ -214,7 +222,10 @@ def measure(row: Row, run_dir: Path, skip: int) -> Row:
     row.step_ms_spread = 1e3 * (max(times) - min(times))
     row.tokens_per_s = tokens_per_step / statistics.median(times)
     row.tokens_per_s_per_gpu = row.tokens_per_s / row.world_size
-    row.peak_mem_gib = receipt["metrics"]["peak_mem_bytes"] / 2**30
+    receipt = run_dir / "receipt.json"
+    peak = (json.loads(receipt.read_text())["metrics"]["peak_mem_bytes"] if receipt.is_file()
+            else max(r["peak_mem_bytes"] for r in train))  # no receipt: rank 0's, per step
+    row.peak_mem_gib = peak / 2**30
     mfus = [r["mfu"] for r in steps if r.get("mfu") is not None]
     row.mfu = statistics.median(mfus) if mfus else None
     row.mfu_peak_tflops, row.mfu_peak_source = setup["mfu_peak_tflops"], setup["mfu_peak_source"]
@@ -428,13 +439,17 @@ def remeasure(args: argparse.Namespace) -> None:
     for run_dir in sorted(p for p in (args.out / "runs").glob("*-w*") if p.is_dir()):
         preset, label, world = run_dir.name.rsplit("-", 2)
         row = Row(preset, label, int(world.removeprefix("w")), run_dir=str(run_dir))
-        if not completed(run_dir):
-            row.status, row.error = "failed", f"the run in {run_dir} did not complete"
-        else:
+        if completed(run_dir):
             measure(row, run_dir, args.skip_steps)
             receipt = json.loads((run_dir / "receipt.json").read_text())
             device = device or receipt["fingerprint"]["devices"][0]["name"]
             torch_version = torch_version or receipt["fingerprint"]["packages"].get("torch")
+        elif last_step(run_dir) >= args.steps:  # every step ran; stopped before its receipt
+            measure(row, run_dir, args.skip_steps)
+            row.note = (f"all {args.steps} steps are in its metrics, but the run was stopped "
+                        "before it wrote its receipt: peak memory is rank 0's")
+        else:
+            row.status, row.error = "failed", f"the run in {run_dir} did not complete"
         rows.append(row)
     if not rows:
         sys.exit(f"error: no run directories under {args.out / 'runs'}")

@@ -13,13 +13,22 @@ Both systems run in this one process on one device, in bf16 weights (no autocast
 - **hf**: ``transformers`` ``LlamaForCausalLM.generate`` (SDPA attention, dynamic KV cache,
   no compile) with a dense Llama sized to the hybrid's *total* parameter count (the peer of
   ``benchmarks/train_step.py``), random init.
+- **hf-static**: the same Llama through transformers' documented fast path: a static KV
+  cache (``StaticCache``, one per batch size, reused across calls after ``reset()``, so its
+  tensors keep their addresses) with which ``generate`` compiles its decode forward itself
+  (``CompileConfig``: inductor, ``reduce-overhead`` = CUDA graphs, one static graph per batch
+  size; ``--hf-compile-backend``, ``--hf-compile-mode``). Its prefill runs eagerly, as
+  ``generate`` does.
 
 Per batch size ``B``: ``B`` prompts of ``--prompt-len`` random token ids (BOS first; the
 same ids for both systems) all arrive at t0; each generates exactly ``--new-tokens`` tokens
 (greedy; ``ignore_eos`` for the engine, ``min_new_tokens`` for hf), so both do the same
-number of decode steps. A warm-up run per batch size comes first: for ``engine`` an identical
-run (it captures the CUDA graphs of exactly the decode buckets the timed run replays), for the
-others 8 tokens. ``engine-eager`` is the engine with ``cuda_graphs=False``, for reference;
+number of decode steps. A warm-up run per batch size comes first: for ``engine`` and
+``hf-static`` an identical run (the engine captures the CUDA graphs of exactly the prefill and
+decode buckets the timed run replays; transformers compiles and records its decode forward
+for exactly the shapes and cache the timed run uses, so no compile or recording is timed),
+for the others 8 tokens. ``engine-eager`` is the engine with ``cuda_graphs=False`` and
+``prefill_graphs=False``, for reference;
 ``engine-async`` is the graphs engine driven through ``AsyncEngine`` (the server's engine
 thread and asyncio consumers, no HTTP), measured right after ``engine`` on the same engine. Times are host
 clocks after the per-step device sync both systems already do (the engine reads sampled
@@ -32,6 +41,16 @@ after it (steady-state decode); TTFT (t0 -> a request's first token) and inter-t
 engine/hf ratios and writes, to ``--out`` (default ``benchmarks/results/serve_decode/<device>``),
 ``serve_decode.json``, one ``bench`` receipt per (system, B) under ``receipts/serve_decode/``
 and ``command.txt``.
+
+``--profile`` measures nothing of the above: per batch size it profiles, with
+``torch.profiler``, the engine step that prefills all prompts (as served and eagerly) and
+``--profile-steps`` decode steps (after a warm-up), and writes ``profile_B<B>.json`` and
+``.txt``: host launches (kernel and graph launches) and device
+kernels per decode step, the kernels' device time by name, the device time per block
+family from an eager pass (``record_function`` per block; a captured graph hides that
+split), and the weight bytes a decode step reads (counted from the model: every weight
+but the embedding rows not looked up; the MoE decode step runs every expert) per token,
+against the weights' size and the step's time (the bandwidth that implies).
 """
 
 from __future__ import annotations
@@ -63,7 +82,7 @@ from megacpp.model.model import HybridLM
 
 @dataclass
 class Row:
-    system: str  # "engine" | "hf"
+    system: str  # "engine" | "engine-async" | "engine-eager" | "hf" | "hf-static"
     model: str
     batch: int
     prompt_len: int
@@ -81,6 +100,7 @@ class Row:
     wall_s: float
     peak_mem_gib: float
     error: str | None = None
+    graphs_compiled_in_run: int = 0  # torch.compile graphs built during the timed run
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -208,6 +228,48 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.devic
     return [list(streamer.times) for _ in prompts], t0  # a static batch: one clock per step
 
 
+def hf_compile_config(args):
+    """generate()'s compile settings for hf-static (on a CPU, compiled too: a smoke test)."""
+    from transformers import CompileConfig
+
+    mode = None if args.hf_compile_mode == "none" else args.hf_compile_mode
+    # dynamic=False: one graph specialised per batch size (each is compiled in its warm-up),
+    # instead of the default's switch to a dynamic batch dimension at the second size
+    config = CompileConfig(backend=args.hf_compile_backend, mode=mode, dynamic=False)
+    config._compile_all_devices = True  # transformers: compile off CUDA too (for testing)
+    return config
+
+
+def run_hf_static(model, caches: dict, prompts: list[list[int]], new_tokens: int,
+                  device: torch.device, max_cache_len: int, compile_config):
+    """``generate`` with a static cache of ``max_cache_len`` tokens for this batch size, made
+    once and reset before each call (same tensors: no recompile, no re-recorded graphs)."""
+    import inspect
+
+    from transformers import StaticCache
+
+    batch = len(prompts)
+    if batch not in caches:
+        caches[batch] = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    cache = caches[batch]
+    cache.reset()
+    # transformers 5 names generate's cache argument ``cache`` (``past_key_values`` before)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = torch.tensor(prompts, device=device)
+    streamer = TimingStreamer()
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, use_cache=True, streamer=streamer,
+                             pad_token_id=0, compile_config=compile_config, **{name: cache})
+    sync(device)
+    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
+    assert len(streamer.times) == new_tokens, len(streamer.times)
+    return [list(streamer.times) for _ in prompts], t0
+
+
 def build_llama(target_params: int, vocab: int, d_model: int, max_len: int, device, dtype):
     from train_step import llama_peer
 
@@ -223,17 +285,26 @@ def measure(system: str, runner, batch: int, args, meta: dict) -> Row:
     device = meta["device"]
     prompts = random_prompts(batch, args.prompt_len, meta["vocab"], meta["bos"], seed=batch)
     # the engine's warm-up is the whole run: it captures exactly the graphs the run replays
-    warm = args.new_tokens if system == "engine" else min(8, args.new_tokens)
+    warm = args.new_tokens if system in ("engine", "hf-static") else min(8, args.new_tokens)
     runner(prompts, warm, f"warm{batch}")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    compiled = compiled_graphs()
     token_times, t0 = runner(prompts, args.new_tokens, f"b{batch}")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return Row(system=system, model=meta["name"], batch=batch, prompt_len=args.prompt_len,
                new_tokens=args.new_tokens, params=meta["params"],
                active_params=meta["active_params"], peak_mem_gib=peak,
+               graphs_compiled_in_run=compiled_graphs() - compiled,
                **summarize(token_times, t0))
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (0 before any compile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def failed_row(system: str, batch: int, args, meta: dict, exc: BaseException) -> Row:
@@ -251,7 +322,9 @@ def bench_engine(args, device, dtype, tok: CppTokenizer, system: str) -> list[Ro
     config = EngineConfig(max_num_seqs=max(args.batch), block_size=args.block_size,
                           max_model_len=args.prompt_len + args.new_tokens,
                           prefill_chunk=args.prefill_chunk, max_waiting=max(args.batch),
-                          cuda_graphs=system == "engine")
+                          cuda_graphs=system == "engine",
+                          prefill_graphs=system == "engine" and args.prefill_graphs,
+                          prefill_graph_tokens=args.prefill_graph_tokens)
     engine = Engine(model, tok, config, device=device, dtype=dtype)
     meta = {"device": device, "vocab": min(cfg.vocab_size, tok.vocab_size), "bos": tok.bos_id,
             "name": args.preset, "params": cost.params, "active_params": cost.active_params}
@@ -276,24 +349,37 @@ def bench_engine(args, device, dtype, tok: CppTokenizer, system: str) -> list[Ro
     return rows
 
 
-def bench_hf(args, device, dtype, tok: CppTokenizer) -> list[Row]:
+def bench_hf(args, device, dtype, tok: CppTokenizer, system: str = "hf") -> list[Row]:
     cfg = load_config(args.preset)
     cost = count_model(cfg)
     torch.manual_seed(0)
-    model, params, name = build_llama(cost.params, cfg.vocab_size, cfg.d_model,
-                                      args.prompt_len + args.new_tokens, device, dtype)
+    max_len = args.prompt_len + args.new_tokens
+    model, params, name = build_llama(cost.params, cfg.vocab_size, cfg.d_model, max_len,
+                                      device, dtype)
     meta = {"device": device, "vocab": min(cfg.vocab_size, tok.vocab_size), "bos": tok.bos_id,
             "name": name, "params": params, "active_params": params}
+    caches: dict = {}
+    compile_config = None
+    if system == "hf-static":
+        compile_config = hf_compile_config(args)
+        # one specialised graph per batch size: past dynamo's recompile limit it would run
+        # the later sizes uncompiled
+        from torch._dynamo import config as dynamo
+
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * len(args.batch))
 
     def runner(prompts, new_tokens, tag):
+        if system == "hf-static":
+            return run_hf_static(model, caches, prompts, new_tokens, device, max_len,
+                                 compile_config)
         return run_hf(model, prompts, new_tokens, device)
 
     rows = []
     for batch in args.batch:
         try:
-            rows.append(measure("hf", runner, batch, args, meta))
+            rows.append(measure(system, runner, batch, args, meta))
         except torch.OutOfMemoryError as exc:
-            rows.append(failed_row("hf", batch, args, meta, exc))
+            rows.append(failed_row(system, batch, args, meta, exc))
         print_row(rows[-1])
     return rows
 
@@ -311,18 +397,23 @@ def print_row(r: Row) -> None:
         return
     print(f"{r.system:>12} B={r.batch:<3} {r.model:>15}  out {r.output_tok_s:9.0f} tok/s  "
           f"decode {r.decode_tok_s:9.0f} tok/s  TTFT p50 {r.ttft_ms_p50:8.1f} ms  "
-          f"ITL p50/p99 {r.itl_ms_p50:6.2f}/{r.itl_ms_p99:6.2f} ms  mem {r.peak_mem_gib:5.1f} GiB",
-          flush=True)
+          f"ITL p50/p99 {r.itl_ms_p50:6.2f}/{r.itl_ms_p99:6.2f} ms  mem {r.peak_mem_gib:5.1f} GiB"
+          + (f"  COMPILED {r.graphs_compiled_in_run} graphs in the timed run"
+             if r.graphs_compiled_in_run else ""), flush=True)
 
 
-def ratios(rows: list[Row]) -> dict[int, dict[str, float]]:
+def ratios(rows: list[Row], peer_system: str = "hf") -> dict[int, dict[str, float]]:
+    """Per batch size, the engine over ``peer_system``: throughputs (higher is better for
+    the engine above 1) and latencies (engine / peer: below 1 is better for the engine)."""
     by = {(r.system, r.batch): r for r in rows if not r.error}
     out = {}
     for (system, batch), r in by.items():
-        peer = by.get(("hf", batch))
+        peer = by.get((peer_system, batch))
         if system == "engine" and peer is not None:
             out[batch] = {"decode_tok_s": r.decode_tok_s / peer.decode_tok_s,
-                          "output_tok_s": r.output_tok_s / peer.output_tok_s}
+                          "output_tok_s": r.output_tok_s / peer.output_tok_s,
+                          "ttft_ms_p50": r.ttft_ms_p50 / peer.ttft_ms_p50,
+                          "itl_ms_p50": r.itl_ms_p50 / peer.itl_ms_p50}
     return out
 
 
@@ -340,6 +431,7 @@ def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: s
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "tokenizer")},
         "chosen_kernels": chosen_kernels(),
         "engine_over_hf": {str(b): v for b, v in ratios(rows).items()},
+        "engine_over_hf_static": {str(b): v for b, v in ratios(rows, "hf-static").items()},
         "results": [asdict(r) for r in rows],
     }
     (out / "serve_decode.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -350,7 +442,8 @@ def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: s
         config = {"benchmark": "serve_decode", "system": r.system, "model": r.model,
                   "batch": r.batch, "prompt_len": r.prompt_len, "new_tokens": r.new_tokens,
                   "dtype": args.dtype, "block_size": args.block_size,
-                  "prefill_chunk": args.prefill_chunk, "weights": "random init",
+                  "prefill_chunk": args.prefill_chunk, "prefill_graphs": args.prefill_graphs,
+                  "prefill_graph_tokens": args.prefill_graph_tokens, "weights": "random init",
                   "kernels": args.kernels, "chosen_kernels": chosen_kernels(),
                   "tokenizer_sha256": tokenizer_sha256}
         metrics = {k: float(v) for k, v in asdict(r).items()
@@ -382,8 +475,20 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
     ap.add_argument("--kernels", default="auto", choices=["reference", "auto", "fast"],
                     help="kernel mode of the engine's model (megacpp serve's default: auto)")
-    ap.add_argument("--systems", nargs="+", default=["engine", "hf"],
-                    choices=["engine", "engine-async", "engine-eager", "hf"])
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's captured prefill graphs (megacpp serve's default)")
+    ap.add_argument("--prefill-graph-tokens", type=int,
+                    default=EngineConfig.prefill_graph_tokens,
+                    help="the largest captured prefill bucket, batch x length")
+    ap.add_argument("--systems", nargs="+", default=["engine", "hf", "hf-static"],
+                    choices=["engine", "engine-async", "engine-eager", "hf", "hf-static"])
+    ap.add_argument("--hf-compile-backend", default="inductor",
+                    help="hf-static: torch.compile backend of generate's decode forward")
+    ap.add_argument("--hf-compile-mode", default="reduce-overhead",
+                    help="hf-static: torch.compile mode ('none' for a backend without modes)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the engine's decode step instead (see the docstring)")
+    ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--out", type=Path, default=None,
@@ -396,6 +501,8 @@ def main() -> None:
         sys.exit("benchmarks/serve_decode.py: --device cuda but no CUDA GPU here")
     if args.prompt_len < 2 or args.new_tokens < 2 or min(args.batch) < 1:
         sys.exit("--prompt-len and --new-tokens must be >= 2, --batch >= 1")
+    if args.profile_steps < 1:
+        sys.exit("--profile-steps must be >= 1")
     dtype = getattr(torch, args.dtype)
     tok = CppTokenizer.load(args.tokenizer)
     from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
@@ -409,13 +516,19 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}  "
           f"dtype {args.dtype}  prompt {args.prompt_len}  new tokens {args.new_tokens}",
           flush=True)
+    if args.profile:
+        from serve_profile import profile_engine
+
+        for batch in args.batch:
+            profile_engine(args, device, dtype, tok, batch, out)
+        return
     rows: list[Row] = []
-    for system in ("engine", "hf", "engine-eager"):  # the slowest, least needed last
+    for system in ("engine", "hf-static", "hf", "engine-eager"):  # least needed last
         if system not in args.systems:
             continue
         try:
-            if system == "hf":
-                rows += bench_hf(args, device, dtype, tok)
+            if system in ("hf", "hf-static"):
+                rows += bench_hf(args, device, dtype, tok, system)
             else:
                 rows += bench_engine(args, device, dtype, tok, system)
         except Exception:  # noqa: BLE001 - one system failing must not lose the others
@@ -424,9 +537,11 @@ def main() -> None:
         release(device)
         # saved (and receipted) after each system: a cut-off run keeps its rows
         save(out, rows, args, preflight, facts, tok.sha256)
-    for batch, r in ratios(rows).items():
-        print(f"engine / hf at B={batch}: decode x{r['decode_tok_s']:.2f}, "
-              f"output x{r['output_tok_s']:.2f}")
+    for peer in ("hf", "hf-static"):
+        for batch, r in ratios(rows, peer).items():
+            print(f"engine / {peer} at B={batch}: decode x{r['decode_tok_s']:.2f}, "
+                  f"output x{r['output_tok_s']:.2f}, TTFT p50 x{r['ttft_ms_p50']:.2f}, "
+                  f"ITL p50 x{r['itl_ms_p50']:.2f}")
     print(f"results: {out / 'serve_decode.json'}")
 
 

@@ -106,7 +106,7 @@ def llama_peer(target_params: int, vocab: int, d_model: int, seq_len: int):
             intermediate_size=ffn,
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
-            num_key_value_heads=heads // 4,
+            num_key_value_heads=max(1, heads // 4),
             max_position_embeddings=seq_len,
             tie_word_embeddings=True,
             attn_implementation="sdpa",

@@ -40,7 +40,7 @@ def test_router_train_then_serve_two_specialists(setup, capsys):
     args = ("--checkpoint", f"lib={setup['lib']}",
             "--checkpoint", f"capi={setup['capi'] / 'checkpoints' / 'step_000001'}",
             "--tokenizer", str(setup["tok"]), "--router", str(tmp / "router.json"),
-            "--max-num-seqs", "4", "--max-model-len", "256")
+            "--max-num-seqs", "4", "--max-model-len", "256", "--no-prefix-cache")
     with serve_process(*args) as (url, proc):
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["lib", "capi", "auto"]

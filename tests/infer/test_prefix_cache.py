@@ -101,7 +101,9 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 @pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
 def test_greedy_tokens_identical_with_and_without_prefix_cache(model, tokenizer, together):
     prompts = _prompts(model.cfg.vocab_size)
-    off = _run(_engine(model, tokenizer, False), prompts, together)
+    engine_off = _engine(model, tokenizer, False)
+    off = _run(engine_off, prompts, together)
+    assert engine_off.cache.prefix is None and engine_off.stats().prefix_queried_tokens == 0
     engine = _engine(model, tokenizer, True)
     on = _run(engine, prompts, together)
     assert on == off

@@ -162,8 +162,10 @@ def test_chat_template_renders_comments_then_code():
     ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "tiny", "prompt": []}, "prompt"),
     ({"model": "tiny", "prompt": [1, 999999]}, "token ids"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "echo"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}},
+     "response_format"),
     ({"model": "tiny", "prompt": ["x"] * 300}, "queues at most"),
 ])
 def test_invalid_completion_bodies_get_400_with_a_message(client, body, needle):

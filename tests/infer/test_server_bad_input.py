@@ -106,7 +106,7 @@ VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
           "stream_options", "stop", "seed", "ignore_eos", "logprobs", "presence_penalty",
           "frequency_penalty", "logit_bias", "best_of", "echo", "suffix", "messages",
-          "max_completion_tokens", "tools"]
+          "max_completion_tokens", "tools", "top_logprobs", "response_format"]
 FIELD_VALUES = st.one_of(VALUES, NASTY_TEXT, st.lists(NASTY_TEXT, min_size=1, max_size=3))
 MESSAGES = st.lists(st.fixed_dictionaries({}, optional={
     "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool", ""]), VALUES),

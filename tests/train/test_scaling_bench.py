@@ -67,3 +67,35 @@ def test_a_second_sitting_adds_its_rows_and_relates_them_to_the_first_single_run
     scaling.relate(rows)
     assert [(r.strategy, r.world_size, r.efficiency, r.speedup) for r in rows] == [
         ("single", 1, 1.0, 1.0), ("ddp", 2, 0.98, 1.96), ("fsdp", 2, 0.9, 1.8)]
+
+
+def _write_run(run_dir, steps: int, world_size: int, receipt: bool) -> None:
+    run_dir.mkdir(parents=True)
+    setup = {"type": "setup", "step": 0, "world_size": world_size, "modes": {"compile": True},
+             "global_batch": 2 * world_size, "mfu_peak_tflops": 500.0,
+             "mfu_peak_source": "measured in this run"}
+    train = [{"type": "train", "step": s, "tokens": s * 2 * world_size * 64,
+              "time_s": 0.1 * (1 + s % 2), "mfu": 0.3, "peak_mem_bytes": (s + 1) * 2**30}
+             for s in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [setup, *train]))
+    if receipt:
+        (run_dir / "receipt.json").write_text(json.dumps({
+            "config": {"outcome": {"status": "completed"}},
+            "fingerprint": {"devices": [{"name": "Some GPU"}], "packages": {"torch": "2.x"}},
+            "metrics": {"peak_mem_bytes": 9 * 2**30}}))
+
+
+def test_remeasure_keeps_a_run_stopped_after_its_last_step_and_fails_a_cut_one(tmp_path):
+    scaling = _scaling()
+    runs = tmp_path / "runs"
+    _write_run(runs / "p-single-w1", steps=6, world_size=1, receipt=True)
+    _write_run(runs / "p-fsdp-w2", steps=6, world_size=2, receipt=False)  # stopped at exit
+    _write_run(runs / "p-ddp-w2", steps=4, world_size=2, receipt=False)  # cut mid-run
+    scaling.main(["--remeasure", "--out", str(tmp_path), "--steps", "6", "--skip-steps", "2"])
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert rows["single"]["status"] == "ok" and rows["single"]["peak_mem_gib"] == 9.0
+    stopped = rows["fsdp"]
+    assert stopped["status"] == "ok" and "stopped before it wrote its receipt" in stopped["note"]
+    assert stopped["measured_steps"] == 4 and stopped["peak_mem_gib"] == 7.0  # rank 0, step 6
+    assert stopped["speedup"] == pytest.approx(2.0)  # same step times, twice the rows
+    assert rows["ddp"]["status"] == "failed" and "did not complete" in rows["ddp"]["error"]

@@ -58,6 +58,9 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
+    prefill_graphs: Annotated[bool, typer.Option(
+        help="On CUDA: replay prompts' first prefill chunks as captured CUDA graphs per "
+             "(batch, length) bucket.")] = True,
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache",
         help="Reuse the KV blocks and M/R state snapshots of prompts that share a prefix.")] = True,
@@ -95,8 +98,9 @@ def serve(
         raise MegaCppError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_MODES)}")
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                          max_waiting=max_waiting, prefix_cache=prefix_cache,
-                          prefix_snapshots=prefix_snapshots, snapshot_interval=snapshot_interval)
+                          max_waiting=max_waiting, prefill_graphs=prefill_graphs,
+                          prefix_cache=prefix_cache, prefix_snapshots=prefix_snapshots,
+                          snapshot_interval=snapshot_interval)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     classifier = _load_router(router)
     sock = _bind(host, port)  # before loading: a taken port fails fast

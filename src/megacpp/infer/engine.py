@@ -22,6 +22,13 @@ structure-id embedding gets each token's tree-sitter structure id from
 :mod:`megacpp.infer.structure` (prompt: one parse; each generated token: a parse of the
 sequence so far); a hashed n-gram branch gets each row's previous tokens from the sequence.
 The engine is single-threaded: one thread calls add_request / abort / step.
+
+Logprobs (:mod:`megacpp.infer.logprobs`): with ``SamplingParams.logprobs`` each output carries
+its token's logprob and top alternatives; with ``prompt_logprobs`` the request's first output
+carries one entry per prompt token (None for the first, which nothing predicts). Prompt
+entries are collected chunk by chunk as the prompt is prefilled; a recompute after
+preemption does not add them twice, and a prompt position that was never computed is an error
+(prompt logprobs need every prompt position run through the model).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from megacpp.errors import ConfigError, MegaCppError
 from megacpp.infer.cache_manager import CacheManager, default_num_blocks
 from megacpp.infer.detokenize import IncrementalDetokenizer, StopText
 from megacpp.infer.graphs import DecodeGraphs
+from megacpp.infer.logprobs import TokenLogprob
 from megacpp.infer.model_runner import ModelRunner, ModelRunnerOutput
 from megacpp.infer.sampling import SamplingParams
 from megacpp.infer.scheduler import Scheduler, SchedulerOutput, Sequence
@@ -54,13 +62,16 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA: replay the decode step as captured CUDA graphs
     compile_decode: bool = False  # with cuda_graphs: torch.compile each block family's
     #                               decode step first (fewer kernels; slow first steps)
+    prefill_graphs: bool = True  # on CUDA: replay first prefill chunks as captured CUDA
+    #                              graphs per (batch, length) bucket (infer/prefill_graphs.py)
+    prefill_graph_tokens: int = 2048  # the largest captured prefill bucket (batch x length)
     prefix_cache: bool = True  # reuse KV blocks and M/R state snapshots of shared prefixes
     prefix_snapshots: int | None = None  # M/R snapshot rows; None: 2 * max_num_seqs
     snapshot_interval: int = 512  # M/R snapshot grid in tokens (rounded up to whole blocks)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting",
-                     "snapshot_interval"):
+                     "prefill_graph_tokens", "snapshot_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise ConfigError(f"EngineConfig.{name} must be an integer in 1..2^31-1, "
@@ -111,6 +122,10 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     stop: str | None = None  # the stop string that ended it (finish_reason "stop")
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids (SamplingParams.logprobs)
+    # one per prompt token, the first None; on the request's first output only
+    # (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -174,11 +189,16 @@ class Engine:
             max_model_len=config.max_model_len,
             cuda_graphs=config.cuda_graphs,
             compile_decode=config.compile_decode,
+            prefill_graphs=config.prefill_graphs,
+            prefill_graph_tokens=config.prefill_graph_tokens,
         )
         self.structure = (  # per-token structure ids, for a structure-embedding model
             StructureIds(tokenizer) if model.structure_embed is not None else None)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[RequestOutput] = []  # reported by the next step()
+        # request id -> prompt logprobs so far (requests with prompt_logprobs, until the
+        # first output delivers them)
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._prompt_tokens = self._generated_tokens = 0
 
     @property
@@ -225,6 +245,8 @@ class Engine:
             structure_ids=None if self.structure is None else self.structure.label(prompt_ids),
         )
         self.sequences[request_id] = seq
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None]  # nothing predicts the first token
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt_ids)
 
@@ -260,6 +282,7 @@ class Engine:
         if seq is None:
             return
         self.scheduler.remove(seq)
+        self._prompt_logprobs.pop(request_id, None)
         self._aborted.append(self._output(seq, [], "", "abort"))
 
     def has_unfinished(self) -> bool:
@@ -303,12 +326,28 @@ class Engine:
         the requests that stop (their blocks and slot go back to the free lists)."""
         for work in (*scheduled.prefills, *scheduled.decodes):
             self.scheduler.computed(self.sequences[work.request_id], work.end)
+        for rid, (first, entries) in result.prompt_logprobs.items():
+            self._add_prompt_logprobs(self.sequences[rid], first, entries)
         outputs = []
         for rid, token in zip(result.request_ids, result.sampled_token_ids, strict=True):
-            outputs.append(self._append_token(self.sequences[rid], token))
+            outputs.append(self._append_token(self.sequences[rid], token,
+                                              result.logprobs.get(rid)))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _add_prompt_logprobs(self, seq: Sequence, first: int,
+                             entries: list[TokenLogprob]) -> None:
+        """Entries for tokens first, first+1, ...: keep the prompt tokens not yet recorded."""
+        have = self._prompt_logprobs.get(seq.request_id)
+        if have is None or len(have) >= seq.prompt_len:
+            return  # delivered already, or complete (a recompute after preemption)
+        if first > len(have):
+            raise MegaCppError(
+                f"request {seq.request_id!r}: prompt logprobs need every prompt position "
+                f"computed, but prompt tokens {len(have)}..{first - 1} were not scored")
+        have.extend(entries[len(have) - first : seq.prompt_len - first])
+
+    def _append_token(self, seq: Sequence, token: int,
+                      logprob: TokenLogprob | None = None) -> RequestOutput:
         seq.token_ids.append(token)
         self._generated_tokens += 1
         params = seq.params
@@ -332,7 +371,15 @@ class Engine:
             self.scheduler.remove(seq)
         elif self.structure is not None:  # the id the next decode step feeds with the token
             seq.structure_ids.append(self.structure.label_last(seq.token_ids))
-        return self._output(seq, [token], text, reason)
+        out = self._output(seq, [token], text, reason)
+        if logprob is not None:
+            out.logprobs = [logprob]
+        if seq.request_id in self._prompt_logprobs:
+            out.prompt_logprobs = self._prompt_logprobs.pop(seq.request_id)
+            if len(out.prompt_logprobs) != seq.prompt_len:
+                raise MegaCppError(f"request {seq.request_id!r}: {len(out.prompt_logprobs)} "
+                                   f"prompt logprobs for {seq.prompt_len} prompt tokens")
+        return out
 
     def _output(self, seq: Sequence, ids: list[int], text: str, reason: str | None) -> RequestOutput:
         return RequestOutput(

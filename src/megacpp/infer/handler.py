@@ -1,12 +1,14 @@
 """The state behind the app (:class:`Server`: specialists, router, metrics) and how one
 request runs: submit its engine requests, then answer with one JSON body, or with
-Server-Sent Events (one ``data: {json}`` chunk per engine output that carries text, then
-``data: [DONE]``), aborting the engine requests when the client goes away."""
+Server-Sent Events (one ``data: {json}`` chunk per engine output that carries text, or
+tokens when logprobs are asked, then ``data: [DONE]``), aborting the engine requests when the
+client goes away. With ``echo``, a choice's prompt (and its logprobs) comes first."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -19,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from megacpp.errors import MegaCppError
 from megacpp.infer.async_engine import EngineFailure, EngineStopped, RequestStream
 from megacpp.infer.jobs import Job, Specialist, prepare_job
+from megacpp.infer.logprobs import CompletionLogprobs, chat_logprobs, merge_pieces
 from megacpp.infer.metrics import Metrics
 from megacpp.infer.protocol import FINISH_REASONS, Body, engine_error
 from megacpp.infer.router import Router, SnippetClassifier
@@ -74,6 +77,10 @@ class Server:
                 else:
                     self.metrics.observe_inter_token(model, now - last[out.request_id])
                 last[out.request_id] = now
+            if not job.generates:  # echo with max_tokens=0: the sampled token is left out
+                out = dataclasses.replace(out, new_token_ids=[], new_text="", logprobs=None,
+                                          finish_reason="length" if out.finished else None,
+                                          stop=None, completion_tokens=0)
             yield out
 
     def _finish(self, job: Job, code: int | str, prompt_tokens: int, completion_tokens: int):
@@ -84,6 +91,8 @@ class Server:
     async def _complete(self, job: Job, stream: RequestStream, request: Request):
         """Collect a whole response; a client that disconnects meanwhile aborts it."""
         texts = {i: [] for i in job.index.values()}
+        picks = {i: _Choice(job, i) for i in job.index.values()}
+        logprobs: dict[int, list] = {i: [] for i in job.index.values()}
         finish: dict[int, str] = {}
         stop_reason: dict[int, str | None] = {}  # vLLM's field: the stop string, or null
         usage = _Usage(job)
@@ -91,7 +100,10 @@ class Server:
         async def collect() -> None:
             async for out in self._outputs(job, stream):
                 i = job.index[out.request_id]
-                texts[i].append(out.new_text)
+                text, piece = picks[i].delta(out)
+                texts[i].append(text)
+                if piece is not None:
+                    logprobs[i].append(piece)
                 usage.add(out)
                 if out.finished:
                     finish[i] = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
@@ -118,12 +130,13 @@ class Server:
         choices = []
         for i in sorted(texts):
             text = "".join(texts[i])
+            lp = picks[i].merged(logprobs[i])
             if job.endpoint == "chat":
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": finish.get(i),
+                                "logprobs": lp, "finish_reason": finish.get(i),
                                 "stop_reason": stop_reason.get(i)})
             else:
-                choices.append({"index": i, "text": text, "logprobs": None,
+                choices.append({"index": i, "text": text, "logprobs": lp,
                                 "finish_reason": finish.get(i), "stop_reason": stop_reason.get(i)})
         self._finish(job, 200, usage.prompt, usage.completion)
         body = {"id": job.request_id,
@@ -139,6 +152,7 @@ class Server:
         base = {"id": job.request_id, "object": "chat.completion.chunk" if chat else
                 "text_completion", "created": created, "model": job.specialist.name}
         code: int | str = 499  # unless it gets to the end
+        picks = {i: _Choice(job, i) for i in job.index.values()}
 
         def chunk(choices: list[dict], **extra: Any) -> str:
             return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
@@ -150,17 +164,18 @@ class Server:
                              for i in sorted(job.index.values())])
             async for out in self._outputs(job, stream):
                 usage.add(out)
-                if not out.new_text and not out.finished:
-                    continue
                 i = job.index[out.request_id]
+                text, logprobs = picks[i].delta(out)
+                if not text and not out.finished and (logprobs is None or not out.new_token_ids):
+                    continue
                 reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason) \
                     if out.finished else None
                 ended = {"finish_reason": reason, "stop_reason": out.stop if out.finished else None}
                 if chat:
-                    delta = {"content": out.new_text} if out.new_text else {}
-                    choice = {"index": i, "delta": delta, "logprobs": None, **ended}
+                    delta = {"content": text} if text else {}
+                    choice = {"index": i, "delta": delta, "logprobs": logprobs, **ended}
                 else:
-                    choice = {"index": i, "text": out.new_text, "logprobs": None, **ended}
+                    choice = {"index": i, "text": text, "logprobs": logprobs, **ended}
                 yield chunk([choice])
             if (job.body.stream_options or {}).get("include_usage"):
                 yield chunk([], usage=usage.to_dict())
@@ -173,6 +188,48 @@ class Server:
             stream.close()
             self._finish(job, code, usage.prompt, usage.completion)
         yield "data: [DONE]\n\n"
+
+
+class _Choice:
+    """One choice's text and logprobs as its outputs arrive: with echo, the prompt (and its
+    logprobs) comes first; logprobs in the request's wire format, or None when not asked."""
+
+    def __init__(self, job: Job, index: int) -> None:
+        self.job = job
+        self.tokenizer = job.specialist.tokenizer
+        self.prompt = job.prompts[index // job.body.n]
+        self.chat = job.endpoint == "chat"
+        self.wants_logprobs = bool(job.body.logprobs) if self.chat else (
+            job.body.logprobs is not None)
+        self.completion = None if self.chat or not self.wants_logprobs else (
+            CompletionLogprobs(self.tokenizer))
+        self.started = False
+
+    def delta(self, out: Any) -> tuple[str, dict | None]:
+        """The text and the logprobs object that ``out`` adds to the choice."""
+        text, pieces = out.new_text, []
+        ids, entries = out.new_token_ids, out.logprobs or [None] * len(out.new_token_ids)
+        if not self.started:
+            self.started = True
+            if self.job.echo:
+                text = self.tokenizer.decode(self.prompt) + text
+                if self.completion is not None:
+                    prompt_entries = out.prompt_logprobs or [None] * len(self.prompt)
+                    pieces.append(self.completion.piece(self.prompt, prompt_entries))
+        if not self.wants_logprobs:
+            return text, None
+        if self.chat:
+            return text, chat_logprobs(self.tokenizer, out.logprobs or [])
+        pieces.append(self.completion.piece(ids, entries))
+        return text, merge_pieces(pieces)
+
+    def merged(self, pieces: list[dict]) -> dict | None:
+        """The deltas' logprobs objects as one (a whole response)."""
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return {"content": [item for p in pieces for item in p["content"]]}
+        return merge_pieces(pieces)
 
 
 class _Usage:

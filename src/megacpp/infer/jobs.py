@@ -57,6 +57,16 @@ class Job:
     def headers(self) -> dict[str, str]:
         return {SPECIALIST_HEADER: self.specialist.name, ROUTE_HEADER: self.route.how}
 
+    @property
+    def generates(self) -> bool:
+        """False for a completion with echo and max_tokens=0: the engine samples one token
+        (its prefill yields one anyway), which the response leaves out."""
+        return self.body.max_tokens != 0
+
+    @property
+    def echo(self) -> bool:
+        return isinstance(self.body, CompletionRequest) and self.body.echo
+
 
 def prepare_job(endpoint: str, body: Body, arrived: float, specialists: dict[str, Specialist],
                 router: Router) -> tuple[Job, list]:
@@ -134,6 +144,8 @@ def _max_tokens(spec: Specialist, body: Body, prompt_len: int) -> int:
                          f"{spec.max_model_len} tokens, which leaves no room to generate",
                          "prompt")
     asked = body.max_tokens
+    if asked == 0:  # echo only (refuse_unenforceable): one token is sampled and left out
+        return 1
     if isinstance(body, ChatRequest):
         asked = body.max_completion_tokens or asked
     if asked is None:
@@ -146,6 +158,12 @@ def _max_tokens(spec: Specialist, body: Body, prompt_len: int) -> int:
 
 
 def _params(body: Body, max_tokens: int, stops: tuple[str, ...], j: int) -> SamplingParams:
+    if isinstance(body, ChatRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=body.top_k or 0,
@@ -154,4 +172,6 @@ def _params(body: Body, max_tokens: int, stops: tuple[str, ...], j: int) -> Samp
         stop=stops,
         seed=sample_seed(body.seed, j),
         ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -6,9 +6,11 @@ position tensors, the slot mapping (where each token's KV entry is written in th
 pools), block tables (padded with the scratch block) and state slots -- runs
 :meth:`HybridLM.forward_paged` over the engine's pools and samples:
 
-* prefill chunks of equal length share one [B, L] forward (a burst of same-size prompts);
-  rows are never padded, since padding would run the M/R recurrences over tokens that are not
-  there. A token is sampled only after a prompt's last chunk.
+* chunks that start their sequence (and want no prompt logprobs) run through the captured
+  prefill graphs (:mod:`megacpp.infer.prefill_graphs`, CUDA with ``prefill_graphs``):
+  left-padded to a (batch, length) bucket, any lengths in one replay. Other chunks of equal
+  length share one eager [B, L] forward (a burst of same-size prompts), never padded. A
+  token is sampled only after a prompt's last chunk.
 * all decoding requests advance together in one [B, 1] forward where every row sits at its
   own position -- through the captured CUDA graphs (:mod:`megacpp.infer.graphs`) on CUDA with
   ``cuda_graphs``, eagerly otherwise.
@@ -23,16 +25,23 @@ the engine, :mod:`megacpp.infer.structure`); a model with a hashed n-gram branch
 ``max(orders) - 1`` tokens before each row's first token, taken from the sequence's tokens
 (-1 before its start) -- in prefill and decode alike, so chunked prefill, preemption and
 CUDA graphs see the same features as the training forward.
+
+Logprobs (:mod:`megacpp.infer.logprobs`), only for the requests that ask: a sampled token's
+comes from the logits it was sampled from; prompt logprobs (``SamplingParams.prompt_logprobs``)
+need the logits at every position of a prefill chunk, so chunks that ask run in their own
+forwards with ``all_positions`` ([B, L, V] logits), and the others keep the last-token path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megacpp.infer.cache_manager import CacheManager
 from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
+from megacpp.infer.logprobs import TokenLogprob, token_logprobs, truncated
+from megacpp.infer.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from megacpp.infer.sampling import sample_rows
 from megacpp.infer.scheduler import ScheduledRequest, SchedulerOutput
 from megacpp.model.cache import PagedBatch
@@ -45,6 +54,11 @@ class ModelRunnerOutput:
 
     request_ids: list[str]
     sampled_token_ids: list[int]  # one per request id
+    # request id -> the sampled token's logprob (requests with SamplingParams.logprobs)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request id -> (t, entries for the known tokens t, t+1, ... that the chunk's positions
+    # predict) for prefill chunks of requests with SamplingParams.prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -60,6 +74,8 @@ class ModelRunner:
         max_model_len: int,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        prefill_graphs: bool = True,
+        prefill_graph_tokens: int = 2048,
     ) -> None:
         self.model, self.cache = model, cache
         self.device = cache.device
@@ -70,28 +86,52 @@ class ModelRunner:
             max_width = -(-max_model_len // cache.block_size)
             decode_fn = compiled_decode_fn(model) if compile_decode else None
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_width, decode_fn)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.device.type == "cuda" and prefill_graphs and supports_prefill_graphs(model):
+            self.prefill_graphs = PrefillGraphs(model, cache, max_num_seqs, max_model_len,
+                                                prefill_graph_tokens)
 
     @torch.no_grad()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step's prefill chunks and its batched decode; sample where asked."""
         sampled: list[tuple[str, int]] = []
-        for group in _equal_length_groups(scheduled.prefills):
-            logits = self._run_prefill(group)  # [len(group), V]
+        out = ModelRunnerOutput([], [])
+        for group, run in self._prefill_groups(scheduled.prefills):
+            scored = group[0].params.prompt_logprobs is not None  # eager groups only
+            if scored:
+                logits = self._run_prefill(group, all_positions=True)  # [B, L, V]
+                out.prompt_logprobs.update(self._prompt_logprobs(group, logits))
+                logits = logits[:, -1]  # [B, V]: equal-length rows, unpadded
+            else:
+                logits = run(group)  # [B, V]
             done = [i for i, req in enumerate(group) if req.sample]
             if done:
-                sampled += self._sample([group[i] for i in done], logits[done])
+                sampled += self._sample([group[i] for i in done], logits[done], out.logprobs)
         if scheduled.decodes:
             logits = self._run_decode(scheduled.decodes)  # [B, V]
-            sampled += self._sample(scheduled.decodes, logits)
-        return ModelRunnerOutput(
-            request_ids=[rid for rid, _ in sampled],
-            sampled_token_ids=[token for _, token in sampled],
-        )
+            sampled += self._sample(scheduled.decodes, logits, out.logprobs)
+        out.request_ids = [rid for rid, _ in sampled]
+        out.sampled_token_ids = [token for _, token in sampled]
+        return out
+
+    def _prefill_groups(self, chunks: list[ScheduledRequest]) -> list[tuple[list, object]]:
+        """The step's prefill chunks as (group, runner): the prefill graphs' groups first,
+        then the rest grouped by equal length for the eager forward."""
+        graphs = self.prefill_graphs
+        if graphs is None:
+            return [(g, self._run_prefill) for g in _equal_length_groups(chunks)]
+        # prompt logprobs need every position's logits: those chunks prefill eagerly
+        graphed = [graphs.takes(c) and c.params.prompt_logprobs is None for c in chunks]
+        taken = [c for c, g in zip(chunks, graphed, strict=True) if g]
+        rest = [c for c, g in zip(chunks, graphed, strict=True) if not g]
+        return ([(g, graphs.run) for g in graphs.groups(taken)]
+                + [(g, self._run_prefill) for g in _equal_length_groups(rest)])
 
     # -- inputs and forward ----------------------------------------------------------------------
-    def _run_prefill(self, chunks: list[ScheduledRequest]) -> torch.Tensor:
+    def _run_prefill(self, chunks: list[ScheduledRequest], all_positions: bool = False
+                     ) -> torch.Tensor:
         """Chunks of equal length, one row each, through the model in one forward -> logits
-        [len(chunks), V] at each row's last token."""
+        [len(chunks), V] at each row's last token (``all_positions``: [len(chunks), L, V])."""
         dev = self.device
         ids = torch.tensor([c.token_ids for c in chunks], device=dev)
         positions = torch.stack([torch.arange(c.start, c.end, device=dev) for c in chunks])
@@ -105,7 +145,8 @@ class ModelRunner:
             structure_ids=self._structure_ids(chunks),
             ngram_context=self._ngram_context(chunks),
         )
-        return self.model.forward_paged(ids, self.cache.layers, batch)
+        return self.model.forward_paged(ids, self.cache.layers, batch,
+                                        all_positions=all_positions)
 
     def _run_decode(self, rows: list[ScheduledRequest]) -> torch.Tensor:
         """Every decoding row's last token at its own position -> logits [B, V]."""
@@ -168,8 +209,10 @@ class ModelRunner:
         return torch.tensor(tables, device=self.device)
 
     # -- sampling --------------------------------------------------------------------------------
-    def _sample(self, rows: list[ScheduledRequest], logits: torch.Tensor) -> list[tuple[str, int]]:
-        """One token per row of ``logits`` [B, V], batched (a single host sync)."""
+    def _sample(self, rows: list[ScheduledRequest], logits: torch.Tensor,
+                logprobs: dict[str, TokenLogprob]) -> list[tuple[str, int]]:
+        """One token per row of ``logits`` [B, V], batched (a single host sync); the rows that
+        ask for logprobs get theirs in ``logprobs``."""
         if all(r.generator is None for r in rows):
             tokens = logits.argmax(-1)
         else:
@@ -179,15 +222,38 @@ class ModelRunner:
             ).to(self.device)
             top_k = torch.tensor([r.params.top_k for r in rows]).to(self.device)
             tokens = sample_rows(logits, params[:, 0], top_k, params[:, 1], params[:, 2])
+        scored = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if scored:
+            k = max(rows[i].params.logprobs for i in scored)
+            entries = token_logprobs(logits[scored], tokens[scored], k)
+            for i, entry in zip(scored, entries, strict=True):
+                logprobs[rows[i].request_id] = truncated(entry, rows[i].params.logprobs)
         return list(zip([r.request_id for r in rows], tokens.tolist(), strict=True))
+
+    def _prompt_logprobs(self, chunks: list[ScheduledRequest], logits: torch.Tensor
+                         ) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """Per chunk, the logprobs of the tokens its positions predict, as far as the
+        sequence's tokens are known (a prompt's last position predicts the sampled token,
+        which is not a prompt token). ``logits`` [B, L, V]."""
+        out = {}
+        for req, row_logits in zip(chunks, logits, strict=True):
+            targets = req.history[req.start + 1 : req.end + 1]  # tokens start+1 .. end
+            if targets:
+                entries = token_logprobs(row_logits[: len(targets)],
+                                         torch.tensor(targets, device=self.device),
+                                         req.params.prompt_logprobs)
+                out[req.request_id] = (req.start + 1, entries)
+        return out
 
 
 def _equal_length_groups(chunks: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
     """The step's prefill chunks grouped by length (first-seen order), so chunks of equal
-    length -- a burst of same-size prompts -- share one forward."""
-    groups: dict[int, list[ScheduledRequest]] = {}
+    length -- a burst of same-size prompts -- share one forward; chunks that want prompt
+    logprobs (all positions' logits) are grouped apart from those that do not."""
+    groups: dict[tuple[int, bool], list[ScheduledRequest]] = {}
     for chunk in chunks:
-        groups.setdefault(len(chunk.token_ids), []).append(chunk)
+        key = (len(chunk.token_ids), chunk.params.prompt_logprobs is not None)
+        groups.setdefault(key, []).append(chunk)
     return list(groups.values())
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from megacpp.errors import MegaCppError
 from megacpp.infer.async_engine import EngineStopped
 from megacpp.infer.router import UnknownModel
+from megacpp.infer.sampling import MAX_LOGPROBS
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOP_SEQUENCES = 16
@@ -62,7 +63,7 @@ class Body(_Strict):
     """Fields shared by both endpoints."""
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions with echo only
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # extension
@@ -72,8 +73,8 @@ class Body(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False  # extension: generate past EOS (benchmarks)
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: nothing is enforced
     # accepted only at their neutral value
-    logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
@@ -82,7 +83,8 @@ class Body(_Strict):
 
 class CompletionRequest(Body):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+    echo: bool = False  # the prompt comes back before the completion (with logprobs: its own)
     suffix: str | None = None
 
 
@@ -94,6 +96,8 @@ class ChatMessage(_Strict):
 class ChatRequest(Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs=true
     tools: list[Any] | None = None
 
 
@@ -107,8 +111,8 @@ class BadRequest(MegaCppError):
 
 def refuse_unsupported(body: Body) -> None:
     """A :class:`BadRequest` for a field this server cannot honour, unless it is neutral."""
-    neutral = {"logprobs": (None, False, 0), "presence_penalty": (None, 0), "frequency_penalty":
-               (None, 0), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (False,),
+    neutral = {"presence_penalty": (None, 0), "frequency_penalty":
+               (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
                "suffix": (None, ""), "tools": (None, [])}
     for name, allowed in neutral.items():
         if name not in type(body).model_fields:
@@ -116,6 +120,26 @@ def refuse_unsupported(body: Body) -> None:
         value = getattr(body, name)
         if value not in allowed:
             raise BadRequest(f"{name}={value!r} is not supported by this server", name)
+    refuse_unenforceable(body)
+
+
+def refuse_unenforceable(body: Body) -> None:
+    """A :class:`BadRequest` for a response_format other than text (nothing constrains the
+    output here), for chat's top_logprobs without logprobs, and for max_tokens=0 except with
+    a completion's echo (the prompt's logprobs, generating nothing)."""
+    fmt = body.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt.get("type"), str) else None
+        what = f"response_format type {kind[:40]!r}" if kind else "this response_format"
+        raise BadRequest(f"{what} is not supported: this server cannot constrain its output "
+                         'to a format; only {"type": "text"} (or no response_format) is '
+                         "accepted", "response_format")
+    if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    if body.max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):
+        raise BadRequest("max_tokens=0 is accepted only on /v1/completions with echo=true "
+                         "(it returns the prompt, and its logprobs, without generating)",
+                         "max_tokens")
 
 
 def stop_strings(body: Body) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import torch
 from megacpp.errors import MegaCppError
 
 MAX_NEW_TOKENS = 2**31 - 1  # an int32 position; the cache memory is checked where it is made
+MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's default cap, OpenAI chat's)
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy decoding. ``top_k == 0`` and ``top_p == 1`` disable those
     filters. ``stop`` strings end a completion and are not part of it (OpenAI semantics).
     ``ignore_eos`` keeps generating past EOS until ``max_new_tokens`` (for benchmarks).
+    ``logprobs = k`` returns each sampled token's log-probability and the ``k`` most likely
+    tokens at its position; ``prompt_logprobs = k`` the same for every prompt token after the
+    first (:mod:`megacpp.infer.logprobs`). None turns either off.
     """
 
     temperature: float = 1.0
@@ -28,6 +32,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -45,6 +51,12 @@ class SamplingParams:
             raise MegaCppError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise MegaCppError(f"stop sequences must be non-empty strings, got {self.stop!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise MegaCppError(f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, "
+                                   f"got {k!r}")
 
 
 def sample_seed(seed: int | None, j: int) -> int | None:

@@ -15,7 +15,8 @@ One :meth:`Scheduler.schedule` round, in this order:
    with the same preemption rule;
 3. waiting sequences are admitted (FCFS, no preemption) while a state slot, blocks for their
    first chunk and prefill budget remain. With prefix caching a sequence starts after the
-   longest cached prefix of its tokens (:mod:`megacpp.infer.prefix_cache`), and a model with
+   longest cached prefix of its tokens (:mod:`megacpp.infer.prefix_cache`; not a request for
+   prompt logprobs, which needs every prompt position computed), and a model with
    M/R layers has its prefill chunks cut at the cache's snapshot boundaries.
 
 The oldest running sequence can always proceed (everything newer can be preempted, and the
@@ -37,6 +38,7 @@ import torch
 
 from megacpp.infer.cache_manager import CacheManager
 from megacpp.infer.detokenize import IncrementalDetokenizer, StopText
+from megacpp.infer.prefix_cache import NO_HIT
 from megacpp.infer.sampling import SamplingParams
 
 
@@ -197,7 +199,8 @@ class Scheduler:
             if self.cache.slots.num_free == 0:
                 return
             n_tokens = len(seq.token_ids)
-            hit = self.cache.match_prefix(seq.token_ids, seq.structure_ids)
+            hit = NO_HIT if seq.params.prompt_logprobs is not None else \
+                self.cache.match_prefix(seq.token_ids, seq.structure_ids)  # scores every token
             start = hit.num_tokens
             if not self.cache.can_admit(hit, min(n_tokens, start + budget)):
                 return

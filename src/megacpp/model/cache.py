@@ -49,6 +49,13 @@ class PagedBatch:
     ngram_context: [B, max order - 1] int64 the tokens before each row's first input token,
                   oldest first (``NO_TOKEN`` = -1 before the sequence's start), for a model
                   with a hashed n-gram branch (else None). See ``model/features.py``.
+    doc_ids:      [B, L] int64 document index of each input token, or None (one document):
+                  where it changes, M and R start from the empty state and the conv drops
+                  earlier inputs. Left padding (the prefill graphs) is document 0, the prompt
+                  document 1, so the recurrences never carry padding into a row's state.
+    fresh:        every row starts from the empty state (a first prefill chunk): M and R
+                  neither read nor check their slots' contents (no host sync), they only
+                  write the new state.
     """
 
     positions: Tensor
@@ -58,6 +65,8 @@ class PagedBatch:
     last_index: Tensor | None = None
     structure_ids: Tensor | None = None
     ngram_context: Tensor | None = None
+    doc_ids: Tensor | None = None
+    fresh: bool = False
     _memo: dict = field(default_factory=dict, repr=False)  # tables shared by the layers
 
     def forget(self) -> None:

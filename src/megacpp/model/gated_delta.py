@@ -161,7 +161,7 @@ class GatedDeltaNetMixer(RecurrentMixer):
 
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
-        cache: GatedDeltaCache | None = None,
+        cache: GatedDeltaCache | None = None, fresh: bool = False,
     ) -> Tensor:
         """Mix a sequence with the chunked op (``again`` is empty: ``INPUT_FANOUT`` 1).
 
@@ -170,10 +170,11 @@ class GatedDeltaNetMixer(RecurrentMixer):
         recurrent state nor the conv inputs of earlier documents. Without ``cache`` this is the
         training path (zero initial state). With ``cache`` it continues from the cache (its
         first token continues the cached document) and writes the final state back: prefill.
+        ``fresh``: start from the empty state whatever ``cache`` holds (only written).
         """
         chunked = resolve("gated_delta", x).fn  # the reference unless MEGACPP_KERNELS picks one
         op = partial(chunked, chunk_size=self.chunk_size)
-        return self._mix(x, doc_ids, cache, op)
+        return self._mix(x, doc_ids, cache, op, fresh)
 
     def step(self, x: Tensor, cache: GatedDeltaCache) -> Tensor:
         """One decode step with the recurrent op: ``x`` [B, 1, d_model]; updates ``cache``."""
@@ -223,7 +224,8 @@ class GatedDeltaNetMixer(RecurrentMixer):
         return projections + conv + op
 
     def _mix(
-        self, x: Tensor, doc_ids: Tensor | None, cache: GatedDeltaCache | None, op: GatedDeltaOp
+        self, x: Tensor, doc_ids: Tensor | None, cache: GatedDeltaCache | None, op: GatedDeltaOp,
+        fresh: bool = False,
     ) -> Tensor:
         self._check_inputs(x, doc_ids, cache)
         B, L, _ = x.shape
@@ -233,7 +235,8 @@ class GatedDeltaNetMixer(RecurrentMixer):
         if cache is None:  # the catalog's backend (reference unless MEGACPP_KERNELS says so)
             qkv = resolve("short_conv", qkv).fn(qkv, self.conv_weight, doc_ids)
         else:
-            qkv, conv_tail = short_causal_conv(qkv, self.conv_weight, cache.conv_state, doc_ids)
+            history = None if fresh else cache.conv_state  # None: zeros
+            qkv, conv_tail = short_causal_conv(qkv, self.conv_weight, history, doc_ids)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.view(B, L, H, K))  # [B, L, H, K]
         k = l2norm(k.view(B, L, H, K))
@@ -248,7 +251,7 @@ class GatedDeltaNetMixer(RecurrentMixer):
             v,
             g,
             beta,
-            initial_state=None if cache is None else cache.state,
+            initial_state=None if cache is None or fresh else cache.state,
             reset=None if doc_ids is None else document_starts(doc_ids),
             output_final_state=cache is not None,
         )  # o: [B, L, H, V]

@@ -173,7 +173,7 @@ class Mamba3Mixer(RecurrentMixer):
 
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
-        cache: Mamba3ScanState | None = None,
+        cache: Mamba3ScanState | None = None, fresh: bool = False,
     ) -> Tensor:
         """Chunked scan over x [B, L, d_model] -> [B, L, d_model].
 
@@ -181,6 +181,8 @@ class Mamba3Mixer(RecurrentMixer):
             t-1 to t starts a new document at t (state and trapezoid term are dropped).
         cache: continue from its state and write the final state back into it (prefill). The
             first token continues the cached sequence (no reset at t = 0).
+        fresh: start from the empty state without reading or checking ``cache`` (which only
+            receives the final state): no host sync, so a first prefill chunk can be captured.
         again: up to two more tensors with x's values, read by in_proj's second and third
             GEMMs (default x).
         """
@@ -189,7 +191,7 @@ class Mamba3Mixer(RecurrentMixer):
         # the catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
         # continues a non-zero cache runs the reference, the only form that takes an initial
         # state (an all-zero cache -- a first prefill chunk -- is the same as none)
-        initial = None if cache is None or cache.is_zero() else cache
+        initial = None if cache is None or fresh or cache.is_zero() else cache
         scan = mamba3_scan_chunked if initial is not None else resolve("mamba3_scan", inputs["v"]).fn
         y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
                         output_final_state=cache is not None)

@@ -108,10 +108,11 @@ class RecurrentMixer(Mixer):
     @abstractmethod
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
-        cache: Any = None,
+        cache: Any = None, fresh: bool = False,
     ) -> Tensor:
         """:meth:`Mixer.forward`; with ``cache`` (an :meth:`init_cache` state), continue from
-        it and write the final state back (prefill)."""
+        it and write the final state back (prefill). ``fresh``: start from the empty state
+        whatever ``cache`` holds (only the final state is written)."""
 
     @abstractmethod
     def step(self, x: Tensor, cache: Any) -> Tensor:
@@ -131,13 +132,15 @@ class RecurrentMixer(Mixer):
     ) -> Tensor:
         """The rows' slots (``cache.batch.state_slots``) gathered from the state pool, advanced
         (one token: :meth:`step`; more: the chunked forward from the state, i.e. chunked
-        prefill -- rows of equal length only, never padded, since padding would corrupt the
-        state) and scattered back."""
-        slots = cache.batch.state_slots
+        prefill) and scattered back. Padding is allowed only before a row's tokens, in a
+        document of its own (``batch.doc_ids``), so it never reaches the state."""
+        batch = cache.batch
+        slots = batch.state_slots
         state = gather_state(cache.pool, slots)
-        if x.shape[1] == 1:
+        if x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh:
             out = self.step(x, state)
         else:
-            out = self.forward(x, again=again, cache=state)
+            out = self.forward(x, doc_ids=batch.doc_ids, again=again, cache=state,
+                               fresh=batch.fresh)
         scatter_state(cache.pool, slots, state)
         return out

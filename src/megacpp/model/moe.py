@@ -107,8 +107,10 @@ class MoE(Mixer):
         self, x: torch.Tensor, cache: PagedView, again: tuple[torch.Tensor, ...] = ()
     ) -> torch.Tensor:
         """One-token steps (decode) through :func:`moe_all_experts` (fixed shapes, no host
-        sync); longer inputs (prefill) through :meth:`forward`."""
-        if x.shape[1] == 1:
+        sync); longer inputs (prefill) through :meth:`forward`, or also densely while a CUDA
+        graph is being captured with the reference experts (which read counts on the host)."""
+        if x.shape[1] == 1 or (x.is_cuda and torch.cuda.is_current_stream_capturing()
+                               and resolve("moe_experts", x).name == "reference"):
             return moe_all_experts(self, x)
         return self.forward(x, again=again)
 

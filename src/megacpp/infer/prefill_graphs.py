@@ -1,0 +1,266 @@
+"""First prefill chunks as replayed CUDA graphs, one per (batch, length) bucket.
+
+Eager prefill of a short prompt is launch-bound: each of the model's blocks launches tens of
+small kernels whatever the chunk's length, so a 128-token prompt costs about as much host
+time as a 2k-token one. Capturing the prefill forward for fixed shapes turns those thousands
+of launches into one graph replay. CUDA graphs, not ``torch.compile``: the catalog's Triton
+kernels (scans, grouped MoE GEMMs) already fuse the heavy work, the remaining cost is launch
+overhead, and graphs remove it without compile time or recompiles across bucket shapes.
+
+Which chunks: a chunk that starts a sequence (``start == 0``: a prompt's first chunk, or a
+preempted sequence's recompute) of at most ``max_len`` tokens. Chunks of any lengths share
+one replay: ``B`` chunks whose longest has ``L`` tokens run the graph of the smallest bucket
+``(b >= B, l >= L)`` -- batch sizes as the decode graphs' (1, 2, 4, 8, then multiples of 8),
+lengths powers of two from 16 -- while ``b * l <= max_tokens`` (longer work is
+compute-bound, so it runs eagerly). Continuation chunks (``start > 0``) run eagerly.
+
+Padding goes *before* each row's tokens (left padding), so every row's last token sits at
+the last index (its logits are read there) and:
+
+* padding tokens feed token 0 at position 0 and write their cache entries into the scratch
+  block; a row's real tokens keep positions ``0..n-1`` and their own blocks, so attention
+  never sees a padding key (causal mask by position over the row's block table);
+* padding is document 0 and the prompt document 1 (``PagedBatch.doc_ids``): M and R reset
+  at the prompt's first token (state, trapezoid term and conv inputs dropped), so no
+  padding reaches a row's final state; every row starts from the empty state
+  (``PagedBatch.fresh``), so the slots are not read or checked. Mamba-3's cumulative
+  rotation angle does advance over the padding: a common offset of every later token's
+  angle, which cancels in each interaction (they depend only on angle differences);
+* padding rows (batch up to the bucket) write into the scratch block and scratch slot.
+
+Graphs are captured lazily on first use (:meth:`PrefillGraphs.capture_all` captures every
+bucket up front) and share one memory pool, apart from the decode graphs' pool.
+
+The eager path (unpadded, grouped by equal length, :meth:`HybridLM.forward_paged`) is the
+reference the padded replay is tested against (``tests/infer/test_prefill_graphs.py``, CPU
+and CUDA). A model with a hashed n-gram branch prefills eagerly (its n-gram windows would
+span the padding), and the model runner keeps chunks that want prompt logprobs (every
+position's logits) on the eager path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from megacpp.errors import MegaCppError
+from megacpp.infer.cache_manager import CacheManager
+from megacpp.infer.graphs import _EagerReplay, batch_buckets, bucket
+from megacpp.infer.scheduler import ScheduledRequest
+from megacpp.model.cache import PagedBatch
+from megacpp.model.model import HybridLM
+
+MIN_LENGTH = 16  # the smallest length bucket
+
+
+def length_buckets(max_len: int) -> list[int]:
+    """16, 32, 64, ... below ``max_len``, then ``max_len``."""
+    sizes, n = [], MIN_LENGTH
+    while n < max_len:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_len]
+
+
+def supports_prefill_graphs(model: HybridLM) -> bool:
+    """Whether a model's first chunks can be left-padded (not with a hashed n-gram branch)."""
+    return model.ngram_embed is None
+
+
+class _Bucket:
+    """The static inputs of one (b, l) bucket: one pinned host buffer, one device copy."""
+
+    def __init__(self, b: int, n: int, width: int, structure: bool, device: torch.device):
+        self.b, self.n, self.width = b, n, width
+        sizes = {"ids": b * n, "positions": b * n, "doc_ids": b * n, "slot_mapping": b * n,
+                 "tables": b * width, "state_slots": b, "structure": b * n if structure else 0}
+        self.offsets, start = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = (start, start + size)
+            start += size
+        self.host = torch.empty(start, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.dev = torch.empty(start, dtype=torch.int64, device=device)
+        # the last host-to-device copy (a replay that samples nothing syncs nothing, so the
+        # next staging waits for it before overwriting the pinned buffer)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def upload(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def wait_for_upload(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def host_view(self, name: str, cols: int) -> np.ndarray:
+        lo, hi = self.offsets[name]
+        return self.host.numpy()[lo:hi].reshape(-1, cols)
+
+    def dev_view(self, name: str, cols: int) -> torch.Tensor:
+        lo, hi = self.offsets[name]
+        return self.dev[lo:hi].view(-1, cols)
+
+
+class PrefillGraphs:
+    """Captures and replays first prefill chunks; see the module docstring."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        cache: CacheManager,
+        max_batch: int,
+        max_len: int,
+        max_tokens: int,
+        capture: bool = True,
+    ) -> None:
+        if not supports_prefill_graphs(model):
+            raise MegaCppError("prefill graphs: a model with a hashed n-gram branch prefills "
+                               "eagerly (its n-gram windows would span the padding)")
+        self.model, self.cache, self.capture = model, cache, capture
+        self.max_tokens = max_tokens
+        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
+        if not self.lengths:
+            raise MegaCppError(f"prefill graphs: max_tokens {max_tokens} is below the "
+                               f"smallest length bucket {MIN_LENGTH}")
+        self.max_len = self.lengths[-1]
+        self.batches = batch_buckets(max_batch)
+        self.uses_structure = model.structure_embed is not None
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self.buffers: dict[tuple[int, int], _Bucket] = {}
+        self.buckets_used: set[tuple[int, int]] = set()
+        self._pool = None
+
+    # -- which chunks ----------------------------------------------------------------------------
+    def takes(self, chunk: ScheduledRequest) -> bool:
+        """A chunk that starts its sequence and fits the largest length bucket."""
+        return chunk.start == 0 and len(chunk.token_ids) <= self.max_len
+
+    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """``chunks`` (all :meth:`takes`), shortest first, cut into groups whose bucket holds
+        at most ``max_tokens`` tokens (similar lengths together: little padding)."""
+        out: list[list[ScheduledRequest]] = []
+        group: list[ScheduledRequest] = []
+        longest = 0
+        for chunk in sorted(chunks, key=lambda c: len(c.token_ids)):
+            n = max(longest, len(chunk.token_ids))
+            if group and not self._fits(len(group) + 1, n):
+                out.append(group)
+                group, n = [], len(chunk.token_ids)
+            group.append(chunk)
+            longest = n
+        if group:
+            out.append(group)
+        return out
+
+    def _fits(self, rows: int, n: int) -> bool:
+        if rows > self.batches[-1]:
+            return False
+        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
+
+    # -- replay ----------------------------------------------------------------------------------
+    def run(self, chunks: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits [len(chunks), V] at each chunk's last token (a view into the graph's output
+        buffer, valid until the next call)."""
+        B, L = len(chunks), max(len(c.token_ids) for c in chunks)
+        if not all(self.takes(c) for c in chunks) or not self._fits(B, L):
+            raise ValueError(f"prefill graphs: {B} chunks of up to {L} tokens (or a chunk that "
+                             "does not start its sequence) fit no bucket")
+        b, n = bucket(self.batches, B), bucket(self.lengths, L)
+        graph, out = self._graph(b, n)  # capture first: it fills the buffers with padding
+        self.buckets_used.add((b, n))
+        self._stage(self.buffers[(b, n)], chunks)
+        graph.replay()
+        return out[:B]
+
+    def _stage(self, buf: _Bucket, chunks: list[ScheduledRequest]) -> None:
+        """Write the chunks, left-padded, into the bucket's buffers (padding elsewhere)."""
+        buf.wait_for_upload()
+        self._fill_padding(buf)
+        bs, n = self.cache.block_size, buf.n
+        ids, positions = buf.host_view("ids", n), buf.host_view("positions", n)
+        doc_ids, slots = buf.host_view("doc_ids", n), buf.host_view("slot_mapping", n)
+        tables, state_slots = buf.host_view("tables", buf.width), buf.host_view("state_slots", 1)
+        for i, chunk in enumerate(chunks):
+            k = len(chunk.token_ids)
+            pad = n - k
+            table = np.asarray(chunk.block_table[: buf.width], dtype=np.int64)
+            pos = np.arange(k, dtype=np.int64)
+            ids[i, pad:] = chunk.token_ids
+            positions[i, pad:] = pos
+            doc_ids[i, pad:] = 1
+            slots[i, pad:] = table[pos // bs] * bs + pos % bs
+            tables[i, : len(table)] = table
+            state_slots[i, 0] = chunk.state_slot
+            if self.uses_structure:
+                buf.host_view("structure", n)[i, pad:] = chunk.structure_ids
+        buf.upload()
+
+    def _fill_padding(self, buf: _Bucket) -> None:
+        c = self.cache
+        for name in ("ids", "positions", "doc_ids", "structure"):
+            lo, hi = buf.offsets[name]
+            buf.host.numpy()[lo:hi] = 0  # token 0 at position 0, document 0, structure OTHER
+        for name, value in (("slot_mapping", c.null_block * c.block_size),
+                            ("tables", c.null_block), ("state_slots", c.null_slot)):
+            lo, hi = buf.offsets[name]
+            buf.host.numpy()[lo:hi] = value
+
+    def _batch(self, buf: _Bucket) -> PagedBatch:
+        n = buf.n
+        return PagedBatch(
+            positions=buf.dev_view("positions", n),
+            slot_mapping=buf.dev_view("slot_mapping", n).flatten(),
+            block_tables=buf.dev_view("tables", buf.width),
+            state_slots=buf.dev_view("state_slots", 1).flatten(),
+            structure_ids=buf.dev_view("structure", n) if self.uses_structure else None,
+            doc_ids=buf.dev_view("doc_ids", n),
+            fresh=True,
+        )
+
+    # -- capture ---------------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Capture every bucket now (largest first, so smaller ones reuse its memory)."""
+        for b in reversed(self.batches):
+            for n in reversed(self.lengths):
+                if b * n <= self.max_tokens:
+                    self._graph(b, n)
+
+    def _graph(self, b: int, n: int) -> tuple[object, torch.Tensor]:
+        if (b, n) not in self.graphs:
+            width = -(-n // self.cache.block_size)
+            self.buffers[(b, n)] = _Bucket(b, n, width, self.uses_structure, self.cache.device)
+            self.graphs[(b, n)] = self._capture(self.buffers[(b, n)])
+        return self.graphs[(b, n)]
+
+    @torch.no_grad()
+    def _capture(self, buf: _Bucket) -> tuple[object, torch.Tensor]:
+        self._fill_padding(buf)  # warm-up and capture runs touch only the scratch block/slot
+        buf.dev.copy_(buf.host)
+        batch, ids, layers = self._batch(buf), buf.dev_view("ids", buf.n), self.cache.layers
+
+        def forward() -> torch.Tensor:
+            return self.model.forward_paged(ids, layers, batch)
+
+        if not self.capture:  # CPU stand-in: same buffers, same padding, eager replays
+            out = forward()
+            return _EagerReplay(forward, out), out
+        stream = torch.cuda.Stream(device=buf.dev.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # allocator, cuBLAS and Triton autotuning warm-up
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = forward()
+        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
+            raise MegaCppError(
+                f"capturing the prefill forward of bucket {buf.b} x {buf.n} failed ({exc}); "
+                "serve with --no-prefill-graphs, or with kernels that do not sync the host"
+            ) from exc
+        self._pool = graph.pool()
+        return graph, out
