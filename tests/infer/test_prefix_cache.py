@@ -5,6 +5,7 @@ pressure and after aborts."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,27 @@ def test_hits_reuse_blocks_and_skip_prefill(tokenizer):
     engine.step()
     assert all(r == 0 for r in engine.cache.prefix.blocks.refs)
     assert engine.stats().free_blocks == engine.stats().total_blocks
+
+
+def test_a_request_for_prompt_logprobs_scores_every_prompt_token(tokenizer):
+    """Prompt logprobs need every prompt position computed: such a request does not start
+    from the cache, and its logprobs equal those of an engine without it."""
+    model = _model(small_config("AMRA", vocab_size=tokenizer.vocab_size, init_std=0.3))
+    base = _prompts(model.cfg.vocab_size)["base"]
+    scored = dataclasses.replace(GREEDY, prompt_logprobs=1)
+    got = {}
+    for cache in (False, True):
+        engine = _engine(model, tokenizer, cache)
+        _run(engine, {"warm": base}, together=False)  # leaves base's blocks and snapshot
+        engine.add_request("scored", base, scored)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    got[cache] = out.prompt_logprobs
+        if cache:
+            assert engine.stats().prefix_queried_tokens == 2 * len(base)
+            assert engine.stats().prefix_hit_tokens == 0
+    assert len(got[True]) == len(base) and got[True] == got[False]
 
 
 def test_a_burst_waits_for_the_shared_prefix_instead_of_computing_it_twice(tokenizer):
