@@ -265,3 +265,28 @@ def test_prefix_cache_options_are_checked():
         EngineConfig(snapshot_interval=0)
     assert EngineConfig(max_num_seqs=5).snapshot_rows == 10
     assert EngineConfig(prefix_cache=False).snapshot_rows == 0
+
+
+@pytest.mark.parametrize("features", ["structure", "ngram"])
+def test_input_features_give_the_same_tokens_with_the_cache(tokenizer, features):
+    """A structure-id model hashes each block's structure ids with its tokens; a hashed
+    n-gram branch reads the tokens before a chunk (the chain covers them)."""
+    from tests.infer.test_features_engine import _model as features_model
+
+    model = features_model(tokenizer.vocab_size, structure=features == "structure",
+                           orders=(2, 3) if features == "ngram" else ())
+    base = "// add two numbers\nint add(int a, int b) {\n    int sum = a + b;\n    return"
+    prompts = {"base": base, "again": base, "more": base + " sum; }\n// next:",
+               "other": "#define GREETING"}
+    out = {}
+    for cache in (False, True):
+        engine = _engine(model, tokenizer, cache, max_model_len=96)
+        out[cache] = {}
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, GREEDY)
+            out[cache][rid] = []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out[cache][o.request_id] += o.new_token_ids
+    assert out[True] == out[False]
+    assert engine.stats().prefix_hit_tokens > 0  # "again" reuses base's blocks at least
