@@ -4,6 +4,7 @@
     python benchmarks/kernels.py --plot benchmarks/results/kernels/h100/kernels.json  # PNG only
     ... --name mamba3_scan_seq8192 --surfaces mamba3_scan --cases seq8192 \
         --backends triton_chunked,mamba_ssm                                      # a subset
+    ... --name mamba3_mimo_scan --surfaces mamba3_mimo_scan                    # MIMO vs mamba_ssm
 
 Measures the device ceilings first (a 1 GiB device-to-device copy, counting bytes read plus
 written; an 8192^3 bf16 matmul), then every surface with a fast backend at its bench case(s).
@@ -46,6 +47,9 @@ BENCH = {  # surface -> (cases, backends in table order)
     "attention": (["bench"], ["sdpa_flash", "reference"]),
     # the nam56r-350m step's attention over packed rows (12 / 2 heads, L 2048, two documents)
     "document_attention": (["step"], ["flex", "reference"]),
+    # DSA's attention over the selected keys at nam56r-cut13's widths (8 heads, kv_lora_rank
+    # 128, rope 32, top_k 512) over an 8k-token row, with the indexer KL's head-mean probs
+    "sparse_attention": (["cut13_8k"], ["triton", "reference"]),
     # the nam56r R mixer's q | k | v conv: 16k tokens, 1024 channels of the in_proj output
     "short_conv": (["nam56r"], ["triton", "torch_compile", "reference"]),
     # nam56r presets' R mixer (4 heads, K 64, V 128) at 4k and 8k tokens; fla's 16 x 128 shape
@@ -54,6 +58,9 @@ BENCH = {  # surface -> (cases, backends in table order)
     # batch 8, 32 heads x 64, d_state 128, chunk 64 (the Mamba-3 target's shape); peer:
     # mamba_ssm 2.3.2
     "mamba3_scan": (["seq4096", "seq8192"], ["triton_chunked", "mamba_ssm", "reference"]),
+    # Mamba-3 MIMO, rank 4, chunk 16 (mamba_ssm's tuned MIMO shape): ours (the intra-chunk
+    # form in Triton, the rest PyTorch) against mamba_ssm's TileLang op
+    "mamba3_mimo_scan": (["seq4096"], ["triton_intra", "mamba_ssm", "reference"]),
     # Newton-Schulz's polynomial at nam56r-350m's Muon batches; forward only (no autograd).
     # FLOPs count A A whole (2 m^3 a matrix): the symmetric kernel's rate is an effective one
     "muon_polynomial": (["nam56r_moe_in", "nam56r_moe_out", "nam56r_dense"],

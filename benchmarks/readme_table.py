@@ -1,10 +1,11 @@
-"""Render the README's tables of current numbers from benchmarks/results/<benchmark>/<device>/.
+"""Render the tables of current numbers from benchmarks/results/<benchmark>/<device>/.
 
     python benchmarks/readme_table.py            # print the tables
-    python benchmarks/readme_table.py --write    # rewrite them in README.md
-    python benchmarks/readme_table.py --check    # exit 1 if README.md differs (a CPU test runs this)
+    python benchmarks/readme_table.py --write    # rewrite them in their pages
+    python benchmarks/readme_table.py --check    # exit 1 if a page differs (a CPU test runs this)
 
-Each table sits in README.md between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``.
+Each table sits in its page (``PAGES``: README.md, docs/kernels.md) between
+``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``.
 Every row is read from a benchmark's latest JSON; its command is that folder's command.txt.
 A benchmark with no results yet renders no rows.
 """
@@ -129,8 +130,8 @@ def _commands_block(folder: Path, inline_max: int = 3) -> list[str]:
     rel = folder.relative_to(ROOT).as_posix()
     commands = _command(folder).splitlines()
     if len(commands) > inline_max:
-        return ["", f"Measured in [{rel}]({rel}) by the {len(commands)} lines of "
-                f"[command.txt]({rel}/command.txt)."]
+        return ["", (f"Measured in [{rel}]({rel}) by the {len(commands)} lines of "
+                     f"[command.txt]({rel}/command.txt).")]
     return ["", f"Measured in [{rel}]({rel}) by:", "", "```bash", *commands, "```"]
 
 
@@ -257,37 +258,45 @@ def kernels_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"quality": lambda: quality_table("quality_recipe"), "scaling": scaling_table, "results": headline_table,
-          "kernels": kernels_table}
+TABLES = {"quality": lambda: quality_table("quality_recipe"), "scaling": scaling_table,
+          "results": headline_table, "kernels": kernels_table}
+# the page each table lives on: the README's numbers, the kernel table in the kernels doc
+PAGES = {README: ("quality", "scaling", "results"),
+         ROOT / "docs" / "kernels.md": ("kernels",)}
 
 
-def render(readme: str) -> str:
-    for name, make in TABLES.items():
+def render(page: str, names: tuple[str, ...] = tuple(TABLES), where: str = "README.md") -> str:
+    for name in names:
         pattern = re.compile(rf"(<!-- table:{name} -->\n)(.*?)(<!-- /table:{name} -->)", re.DOTALL)
-        if not pattern.search(readme):
-            raise SystemExit(f"error: README.md has no <!-- table:{name} --> block")
-        table = make()
-        readme = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(3), readme)
-    return readme
+        if not pattern.search(page):
+            raise SystemExit(f"error: {where} has no <!-- table:{name} --> block")
+        table = TABLES[name]()
+        page = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(3), page)
+    return page
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the tables in README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md is stale")
+    mode.add_argument("--write", action="store_true", help="rewrite the tables in their pages")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     args = ap.parse_args()
     if not (args.write or args.check):
         for name, make in TABLES.items():
             print(f"<!-- table:{name} -->\n{make()}\n")
         return 0
-    current = README.read_text()
-    rendered = render(current)
-    if args.write:
-        README.write_text(rendered)
-    elif args.check and rendered != current:
-        print("error: README.md's tables differ from benchmarks/results; run "
+    stale = []
+    for path, names in PAGES.items():
+        where = path.relative_to(ROOT).as_posix()
+        current = path.read_text()
+        rendered = render(current, names, where)
+        if args.write:
+            path.write_text(rendered)
+        elif rendered != current:
+            stale.append(where)
+    if stale:
+        print(f"error: the tables of {', '.join(stale)} differ from benchmarks/results; run "
               "python benchmarks/readme_table.py --write", file=sys.stderr)
         return 1
     return 0

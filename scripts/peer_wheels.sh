@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fill .whl/ with the wheels the GPU machine needs and cannot download (it has no network): the
 # peers the kernel bench measures against (mamba_ssm, Liger, fla), pytest-split for
-# scripts/gpu_tests.sh, and the pure-Python / binary packages megacpp imports that its image
-# lacks. Carry .whl to the machine; scripts/gpu_tests.sh and the call scripts under
+# scripts/gpu_tests.sh, torchao for FP8 training (parallel.float8), and the pure-Python /
+# binary packages megacpp imports that its image lacks. Carry .whl to the machine; scripts/gpu_tests.sh and the call scripts under
 # benchmarks/results install it with
 #   python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 #
@@ -27,7 +27,8 @@ mkdir -p .whl
 # megacpp's own imports at the versions its CPU CI resolves
 PURE=(liger-kernel==0.8.5 flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
       pytest-split==0.11.0 datasketch==2.0.0)
-BINARY=(tree-sitter==0.26.1 tree-sitter-cpp==0.23.4)
+# torchao: parallel.float8 (abi3 wheel with CUDA extensions; 0.18 loads them on torch >= 2.11)
+BINARY=(tree-sitter==0.26.1 tree-sitter-cpp==0.23.4 torchao==0.18.0)
 
 log "pure-Python wheels: ${PURE[*]}"
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \

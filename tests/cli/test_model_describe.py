@@ -24,9 +24,9 @@ def test_describe_nam56r_json_totals_add_up():
 
 
 def test_describe_table_shows_every_layer():
-    out = megacpp("model", "describe", "AEMR|D", "--config", "tiny")
+    out = megacpp("model", "describe", "AEMR|DM:mimo", "--config", "tiny")
     assert out.returncode == 0, out.stderr
-    for needle in ("embedding", "lm_head (tied)", "A", "E", "M", "R", "D", "MFLOP/tok"):
+    for needle in ("embedding", "lm_head (tied)", "A", "E", "M", "M:mimo", "R", "D", "MFLOP/tok"):
         assert needle in out.stdout
 
 
@@ -35,7 +35,6 @@ def test_describe_bad_input_is_one_line_exit_2():
         (("AEXM",), "unknown"),
         (("AEM", "--config", "nope"), "unknown preset 'nope'"),
         (("AEM", "--seq-len", "0"), "--seq-len must be positive"),
-        (("M:mimo",), "not implemented yet"),
     ]:
         out = megacpp("model", "describe", *args)
         assert out.returncode == 2, (args, out.stderr)
@@ -58,3 +57,29 @@ def test_describe_counts_the_structure_and_ngram_tables(tmp_path):
     plain = json.loads(megacpp("model", "describe", "AEMR", "--config", "tiny", "--json",
                                ).stdout)["totals"]
     assert plain["structure_params"] == plain["ngram_params"] == 0
+
+
+def test_describe_dsa_index_cache_config(tmp_path):
+    """``[dsa] index_from``: reusing layers are counted without an indexer; a bad list, or a
+    pattern argument whose DSA layers the list does not fit, is one error line, exit 2."""
+    def config(index_from: str) -> str:
+        path = tmp_path / f"dsa{len(list(tmp_path.iterdir()))}.toml"
+        path.write_text('[model]\npattern = "A:dsa E A:dsa E"\nd_model = 64\nvocab_size = 1000\n'
+                        '[mla]\nn_heads = 4\nq_lora_rank = 32\nkv_lora_rank = 32\n'
+                        'qk_nope_head_dim = 16\nqk_rope_head_dim = 16\nv_head_dim = 16\n'
+                        f'[dsa]\nindex_n_heads = 2\nindex_head_dim = 16\nindex_from = {index_from}\n')
+        return str(path)
+
+    shared = json.loads(megacpp("model", "describe", "--config", config("[-1, 0]"),
+                                "--json").stdout)["layers"]
+    own = json.loads(megacpp("model", "describe", "--config", config("[]"), "--json").stdout)
+    assert shared[2]["params"] < own["layers"][2]["params"] == shared[0]["params"]
+    assert shared[2]["cache_bytes_per_token"] < shared[0]["cache_bytes_per_token"]
+    for args, needle in [
+        (("--config", config("[-1, 1]")), "dsa.index_from = [-1, 1] is invalid"),
+        (("A:dsa E A:dsa E A:dsa", "--config", config("[-1, 0]")), "dsa.index_from has 2"),
+    ]:
+        out = megacpp("model", "describe", *args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert needle in out.stderr and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -47,10 +47,11 @@ def test_layout_and_manifest(dataset_dir):
     assert BuildConfig.from_dict(manifest["config"]).to_dict() == manifest["config"]
     assert manifest["config"]["packing"] == tiny_config_dict()["packing"]
     stage_names = [s["name"] for s in manifest["stages"]]
-    assert stage_names[0] == "sources" and stage_names[-4:] == [
+    assert stage_names[0] == "sources" and stage_names[-5:] == [
         "split",
         "tokenize",
         "structure",
+        "fim",
         "pack",
     ]
     train = manifest["splits"]["train"]

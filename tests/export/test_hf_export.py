@@ -33,6 +33,8 @@ FAMILIES: dict[str, dict] = {
               "dsa": {"index_n_heads": 2, "index_head_dim": 8, "top_k": 4, "query_chunk": 8}},
     "E": {"model": {"pattern": "E"}},
     "M": {"model": {"pattern": "M"}},
+    "M:mimo": {"model": {"pattern": "M:mimo"},
+               "mamba": {"d_state": 16, "headdim": 16, "mimo_rank": 2, "mimo_chunk_size": 4}},
     "R": {"model": {"pattern": "R"}},
     "D": {"model": {"pattern": "D"}},
     "MTP": {"model": {"pattern": "AD"}, "mtp": {"depth": 1, "pattern": "AE"}},

@@ -39,12 +39,15 @@ def test_every_surface_has_a_reference_and_documented_rows() -> None:
     for name in catalog.surfaces:
         assert len(catalog.of(name, "fallback")) == 1, name
     rows = {b.key: b for b in catalog.backends}
-    for key in ("mamba3_scan/mamba_ssm", "gated_delta/fla", "linear_cross_entropy/liger"):
+    for key in ("mamba3_scan/mamba_ssm", "mamba3_mimo_scan/mamba_ssm", "gated_delta/fla",
+                "linear_cross_entropy/liger"):
         assert rows[key].role == "donor" and rows[key].reason
-    for key in ("attention/flash_attn_3", "attention/flash_attn_4", "mamba3_scan/tilelang_mimo"):
+    for key in ("attention/flash_attn_3", "attention/flash_attn_4",
+                "mamba3_mimo_scan/triton_chunked"):
         assert rows[key].role == "deferred" and rows[key].reason
     assert rows["attention/sdpa_flash"].role == "chosen"
     assert rows["mamba3_scan/triton_chunked"].role == "chosen"
+    assert rows["mamba3_mimo_scan/triton_intra"].role == "chosen"
     assert rows["gated_delta/triton_chunked"].role == "chosen"
 
 
@@ -52,10 +55,11 @@ def test_selection_on_hopper_picks_the_chosen_backends() -> None:
     catalog = default_catalog()
     picks = {s: select(catalog, s, H100, "bfloat16").backend.name
              for s in ("rmsnorm", "linear_cross_entropy", "moe_experts", "attention",
-                       "mamba3_scan", "gated_delta")}
+                       "mamba3_scan", "mamba3_mimo_scan", "gated_delta")}
     assert picks == {"rmsnorm": "triton_fused", "linear_cross_entropy": "triton_chunked",
                      "moe_experts": "grouped_mm", "attention": "sdpa_flash",
-                     "mamba3_scan": "triton_chunked", "gated_delta": "triton_chunked"}
+                     "mamba3_scan": "triton_chunked", "mamba3_mimo_scan": "triton_intra",
+                     "gated_delta": "triton_chunked"}
 
 
 def test_selection_fails_closed_listing_every_candidate() -> None:
@@ -220,6 +224,18 @@ def test_a_backend_that_refuses_the_inputs_is_skipped_with_its_reason() -> None:
     inputs["reset"][0, 20] = True
     with pytest.raises(BackendUnsupported, match="without packed documents"):
         peers.mamba3_siso_combined(**inputs)
+    # so does the MIMO one, and a rotation it does not have (it rotates N/4 or N/2 pairs)
+    mimo = default_catalog().surface("mamba3_mimo_scan")
+    case = {**mimo.cases["check"], "seq": 40, "resets": 1}
+    inputs = mimo.make_inputs(case, torch.float32, torch.device("cpu"),
+                              torch.Generator().manual_seed(0))
+    inputs["reset"][0, 20] = True
+    with pytest.raises(BackendUnsupported, match="no packed-document reset"):
+        peers.mamba3_mimo_tilelang(**inputs)
+    inputs.pop("reset")
+    inputs["angles"] = inputs["angles"][..., :3]
+    with pytest.raises(BackendUnsupported, match="rotates N/2 or N/4 pairs; got 3"):
+        peers.mamba3_mimo_tilelang(**inputs)
 
 
 def test_fla_check_guard_names_hopper_with_triton_before_3_7_1(

@@ -9,6 +9,7 @@ from megacpp.errors import MegaCppError
 from megacpp.model.cache import LockstepCache
 from megacpp.model.model import IGNORE_INDEX, HybridLM, next_token_labels
 from tests.model.conftest import small_config
+from tests.pattern.unbuilt import add_unbuilt_variant
 
 
 def _model(cfg, seed=0, dtype=torch.float64):
@@ -127,9 +128,10 @@ def test_next_token_labels_never_cross_documents():
 
 
 @pytest.mark.parametrize(
-    "pattern,where", [("AEM:mimo", "layer 2"), ("M:mimo", "layer 0"), ("DA:mlaM:mimo", "layer 2")]
+    "pattern,where", [("AEM:later", "layer 2"), ("M:later", "layer 0"), ("DA:mlaM:later", "layer 2")]
 )
-def test_unimplemented_variants_fail_closed_naming_the_layer(pattern, where):
+def test_unimplemented_variants_fail_closed_naming_the_layer(monkeypatch, pattern, where):
+    add_unbuilt_variant(monkeypatch)
     with pytest.raises(MegaCppError, match=where):
         HybridLM(small_config(pattern))
 

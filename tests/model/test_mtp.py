@@ -12,6 +12,7 @@ from megacpp.model.counting import count_model
 from megacpp.model.model import IGNORE_INDEX, HybridLM, next_token_labels
 from megacpp.model.mtp import future_tokens, mtp_labels
 from tests.model.conftest import small_config
+from tests.pattern.unbuilt import add_unbuilt_variant
 
 V = 97
 
@@ -157,11 +158,12 @@ def test_counting_has_one_row_per_depth_and_matches_the_real_model():
         ({"loss_weight": -0.1}, "mtp.loss_weight = -0.1 is invalid"),
         ({"pattern": "AX"}, "mtp.pattern = 'AX' is invalid: unknown layer letter 'X'"),
         ({"pattern": "A|E"}, "allowed: one stage (no '|'"),
-        ({"pattern": "M:mimo"}, "mtp.pattern = 'M:mimo' is invalid: layer 0 'M:mimo' is not"),
+        ({"pattern": "M:later"}, "mtp.pattern = 'M:later' is invalid: layer 0 'M:later' is not"),
         ({"depth": 1.5}, "mtp.depth = 1.5: expected an integer"),
     ],
 )
-def test_bad_mtp_config_names_the_field(mtp, needle):
+def test_bad_mtp_config_names_the_field(monkeypatch, mtp, needle):
+    add_unbuilt_variant(monkeypatch)  # M:later parses but is not built
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_dict({"mtp": mtp})
     assert needle in str(info.value)

@@ -32,7 +32,8 @@ def test_cuda_defaults_are_the_fast_path():
                                                                              None)
     assert plan.lines() == [
         "kernels: auto (default on CUDA: the catalog's chosen backend where it qualifies)",
-        "compile: on (default on CUDA)", "cuda_graph: on (default on CUDA)"]
+        "compile: on (default on CUDA)", "cuda_graph: on (default on CUDA)",
+        "float8: off (default: bf16 GEMMs)"]
 
 
 def test_cpu_defaults_stay_the_plain_step():

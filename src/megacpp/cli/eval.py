@@ -3,8 +3,8 @@
 Commands: ``sandbox-info``, ``run`` (one file), ``verify-reference`` (a problem set's canonical
 solutions), ``mutation-check``, ``score`` (pass@k of completions from a JSONL file),
 ``humaneval-x`` (sample a problem set from a checkpoint or an OpenAI-compatible endpoint, then
-score it). Problem sets load in the HumanEval-X, MultiPL-E and MBXP layouts; each builds with
-its suite config.
+score it), ``infill`` (fill-in-the-middle exact match on held-out C++). Problem sets load in
+the HumanEval-X, MultiPL-E and MBXP layouts; each builds with its suite config.
 """
 
 from __future__ import annotations
@@ -497,3 +497,138 @@ def _range(values) -> str:
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f} s"
 
+
+
+# ---- infilling (megacpp.eval.infill) ------------------------------------------------------------
+
+
+@app.command("infill")
+def infill(
+    source: Annotated[Path, typer.Argument(
+        help="Held-out C++: a dataset directory (its validation split), a directory of C/C++ "
+             "files (searched recursively) or one file.")],
+    out: Annotated[Path, typer.Option(help="Directory for infill.jsonl, summary.json, "
+                                           "receipt.json.")],
+    span: Annotated[str, typer.Option(
+        help="What is cut out: line (one non-blank line) or block (2..--max-lines lines).")
+    ] = "line",
+    spans_per_file: Annotated[int, typer.Option(help="Spans cut from each file.")] = 1,
+    max_lines: Annotated[int, typer.Option(help="Lines of a block at most.")] = 5,
+    limit: Annotated[int | None, typer.Option(help="At most N tasks.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the span choice and the sampling.")] = 0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per middle at most.")] = 128,
+    prefix_chars: Annotated[int, typer.Option(
+        help="Characters of text before the span at most (cut at a line start).")] = 2048,
+    suffix_chars: Annotated[int, typer.Option(
+        help="Characters of text after the span at most (cut at a line end).")] = 1024,
+    checkpoint: Annotated[Path | None, typer.Option(
+        help="Run directory or checkpoints/step_N directory (or fill from --endpoint).")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="tokenizer.json (default: the checkpoint's own).")] = None,
+    device: DeviceOpt = "auto",
+    fallback_to_previous: FallbackOpt = False,
+    endpoint: EndpointOpt = None,
+    endpoint_model: EndpointModelOpt = None,
+    api_key: ApiKeyOpt = None,
+    concurrency: ConcurrencyOpt = 8,
+    retries: RetriesOpt = 3,
+    request_timeout: RequestTimeoutOpt = 600.0,
+) -> None:
+    """Fill-in-the-middle on held-out C++: cut spans (seeded), have the model fill each from
+    the text before and after it (a checkpoint, or a server's /v1/completions with
+    ``suffix``), and report exact match and line exact match with a receipt."""
+    from megacpp.eval.infill import load_documents, make_tasks
+
+    if max_new_tokens < 1:
+        raise MegaCppError(f"--max-new-tokens {max_new_tokens}: expected >= 1")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise MegaCppError(f"--temperature {temperature}: expected a number >= 0")
+    local = checkpoint is not None or tokenizer is not None or fallback_to_previous
+    if endpoint is not None or endpoint_model is not None:
+        if local:
+            raise MegaCppError("--endpoint fills from a server: --checkpoint, --tokenizer and "
+                               "--fallback-to-previous are for a local model")
+        server = _endpoint(endpoint, endpoint_model, api_key, concurrency, retries,
+                           request_timeout, 1)
+    elif checkpoint is None:
+        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
+                           "NAME (an OpenAI-compatible server)")
+    else:
+        device = resolve_device(device)
+    documents, where = load_documents(source)
+    tasks = make_tasks(documents, span, spans_per_document=spans_per_file, max_lines=max_lines,
+                       seed=seed, prefix_chars=prefix_chars, suffix_chars=suffix_chars,
+                       limit=limit)
+    settings = {"span": span, "spans_per_file": spans_per_file, "max_lines": max_lines,
+                "limit": limit, "seed": seed, "temperature": temperature,
+                "max_new_tokens": max_new_tokens, "prefix_chars": prefix_chars,
+                "suffix_chars": suffix_chars, "order": "psm"}
+    if endpoint is not None:
+        fill, model = _endpoint_filler(server, temperature, max_new_tokens, seed)
+    else:
+        fill, model = _local_filler(checkpoint, tokenizer, device, fallback_to_previous,
+                                    temperature, max_new_tokens, seed)
+    _run_infill(tasks, fill, out, model, settings, where)
+
+
+def _run_infill(tasks, fill, out: Path, model: dict, settings: dict, where: dict) -> None:
+    from megacpp.eval.infill import evaluate_infill
+
+    console.print(f"filling {len(tasks)} {settings['span']} span(s) from "
+                  f"{len({t.document for t in tasks})} file(s) of {where['path']}")
+    report, _ = _with_progress("middles", len(tasks), verb="filling", work=lambda tick: (
+        evaluate_infill(tasks, lambda chosen: fill(chosen, tick), out_dir=out, model=model,
+                        settings=settings, source=where)))
+    table = Table("metric", "value")
+    table.add_row("exact match", f"{report.exact_match:.4f}")
+    table.add_row("line exact match", f"{report.line_exact_match:.4f}")
+    table.add_row("tasks", str(report.tasks))
+    console.print(table)
+    console.print(f"wrote {', '.join(str(p) for p in report.files.values())}")
+
+
+def _local_filler(checkpoint: Path, tokenizer: Path | None, device: str, fallback: bool,
+                  temperature: float, max_new_tokens: int, seed: int):
+    """Fill with a local model through the engine, a batch of middles at a time."""
+    from megacpp.cli._checkpoint import load_for_inference
+    from megacpp.data.fim import FimIds
+    from megacpp.eval.infill import Filled
+    from megacpp.infer.generate import MAX_NUM_SEQS, TextGenerator
+    from megacpp.infer.sampling import SamplingParams
+
+    model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
+                                          fallback_to_previous=fallback)
+    FimIds.of(tok)  # refuse a tokenizer without FIM tokens before any work
+    generator = TextGenerator(model, tok)
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+
+    def fill(tasks, tick):
+        filled = []
+        for start in range(0, len(tasks), MAX_NUM_SEQS):
+            batch = tasks[start:start + MAX_NUM_SEQS]
+            for c in generator.infill_all([(t.prefix, t.suffix) for t in batch], params):
+                filled.append(Filled(c.text, c.finish_reason))
+                tick(c)
+        return filled
+
+    return fill, {"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
+                  "params": sum(p.numel() for p in model.parameters())}
+
+
+def _endpoint_filler(server: Endpoint, temperature: float, max_new_tokens: int, seed: int):
+    """Fill through a server's /v1/completions with ``suffix``."""
+    from megacpp.eval.infill import Filled
+
+    def fill(tasks, tick):
+        sampling = SamplingSettings(n=1, temperature=temperature,
+                                    max_new_tokens=max_new_tokens, seed=seed)
+        sampled = sample_endpoint(server, [t.prefix for t in tasks], sampling,
+                                  names=[t.task_id for t in tasks], on_completion=tick,
+                                  suffixes=[t.suffix for t in tasks])
+        model["name"] = sampled.served_models[0] if len(sampled.served_models) == 1 else (
+            sampled.served_models or None)
+        return [Filled(c[0].text, c[0].finish_reason) for c in sampled.completions]
+
+    model = {"endpoint": server.public_url(), "requested": server.model}
+    return fill, model

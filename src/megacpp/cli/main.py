@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("megacpp.cli.plot", "Plot a training run's loss and throughput."),
     "generate": ("megacpp.cli.generate", "Sample completions from a checkpoint."),
     "eval": ("megacpp.cli.eval", "Verifier-first C++ evaluation."),
+    "posttrain": ("megacpp.cli.posttrain", "Post-train with the verifier: tasks, SFT, GRPO."),
     "serve": ("megacpp.cli.serve", "OpenAI-compatible HTTP server."),
     "export": ("megacpp.cli.export", "Export a trained model (Hugging Face format)."),
     "kernels": ("megacpp.cli.kernels", "The kernel catalog: list, check, bench."),

@@ -48,6 +48,12 @@ def serve(
         help="tokenizer.json for every checkpoint (default: each checkpoint's own).")] = None,
     router: Annotated[Path | None, typer.Option(
         help="Router model JSON (from `megacpp serve router-train`) for model 'auto'.")] = None,
+    lora: Annotated[list[str] | None, typer.Option(
+        help="NAME=DIR: a LoRA adapter (peft format) over the first --checkpoint, served as "
+             "model NAME (repeatable).")] = None,
+    runtime_lora: Annotated[bool, typer.Option(
+        "--runtime-lora", help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                               "(adapters from paths on this machine, named by clients).")] = False,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: any free port; the URL is printed).")] = 8000,
     max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded together at most.")] = 32,
@@ -102,14 +108,21 @@ def serve(
                           prefix_cache=prefix_cache, prefix_snapshots=prefix_snapshots,
                           snapshot_interval=snapshot_interval)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
+    adapters_named = _adapter_options(lora or [])
     classifier = _load_router(router)
     sock = _bind(host, port)  # before loading: a taken port fails fast
     set_kernel_mode(kernels)  # process-wide; reset when serving ends (in-process callers)
     try:
-        specialists = [_load_specialist(name, path, tokenizer, device,
-                                        getattr(torch, dtype_name), config, fallback_to_previous)
-                       for name, path in named]
-        _run(specialists, classifier, sock, log_level)
+        loaded = [_load_specialist(name, path, tokenizer, device, getattr(torch, dtype_name),
+                                   config, fallback_to_previous, keep_state=i == 0 and (
+                                       bool(adapters_named) or runtime_lora))
+                  for i, (name, path) in enumerate(named)]
+        specialists = [spec for spec, _ in loaded]
+        adapters = None
+        if adapters_named or runtime_lora:
+            adapters = _load_adapters(specialists[0], loaded[0][1], adapters_named, runtime_lora)
+            specialists += [adapters.build(name, path) for name, path in adapters_named]
+        _run(specialists, classifier, sock, log_level, adapters)
     finally:
         set_kernel_mode(None)
 
@@ -122,7 +135,37 @@ def _load_router(path: Path | None):
     return SnippetClassifier.load(path)
 
 
-def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_previous=False):
+def _adapter_options(values: list[str]) -> list[tuple[str, Path]]:
+    named = []
+    for value in values:
+        name, path = split_named(value, "--lora")
+        if name is None:
+            raise MegaCppError(f"--lora {value!r}: expected NAME=DIR (the model name requests "
+                               "use, and the adapter directory)")
+        if not (path / "adapter_config.json").is_file():
+            raise MegaCppError(f"--lora {name}: {path} is not a LoRA adapter directory (no "
+                               "adapter_config.json)")
+        if name in (n for n, _ in named):
+            raise MegaCppError(f"--lora {name} given twice")
+        named.append((name, path))
+    return named
+
+
+def _load_adapters(base, state, named, runtime):
+    """The adapter set over the first checkpoint (``state``: its weights before the engine
+    cast them); every --lora adapter is checked against it here, before serving starts."""
+    from megacpp.infer.adapters import AdapterSet
+
+    adapters = AdapterSet.of(base, state, runtime)
+    for name, path in named:
+        if name == base.name:
+            raise MegaCppError(f"--lora {name}: the checkpoint is already served under that name")
+        adapters.loaded[name] = str(path)
+    return adapters
+
+
+def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_previous=False,
+                     keep_state=False):
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.infer.async_engine import AsyncEngine
     from megacpp.infer.engine import Engine
@@ -133,12 +176,15 @@ def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_p
         name = resolved.parent.parent.name if resolved.parent.name == "checkpoints" \
             else resolved.name
     model, tok, ckpt = load_for_inference(path, tokenizer, device, fallback_to_previous)
+    # float32 weights on the CPU, before the engine casts the model: LoRA adapters merge here
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()} \
+        if keep_state else None
     engine = Engine(model, tok, config, device=device, dtype=dtype)
     typer.echo(f"loaded {name}: {ckpt} ({sum(p.numel() for p in model.parameters()):,} "
                f"parameters, {config.total_blocks} KV blocks x {config.block_size} tokens, "
                f"{config.max_num_seqs} slots, prefix cache "
                f"{'on' if config.prefix_cache else 'off'})")
-    return Specialist(name, AsyncEngine(engine, name), tok, config.max_model_len, str(ckpt))
+    return Specialist(name, AsyncEngine(engine, name), tok, config.max_model_len, str(ckpt)), state
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -154,12 +200,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run(specialists, classifier, sock: socket.socket, log_level: str) -> None:
+def _run(specialists, classifier, sock: socket.socket, log_level: str, adapters=None) -> None:
     import uvicorn
 
     from megacpp.infer.server import create_app
 
-    application = create_app(specialists, classifier)
+    application = create_app(specialists, classifier, adapters)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     names = ", ".join(s.name for s in specialists) + (" (+ auto)" if classifier else "")

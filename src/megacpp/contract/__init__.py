@@ -15,6 +15,7 @@ from megacpp.contract.fingerprint import (
     DEFAULT_CONTRACT_PACKAGES,
     capture_fingerprint,
     load_fingerprint,
+    with_numerics,
 )
 from megacpp.contract.integrity import IntegrityReport, verify_site
 from megacpp.contract.patches import applied_patches, apply_applicable, apply_patch, patched
@@ -53,4 +54,5 @@ __all__ = [
     "run_preflight",
     "run_rules",
     "verify_site",
+    "with_numerics",
 ]

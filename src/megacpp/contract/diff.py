@@ -3,7 +3,8 @@
 A difference is *contract-breaking* when results from the two environments cannot be
 compared as if they meant the same thing: torch minor version, CUDA runtime major.minor,
 compiler major, device (name, arch, SM count), Triton minor and its ptxas, any other
-contract package version, kernel-affecting environment variables, applied patches.
+contract package version, kernel-affecting environment variables, applied patches, and the
+run's numerics (the FP8 recipe of its linear GEMMs, recorded by training receipts).
 Everything else (hostname, capture time, memory, driver, git commit, what the C++ sandbox
 can rely on) is informational.
 A field this table does not know is contract-breaking: fail closed.
@@ -65,6 +66,14 @@ def _cpu_as_device(a: Any, b: Any, fa: dict, fb: dict) -> Verdict:
     return False, "host CPU (the GPU is the device)"
 
 
+def _float8_recipe(a: Any, b: Any, fa: dict, fb: dict) -> Verdict:
+    """The FP8 recipe of a run's linear GEMMs; a fingerprint without numerics (``env
+    capture``, or a receipt written before runs recorded them) ran bf16."""
+    if (a or "off") == (b or "off"):
+        return False, "same matmul precision (bf16: no numerics recorded means off)"
+    return True, "FP8 recipe of the linear GEMMs (off = bf16)"
+
+
 _INFORMATIONAL_ENV = (
     "NCCL_DEBUG",
     "NCCL_DEBUG_SUBSYS",
@@ -109,6 +118,8 @@ _FIELD_RULES: list[tuple[str, Classifier]] = [
     ("env.*", _contract("kernel-affecting environment variable")),
     ("git.*", _info("git state (comparing commits is what receipts are for)")),
     ("patches", _contract("applied patches")),
+    ("numerics.float8", _float8_recipe),
+    ("numerics.*", _contract("the library that runs the FP8 GEMMs")),
     ("sandbox.*", _info("what the C++ sandbox can rely on (preflight rule sandbox-host)")),
     ("*", _contract("field unknown to this megacpp (fail closed)")),
 ]

@@ -130,6 +130,17 @@ def capture_fingerprint(
     }
 
 
+def with_numerics(fingerprint: dict[str, Any], *, float8: str) -> dict[str, Any]:
+    """``fingerprint`` plus the run's ``numerics``: the FP8 recipe of its linear GEMMs
+    (``"off"``: bf16) and, with FP8 on, the torchao version that ran them. A receipt's
+    numerics are contract fields: an FP8 result is never compared with a bf16 one as if
+    they were the same setting (:mod:`megacpp.contract.diff`)."""
+    numerics: dict[str, Any] = {"float8": float8}
+    if float8 != "off":
+        numerics["torchao"] = _installed_version("torchao")
+    return {**fingerprint, "numerics": numerics}
+
+
 def load_fingerprint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a fingerprint JSON file (``megacpp env capture --json``), failing clearly."""
     data = read_json_file(path, "fingerprint")
@@ -162,7 +173,8 @@ _FIELDS: dict[str, tuple[type, ...]] = {  # what every reader may index
     "env": (dict,), "devices": (list,), "torch": (dict, _NONE), "triton": (dict, _NONE),
     "driver": (dict, _NONE),
 }
-_OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"git": (dict, _NONE), "patches": (list,)}
+_OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"git": (dict, _NONE), "patches": (list,),
+                                                  "numerics": (dict,)}
 
 
 def _shape_problem(data: dict[str, Any]) -> str | None:

@@ -70,6 +70,7 @@ from megacpp.data.encode import (
     tokenize_chunk,
     worker_pool,
 )
+from megacpp.data.fim import FimConfig, FimIds, FimPlan, arrange, piece_structure, plan_fim
 from megacpp.data.packing import (
     SPLITS,
     TRAIN,
@@ -165,22 +166,26 @@ class PackingConfig:
 @dataclass
 class BuildConfig:
     """The whole build: ``[corpus]`` (see :class:`CorpusConfig`), ``[tokenizer]``,
-    ``[structure]`` and ``[packing]`` tables of a TOML file."""
+    ``[structure]``, ``[packing]`` and ``[fim]`` (see :class:`FimConfig`) tables of a TOML
+    file."""
 
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     structure: StructureConfig = field(default_factory=StructureConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
+    fim: FimConfig = field(default_factory=FimConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildConfig:
         """Validate ``data`` (unknown tables/keys and bad values raise :class:`ConfigError`)."""
-        check_keys(data, ("corpus", "tokenizer", "structure", "packing"), "the build config")
+        check_keys(data, ("corpus", "tokenizer", "structure", "packing", "fim"),
+                   "the build config")
         return cls(
             corpus=CorpusConfig.from_dict(data.get("corpus", {})),
             tokenizer=_section(TokenizerConfig, data, "tokenizer"),
             structure=_section(StructureConfig, data, "structure"),
             packing=_section(PackingConfig, data, "packing"),
+            fim=_section(FimConfig, data, "fim"),
         )
 
     @classmethod
@@ -200,7 +205,7 @@ class BuildConfig:
             **{
                 name: {key: list(value) if isinstance(value, tuple) else value
                        for key, value in dataclasses.asdict(getattr(self, name)).items()}
-                for name in ("tokenizer", "structure", "packing")
+                for name in ("tokenizer", "structure", "packing", "fim")
             },
         }
 
@@ -408,9 +413,10 @@ def _build_into(
             raise MegaCppError(f"no validation documents: curation kept none from "
                                f"val_sources={cfg.packing.val_sources}")
         tokenizer = _prepare_tokenizer(staging, planned, cfg.tokenizer, given, progress)
-        encode_stats, structure_stats, pack_stats = (
+        encode_stats, structure_stats, fim_stats, pack_stats = (
             StageStats("tokenize"),
             StageStats("structure"),
+            StageStats("fim"),
             StageStats("pack"),
         )
         with WriteBehind() as io:  # parquet compression overlaps the packing on another core
@@ -418,14 +424,14 @@ def _build_into(
                 staging,
                 planned,
                 tokenizer,
-                cfg.packing,
+                cfg,
                 pool,
                 structure,
                 progress,
-                (encode_stats, structure_stats, pack_stats),
+                (encode_stats, structure_stats, fim_stats, pack_stats),
                 io,
             )
-    stages = [*stages, split_stats, encode_stats, structure_stats, pack_stats]
+    stages = [*stages, split_stats, encode_stats, structure_stats, fim_stats, pack_stats]
     manifest = _manifest(staging, sources, cfg, tokenizer, len(planned), splits, stages)
     write_manifest_and_marker(staging, manifest)
     return manifest
@@ -530,14 +536,15 @@ def _pack_all(
     staging: Path,
     planned: Sequence[_Planned],
     tokenizer: CppTokenizer,
-    pk: PackingConfig,
+    cfg: BuildConfig,
     pool: Executor,
     structure: _StructureJobs,
     progress: Progress,
-    stats: tuple[StageStats, StageStats, StageStats],
+    stats: tuple[StageStats, StageStats, StageStats, StageStats],
     io: WriteBehind,
 ) -> dict[str, dict[str, Any]]:
-    encode_stats, structure_stats, pack_stats = stats
+    encode_stats, structure_stats, fim_stats, pack_stats = stats
+    pk = cfg.packing
     packers = {s: RowPacker(pk.seq_len + 1, tokenizer.pad_id) for s in SPLITS}
     writers = {
         s: ShardWriter(
@@ -561,11 +568,12 @@ def _pack_all(
     next_index = 0
     for chunk, chunk_encoded in zip(chunks, encoded):
         records = []
-        for p, enc in zip(chunk, chunk_encoded):
-            ids = enc.ids
-            _count_encoded(p.doc, ids, enc.outcome, encode_stats, structure_stats)
+        rearranged = _fim_chunk(chunk, chunk_encoded, tokenizer, cfg.fim, fim_stats)
+        for p, enc, fim in zip(chunk, chunk_encoded, rearranged):
+            _count_encoded(p.doc, enc.ids, enc.outcome, encode_stats, structure_stats)
+            ids, doc_structure = (enc.ids, enc.structure_ids) if fim is None else fim[1:]
             tokens, struct_ids = with_bos_eos(
-                ids, enc.structure_ids, tokenizer.bos_id, tokenizer.eos_id
+                ids, doc_structure, tokenizer.bos_id, tokenizer.eos_id
             )
             packed = PackedDocument(next_index, p.doc.rel_path, p.doc.sha256, tokens, struct_ids)
             for row in packers[p.split].add(packed):
@@ -573,12 +581,49 @@ def _pack_all(
             totals[p.split]["documents"] += 1
             totals[p.split]["tokens"] += len(tokens)
             totals[p.split]["bytes"] += p.doc.size
-            records.append(_document_record(next_index, p, len(ids)))
+            records.append(_document_record(next_index, p, len(ids),
+                                            None if fim is None else fim[0]))
             next_index += 1
         documents.write(records)
         progress.update(task, advance=sum(p.doc.size for p in chunk))
     documents.close()
     return _finish_splits(packers, writers, totals, pack_stats)
+
+
+def _fim_chunk(
+    chunk: list[_Planned],
+    encoded: list[EncodedDoc],
+    tokenizer: CppTokenizer,
+    cfg: FimConfig,
+    stats: StageStats,
+) -> list[tuple[FimPlan, np.ndarray, np.ndarray] | None]:
+    """For each document of a chunk: its FIM plan, token ids and structure ids when it is a
+    train document drawn for FIM (:mod:`megacpp.data.fim`), else None. The pieces of all
+    the chunk's FIM documents are tokenized in one batch."""
+    plans = [
+        plan_fim(p.doc.text, p.doc.sha256, cfg) if p.split == TRAIN else None for p in chunk
+    ]
+    for p, plan in zip(chunk, plans):
+        stats.seen += 1
+        stats.kept += 1
+        stats.bytes_in += p.doc.size
+        stats.bytes_out += p.doc.size
+        stats.notes["left_to_right" if plan is None else plan.order] += 1
+    if not any(plans):
+        return [None] * len(chunk)
+    fim_ids = FimIds.of(tokenizer)
+    texts = [piece for p, plan in zip(chunk, plans) if plan for piece in plan.pieces(p.doc.text)]
+    piece_ids = iter(tokenizer.encode_batch(texts))
+    out: list[tuple[FimPlan, np.ndarray, np.ndarray] | None] = []
+    for p, enc, plan in zip(chunk, encoded, plans):
+        if plan is None:
+            out.append(None)
+            continue
+        pieces = (next(piece_ids), next(piece_ids), next(piece_ids))
+        labels = piece_structure(enc.ids, enc.structure_ids, tokenizer.token_nbytes, plan,
+                                 p.doc.text, pieces)
+        out.append((plan, *arrange(plan, pieces, labels, fim_ids)))
+    return out
 
 
 def _encoded_chunks(
@@ -642,8 +687,12 @@ def _finish_splits(
     return splits
 
 
-def _document_record(index: int, p: _Planned, num_tokens: int) -> dict[str, Any]:
+def _document_record(
+    index: int, p: _Planned, num_tokens: int, fim: FimPlan | None
+) -> dict[str, Any]:
     d = p.doc
+    meta = d.meta if fim is None else {
+        **d.meta, "fim": {"order": fim.order, "start": fim.start, "end": fim.end}}
     return {
         "doc_index": index,
         "split": p.split,
@@ -654,7 +703,7 @@ def _document_record(index: int, p: _Planned, num_tokens: int) -> dict[str, Any]
         "license": d.license,
         "num_tokens": num_tokens,
         "text": d.text,
-        "meta": json.dumps(d.meta, sort_keys=True, default=str),
+        "meta": json.dumps(meta, sort_keys=True, default=str),
     }
 
 

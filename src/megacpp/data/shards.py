@@ -68,7 +68,7 @@ DOCUMENTS_SCHEMA = pa.schema(
         ("sha256", pa.string()),  # of the raw file bytes
         ("size", pa.int64()),  # bytes on disk
         ("license", pa.string()),
-        ("num_tokens", pa.int64()),  # tokens of the text (without BOS/EOS)
+        ("num_tokens", pa.int64()),  # tokens as packed, without BOS/EOS (FIM: pieces + 3)
         ("text", pa.large_string()),
         ("meta", pa.string()),  # JSON object from the curation steps
     ],

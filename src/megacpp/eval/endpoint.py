@@ -110,23 +110,26 @@ def sample_endpoint(
     *,
     names: Sequence[str] | None = None,
     on_completion: Callable[[Completion], None] | None = None,
+    suffixes: Sequence[str] | None = None,
 ) -> EndpointSamples:
     """``settings.n`` completions of every prompt from ``endpoint``, in prompt order.
     ``names`` (e.g. task ids) name the prompts in errors; ``on_completion`` is called once
-    per completion received (progress)."""
+    per completion received (progress); ``suffixes`` (one per prompt) are sent as each
+    request's ``suffix``: fill in the middle."""
     names = list(names) if names is not None else [f"prompt {p}" for p in range(len(prompts))]
     per_request = endpoint.n_per_request or settings.n
     chunks = [(p, start, min(per_request, settings.n - start))
               for p in range(len(prompts)) for start in range(0, settings.n, per_request)]
     result = EndpointSamples(completions=[[] for _ in prompts], served_models=[])
     return asyncio.run(_sample_all(endpoint, prompts, names, settings, tuple(stop), chunks,
-                                   result, on_completion))
+                                   result, on_completion, suffixes))
 
 
 async def _sample_all(endpoint: Endpoint, prompts: Sequence[str], names: Sequence[str],
                       settings: SamplingSettings, stop: tuple[str, ...],
                       chunks: list[tuple[int, int, int]], result: EndpointSamples,
-                      on_completion: Callable[[Completion], None] | None) -> EndpointSamples:
+                      on_completion: Callable[[Completion], None] | None,
+                      suffixes: Sequence[str] | None = None) -> EndpointSamples:
     pieces: dict[tuple[int, int], list[Completion]] = {}
     pending = iter(chunks)
     headers = {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
@@ -138,6 +141,8 @@ async def _sample_all(endpoint: Endpoint, prompts: Sequence[str], names: Sequenc
         async def worker() -> None:
             for p, start, count in pending:  # one shared iterator: each chunk goes to one worker
                 body = _request_body(endpoint, prompts[p], settings, stop, start, count)
+                if suffixes is not None:
+                    body["suffix"] = suffixes[p]
                 answer = await _post(client, endpoint, body, names[p], result)
                 completions, model = _parse_completions(answer, count, endpoint, names[p])
                 if model is not None and model not in result.served_models:

@@ -4,7 +4,8 @@ Layout per layer family (one pool per layer, allocated once at engine start):
 
 * ``A:gqa``  -- ``k``, ``v``: [num_blocks + 1, block_size, n_kv_heads, head_dim]
 * ``A:mla``  -- ``latent`` [.., kv_lora_rank] and ``k_rope`` [.., qk_rope_head_dim]
-* ``A:dsa``  -- MLA's two, plus the indexer keys ``index_k`` [.., index_head_dim]
+* ``A:dsa``  -- MLA's two, plus the indexer keys ``index_k`` [.., index_head_dim] (MLA's two
+  alone in a layer that reuses another layer's top-k indices, ``[dsa] index_from``)
 * ``M``      -- the Mamba-3 state (angle, ssm, k, v), one row per slot: [max_num_seqs + 1, ...]
 * ``R``      -- the gated-delta state and conv tail, one row per slot
 * ``E``, ``D`` -- nothing

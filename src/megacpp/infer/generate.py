@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megacpp.data.fim import FimIds, psm_prompt
 from megacpp.data.tokenizer import CppTokenizer
 from megacpp.errors import MegaCppError
 from megacpp.infer.batch import (
@@ -79,14 +80,31 @@ class TextGenerator:
         if not prompts:
             return []
         prompt_ids = [[self.tokenizer.bos_id, *self.tokenizer.encode(p).tolist()] for p in prompts]
-        engine = self._engine(max(map(len, prompt_ids)), n * len(prompts), params.max_new_tokens)
+        return self._run(prompt_ids, n, params)
+
+    def infill_all(self, pairs: list[tuple[str, str]],
+                   params: SamplingParams) -> list[Completion]:
+        """The middle of each (prefix, suffix) pair: one completion of the fill-in-the-middle
+        prompt ``BOS <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|>``, which ends
+        at EOS (the prompt ``megacpp serve`` makes for a ``suffix``)."""
+        if not pairs:
+            return []
+        fim, tok = FimIds.of(self.tokenizer), self.tokenizer
+        prompt_ids = [[tok.bos_id, *psm_prompt(tok.encode(prefix).tolist(),
+                                               tok.encode(suffix).tolist(), fim)]
+                      for prefix, suffix in pairs]
+        return [row[0] for row in self._run(prompt_ids, 1, params)]
+
+    def _run(self, prompt_ids: list[list[int]], n: int,
+             params: SamplingParams) -> list[list[Completion]]:
+        engine = self._engine(max(map(len, prompt_ids)), n * len(prompt_ids), params.max_new_tokens)
         requests = [
             BatchRequest(f"{i}/{j}", ids, dataclasses.replace(params, seed=sample_seed(params.seed, j)))
             for i, ids in enumerate(prompt_ids) for j in range(n)
         ]
         results = run_batch(engine, requests)
         return [[self._completion(results[f"{i}/{j}"]) for j in range(n)]
-                for i in range(len(prompts))]
+                for i in range(len(prompt_ids))]
 
     def _engine(self, longest_prompt: int, completions: int, max_new_tokens: int) -> Engine:
         """An engine for ``completions`` requests of prompts up to ``longest_prompt`` tokens,

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from megacpp.data.fim import FimIds, psm_prompt
+from megacpp.errors import MegaCppError
 from megacpp.infer.async_engine import AsyncEngine
 from megacpp.infer.chat_template import CHAT_STOP, message_text, render_chat
 from megacpp.infer.protocol import (
@@ -118,6 +120,8 @@ def _encode(spec: Specialist, text: str) -> list[int]:
 
 
 def _completion_prompts(spec: Specialist, body: CompletionRequest) -> list[list[int]]:
+    if body.suffix is not None:
+        return _fim_prompts(spec, body)
     prompt = body.prompt
     if isinstance(prompt, str):
         return [_encode(spec, prompt)]
@@ -135,6 +139,26 @@ def _completion_prompts(spec: Specialist, body: CompletionRequest) -> list[list[
             raise BadRequest(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}",
                              "prompt")
     return [list(r) for r in rows]
+
+
+def _fim_prompts(spec: Specialist, body: CompletionRequest) -> list[list[int]]:
+    """Fill in the middle: each text prompt is the prefix and ``suffix`` the text after the
+    cursor; the prompt is ``BOS <|fim_prefix|> prompt <|fim_suffix|> suffix <|fim_middle|>``
+    (PSM, as the data build's ``[fim]`` trains it), and the completion, which ends at EOS,
+    is the middle."""
+    prompt = body.prompt
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("suffix needs a text prompt (a string or a list of strings), not "
+                         "token ids", "suffix")
+    try:
+        fim = FimIds.of(spec.tokenizer)
+    except MegaCppError as exc:
+        raise BadRequest(f"suffix is not supported by model {spec.name!r}: {exc}",
+                         "suffix") from None
+    tok = spec.tokenizer
+    suffix_ids = tok.encode(body.suffix).tolist()
+    return [[tok.bos_id, *psm_prompt(tok.encode(t).tolist(), suffix_ids, fim)] for t in texts]
 
 
 def _max_tokens(spec: Specialist, body: Body, prompt_len: int) -> int:

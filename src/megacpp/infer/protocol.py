@@ -85,7 +85,7 @@ class CompletionRequest(Body):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
     echo: bool = False  # the prompt comes back before the completion (with logprobs: its own)
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle: the text after the completion (jobs.py)
 
 
 class ChatMessage(_Strict):
@@ -113,7 +113,7 @@ def refuse_unsupported(body: Body) -> None:
     """A :class:`BadRequest` for a field this server cannot honour, unless it is neutral."""
     neutral = {"presence_penalty": (None, 0), "frequency_penalty":
                (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
-               "suffix": (None, ""), "tools": (None, [])}
+               "tools": (None, [])}
     for name, allowed in neutral.items():
         if name not in type(body).model_fields:
             continue
@@ -126,7 +126,7 @@ def refuse_unsupported(body: Body) -> None:
 def refuse_unenforceable(body: Body) -> None:
     """A :class:`BadRequest` for a response_format other than text (nothing constrains the
     output here), for chat's top_logprobs without logprobs, and for max_tokens=0 except with
-    a completion's echo (the prompt's logprobs, generating nothing)."""
+    a completion's echo (the prompt's logprobs, generating nothing); echo with a suffix."""
     fmt = body.response_format
     if fmt is not None and fmt != {"type": "text"}:
         kind = fmt.get("type") if isinstance(fmt.get("type"), str) else None
@@ -136,6 +136,9 @@ def refuse_unenforceable(body: Body) -> None:
                          "accepted", "response_format")
     if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    if isinstance(body, CompletionRequest) and body.echo and body.suffix is not None:
+        raise BadRequest("echo and suffix cannot be combined: a fill-in-the-middle prompt "
+                         "is not the text that was sent", "echo")
     if body.max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):
         raise BadRequest("max_tokens=0 is accepted only on /v1/completions with echo=true "
                          "(it returns the prompt, and its logprobs, without generating)",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from megacpp.data.cpp_lex import TokenKind, token_spans
 from megacpp.errors import MegaCppError
 
 AUTO = "auto"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # a specialist's name
 ROUTER_FORMAT = "megacpp-router-nb"
 ROUTER_VERSION = 1
 _PLACEHOLDER = {TokenKind.NUMBER: "<num>", TokenKind.STRING: "<str>", TokenKind.CHAR: "<chr>"}
@@ -272,6 +274,28 @@ class Router:
         self.names = list(names)
         self.default = self.names[0]
         self.classifier = classifier
+
+    def check_name(self, name: str) -> None:
+        """A name a new specialist may take: letters, digits, '_', '.', '-', not taken."""
+        if not _NAME.match(name) or name == AUTO:
+            raise MegaCppError(f"model name {name!r}: use letters, digits, '_', '.', '-' (not "
+                               f"{AUTO!r})")
+        if name in self.names:
+            raise MegaCppError(f"model {name!r} is already served")
+
+    def add(self, name: str) -> None:
+        """Route to one more specialist (a LoRA adapter loaded at run time)."""
+        self.check_name(name)
+        self.names.append(name)
+
+    def remove(self, name: str) -> None:
+        """Stop routing to ``name``; the default and the router model's labels stay."""
+        if name == self.default:
+            raise MegaCppError(f"{name!r} is the default model; it cannot be removed")
+        if self.classifier is not None and name in self.classifier.labels:
+            raise MegaCppError(f"{name!r} is a label of the router model (model 'auto' may "
+                               "choose it); it cannot be removed")
+        self.names.remove(name)
 
     def route(self, model: str, prompt: str) -> Route:
         if model in self.names:

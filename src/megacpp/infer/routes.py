@@ -11,8 +11,11 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from megacpp.errors import MegaCppError
+from megacpp.infer.adapters import AdapterSet
 from megacpp.infer.handler import Server
 from megacpp.infer.jobs import Specialist
 from megacpp.infer.metrics import CONTENT_TYPE
@@ -26,8 +29,11 @@ from megacpp.infer.router import AUTO, SnippetClassifier
 
 
 def create_app(specialists: Sequence[Specialist],
-               classifier: SnippetClassifier | None = None) -> FastAPI:
-    """The FastAPI app over ``specialists`` (their engines start and stop with the app)."""
+               classifier: SnippetClassifier | None = None,
+               adapters: AdapterSet | None = None) -> FastAPI:
+    """The FastAPI app over ``specialists`` (their engines start and stop with the app);
+    ``adapters`` (:mod:`megacpp.infer.adapters`) names the LoRA specialists among them and,
+    when it allows, adds the routes that load and unload adapters at run time."""
     server = Server(specialists, classifier)
 
     @contextlib.asynccontextmanager
@@ -65,8 +71,10 @@ def create_app(specialists: Sequence[Specialist],
 
     @app.get("/v1/models")
     async def models() -> dict:
+        lora = adapters.loaded if adapters is not None else {}
         data = [{"id": s.name, "object": "model", "created": s.created, "owned_by": "megacpp",
-                 "max_model_len": s.max_model_len, "checkpoint": s.checkpoint}
+                 "max_model_len": s.max_model_len, "checkpoint": s.checkpoint,
+                 **({"parent": adapters.base.name} if s.name in lora else {})}
                 for s in server.specialists.values()]
         if len(data) > 1 and server.router.classifier is not None:
             data.append({"id": AUTO, "object": "model", "created": data[0]["created"],
@@ -85,4 +93,33 @@ def create_app(specialists: Sequence[Specialist],
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    if adapters is not None and adapters.runtime:
+        _adapter_routes(app, server, adapters)
     return app
+
+
+class LoadLora(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLora(BaseModel):
+    lora_name: str
+
+
+def _adapter_routes(app: FastAPI, server: Server, adapters: AdapterSet) -> None:
+    """``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's routes)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(body: LoadLora) -> JSONResponse:
+        try:
+            return JSONResponse(await adapters.load(server, body.lora_name, body.lora_path))
+        except MegaCppError as exc:
+            return error_response(400, str(exc), "invalid_request_error", "lora_path")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(body: UnloadLora) -> JSONResponse:
+        try:
+            return JSONResponse(await adapters.unload(server, body.lora_name))
+        except MegaCppError as exc:
+            return error_response(404, str(exc), "invalid_request_error", "lora_name")

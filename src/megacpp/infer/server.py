@@ -12,11 +12,12 @@ waiting queue 429, a stopped engine 503, an engine failure 500.
 Sampling fields: ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``n``, ``stop`` (a string or up to 16 strings), ``seed``, ``stream``,
 ``stream_options.include_usage``, plus the extensions ``top_k`` and ``ignore_eos``.
-Completions take ``logprobs`` (0..20) and ``echo`` (with ``max_tokens`` 0: the prompt's
-logprobs only); chat takes ``logprobs`` and ``top_logprobs`` (:mod:`megacpp.infer.logprobs`).
-Fields this server cannot honour (``suffix``, penalties, ``logit_bias``, ``best_of`` > 1,
-tools) are refused with 400 unless they are at their neutral value, and so is a
-``response_format`` other than ``{"type": "text"}``; other unknown fields are ignored. A string prompt is encoded with BOS first; a prompt of
+Completions take ``logprobs`` (0..20), ``echo`` (with ``max_tokens`` 0: the prompt's
+logprobs only) and ``suffix`` (fill in the middle, see jobs.py); chat takes ``logprobs`` and
+``top_logprobs`` (:mod:`megacpp.infer.logprobs`). Fields this server cannot honour
+(penalties, ``logit_bias``, ``best_of`` > 1, tools) are refused with 400 unless they are at
+their neutral value, and so is a ``response_format`` other than ``{"type": "text"}``; other
+unknown fields are ignored. A string prompt is encoded with BOS first; a prompt of
 token ids is used as is. ``max_tokens`` defaults to 16 for completions (as OpenAI) and to
 the rest of the context for chat.
 

@@ -253,9 +253,10 @@ def device_facts(device: torch.device | str | None = None) -> DeviceFacts:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    packages = frozenset(p for p in ("triton", "liger_kernel", "mamba_ssm", "fla", "flash_attn")
+    packages = frozenset(p for p in ("triton", "liger_kernel", "mamba_ssm", "fla", "flash_attn",
+                                   "torchao")
                          if _importable(p))
-    ops = frozenset(op for op in ("_grouped_mm", "compile") if hasattr(torch, op))
+    ops = frozenset(op for op in ("_grouped_mm", "_scaled_mm", "compile") if hasattr(torch, op))
     if device.type != "cuda":
         return DeviceFacts(type=device.type, name=device.type, packages=packages, torch_ops=ops)
     props = torch.cuda.get_device_properties(device)

@@ -52,12 +52,17 @@ def liger_linear_cross_entropy(
 
 
 def _mamba3_siso_module() -> Any:
-    """mamba_ssm's ``mamba3_siso_combined`` module, imported without the package ``__init__``.
+    """mamba_ssm's ``mamba3_siso_combined`` module (:func:`_mamba_ssm_module`)."""
+    return _mamba_ssm_module("mamba_ssm.ops.triton.mamba3.mamba3_siso_combined")
+
+
+def _mamba_ssm_module(name: str) -> Any:
+    """A module of mamba_ssm, imported without the package ``__init__``.
 
     ``mamba_ssm/__init__.py`` imports its CUDA extensions (``selective_scan_cuda``), which a
-    pure-Python wheel (``MAMBA_SKIP_CUDA_BUILD=TRUE``) lacks. The Mamba-3 SISO op is plain
-    Triton, so a bare package module pointing at the installed folder stands in for the
-    ``__init__`` (a ``sys.modules`` entry; no library file is changed)."""
+    pure-Python wheel (``MAMBA_SKIP_CUDA_BUILD=TRUE``) lacks. The Mamba-3 ops are plain
+    Triton / TileLang, so a bare package module pointing at the installed folder stands in for
+    the ``__init__`` (a ``sys.modules`` entry; no library file is changed)."""
     import importlib
     import importlib.util
     import sys
@@ -71,7 +76,7 @@ def _mamba3_siso_module() -> Any:
         package.__path__ = list(spec.submodule_search_locations)
         package.__spec__ = spec
         sys.modules["mamba_ssm"] = package
-    return importlib.import_module("mamba_ssm.ops.triton.mamba3.mamba3_siso_combined")
+    return importlib.import_module(name)
 
 
 def mamba3_siso_combined(
@@ -99,6 +104,38 @@ def mamba3_siso_combined(
     return peer(q, k, v, adt.transpose(1, 2).contiguous(), dt.transpose(1, 2).contiguous(),
                 trap.transpose(1, 2).contiguous(), q_bias, k_bias, angles, D, z,
                 Input_States=states, chunk_size=chunk_size)
+
+
+def mamba3_mimo_tilelang(
+    q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor,
+    q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
+    mimo_z: Tensor | None = None, mimo_o: Tensor | None = None,
+    D: Tensor | None = None, z: Tensor | None = None, reset: Tensor | None = None,
+    initial_state: Any = None, chunk_size: int = 16, output_final_state: bool = True,
+) -> Tensor:
+    """mamba_ssm's Mamba-3 MIMO TileLang op (``mamba3_mimo``) on the ``mamba3_mimo_scan``
+    surface's arguments -> y (no final state whatever ``output_final_state`` says). Per-head
+    scalars go to its [B, H, L] layout, angles to float32 (as its Mamba3 module passes them);
+    its ``rotary_dim_divisor`` is N / A (2 or 4: it rotates half or all of the N dims).
+
+    Refused (:class:`BackendUnsupported`): packed documents (it has no per-token reset), an
+    initial state (it takes none), and an A other than N/4 or N/2."""
+    if reset is not None and bool(reset.any()):
+        raise BackendUnsupported("mamba_ssm's mamba3_mimo has no packed-document reset")
+    if initial_state is not None:
+        raise BackendUnsupported("mamba_ssm's mamba3_mimo takes no initial state")
+    d_state, n_angles = q.shape[-1], angles.shape[-1]
+    divisor = d_state // n_angles
+    if divisor * n_angles != d_state or divisor not in (2, 4):
+        raise BackendUnsupported(f"mamba_ssm's mamba3_mimo rotates N/2 or N/4 pairs; got "
+                                 f"{n_angles} of d_state {d_state}")
+    peer = _mamba_ssm_module("mamba_ssm.ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
+    return peer(
+        Q=q, K=k, V=v, ADT=adt.transpose(1, 2).contiguous(), DT=dt.transpose(1, 2).contiguous(),
+        Trap=trap.transpose(1, 2).contiguous(), Q_bias=q_bias, K_bias=k_bias, MIMO_V=mimo_v,
+        MIMO_Z=mimo_z, MIMO_Out=mimo_o, Angles=angles.float(), D=D, Z=z, chunk_size=chunk_size,
+        rotary_dim_divisor=divisor, dtype=v.dtype,
+    )
 
 
 def _version(package: str) -> tuple[int, ...] | None:

@@ -14,10 +14,13 @@ from megacpp.kernels.catalog import Catalog
 SURFACES = (
     "rmsnorm",
     "linear_cross_entropy",
+    "float8_linear",
     "moe_experts",
     "attention",
     "document_attention",
+    "sparse_attention",
     "mamba3_scan",
+    "mamba3_mimo_scan",
     "short_conv",
     "gated_delta",
     "muon_momentum",

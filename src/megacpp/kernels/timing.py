@@ -277,11 +277,33 @@ def matmul_peak_tflops(n: int = 8192, iters: int = 100, settle_s: float = 2.0) -
     8% with the step's time still."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return _settled_rate(lambda: a @ b, n, iters, settle_s)
+
+
+def fp8_matmul_peak_tflops(n: int = 8192, iters: int = 100, settle_s: float = 2.0) -> float:
+    """The float8 matmul rate (TFLOP/s) measured as :func:`matmul_peak_tflops` measures bf16:
+    an ``n``^3 ``torch._scaled_mm`` of e4m3 operands (the second column-major, as the GEMM
+    requires) with tensor-wise scales, a bf16 output and fast accumulation (the float8
+    training forward's GEMM). Needs CUDA sm_89+."""
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(n, n, device="cuda").to(e4m3)
+    b = torch.randn(n, n, device="cuda").to(e4m3).t()  # column-major [K, N]
+    one = torch.ones((), device="cuda")
+
+    def gemm() -> torch.Tensor:
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    return _settled_rate(gemm, n, iters, settle_s)
+
+
+def _settled_rate(gemm: Callable[[], Any], n: int, iters: int, settle_s: float) -> float:
+    """TFLOP/s of an ``n``^3 GEMM after running it back to back for ``settle_s`` seconds."""
     torch.cuda.synchronize()
     begin = time.perf_counter()
     while time.perf_counter() - begin < settle_s:
         for _ in range(10):
-            a @ b
+            gemm()
         torch.cuda.synchronize()
-    ms = statistics.median(cuda_times_ms(lambda: a @ b, warmup=0, iters=iters))
+    ms = statistics.median(cuda_times_ms(gemm, warmup=0, iters=iters))
     return 2 * n**3 / (ms * 1e-3) / 1e12

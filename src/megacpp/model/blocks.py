@@ -19,6 +19,7 @@ from megacpp.model.config import ModelConfig
 from megacpp.model.dsa import DeepSeekSparseAttention
 from megacpp.model.gated_delta import GatedDeltaNetMixer
 from megacpp.model.mamba3 import Mamba3Mixer
+from megacpp.model.mamba3_mimo import Mamba3MimoMixer
 from megacpp.model.mixer import Mixer
 from megacpp.model.mla import MultiHeadLatentAttention
 from megacpp.model.mlp import SwiGLU
@@ -31,6 +32,7 @@ MIXERS: dict[tuple[str, str | None], Callable[[ModelConfig], Mixer]] = {
     ("A", "mla"): MultiHeadLatentAttention.from_config,
     ("A", "dsa"): DeepSeekSparseAttention.from_config,
     ("M", "siso"): Mamba3Mixer.from_config,
+    ("M", "mimo"): Mamba3MimoMixer.from_config,
     ("R", None): GatedDeltaNetMixer.from_config,
     ("E", None): MoE.from_config,
     ("D", None): SwiGLU.from_config,

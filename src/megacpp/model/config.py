@@ -9,14 +9,16 @@ A preset is a TOML file shipped in ``megacpp/configs/models/`` (``tiny``, ``nam5
 
     [model]        pattern, vocab_size, d_model, norm_eps, tie_embeddings, init_std
     [attention]    n_heads, n_kv_heads, head_dim, rope_base, qk_norm
-    [mamba]        d_state, headdim, expand, ngroups, chunk_size, rope_fraction, outproj_norm
+    [mamba]        d_state, headdim, expand, ngroups, chunk_size, rope_fraction, outproj_norm,
+                   mimo_rank, mimo_chunk_size                 (the last two: M:mimo only)
     [rnn]          n_heads, head_k_dim, head_v_dim, conv_size, chunk_size
     [moe]          n_experts, top_k, n_shared_experts, expert_ffn, bias_update_rate,
                    seq_aux_loss_coef, routed_scaling
     [mlp]          ffn
     [mla]          n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                    v_head_dim, rope_base                      (A:mla, and A:dsa's attention)
-    [dsa]          index_n_heads, index_head_dim, top_k, mode, indexer_loss_coef, query_chunk
+    [dsa]          index_n_heads, index_head_dim, top_k, mode, indexer_loss_coef, query_chunk,
+                   index_from                                 (the index cache)
     [mtp]          depth, loss_weight, pattern                (multi-token prediction)
     [structure]    embedding                                  (structure-id embedding)
     [ngram]        orders, table_size, hash_seed              (hashed n-gram embedding)
@@ -55,6 +57,11 @@ class MambaConfig:
     # per-head RMSNorm of the scan output before the silu(z) gate (mamba_ssm's
     # is_outproj_norm); without it the output is unbounded and training diverges (docs/mamba3.md)
     outproj_norm: bool = True
+    # rank R of each token's state update in M:mimo layers (R B/C vectors and R copies of x
+    # per head), and their chunk length: a chunk's score tile is (chunk * R)^2, so mamba_ssm
+    # recommends 64 / R. M:siso layers ignore both (they use chunk_size)
+    mimo_rank: int = 4
+    mimo_chunk_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,14 @@ class DsaConfig:
     """DeepSeek sparse attention (V3.2): a lightning indexer picks ``top_k`` keys per query.
 
     ``mode``: ``dense_warmup`` attends densely and trains the indexer toward the dense
-    attention distribution; ``sparse`` attends over the indexer's top-k keys only."""
+    attention distribution; ``sparse`` attends over the indexer's top-k keys only.
+
+    ``index_from`` (the index cache): one entry per A:dsa layer of the main stack, in pattern
+    order -- ``-1`` for a layer with its own indexer, or the 0-based layer index of an earlier
+    A:dsa layer (with its own indexer, in the same pipeline stage) whose top-k selection the
+    layer reuses instead; such a layer has no indexer. Empty (the default): every A:dsa layer
+    has its own. A config list rather than a pattern variant: the pattern says what each layer
+    is, while this links two layers, which a letter's own variant cannot name."""
 
     index_n_heads: int = 4
     index_head_dim: int = 64
@@ -112,6 +126,7 @@ class DsaConfig:
     mode: str = "sparse"
     indexer_loss_coef: float = 1.0
     query_chunk: int = 128
+    index_from: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -242,7 +257,10 @@ class ModelConfig:
         a, m, r, e = self.attention, self.mamba, self.rnn, self.moe
         _positive(self, "model", ("vocab_size", "d_model"))
         _positive(a, "attention", ("n_heads", "n_kv_heads", "head_dim"))
-        _positive(m, "mamba", ("d_state", "headdim", "expand", "ngroups", "chunk_size"))
+        _positive(m, "mamba", ("d_state", "headdim", "expand", "ngroups", "chunk_size",
+                               "mimo_chunk_size"))
+        check(1 <= m.mimo_rank <= MAX_MIMO_RANK, "mamba.mimo_rank", m.mimo_rank,
+              f"an integer in [1, {MAX_MIMO_RANK}]")
         _positive(r, "rnn", ("n_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"))
         _positive(e, "moe", ("n_experts", "top_k", "expert_ffn"))
         _positive(self.mlp, "mlp", ("ffn",))
@@ -310,6 +328,26 @@ class ModelConfig:
             dsa.index_head_dim,
             f">= mla.qk_rope_head_dim={mla.qk_rope_head_dim} (the indexer ropes that many dims)",
         )
+        self._validate_index_from()
+
+    def _validate_index_from(self) -> None:
+        """``dsa.index_from``: one entry per A:dsa layer, each -1 or an earlier A:dsa layer
+        of the same stage that has its own indexer."""
+        index_from = self.dsa.index_from
+        if not index_from:
+            return
+        layers = load(self.pattern).layers
+        dsa = [s.index for s in layers if (s.family, s.variant) == ("A", "dsa")]
+        own = {layer for layer, source in zip(dsa, index_from, strict=False) if source < 0}
+        check(len(index_from) == len(dsa), "dsa.index_from", list(index_from),
+              f"one entry per A:dsa layer: {len(dsa)} (layers {dsa})")
+        for layer, source in zip(dsa, index_from, strict=True):
+            if source == -1:
+                continue
+            check(source in own and source < layer and layers[source].stage == layers[layer].stage,
+                  "dsa.index_from", list(index_from),
+                  f"-1 or an earlier A:dsa layer of the same stage with its own indexer "
+                  f"(-1 entry) for layer {layer}; such layers: {sorted(own)}")
 
     def _validate_mtp(self) -> None:
         mtp = self.mtp
@@ -391,6 +429,8 @@ def config_from_pattern(pattern: str, preset: str | Path = "tiny", **overrides: 
 
 # -- helpers --------------------------------------------------------------------------------
 MAX_DIM = 1 << 20  # any one size of a model (width, heads, experts, vocabulary) at most
+# the MIMO chunked scan's score tiles are (chunk * R)^2 per head: past 16 they outgrow memory
+MAX_MIMO_RANK = 16
 
 
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:

@@ -24,17 +24,35 @@ the MoE balance loss) in training mode. V3.2 also freezes the rest of the model 
 warm-up; that is the trainer's choice (see :func:`indexer_parameters`).
 
 Queries are processed in chunks of ``query_chunk``, so no tensor is ever ``L x L``: the
-largest live tensors are ``[B, C, max(H, Hi), T]`` scores and, in the sparse path, the
-gathered ``[B, C, top_k, r + dr + di]`` key rows. When ``top_k`` covers every key the
-selection keeps all allowed keys, so the layer takes the dense path (same result, no gather).
+largest live tensors are ``[B, C, max(H, Hi), T]`` scores and, in the sparse path on the
+reference backend, the gathered ``[B, C, top_k, r + dr + di]`` key rows. The attention over
+the selected keys is the ``sparse_attention`` catalog surface: its Triton backend loads the
+selected latent rows by index and runs the whole row in one call (the selection of every
+chunk is made first); the indexer KL still gathers the ``[B, C, top_k, di]`` index keys.
+When ``top_k`` covers every key the selection keeps all allowed keys, so the layer takes the
+dense path (same result, no gather).
 V3.2's FP8 indexer and Hadamard rotation are precision tricks for its kernels; this
 reference computes the indexer in float32 (float64 for float64 models). Its key norm is our
 RMSNorm (V3.2 uses LayerNorm).
+
+Index cache (``[dsa] index_from``): a DSA layer may reuse the top-k selection an earlier DSA
+layer made in the same forward instead of running an indexer of its own (it pays where
+neighbouring layers would pick similar keys). A reusing layer has no indexer: no
+parameters, no ``index_k`` in its paged cache, no indexer FLOPs and no KL. Its source writes
+each chunk's ``(indices, valid)`` to an :class:`IndexCache`, cleared at the start of every
+forward of the source; the reusing layer looks the chunk up by its rows, batch size, key count
+and path (full forward or paged). When no valid entry exists (the source did not run in this
+forward, ran dense, or ran a different shape or path) the reusing layer attends to every
+allowed key -- the exact attention its sparse path approximates, the one selection it can make
+without an indexer -- and counts the miss in ``index_cache_misses``. Reused indices are
+re-masked with the layer's own ``allowed``, so a reusing layer never attends to a key it may
+not see.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -44,17 +62,20 @@ from megacpp.errors import ConfigError
 from megacpp.kernels.ops.sparse_attention import (
     allowed_keys,
     gather_keys,
-    indexer_kl_loss,
+    indexer_kl_to_target,
     indexer_scores,
     latent_attention,
     select_topk,
 )
+from megacpp.kernels.runtime import resolve
 from megacpp.model.cache import PagedView
 from megacpp.model.config import DSA_MODES, ModelConfig
 from megacpp.model.mixer import Mixer
 from megacpp.model.mla import MultiHeadLatentAttention
 from megacpp.model.norm import RMSNorm
 from megacpp.model.rope import apply_rope
+
+log = logging.getLogger(__name__)
 
 
 class LightningIndexer(nn.Module):
@@ -109,29 +130,64 @@ class LightningIndexer(nn.Module):
 class _Queries(NamedTuple):
     latent: Tensor  # [B, L, H, r]   no-RoPE query part with W_UK folded in
     rope: Tensor  # [B, L, H, dr]
-    index: Tensor  # [B, L, Hi, di]
-    index_weights: Tensor  # [B, L, Hi]
+    index: Tensor | None  # [B, L, Hi, di]  (None: a layer that reuses indices)
+    index_weights: Tensor | None  # [B, L, Hi]
 
     def rows(self, rows: slice) -> _Queries:
-        return _Queries(*(t[:, rows] for t in self))
+        return _Queries(*(None if t is None else t[:, rows] for t in self))
 
 
 class _Keys(NamedTuple):
     latent: Tensor  # [B, T, r] or, once shaped per query, [B, C|1, K, r]
     rope: Tensor  # [B, T, dr] / [B, C|1, K, dr]
-    index: Tensor  # [B, T, di] / [B, C|1, K, di]
+    index: Tensor | None  # [B, T, di] / [B, C|1, K, di]  (None: a layer that reuses indices)
 
     def shared(self) -> _Keys:
         """Every key for every query: [B, 1, T, d]."""
-        return _Keys(*(t[:, None] for t in self))
+        return _Keys(*(None if t is None else t[:, None] for t in self))
 
     def picked(self, indices: Tensor) -> _Keys:
         """The keys each query picked: [B, C, k, d]."""
-        return _Keys(*(gather_keys(t, indices) for t in self))
+        return _Keys(*(None if t is None else gather_keys(t, indices) for t in self))
+
+
+class IndexCache:
+    """The top-k selections a DSA layer made in its current forward, chunk by chunk, for the
+    later layers that reuse them (``[dsa] index_from``).
+
+    An entry is keyed by what makes a selection valid for another layer of the same forward:
+    the chunk's query rows, the batch size, the number of keys, the device and the path
+    (``"full"`` forward or ``"paged"``). The owning layer clears the cache when each of its
+    forwards starts, so an entry is never from an older forward of the owner. A plain Python
+    object, not a module: it holds no parameters and is never saved."""
+
+    def __init__(self) -> None:
+        # (key, indices, valid) per chunk, a list changed in place: under torch.compile a dict
+        # mutated in a traced frame makes dynamo refuse the catalog's read-only mappings
+        # (``resolve``) later in that frame
+        self._entries: list[tuple[tuple, Tensor, Tensor]] = []
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def store(self, key: tuple, indices: Tensor, valid: Tensor) -> None:
+        self._entries.append((key, indices, valid))
+
+    def lookup(self, key: tuple) -> tuple[Tensor, Tensor] | None:
+        for entry_key, indices, valid in self._entries:
+            if entry_key == key:
+                return indices, valid
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class DeepSeekSparseAttention(Mixer):
-    """DSA mixer ``[B, L, d_model] -> [B, L, d_model]`` around an MLA module ``attn``."""
+    """DSA mixer ``[B, L, d_model] -> [B, L, d_model]`` around an MLA module ``attn``.
+
+    ``indexer`` is None in a layer that reuses another layer's selection
+    (:meth:`reuse_indices_of`); ``index_cache`` is set on a layer others reuse."""
 
     def __init__(
         self,
@@ -148,12 +204,15 @@ class DeepSeekSparseAttention(Mixer):
         _check_mode(mode)
         self.attn = attn
         d_model = attn.kv_down.in_features
-        self.indexer = LightningIndexer(
+        self.indexer: LightningIndexer | None = LightningIndexer(
             d_model, attn.q_in_dim, index_n_heads, index_head_dim, attn.rope_dim, norm_eps
         )
         self.top_k, self.mode = top_k, mode
         self.indexer_loss_coef, self.query_chunk = indexer_loss_coef, query_chunk
         self.aux_loss: Tensor | None = None
+        self.index_cache: IndexCache | None = None  # written here, read by reusing layers
+        self.index_source: IndexCache | None = None  # the source's cache (a reusing layer)
+        self.index_cache_misses = 0  # chunks a reusing layer attended densely (no entry)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> DeepSeekSparseAttention:
@@ -169,31 +228,61 @@ class DeepSeekSparseAttention(Mixer):
             norm_eps=cfg.norm_eps,
         )
 
+    # -- the index cache ---------------------------------------------------------------------
+    def reuse_indices_of(self, source: Mixer) -> None:
+        """Make this layer reuse ``source``'s top-k selection: its own indexer is dropped (no
+        parameters, no ``index_k`` cache entry). ``source`` must be a DSA layer with an
+        indexer of its own and the same ``top_k`` and ``query_chunk``."""
+        if not isinstance(source, DeepSeekSparseAttention) or source.indexer is None:
+            what = type(source).__name__ if not isinstance(source, DeepSeekSparseAttention) \
+                else "a DSA layer that reuses indices itself"
+            raise ConfigError(f"dsa.index_from: a layer can reuse the indices of an A:dsa layer "
+                              f"with its own indexer only, not of {what}")
+        if (source.top_k, source.query_chunk) != (self.top_k, self.query_chunk):
+            raise ConfigError("dsa.index_from: the source layer's top_k and query_chunk must "
+                              "equal the reusing layer's")
+        if source.index_cache is None:
+            source.index_cache = IndexCache()
+        self.indexer = None
+        self.index_source = source.index_cache
+
+    # -- forward -----------------------------------------------------------------------------
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = ()
     ) -> Tensor:
         """x [B, L, D] -> [B, L, D] (training, full forward)."""
+        if self.index_cache is not None:
+            self.index_cache.clear()
         L = x.shape[1]
         positions = torch.arange(L, device=x.device)
         cos, sin = self.attn.rope_tables(0, L, x)
         q_nope, q_rope, q_in = self.attn.queries(x, cos, sin)
         latent, k_rope = self.attn.compress_kv(x, cos, sin)
-        index_q, index_w = self.indexer.queries(x.detach(), q_in.detach(), cos, sin)
-        index_k = self.indexer.keys(x.detach(), cos, sin)
+        index_q = index_w = index_k = None
+        if self.indexer is not None:
+            index_q, index_w = self.indexer.queries(x.detach(), q_in.detach(), cos, sin)
+            index_k = self.indexer.keys(x.detach(), cos, sin)
         queries = _Queries(self.attn.absorb_query(q_nope), q_rope, index_q, index_w)
         keys = _Keys(latent, k_rope, index_k)
 
-        outputs, kl = [], []
+        chunks = []  # (rows, queries, allowed [B|1, C, L], selection or None) per chunk
         for rows in self._chunks(L):
             query_doc = doc_ids[:, rows] if doc_ids is not None else None
             allowed = allowed_keys(positions[rows], L, query_doc, doc_ids)
-            o_latent, chunk_kl = self._attend_chunk(queries.rows(rows), keys, allowed)
-            outputs.append(o_latent)
-            kl.append(chunk_kl)
-        self.aux_loss = (
-            self.indexer_loss_coef * torch.cat(kl, dim=1).mean() if self.training else None
-        )
-        return self.attn.output_from_latent(torch.cat(outputs, dim=1))
+            q = queries.rows(rows)
+            where = ("full", rows.start, rows.stop)
+            chunks.append((rows, q, allowed, self._selection(q, keys, allowed, where)))
+        backend = resolve("sparse_attention", queries.latent)
+        if backend.role != "fallback" and all(c[3] is not None for c in chunks):
+            o_latent, kl = self._attend_whole(backend.fn, queries, keys, chunks)
+        else:  # the reference, or a chunk to attend densely: chunk by chunk
+            parts = [self._attend_chunk(q, keys, allowed, sel) for _, q, allowed, sel in chunks]
+            o_latent = torch.cat([o for o, _ in parts], dim=1)
+            kl = [chunk_kl for _, chunk_kl in parts]
+        self.aux_loss = None
+        if self.training and self.indexer is not None:
+            self.aux_loss = self.indexer_loss_coef * torch.cat(kl, dim=1).mean()
+        return self.attn.output_from_latent(o_latent)
 
     def forward_paged(
         self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
@@ -202,58 +291,135 @@ class DeepSeekSparseAttention(Mixer):
 
         Keys past a row's position (other rows' longer histories, unused block entries) are
         never allowed, so never picked as valid; indexer ties go to the earlier key."""
+        if self.index_cache is not None:
+            self.index_cache.clear()
         cos, sin = self.attn.paged_rope_tables(cache, x.dtype)  # [B, L, dr/2]
         q_nope, q_rope, q_in = self.attn.queries(x, cos, sin)
         latent, k_rope = self.attn.compress_kv(x, cos, sin)
-        index_q, index_w = self.indexer.queries(x, q_in, cos, sin)
-        index_k = self.indexer.keys(x, cos, sin)
-        keys = _Keys(*cache.append(latent=latent, k_rope=k_rope, index_k=index_k))  # [B, T, d]
+        index_q = index_w = None
+        if self.indexer is None:
+            keys = _Keys(*cache.append(latent=latent, k_rope=k_rope), None)  # [B, T, d]
+        else:
+            index_q, index_w = self.indexer.queries(x, q_in, cos, sin)
+            index_k = self.indexer.keys(x, cos, sin)
+            keys = _Keys(*cache.append(latent=latent, k_rope=k_rope, index_k=index_k))
         queries = _Queries(self.attn.absorb_query(q_nope), q_rope, index_q, index_w)
         allowed = cache.batch.allowed_keys(keys.latent.shape[1])  # [B, L, T]
-        outputs = [
-            self._attend_chunk(queries.rows(rows), keys, allowed[:, rows], stable=True)[0]
-            for rows in self._chunks(x.shape[1])
-        ]
+        outputs = []
+        for rows in self._chunks(x.shape[1]):
+            q, where = queries.rows(rows), ("paged", rows.start, rows.stop)
+            selection = self._selection(q, keys, allowed[:, rows], where, stable=True)
+            outputs.append(self._attend_chunk(q, keys, allowed[:, rows], selection)[0])
         return self.attn.output_from_latent(torch.cat(outputs, dim=1))
 
     def _chunks(self, length: int) -> Iterator[slice]:
         for start in range(0, length, self.query_chunk):
             yield slice(start, min(start + self.query_chunk, length))
 
-    def _attend_chunk(
-        self, q: _Queries, keys: _Keys, allowed: Tensor, stable: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """One chunk of C queries over T keys -> o_latent [B, C, H, r], per-query KL [B, C].
+    def _selection(
+        self, q: _Queries, keys: _Keys, allowed: Tensor, where: tuple, stable: bool = False
+    ) -> tuple[Tensor, Tensor] | None:
+        """The chunk's selection (indices, valid [B, C, k]), or None to attend densely (the
+        warm-up, top_k covering every key, or a reusing layer without a cache entry).
 
-        ``stable`` (decoding): equal indexer scores are broken toward the earlier position,
-        so the selection does not depend on how many (disallowed) keys pad the row -- the
-        relu makes exact ties (score 0) common, and ``topk``'s tie order varies with T."""
-        n_keys = keys.latent.shape[1]
-        if self.mode == "sparse" and self.top_k < n_keys:
-            with torch.no_grad():
-                scores = indexer_scores(
-                    q.index, q.index_weights, keys.index[:, None], self.indexer.scale
-                )
-                select = select_topk_stable if stable else select_topk
-                picked, allowed = select(scores, allowed, self.top_k)
-            attended = keys.picked(picked)
-        else:  # dense: every allowed key (warm-up, or top_k covers them all)
+        ``where`` (path, first row, end row) names the chunk in the index cache. ``stable``
+        (decoding): equal indexer scores are broken toward the earlier position, so the
+        selection does not depend on how many (disallowed) keys pad the row -- the relu makes
+        exact ties (score 0) common, and ``topk``'s tie order varies with T."""
+        if self.mode != "sparse" or self.top_k >= keys.latent.shape[1]:
+            return None
+        return self._select(q, keys, allowed, where, stable)
+
+    def _attend_chunk(
+        self, q: _Queries, keys: _Keys, allowed: Tensor, selection: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """One chunk of C queries over T keys -> o_latent [B, C, H, r], per-query KL [B, C]
+        (None in eval mode and in a layer without an indexer): over the ``selection`` through
+        the ``sparse_attention`` surface, or densely over every allowed key when None."""
+        if selection is None:
             attended = keys.shared()
-        o_latent, probs = latent_attention(
-            q.latent, q.rope, attended.latent, attended.rope, allowed, self.attn.scale
+            o_latent, probs = latent_attention(
+                q.latent, q.rope, attended.latent, attended.rope, allowed, self.attn.scale
+            )
+            if not self.training or self.indexer is None:
+                return o_latent, None
+            return o_latent, self._kl(q, attended.index, probs.detach().mean(dim=2), allowed)
+        picked, valid = selection  # [B, C, k] key indices, valid flags
+        want_probs = self.training and self.indexer is not None
+        o_latent, target = resolve("sparse_attention", q.latent).fn(
+            q.latent, q.rope, keys.latent, keys.rope, picked, valid, self.attn.scale, want_probs
         )
-        if not self.training:
+        if not want_probs:
             return o_latent, None
-        index = indexer_scores(q.index, q.index_weights, attended.index, self.indexer.scale)
-        return o_latent, indexer_kl_loss(probs, index, allowed)
+        return o_latent, self._kl(q, gather_keys(keys.index, picked), target, valid)
+
+    def _attend_whole(
+        self, attend, queries: _Queries, keys: _Keys, chunks: list
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Every chunk's selection in one call of a fast ``sparse_attention`` backend (it
+        makes nothing [B, C, k, r], so the whole row fits; one launch instead of one per
+        chunk) -> o_latent [B, L, H, r] and the per-chunk KLs (training with an indexer)."""
+        picked = torch.cat([sel[0] for *_, sel in chunks], dim=1)  # [B, L, k]
+        valid = torch.cat([sel[1] for *_, sel in chunks], dim=1)
+        want_probs = self.training and self.indexer is not None
+        o_latent, target = attend(
+            queries.latent, queries.rope, keys.latent, keys.rope, picked, valid,
+            self.attn.scale, want_probs,
+        )
+        if not want_probs:
+            return o_latent, []
+        return o_latent, [self._kl(q, gather_keys(keys.index, sel[0]), target[:, rows], sel[1])
+                          for rows, q, _, sel in chunks]
+
+    def _kl(self, q: _Queries, index_keys: Tensor, target: Tensor, allowed: Tensor) -> Tensor:
+        """Per-query indexer KL [B, C] toward ``target`` (the head-mean attention [B, C, K])
+        over the attended index keys [B, C|1, K, di]."""
+        index = indexer_scores(q.index, q.index_weights, index_keys, self.indexer.scale)
+        return indexer_kl_to_target(target, index, allowed)
+
+    def _select(
+        self, q: _Queries, keys: _Keys, allowed: Tensor, where: tuple, stable: bool
+    ) -> tuple[Tensor, Tensor] | None:
+        """The chunk's top-k keys (indices [B, C, k], valid [B, C, k]): from the source's
+        index cache in a reusing layer (None when it has no entry: attend densely), else
+        from this layer's indexer (stored for the layers that reuse it)."""
+        B, n_keys = keys.latent.shape[0], keys.latent.shape[1]
+        key = (*where, B, n_keys, keys.latent.device)
+        if self.indexer is None:
+            entry = None if self.index_source is None else self.index_source.lookup(key)
+            if entry is None:
+                self._count_miss(where)
+                return None
+            picked = entry[0]
+            # re-masked with this layer's own mask: never attend to a key it may not see
+            return picked, allowed.expand(B, -1, -1).gather(-1, picked)
+        with torch.no_grad():
+            scores = indexer_scores(
+                q.index, q.index_weights, keys.index[:, None], self.indexer.scale
+            )
+            select = select_topk_stable if stable else select_topk
+            picked, valid = select(scores, allowed, self.top_k)
+        if self.index_cache is not None:
+            self.index_cache.store(key, picked, valid)
+        return picked, valid
+
+    def _count_miss(self, where: tuple) -> None:
+        if self.index_cache_misses == 0:
+            log.warning("DSA layer reusing indices found no cached selection for its %s "
+                        "chunk (rows %d:%d); attending to every allowed key", *where)
+        self.index_cache_misses += 1
 
     # -- decoding and accounting -------------------------------------------------------------
     def paged_layout(self) -> dict[str, tuple[int, ...]]:
-        """Per-token cache entries of the paged layout: MLA's, plus the indexer key."""
+        """Per-token cache entries of the paged layout: MLA's, plus the indexer key (none in
+        a layer that reuses another layer's indices)."""
+        if self.indexer is None:
+            return self.attn.paged_layout()
         return {**self.attn.paged_layout(), "index_k": (self.indexer.head_dim,)}
 
     def cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        return self.attn.cache_bytes_per_token(dtype) + self.indexer.head_dim * dtype.itemsize
+        index = 0 if self.indexer is None else self.indexer.head_dim * dtype.itemsize
+        return self.attn.cache_bytes_per_token(dtype) + index
 
     def residual_projections(self) -> list[Tensor]:
         return self.attn.residual_projections()
@@ -267,15 +433,41 @@ class DeepSeekSparseAttention(Mixer):
 
         MLA projections + the absorbed attention over ``attended_keys`` keys (W_UK folded
         into the query, scores and output over the r + dr latent dims, W_UV per head) + the
-        indexer scoring every key; the sparse path re-scores its picked keys for the KL."""
+        indexer scoring every key; the sparse path re-scores its picked keys for the KL. A
+        layer that reuses indices has no indexer term."""
         a, H = self.attn, self.attn.n_heads
         keys = self.attended_keys(seq_len)
         absorb = 2 * H * a.nope_dim * a.kv_lora_rank + 2 * H * a.kv_lora_rank * a.v_dim
         attention = 2 * keys * H * (a.kv_lora_rank + a.rope_dim) + 2 * keys * H * a.kv_lora_rank
-        indexer = self.indexer.flops_per_token(seq_len, a.q_in_dim)
-        if keys < seq_len:
-            indexer += self.indexer.score_flops(keys)
+        indexer = 0
+        if self.indexer is not None:
+            indexer = self.indexer.flops_per_token(seq_len, a.q_in_dim)
+            if keys < seq_len:
+                indexer += self.indexer.score_flops(keys)
         return a.projection_flops_per_token() + absorb + attention + indexer
+
+
+def share_indices(
+    mixers: Sequence[Mixer], index_from: Sequence[int], stages: Sequence[int] | None = None
+) -> None:
+    """Link the DSA layers of a stack (``mixers``, in layer order; ``stages``: each layer's
+    pipeline stage) per ``[dsa] index_from``: one entry per DSA layer, -1 for a layer with its
+    own indexer, else the index of the layer whose selection it reuses. The config checks
+    the list against its own pattern; this checks it again against the stack actually built
+    (a model may be built from another plan), fail closed."""
+    if not index_from:
+        return
+    dsa_layers = [i for i, m in enumerate(mixers) if isinstance(m, DeepSeekSparseAttention)]
+    if len(index_from) != len(dsa_layers):
+        raise ConfigError(f"dsa.index_from has {len(index_from)} entries; the stack has "
+                          f"{len(dsa_layers)} A:dsa layer(s), one entry each")
+    for layer, source in zip(dsa_layers, index_from, strict=True):
+        if source < 0:
+            continue
+        if not 0 <= source < layer or (stages is not None and stages[source] != stages[layer]):
+            raise ConfigError(f"dsa.index_from: layer {layer} cannot reuse layer {source}; "
+                              "the source must be an earlier layer of the same stage")
+        mixers[layer].reuse_indices_of(mixers[source])
 
 
 def select_topk_stable(scores: Tensor, allowed: Tensor, top_k: int) -> tuple[Tensor, Tensor]:

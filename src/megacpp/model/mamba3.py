@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.errors import ConfigError
+from megacpp.kernels.ops.float8_linear.torchao_float8 import linear_rows
 from megacpp.kernels.ops.mamba3_scan.reference import (
     Mamba3ScanState,
     mamba3_scan_chunked,
@@ -249,9 +250,12 @@ class Mamba3Mixer(RecurrentMixer):
         on an H100."""
         x2 = x if x2 is None else x2
         x3 = x if x3 is None else x3
-        w, d = self.in_proj.weight, self.d_inner
-        rest = F.linear(x3, w[2 * d:]).split(self._split[2:], dim=-1)
-        return (F.linear(x, w[:d]), F.linear(x2, w[d: 2 * d]), *rest)
+        d = self.d_inner
+        # each GEMM a row slice of in_proj (linear_rows: F.linear on the slice, or the slice's
+        # float8 GEMM when FP8 training swapped in_proj for torchao's Float8Linear)
+        rest = linear_rows(self.in_proj, x3, 2 * d).split(self._split[2:], dim=-1)
+        return (linear_rows(self.in_proj, x, 0, d), linear_rows(self.in_proj, x2, d, 2 * d),
+                *rest)
 
     def init_cache(
         self, batch_size: int, device: torch.device | str | None = None,
@@ -273,6 +277,10 @@ class Mamba3Mixer(RecurrentMixer):
 
     def residual_projections(self) -> list[Tensor]:
         return [self.out_proj.weight]
+
+    def row_sliced_linears(self) -> tuple[str, ...]:
+        """in_proj: :meth:`_project` multiplies three row slices of its weight."""
+        return ("in_proj",)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Forward matmul FLOPs per token: projections + chunked scan (FlopCounterMode's count)."""

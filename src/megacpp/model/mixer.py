@@ -100,6 +100,21 @@ class Mixer(nn.Module, ABC):
         with the GPT-2 scaled std (``HybridLM._init_weights``), in init order."""
         return []
 
+    def direct_weight_linears(self) -> tuple[str, ...]:
+        """Names of child ``nn.Linear`` layers whose weight the mixer multiplies itself
+        (``F.linear`` on the weight, a slice of it, or a concatenation), not by calling the
+        layer: a swap of the layer for another implementation (FP8 training) would not reach
+        those products, so the swap leaves these layers as they are."""
+        return ()
+
+    def row_sliced_linears(self) -> tuple[str, ...]:
+        """Names of child ``nn.Linear`` layers whose product the mixer computes in row slices
+        of the weight, each through
+        :func:`megacpp.kernels.ops.float8_linear.torchao_float8.linear_rows` (which takes the
+        layer's own GEMM for a slice: float8 for slices of 16-multiple rows once the layer is
+        torchao's Float8Linear). Their whole output dim need not be a multiple of 16."""
+        return ()
+
 
 class RecurrentMixer(Mixer):
     """A mixer with a fixed-size recurrent state (M, R): one token at a time through

@@ -19,6 +19,7 @@ from megacpp.kernels.runtime import resolve
 from megacpp.model.blocks import Block
 from megacpp.model.cache import LockstepCache, PagedBatch, PagedView
 from megacpp.model.config import ModelConfig
+from megacpp.model.dsa import share_indices
 from megacpp.model.features import ngram_embedding, structure_embedding
 from megacpp.model.mtp import MultiTokenPrediction, mean_cross_entropy
 from megacpp.model.norm import RMSNorm
@@ -54,6 +55,8 @@ class HybridLM(nn.Module):
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
+        share_indices([b.mixer for b in self.blocks], cfg.dsa.index_from,  # [dsa] index_from
+                      [s.stage for s in self.plan.layers])
         self._init_weights()
 
     # -- init ---------------------------------------------------------------------------------

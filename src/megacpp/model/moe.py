@@ -197,6 +197,11 @@ class MoE(Mixer):
         shared = self.shared.residual_projections() if self.shared is not None else []
         return [self.out_proj, *shared]
 
+    def direct_weight_linears(self) -> tuple[str, ...]:
+        """The router and the shared in_proj: :meth:`project` multiplies their weights
+        stacked, in one GEMM."""
+        return () if self.shared is None else ("router", "shared.in_proj")
+
     def inactive_params(self) -> int:
         """Parameters of the routed experts a token does not visit."""
         per_expert = self.w_in[0].numel() + self.out_proj[0].numel()

@@ -76,12 +76,7 @@ FAMILIES: dict[str, FamilyInfo] = {
             "Mamba-3 state-space mixer",
             (
                 VariantInfo("siso", "single-input single-output Mamba-3", implemented=True),
-                VariantInfo(
-                    "mimo",
-                    "multi-input multi-output Mamba-3",
-                    implemented=False,
-                    lands_with="the Mamba-3 MIMO mixer",
-                ),
+                VariantInfo("mimo", "multi-input multi-output Mamba-3", implemented=True),
             ),
         ),
         FamilyInfo("R", "recurrent", "matrix-state recurrent mixer (gated delta rule)"),

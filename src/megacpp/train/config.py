@@ -14,7 +14,8 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
                   muon_ns_steps
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
     [parallel]    strategy, backend, activation_checkpointing, compile, cuda_graph, kernels,
-                  grad_sync, reduce_dtype, bucket_mb, reshard_after_forward, timeout_s
+                  grad_sync, reduce_dtype, bucket_mb, reshard_after_forward, timeout_s,
+                  float8, float8_min_dim, float8_fsdp_all_gather
     [checkpoint]  every, keep_last, final
     [guards]      spike_zscore, spike_warmup_steps, spike_ema
     [debug]       nan_step, nan_target, checkpoint_stall_step
@@ -204,6 +205,12 @@ class ParallelSection:
     bucket_mb: float = 25.0  # DDP: MiB of gradients per all-reduce (flat buckets, DDP's cap)
     reshard_after_forward: bool = True  # FSDP2: free each block's gathered weights after forward
     timeout_s: int = 600  # a collective waiting longer than this fails the run
+    # FP8 GEMMs for the linear layers (torchao float8 training; CUDA sm_89+, rowwise sm_90+):
+    # off | tensorwise | rowwise (megacpp.train.float8 says what converts)
+    float8: str = "off"
+    float8_min_dim: int = 256  # linear layers with an in or out dim under this stay bf16
+    # FSDP2 all-gathers the float8 layers' weights in float8 (tensorwise only; off: bf16/fp32)
+    float8_fsdp_all_gather: bool = False
 
     def validate(self) -> None:
         choice("parallel.strategy", self.strategy, ("auto", "single", "ddp", "fsdp"))
@@ -220,6 +227,14 @@ class ParallelSection:
         choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         check(self.timeout_s >= 1, "parallel.timeout_s", self.timeout_s, "an integer >= 1")
         check(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "a number > 0")
+        choice("parallel.float8", self.float8, ("off", "tensorwise", "rowwise"))
+        check(self.float8_min_dim >= 16, "parallel.float8_min_dim", self.float8_min_dim,
+              "an integer >= 16")
+        check(not self.float8_fsdp_all_gather
+              or (self.float8 == "tensorwise" and self.strategy == "fsdp"),
+              "parallel.float8_fsdp_all_gather", self.float8_fsdp_all_gather,
+              "false unless parallel.float8 = \"tensorwise\" and parallel.strategy = \"fsdp\" "
+              "(it changes FSDP2's all-gather; row-wise weight scales span the sharded dim)")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ The defaults are the fast path where it is valid and today's behaviour on CPU:
   all-reduced during backward, captured with the step) when the step is graphed, else
   ``ddp`` (torch's DistributedDataParallel: bucketed all-reduces overlapped with backward).
 
+* ``float8`` -- ``off``: bf16 GEMMs; ``tensorwise`` / ``rowwise``: the linear layers in FP8
+  (:mod:`megacpp.train.float8`); a device that cannot run the recipe stops the run here.
+
 An explicit value that cannot hold (a graph on CPU, a graph with ``grad_sync = "ddp"``) is a
 one-line :class:`ConfigError`.
 """
@@ -27,6 +30,7 @@ import torch
 from megacpp.errors import ConfigError
 from megacpp.kernels.runtime import kernel_mode_setting
 from megacpp.train.config import AUTO, ParallelSection
+from megacpp.train.float8 import require_float8
 
 
 @dataclass
@@ -42,6 +46,8 @@ class ExecutionPlan:
     graph_required: bool  # parallel.cuda_graph = true: a failed capture stops the run
     grad_sync: str | None  # flat | ddp under DDP with several ranks; None otherwise
     grad_sync_why: str
+    float8: str = "off"  # off | tensorwise | rowwise (the linear layers' GEMMs)
+    float8_why: str = "default: bf16 GEMMs"
 
     def lines(self) -> list[str]:
         """One line per mode, e.g. ``cuda_graph: on (default on CUDA)``."""
@@ -53,6 +59,7 @@ class ExecutionPlan:
                  f"cuda_graph: {onoff(self.cuda_graph)} ({self.cuda_graph_why})"]
         if self.grad_sync is not None:
             lines.append(f"grad_sync: {self.grad_sync} ({self.grad_sync_why})")
+        lines.append(f"float8: {self.float8} ({self.float8_why})")
         return lines
 
     def to_dict(self) -> dict[str, object]:
@@ -80,8 +87,12 @@ def plan_execution(cfg: ParallelSection, device: torch.device, strategy: str,
                              else "default without cuda_graph: DistributedDataParallel")
         else:
             grad_sync, grad_sync_why = cfg.grad_sync, f"parallel.grad_sync = \"{cfg.grad_sync}\""
+    require_float8(cfg.float8, device)  # fails closed before anything is built
+    float8_why = ("default: bf16 GEMMs" if cfg.float8 == "off"
+                  else f"parallel.float8 = \"{cfg.float8}\": torchao float8 linear layers")
     return ExecutionPlan(kernels, kernels_why, compile_on, compile_why, graph, graph_why,
-                         cfg.cuda_graph is True, grad_sync, grad_sync_why)
+                         cfg.cuda_graph is True, grad_sync, grad_sync_why, cfg.float8,
+                         float8_why)
 
 
 def _kernels(configured: str, cuda: bool) -> tuple[str, str]:

@@ -3,6 +3,8 @@
 :func:`init_distributed` reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``) and starts the process group; :func:`parallelize` then applies, in order:
 
+0. FP8 linear layers (``parallel.float8``): qualifying ``nn.Linear`` layers swapped for
+   torchao's Float8Linear (:mod:`megacpp.train.float8`), before anything wraps them;
 1. activation checkpointing per block letter (``parallel.activation_checkpointing = "ME"``
    recomputes every M and E block in backward and keeps the others' activations);
 2. regional ``torch.compile``: each block compiled in place (parameter names unchanged);
@@ -22,7 +24,7 @@ import contextlib
 import datetime as dt
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megacpp.errors import ConfigError
 from megacpp.train.config import ParallelSection
+from megacpp.train.float8 import Float8Report, apply_float8
 
 # Prefixes wrappers add to parameter names (checkpoint_wrapper, DDP, torch.compile).
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "module", "_orig_mod")
@@ -108,15 +111,23 @@ def _strategy(strategy: str, world_size: int) -> str:
 
 # -- applying parallelism ----------------------------------------------------------------------
 def parallelize(model: nn.Module, cfg: ParallelSection, env: DistEnv, *, compile: bool,
-                grad_sync: str | None) -> nn.Module:
-    """Activation checkpointing, compile and DDP/FSDP2 applied to a HybridLM on ``env.device``.
+                grad_sync: str | None,
+                on_float8: Callable[[Float8Report], None] | None = None) -> nn.Module:
+    """FP8 layers, activation checkpointing, compile and DDP/FSDP2 applied to a HybridLM on
+    ``env.device``.
 
     ``compile`` and ``grad_sync`` come from the run's :class:`~megacpp.train.modes.ExecutionPlan`
     (``grad_sync``: "ddp" wraps the model in DistributedDataParallel; "flat" leaves it plain
     for :class:`FlatGradReducer`, after making every rank's weights rank 0's, as DDP does).
-    Returns the module to call for training (the DDP wrapper, or ``model`` itself, sharded
-    in place, for FSDP2 and single-process runs).
+    ``on_float8`` receives the FP8 lane's report (which layers converted, which stayed bf16
+    and why) when ``parallel.float8`` is on. Returns the module to call for training (the DDP
+    wrapper, or ``model`` itself, sharded in place, for FSDP2 and single-process runs).
     """
+    if cfg.float8 != "off":
+        report = apply_float8(model, cfg.float8, min_dim=cfg.float8_min_dim,
+                              fsdp_float8_all_gather=cfg.float8_fsdp_all_gather)
+        if on_float8 is not None:
+            on_float8(report)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if compile:
         compile_blocks(model)

@@ -38,7 +38,12 @@ from rich.console import Console
 from torch.distributed.tensor import DTensor
 
 from megacpp._io import atomic_write_text
-from megacpp.contract import capture_fingerprint, require_preflight, run_preflight
+from megacpp.contract import (
+    capture_fingerprint,
+    require_preflight,
+    run_preflight,
+    with_numerics,
+)
 from megacpp.contract.devices import device_profile, profile_for_fingerprint
 from megacpp.contract.preflight import PreflightError, PreflightReport, record_cache_routings
 from megacpp.data.loader import IGNORE_INDEX, PackedLoader
@@ -59,6 +64,7 @@ from megacpp.train.checkpoint import (
 )
 from megacpp.train.config import RunConfig, to_toml
 from megacpp.train.finetune import FineTuning
+from megacpp.train.float8 import Float8Report
 from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
 from megacpp.train.guards import SpikeDetector, StepWatchdog, check_finite
 from megacpp.train.loggers import ExperimentLoggers
@@ -234,6 +240,7 @@ class _Session:
         self.cost = None  # the model's analytic ModelCost, once built
         self.seq_len = 0
         self.plan: ExecutionPlan | None = None  # the run's modes (kernels, compile, graphs)
+        self.float8: Float8Report | None = None  # what parallel.float8 converted
         self.accum = cfg.train.grad_accum_steps  # micro-batches per rank per step
         self.peak: PeakFlops | None = None  # what MFU divides by
         self.reducer: FlatGradReducer | None = None  # DDP with grad_sync = "flat"
@@ -325,7 +332,8 @@ class _Session:
         model = HybridLM(self.model_cfg)
         self.finetuning.prepare(model, restoring=path is not None, log=self._print)
         self.model = parallelize(model.to(env.device), cfg.parallel, env,
-                                 compile=self.plan.compile, grad_sync=self.plan.grad_sync)
+                                 compile=self.plan.compile, grad_sync=self.plan.grad_sync,
+                                 on_float8=self._float8_converted)
         self.base = base_model(self.model)
         self.named_params = [(clean_name(n), p) for n, p in self.model.named_parameters()]
         if self.plan.grad_sync == "flat":
@@ -351,6 +359,10 @@ class _Session:
                     "global_batch": self._global_batch(),
                     "mfu_peak_tflops": self.peak.tflops, "mfu_peak_source": self.peak.source})
         self._print(self._describe_setup())
+
+    def _float8_converted(self, report: Float8Report) -> None:
+        self.float8 = report
+        self._print("\n".join(report.lines()))
 
     def _open_loggers(self) -> None:
         self.loggers = ExperimentLoggers.open(self.cfg.run.loggers, self.run_dir,
@@ -921,6 +933,7 @@ class _Session:
             "invocation": {"world_size": self.env.world_size, "strategy": self.env.strategy,
                            "device": str(self.env.device),
                            "modes": self.plan.to_dict() if self.plan else None,
+                           "float8": self.float8.to_dict() if self.float8 else None,
                            "global_batch": self._global_batch(),
                            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
                            "skip_preflight": list(self.skip_preflight)},
@@ -933,9 +946,15 @@ class _Session:
             artifacts.append(self.last_checkpoint / MARKER)
         path = self.run_dir / RECEIPT_FILE
         try:
+            recipe = self.cfg.parallel.float8
+            kernels = chosen_kernels()
+            if recipe != "off":
+                kernels["float8_linear"] = f"torchao_{recipe}"
+            fingerprint = with_numerics(
+                self.fingerprint or capture_fingerprint(packages=self.cfg.contract.packages),
+                float8=recipe)
             write_receipt(path, "train", config, self._receipt_metrics(status), artifacts,
-                          kernels=chosen_kernels(), preflight=self.preflight,
-                          fingerprint=self.fingerprint)
+                          kernels=kernels, preflight=self.preflight, fingerprint=fingerprint)
         except MegaCppError as exc:  # never mask the run's own outcome
             self._warn(f"could not write the receipt {path}: {exc}")
             return None

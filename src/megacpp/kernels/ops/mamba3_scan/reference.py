@@ -244,11 +244,19 @@ def _chunk_states(
 
     Returns chunk_state [B, C, H, P, N] and chunk_decay [B, C, H] (0 if the chunk has a reset).
     """
-    to_end = torch.exp(a_cs[..., -1:] - a_cs) * (seg == seg[..., -1:])[:, :, None]  # [B, C, H, T]
-    k_weighted = k * (to_end.transpose(2, 3) * scale)[..., None]  # [B, C, T, H, N]
+    token_weight, chunk_decay = _chunk_states_weights(a_cs, scale, seg)
+    k_weighted = k * token_weight[..., None]  # [B, C, T, H, N]
     chunk_state = torch.einsum("bcshn,bcshp->bchpn", k_weighted, x)
-    chunk_decay = torch.exp(a_cs[..., -1]) * (seg[..., -1] == 0)[:, :, None]
     return chunk_state, chunk_decay
+
+
+def _chunk_states_weights(a_cs: Tensor, scale: Tensor, seg: Tensor) -> tuple[Tensor, Tensor]:
+    """Each token's weight in its chunk's end state, [B, C, T, H] (decay to the chunk end
+    times ``scale``; 0 before a later reset in the chunk), and the chunk's total decay
+    [B, C, H] (0 if the chunk has a reset)."""
+    to_end = torch.exp(a_cs[..., -1:] - a_cs) * (seg == seg[..., -1:])[:, :, None]  # [B, C, H, T]
+    chunk_decay = torch.exp(a_cs[..., -1]) * (seg[..., -1] == 0)[:, :, None]
+    return to_end.transpose(2, 3) * scale, chunk_decay
 
 
 def _pass_states(

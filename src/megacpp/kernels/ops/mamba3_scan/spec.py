@@ -98,7 +98,4 @@ BACKENDS = (
             "adapter from this surface's layout (no packed documents: its varlen form did not "
             "match this surface); the speed bar for our Triton scan, not a dependency of the "
             "training path"),
-    Backend("tilelang_mimo", "mamba3_scan", "deferred",
-            Requirements(devices=("cuda",), packages=("tilelang",)), None,
-            "TileLang MIMO variant: tilelang is not installable here and the model uses SISO"),
 )

@@ -12,6 +12,8 @@ The pieces, in the order a DSA layer runs them for one chunk of C queries over T
 4. :func:`gather_keys` -- the selected keys' rows, ``[B, T, d] -> [B, C, k, d]``.
 5. :func:`latent_attention` -- multi-head latent attention in its absorbed (MQA) form over
    per-query key sets: every head attends to the same compressed latents.
+   :func:`sparse_latent_attention` is 4 + 5 over the selected keys, the ``sparse_attention``
+   catalog surface (its Triton backend loads the selected rows by index instead).
 6. :func:`indexer_kl_loss` -- the indexer's training signal: KL from the (detached,
    head-summed, renormalised) attention distribution to ``softmax(I)``.
 
@@ -129,6 +131,38 @@ def latent_attention(
     return o_latent, probs
 
 
+def sparse_latent_attention(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent: Tensor,
+    k_rope: Tensor,
+    indices: Tensor,
+    valid: Tensor,
+    scale: float,
+    with_probs: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Absorbed latent attention of each query over its selected keys (the ``sparse_attention``
+    surface): :func:`gather_keys` then :func:`latent_attention`.
+
+    Args:
+        q_latent: [B, C, H, r] queries with W_UK folded in.
+        q_rope: [B, C, H, dr].
+        latent: [B, T, r] every key's latent; k_rope: [B, T, dr].
+        indices: [B, C, k] int, the selected keys (0 <= index < T).
+        valid: [B, C, k] bool, False for a slot to leave out; each query has a valid slot.
+        scale: the softmax scale.
+        with_probs: also return the attention distribution averaged over heads.
+    Returns:
+        ``o_latent`` [B, C, H, r] in ``q_latent``'s dtype, and (``with_probs``) the detached
+        head-mean probabilities [B, C, k] in at least float32 (the indexer's KL target),
+        else None.
+    """
+    picked_latent = gather_keys(latent, indices)  # [B, C, k, r]
+    picked_rope = gather_keys(k_rope, indices)  # [B, C, k, dr]
+    o_latent, probs = latent_attention(q_latent, q_rope, picked_latent, picked_rope, valid, scale)
+    return o_latent, probs.detach().mean(dim=2) if with_probs else None
+
+
 def indexer_kl_loss(attn_probs: Tensor, index_scores: Tensor, allowed: Tensor) -> Tensor:
     """Per-query ``KL(p || softmax(index_scores))`` over the allowed keys.
 
@@ -142,7 +176,13 @@ def indexer_kl_loss(attn_probs: Tensor, index_scores: Tensor, allowed: Tensor) -
     Returns:
         [B, C] KL divergence per query (>= 0).
     """
-    target = attn_probs.detach().mean(dim=2)  # [B, C, K]; each head's row sums to 1
+    return indexer_kl_to_target(attn_probs.detach().mean(dim=2), index_scores, allowed)
+
+
+def indexer_kl_to_target(target: Tensor, index_scores: Tensor, allowed: Tensor) -> Tensor:
+    """:func:`indexer_kl_loss` from the head-mean distribution ``target`` [B, C, K] (rows sum
+    to 1, zero off ``allowed``; treated as a constant) -> [B, C]."""
+    target = target.detach()
     logits = index_scores.masked_fill(~allowed, float("-inf"))
     log_q = torch.log_softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
     return (torch.xlogy(target, target) - target * log_q).sum(dim=-1)

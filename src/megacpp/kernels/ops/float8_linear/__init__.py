@@ -1,0 +1,1 @@
+"""Linear layers in FP8 for training (torchao float8, dynamic scaling)."""

@@ -1,0 +1,177 @@
+"""Mamba-3 MIMO mixer (pattern ``M:mimo``): the SISO mixer with rank-R B, C, x and z per head.
+
+Follows ``mamba_ssm.modules.mamba3.Mamba3`` with ``is_mimo=True``: ``in_proj`` yields
+``[z, x, B, C, dd_dt, dd_A, trap, angles]`` with B and C ``R * G * N`` wide (rank-major, as
+mamba_ssm lays them out), B/C biases ``[H, R, N]``, and three per-channel projections
+``mimo_x`` (x to its R inputs), ``mimo_z`` (z to its R gates) and ``mimo_o`` (the R outputs
+back to one), each ``[H, R, P]``. The state stays ``[H, P, N]``: each token updates it with a
+rank-R sum of outer products. With ``outproj_norm`` each of the R gated outputs is RMS-normed
+per head (weight ``norm_weight``, shared by the ranks) before ``mimo_o`` sums them; the norm
+comes after the gate, as in the SISO mixer. Equations: docs/mamba3.md, "MIMO".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megacpp.errors import ConfigError
+from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
+    flops_per_token as mimo_scan_flops_per_token,
+)
+from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
+    mamba3_mimo_scan_recurrent,
+    zero_mimo_state,
+)
+from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
+from megacpp.kernels.runtime import resolve
+from megacpp.model.mamba3 import _CACHE_DTYPES, Mamba3Mixer, _doc_starts, _Gates
+
+if TYPE_CHECKING:
+    from megacpp.model.config import ModelConfig
+
+
+class Mamba3MimoMixer(Mamba3Mixer):
+    """Mamba-3 MIMO mixer over ``[B, L, d_model]``: :class:`Mamba3Mixer`'s arguments plus
+    ``mimo_rank`` (R >= 1, the rank of each token's state update). ``chunk_size`` counts
+    tokens: a chunk's score tile is (chunk_size * R)^2 (the config's ``mimo_chunk_size``)."""
+
+    def __init__(self, d_model: int, *, mimo_rank: int = 4, d_state: int = 128, **kwargs) -> None:
+        if not (isinstance(mimo_rank, int) and mimo_rank >= 1):
+            raise ConfigError(f"Mamba3MimoMixer: mimo_rank must be a positive int, got "
+                              f"{mimo_rank!r}")
+        if isinstance(d_state, int) and d_state % 2:
+            raise ConfigError(f"Mamba3MimoMixer: d_state must be even (dims i and i + N/2 "
+                              f"rotate together), got {d_state}")
+        super().__init__(d_model, d_state=d_state, **kwargs)
+        self.mimo_rank = R = mimo_rank
+        H, G, N, P = self.nheads, self.ngroups, self.d_state, self.headdim
+        # the SISO layout widened: B and C carry R vectors per group, the biases one per rank
+        self._split[2] = self._split[3] = R * G * N
+        self.in_proj = nn.Linear(d_model, sum(self._split), bias=False)
+        self.B_bias = nn.Parameter(torch.empty(H, R, N))
+        self.C_bias = nn.Parameter(torch.empty(H, R, N))
+        self.mimo_x = nn.Parameter(torch.empty(H, R, P))
+        self.mimo_z = nn.Parameter(torch.empty(H, R, P))
+        self.mimo_o = nn.Parameter(torch.empty(H, R, P))
+        # per-channel scales (init 1/R, 1, 1/R), like D: no weight decay
+        for p in (self.mimo_x, self.mimo_z, self.mimo_o):
+            p._no_weight_decay = True  # type: ignore[attr-defined]
+        self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> Mamba3MimoMixer:
+        m = cfg.mamba
+        return cls(
+            d_model=cfg.d_model,
+            mimo_rank=m.mimo_rank,
+            d_state=m.d_state,
+            headdim=m.headdim,
+            expand=m.expand,
+            ngroups=m.ngroups,
+            chunk_size=m.mimo_chunk_size,
+            rope_fraction=m.rope_fraction,
+            outproj_norm=m.outproj_norm,
+            norm_eps=cfg.norm_eps,
+            init_std=cfg.init_std,
+        )
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """:meth:`Mamba3Mixer.reset_parameters`, and mamba_ssm's MIMO init: mimo_x = mimo_o =
+        1/R, mimo_z = 1 (every rank starts as the same copy of x, z and the output)."""
+        super().reset_parameters()
+        if hasattr(self, "mimo_x"):  # not yet during the SISO constructor
+            self.mimo_x.fill_(1.0 / self.mimo_rank)
+            self.mimo_z.fill_(1.0)
+            self.mimo_o.fill_(1.0 / self.mimo_rank)
+
+    def forward(
+        self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
+        cache: Mamba3ScanState | None = None,
+    ) -> Tensor:
+        """Chunked scan over x [B, L, d_model] -> [B, L, d_model]; ``doc_ids``, ``cache`` and
+        ``again`` as in :meth:`Mamba3Mixer.forward`."""
+        reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
+        inputs = self._scan_inputs(x, again)
+        # the catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
+        # continue from a cache (a prefill)
+        scan = resolve("mamba3_mimo_scan", inputs["v"]).fn
+        y, final = scan(**inputs, reset=reset, initial_state=cache, chunk_size=self.chunk_size,
+                        output_final_state=cache is not None)
+        if cache is not None:
+            cache.update_(final)
+        return self._output(y)
+
+    def step(self, x: Tensor, cache: Mamba3ScanState) -> Tensor:
+        """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache."""
+        if x.ndim != 3 or x.shape[1] != 1:
+            raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
+        y, final = mamba3_mimo_scan_recurrent(**self._scan_inputs(x), initial_state=cache)
+        cache.update_(final)
+        return self._output(y)
+
+    def _output(self, y: Tensor) -> Tensor:
+        """out_proj of the scan output: with ``outproj_norm`` y is the R gated outputs
+        [B, L, R, H, P], each RMS-normed per head and scaled by ``norm_weight`` (float32 math),
+        then summed with ``mimo_o``; without it the scan already summed them ([B, L, H, P])."""
+        if self.outproj_norm:
+            f32 = torch.promote_types(y.dtype, torch.float32)
+            weight = self.norm_weight.to(f32).view(self.nheads, self.headdim)
+            normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
+            y = (normed * self.mimo_o.to(f32).transpose(0, 1)).sum(2).to(y.dtype)
+        return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
+
+    def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
+        """Project x [B, L, d_model] (and its copies ``again``) into the MIMO scan's keyword
+        arguments; ``mimo_o`` only without ``outproj_norm`` (the norm sits between the scan's
+        per-rank outputs and their sum)."""
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
+        H, P, G, N, R = self.nheads, self.headdim, self.ngroups, self.d_state, self.mimo_rank
+        z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x, *again)
+        adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
+        return {
+            "q": self.C_norm(c.unflatten(-1, (R, G, N))),  # [B, L, R, G, N]
+            "k": self.B_norm(b.unflatten(-1, (R, G, N))),
+            "v": xs.unflatten(-1, (H, P)),  # [B, L, H, P]
+            "adt": adt,
+            "dt": dt,
+            "trap": trap,
+            "q_bias": self.C_bias,
+            "k_bias": self.B_bias,
+            "mimo_v": self.mimo_x,
+            "mimo_z": self.mimo_z,
+            "mimo_o": None if self.outproj_norm else self.mimo_o,
+            "angles": angles[:, :, None, :].expand(-1, -1, H, -1),  # [B, L, H, A]
+            "D": self.D,
+            "z": z.unflatten(-1, (H, P)),
+        }
+
+    def init_cache(
+        self, batch_size: int, device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Mamba3ScanState:
+        """A zero cache (the state of an empty prefix) for ``batch_size`` sequences."""
+        if dtype not in _CACHE_DTYPES:
+            raise ConfigError(f"Mamba3 cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
+        return zero_mimo_state(
+            batch_size, self.nheads, self.headdim, self.d_state, self.n_angles, self.mimo_rank,
+            device=device, dtype=dtype,
+        )
+
+    def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the decode cache: B * H * (A + P*N + R*N + P) elements of ``dtype``."""
+        P, N, R = self.headdim, self.d_state, self.mimo_rank
+        per_head = self.n_angles + P * N + R * N + P
+        return batch * self.nheads * per_head * dtype.itemsize
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward matmul FLOPs per token: projections + chunked MIMO scan (FlopCounterMode's
+        count; the per-channel MIMO projections are elementwise)."""
+        projections = 2 * self.d_model * (sum(self._split) + self.d_inner)
+        H, P, N, R = self.nheads, self.headdim, self.d_state, self.mimo_rank
+        return projections + mimo_scan_flops_per_token(seq_len, self.chunk_size, H, P, N, R)
