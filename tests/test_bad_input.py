@@ -400,7 +400,8 @@ def test_bad_numeric_options_of_generate(world, options, values, data):
               st.just("--tokens-per-s"), BAD_FLOAT_ARGS),
     st.tuples(st.just("serve"), st.just("--checkpoint"), st.just("/no/such"), st.sampled_from(
         ["--port", "--max-num-seqs", "--block-size", "--num-blocks", "--max-model-len",
-         "--prefill-chunk", "--max-waiting"]), BAD_INT_ARGS),
+         "--prefill-chunk", "--max-waiting", "--prefix-snapshots", "--snapshot-interval"]),
+        BAD_INT_ARGS),
     st.tuples(st.just("data"), st.just("build"), st.just("/no/such"), st.just("--out"),
               st.just("{scratch}/o"), st.just("--workers"), BAD_INT_ARGS),
     st.tuples(st.just("tokenizer"), st.just("train"), st.just("/no/such"), st.just("--out"),

@@ -40,7 +40,7 @@ def test_router_train_then_serve_two_specialists(setup, capsys):
     args = ("--checkpoint", f"lib={setup['lib']}",
             "--checkpoint", f"capi={setup['capi'] / 'checkpoints' / 'step_000001'}",
             "--tokenizer", str(setup["tok"]), "--router", str(tmp / "router.json"),
-            "--max-num-seqs", "4", "--max-model-len", "256")
+            "--max-num-seqs", "4", "--max-model-len", "256", "--no-prefix-cache")
     with serve_process(*args) as (url, proc):
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["lib", "capi", "auto"]
@@ -81,6 +81,9 @@ def test_serve_bad_input_is_one_line(setup, tmp_path, capsys):
         (("--checkpoint", lib, "--tokenizer", tok, "--dtype", "int8"), "--dtype"),
         (("--checkpoint", lib, "--tokenizer", tok, "--device", "tpu"), "--device"),
         (("--checkpoint", lib, "--tokenizer", tok, "--max-num-seqs", "0"), "max_num_seqs"),
+        (("--checkpoint", lib, "--tokenizer", tok, "--prefix-snapshots", "0"), "prefix_snapshots"),
+        (("--checkpoint", lib, "--tokenizer", tok, "--snapshot-interval", "-1"),
+         "snapshot_interval"),
         (("--checkpoint", lib, "--checkpoint", lib, "--tokenizer", tok), "distinct"),
         (("--checkpoint", lib, "--tokenizer", tok, "--router", str(bad_router)),
          "not loaded specialists"),

@@ -44,7 +44,10 @@ SCENARIOS = ("mixed", "preempt", "graphs", "abort", "eos")
 
 
 def _engine(model, tokenizer, **config) -> Engine:
-    defaults = {"max_num_seqs": 8, "block_size": 4, "max_model_len": 96, "prefill_chunk": 8}
+    # the scheduler without prefix caching (tests/infer/test_prefix_cache.py checks that it
+    # gives the same tokens)
+    defaults = {"max_num_seqs": 8, "block_size": 4, "max_model_len": 96, "prefill_chunk": 8,
+                "prefix_cache": False}
     return Engine(model, tokenizer, EngineConfig(**{**defaults, **config}))
 
 
@@ -70,7 +73,9 @@ def _trace(engine: Engine, requests: dict, events: dict | None = None) -> dict:
         steps.append([[o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
                        o.prompt_tokens, o.completion_tokens] for o in engine.step()])
         n += 1
-    return {"steps": steps, "stats": dataclasses.asdict(engine.stats())}
+    stats = {k: v for k, v in dataclasses.asdict(engine.stats()).items()
+             if not k.startswith("prefix_")}  # the prefix cache's counters (off here)
+    return {"steps": steps, "stats": stats}
 
 
 def _stop_string(tokenizer, trace: dict) -> str:

@@ -32,6 +32,12 @@ FAMILIES = {
     "megacpp_engine_steps_total": ("counter", {"model"}),
     "megacpp_engine_step_seconds_total": ("counter", {"model"}),
     "megacpp_engine_up": ("gauge", {"model"}),
+    "megacpp_engine_prefix_cache_hit_rate": ("gauge", {"model"}),
+    "megacpp_engine_prefix_cached_blocks": ("gauge", {"model"}),
+    "megacpp_engine_prefix_snapshots": ("gauge", {"model"}),
+    "megacpp_engine_prefix_cache_queries_total": ("counter", {"model"}),
+    "megacpp_engine_prefix_cache_hits_total": ("counter", {"model"}),
+    "megacpp_engine_prefix_cache_evictions_total": ("counter", {"model"}),
     "megacpp_request_duration_seconds": ("histogram", {"endpoint"}),
     "megacpp_time_to_first_token_seconds": ("histogram", {"model"}),
     "megacpp_inter_token_latency_seconds": ("histogram", {"model"}),
@@ -109,5 +115,9 @@ def test_metric_names_types_and_labels_before_and_after_requests():
         assert by_labels(samples, "megacpp_engine_steps_total")[tiny] >= 4
         assert by_labels(samples, "megacpp_engine_step_seconds_total")[tiny] > 0
         srv.wait_idle()
-        gauges = by_labels(scrape(srv.url)[1], "megacpp_engine_free_blocks")
+        samples = scrape(srv.url)[1]
+        gauges = by_labels(samples, "megacpp_engine_free_blocks")
         assert gauges[tiny] == srv.stats().total_blocks > 0
+        # every prompt token was looked up in the prefix cache once
+        assert by_labels(samples, "megacpp_engine_prefix_cache_queries_total")[tiny] == \
+            by_labels(samples, "megacpp_prompt_tokens_total")[tiny]

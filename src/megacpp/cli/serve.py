@@ -70,6 +70,13 @@ def serve(
     speculative_tokens: Annotated[int, typer.Option(
         help="Greedy requests: tokens the model's MTP head drafts per step, verified by the "
              "model (0: off; needs [model.mtp] depth >= 1).")] = 0,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache",
+        help="Reuse the KV blocks and M/R state snapshots of prompts that share a prefix.")] = True,
+    prefix_snapshots: Annotated[int | None, typer.Option(
+        help="M/R state snapshots the prefix cache keeps (default: 2 x max-num-seqs).")] = None,
+    snapshot_interval: Annotated[int, typer.Option(
+        help="Tokens between M/R state snapshots in a long prompt (whole blocks).")] = 512,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     dtype: Annotated[str | None, typer.Option(
@@ -101,7 +108,9 @@ def serve(
     config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
                           max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                           max_waiting=max_waiting, prefill_graphs=prefill_graphs,
-                          speculative_tokens=speculative_tokens)
+                          speculative_tokens=speculative_tokens,
+                          prefix_cache=prefix_cache, prefix_snapshots=prefix_snapshots,
+                          snapshot_interval=snapshot_interval)
     named = [split_named(value, "--checkpoint") for value in checkpoint]
     adapters_named = _adapter_options(lora or [])
     classifier = _load_router(router)
@@ -179,7 +188,8 @@ def _load_specialist(name, path, tokenizer, device, dtype, config, fallback_to_p
             if config.speculative_tokens else "")
     typer.echo(f"loaded {name}: {ckpt} ({sum(p.numel() for p in model.parameters()):,} "
                f"parameters, {config.total_blocks} KV blocks x {config.block_size} tokens, "
-               f"{config.max_num_seqs} slots{spec})")
+               f"{config.max_num_seqs} slots, prefix cache "
+               f"{'on' if config.prefix_cache else 'off'}{spec})")
     return Specialist(name, AsyncEngine(engine, name), tok, config.max_model_len, str(ckpt)), state
 
 

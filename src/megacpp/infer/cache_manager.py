@@ -15,6 +15,11 @@ and one hands out state slots (the same slot in every M/R layer). The extra bloc
 at the end are scratch space for padding rows; they are never handed out. A sequence owns a
 block table (its blocks, in position order) and one slot from admission until it finishes,
 is aborted or is preempted.
+
+With prefix caching (:mod:`megacpp.infer.prefix_cache`) the block ids come from a
+reference-counted pool instead: a block can sit in several tables (a shared prompt prefix)
+and stays cached after its last holder finishes, until an allocation evicts it; a fixed pool
+of snapshot rows per M/R layer holds recurrent states at block boundaries.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from megacpp.errors import MegaCppError
 from megacpp.infer.memory import check_fits
+from megacpp.infer.prefix_cache import NO_HIT, BlockPool, PrefixCache, PrefixHit
 from megacpp.model.cache import PagedPool, paged_pool, zero_state_slots
 from megacpp.model.model import HybridLM
 
@@ -50,27 +56,29 @@ class IdAllocator:
 
 
 def pool_bytes(model: HybridLM, num_blocks: int, block_size: int, max_num_seqs: int,
-               dtype: torch.dtype) -> int:
-    """Bytes of the pools a :class:`CacheManager` allocates (scratch block and slot included),
-    sized on the meta device, so nothing is allocated to find out."""
+               dtype: torch.dtype, snapshots: int = 0) -> int:
+    """Bytes of the pools a :class:`CacheManager` allocates (scratch block and slot included,
+    and ``snapshots`` prefix-cache snapshot rows), sized on the meta device, so nothing is
+    allocated to find out."""
     state_dtype = torch.promote_types(dtype, torch.float32)
     need = 0
     for i, layout in enumerate(model.paged_layouts()):
         if layout is not None:
             need += paged_pool(layout, num_blocks + 1, block_size, "meta", dtype).nbytes()
         else:
-            pool = model.init_state_pool(i, max_num_seqs + 1, "meta", state_dtype)
+            pool = model.init_state_pool(i, max_num_seqs + 1 + snapshots, "meta", state_dtype)
             need += pool.nbytes() if pool is not None else 0
     return need
 
 
 def _check_pools_fit(model: HybridLM, num_blocks: int, block_size: int, max_num_seqs: int,
-                     device: torch.device, dtype: torch.dtype) -> None:
+                     device: torch.device, dtype: torch.dtype, snapshots: int) -> None:
     """Refuse pools larger than the device's available memory."""
-    need = pool_bytes(model, num_blocks, block_size, max_num_seqs, dtype)
+    need = pool_bytes(model, num_blocks, block_size, max_num_seqs, dtype, snapshots)
+    extra = f" and {snapshots} prefix-cache snapshots" if snapshots else ""
     check_fits(need, torch.device(device), f"the KV cache ({num_blocks} blocks of {block_size} "
-               f"tokens) and {max_num_seqs} state slots", "lower --max-num-seqs, "
-               "--max-model-len or --num-blocks")
+               f"tokens), {max_num_seqs} state slots{extra}", "lower --max-num-seqs, "
+               "--max-model-len, --num-blocks or --prefix-snapshots")
 
 
 class CacheManager:
@@ -85,11 +93,21 @@ class CacheManager:
         max_num_seqs: int,
         device: torch.device,
         dtype: torch.dtype,
+        prefix_cache: bool = False,
+        snapshots: int = 0,
+        snapshot_interval: int = 512,
     ) -> None:
-        _check_pools_fit(model, num_blocks, block_size, max_num_seqs, device, dtype)
+        """``prefix_cache``: reuse blocks and M/R snapshots across requests (``snapshots``
+        rows, taken every ``snapshot_interval`` tokens rounded up to whole blocks; see :mod:`megacpp.infer.prefix_cache`)."""
+        has_state = any(layout is None and model.init_state_pool(i, 1, "meta", torch.float32)
+                        is not None for i, layout in enumerate(model.paged_layouts()))
+        snapshots = snapshots if prefix_cache and has_state else 0
+        if prefix_cache and has_state and snapshots < 1:
+            raise MegaCppError("prefix caching a model with M/R layers needs at least one "
+                               "snapshot row (snapshots >= 1)")
+        _check_pools_fit(model, num_blocks, block_size, max_num_seqs, device, dtype, snapshots)
         self.block_size, self.num_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.null_block, self.null_slot = num_blocks, max_num_seqs  # scratch for padding rows
-        self.blocks = IdAllocator(num_blocks, "KV blocks")
         self.slots = IdAllocator(max_num_seqs, "state slots")
         self.families = [b.family for b in model.blocks]
         self.device = device
@@ -101,6 +119,18 @@ class CacheManager:
             else:
                 self.layers.append(model.init_state_pool(i, max_num_seqs + 1, device, state_dtype))
         self.state_pools = [p for p in self.layers if p is not None and not isinstance(p, PagedPool)]
+        self.prefix: PrefixCache | None = None
+        if prefix_cache:
+            snapshot_pools = [model.init_state_pool(i, snapshots, device, state_dtype)
+                              for i, pool in enumerate(self.layers)
+                              if pool is not None and not isinstance(pool, PagedPool)]
+            self.prefix = PrefixCache(
+                num_blocks=num_blocks, block_size=block_size, state_pools=self.state_pools,
+                snapshot_pools=snapshot_pools if snapshots else [],
+                snapshot_interval=-(-snapshot_interval // block_size) * block_size)
+            self.blocks: IdAllocator | BlockPool = self.prefix.blocks
+        else:
+            self.blocks = IdAllocator(num_blocks, "KV blocks")
         self.tables: dict[str, list[int]] = {}  # sequence id -> its blocks, in position order
         self.slot_of: dict[str, int] = {}
 
@@ -122,6 +152,55 @@ class CacheManager:
         self.tables.setdefault(seq_id, []).extend(self.blocks.allocate(need))
         return True
 
+    # -- prefix caching --------------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int], extra: list[int] | None) -> PrefixHit:
+        """What a new sequence with these tokens can reuse (nothing without prefix caching)."""
+        return NO_HIT if self.prefix is None else self.prefix.match(token_ids, extra)
+
+    def can_admit(self, hit: PrefixHit, n_tokens: int) -> bool:
+        """A free slot, blocks for ``n_tokens`` tokens beyond the hit's blocks, and (prefix
+        caching) no running sequence computing the prompt's next uncached block."""
+        if self.slots.num_free == 0:
+            return False
+        if self.prefix is not None and self.prefix.in_flight(hit):
+            return False
+        need = -(-n_tokens // self.block_size) - len(hit.blocks)
+        if self.prefix is None:
+            return need <= self.blocks.num_free
+        return need <= self.blocks.num_free_after(list(hit.blocks))
+
+    def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int) -> None:
+        """Open ``seq_id`` (after :meth:`can_admit`; :meth:`reserve` grows its table): a slot
+        holding the hit's state and a table starting with the hit's blocks."""
+        slot = self.open_slot(seq_id)
+        self.tables[seq_id] = list(hit.blocks)
+        if self.prefix is not None:
+            self.prefix.admit(seq_id, hit, prompt_len, torch.tensor([slot], device=self.device))
+
+    def expect_sharing(self, seq_id: str) -> None:
+        """A waiting request starts like ``seq_id``: leave snapshots it can start from."""
+        if self.prefix is not None:
+            self.prefix.expect_sharing(seq_id)
+
+    def chunk_end(self, seq_id: str, start: int, end: int, prefill_end: int) -> int:
+        """A prefill chunk's end, cut at a snapshot boundary (see :mod:`prefix_cache`)."""
+        if self.prefix is None:
+            return end
+        return self.prefix.chunk_end(seq_id, start, end, prefill_end)
+
+    def computed(self, seq_id: str, token_ids: list[int], extra: list[int] | None,
+                 end: int) -> None:
+        """A prefill chunk of ``seq_id`` ending at token ``end`` ran: index its full blocks
+        and snapshot its state on a block boundary."""
+        if self.prefix is not None:
+            self.prefix.computed(seq_id, self.tables[seq_id], token_ids, extra, end,
+                                 self.slot_of[seq_id])
+
+    def flush(self) -> None:
+        """Take the snapshots the last step asked for (before the next forward runs)."""
+        if self.prefix is not None:
+            self.prefix.flush(self.device)
+
     def open_slot(self, seq_id: str) -> int:
         """Give ``seq_id`` a state slot, reset to the empty-prefix state."""
         if seq_id in self.slot_of:
@@ -136,6 +215,8 @@ class CacheManager:
     def release(self, seq_id: str) -> None:
         """Return ``seq_id``'s blocks and slot to the free lists (no-op for unknown ids)."""
         self.blocks.free(self.tables.pop(seq_id, []))
+        if self.prefix is not None:
+            self.prefix.release(seq_id)
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
             self.slots.free([slot])

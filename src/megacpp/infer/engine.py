@@ -72,10 +72,13 @@ class EngineConfig:
     #                              graphs per (batch, length) bucket (infer/prefill_graphs.py)
     prefill_graph_tokens: int = 2048  # the largest captured prefill bucket (batch x length)
     speculative_tokens: int = 0  # greedy requests: MTP drafts verified per step (0: off)
+    prefix_cache: bool = True  # reuse KV blocks and M/R state snapshots of shared prefixes
+    prefix_snapshots: int | None = None  # M/R snapshot rows; None: 2 * max_num_seqs
+    snapshot_interval: int = 512  # M/R snapshot grid in tokens (rounded up to whole blocks)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "prefill_chunk", "max_waiting",
-                     "prefill_graph_tokens"):
+                     "prefill_graph_tokens", "snapshot_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise ConfigError(f"EngineConfig.{name} must be an integer in 1..2^31-1, "
@@ -95,6 +98,19 @@ class EngineConfig:
                     f"EngineConfig: num_blocks * block_size = {self.num_blocks * self.block_size}"
                     f" tokens cannot hold one sequence of max_model_len = {self.max_model_len}"
                 )
+        if self.prefix_snapshots is not None and (
+                not isinstance(self.prefix_snapshots, int) or isinstance(self.prefix_snapshots, bool)
+                or not 1 <= self.prefix_snapshots < 2**31):
+            raise ConfigError(f"EngineConfig.prefix_snapshots must be an integer in 1..2^31-1 or "
+                              f"None, got {self.prefix_snapshots!r}")
+
+    @property
+    def snapshot_rows(self) -> int:
+        """M/R snapshot rows the prefix cache keeps (0 with prefix caching off)."""
+        if not self.prefix_cache:
+            return 0
+        return self.prefix_snapshots if self.prefix_snapshots is not None \
+            else 2 * self.max_num_seqs
 
     @property
     def total_blocks(self) -> int:
@@ -136,6 +152,17 @@ class EngineStats:
     generated_tokens: int  # cumulative
     spec_draft_tokens: int = 0  # cumulative: MTP drafts verified (speculative decoding)
     spec_accepted_tokens: int = 0  # cumulative: drafts the main model accepted
+    prefix_queried_tokens: int = 0  # cumulative: prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # cumulative: of those, tokens whose caches were reused
+    prefix_cached_blocks: int = 0  # blocks indexed by the prefix cache (held or free)
+    prefix_snapshots: int = 0  # M/R state snapshots held
+    prefix_evicted_blocks: int = 0  # cumulative: cached blocks handed out again
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Reused / looked-up prompt tokens (0 before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens \
+            if self.prefix_queried_tokens else 0.0
 
 
 class Engine:
@@ -163,6 +190,9 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             device=self.device,
             dtype=self.dtype,
+            prefix_cache=config.prefix_cache,
+            snapshots=config.snapshot_rows,
+            snapshot_interval=config.snapshot_interval,
         )
         k = config.speculative_tokens
         self.speculative = (SpeculativeDecoder(self.model, self.cache, k, config.max_model_len,
@@ -278,6 +308,7 @@ class Engine:
         return bool(self.sequences) or bool(self._aborted)
 
     def stats(self) -> EngineStats:
+        prefix = self.cache.prefix
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -290,6 +321,13 @@ class Engine:
             generated_tokens=self._generated_tokens,
             spec_draft_tokens=0 if self.speculative is None else self.speculative.draft_tokens,
             spec_accepted_tokens=0 if self.speculative is None else self.speculative.accepted_tokens,
+            **({} if prefix is None else {
+                "prefix_queried_tokens": prefix.queried_tokens,
+                "prefix_hit_tokens": prefix.hit_tokens,
+                "prefix_cached_blocks": prefix.cached_blocks,
+                "prefix_snapshots": prefix.snapshots,
+                "prefix_evicted_blocks": prefix.blocks.evictions,
+            }),
         )
 
     # -- one round -------------------------------------------------------------------------------
@@ -308,7 +346,7 @@ class Engine:
         """The scheduled tokens are in the caches now; append each sampled token and finish
         the requests that stop (their blocks and slot go back to the free lists)."""
         for work in (*scheduled.prefills, *scheduled.decodes):
-            self.sequences[work.request_id].num_computed = work.end
+            self.scheduler.computed(self.sequences[work.request_id], work.end)
         for rid, (first, entries) in result.prompt_logprobs.items():
             self._add_prompt_logprobs(self.sequences[rid], first, entries)
         outputs = []

@@ -6,9 +6,14 @@ Families (labels): ``megacpp_requests_total`` (endpoint, model, code; 499: the c
 away), ``megacpp_route_total`` (model, how), ``megacpp_prompt_tokens_total`` and
 ``megacpp_generation_tokens_total`` (model), the engine gauges ``megacpp_engine_running``,
 ``_waiting``, ``_free_blocks``, ``_total_blocks``, ``_free_slots``, ``_total_slots`` and
-``_up``, the engine counters ``megacpp_engine_preemptions_total``, ``_steps_total``, ``_step_seconds_total`` and
-``_spec_draft_tokens_total`` / ``_spec_accepted_tokens_total`` (speculative decoding: their
-ratio is the acceptance rate) (model), and the histograms ``megacpp_request_duration_seconds``
+``_up``, the prefix cache's gauges ``megacpp_engine_prefix_cache_hit_rate`` (reused / looked-up
+prompt tokens since start), ``_prefix_cached_blocks`` and ``_prefix_snapshots``, the engine
+counters ``megacpp_engine_preemptions_total``, ``_steps_total``, ``_step_seconds_total``,
+``_prefix_cache_queries_total`` (prompt tokens looked up), ``_prefix_cache_hits_total``
+(prompt tokens whose caches were reused), ``_prefix_cache_evictions_total`` (cached blocks
+handed out again) and ``_spec_draft_tokens_total`` / ``_spec_accepted_tokens_total``
+(speculative decoding: their ratio is the acceptance rate) (model), and the histograms
+``megacpp_request_duration_seconds``
 (endpoint), ``megacpp_time_to_first_token_seconds`` and
 ``megacpp_inter_token_latency_seconds`` (model).
 """
@@ -31,7 +36,10 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ENGINE_GAUGES = (("running", "Sequences running"), ("waiting", "Requests in the waiting queue"),
                  ("free_blocks", "Free KV blocks"), ("total_blocks", "KV blocks"),
-                 ("free_slots", "Free state slots"), ("total_slots", "State slots"))
+                 ("free_slots", "Free state slots"), ("total_slots", "State slots"),
+                 ("prefix_cache_hit_rate", "Prompt tokens reused from the prefix cache / looked up"),
+                 ("prefix_cached_blocks", "KV blocks indexed by the prefix cache (held or free)"),
+                 ("prefix_snapshots", "M/R state snapshots held by the prefix cache"))
 
 
 class _EngineStats(Collector):
@@ -55,6 +63,12 @@ class _EngineStats(Collector):
              lambda e: e.stats.spec_accepted_tokens),
             ("steps", "Engine steps run", lambda e: e.steps),
             ("step_seconds", "Time inside engine steps", lambda e: e.step_seconds),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             lambda e: e.stats.prefix_queried_tokens),
+            ("prefix_cache_hits", "Prompt tokens whose caches were reused from the prefix cache",
+             lambda e: e.stats.prefix_hit_tokens),
+            ("prefix_cache_evictions", "Cached KV blocks evicted for new allocations",
+             lambda e: e.stats.prefix_evicted_blocks),
         ):
             counter = CounterMetricFamily(f"megacpp_engine_{metric}_total", help_,
                                           labels=["model"])

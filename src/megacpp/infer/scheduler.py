@@ -15,7 +15,10 @@ One :meth:`Scheduler.schedule` round, in this order:
 2. prefilling sequences (oldest first) get up to ``prefill_chunk`` prompt tokens in total,
    with the same preemption rule;
 3. waiting sequences are admitted (FCFS, no preemption) while a state slot, blocks for their
-   first chunk and prefill budget remain.
+   first chunk and prefill budget remain. With prefix caching a sequence starts after the
+   longest cached prefix of its tokens (:mod:`megacpp.infer.prefix_cache`; not a request for
+   prompt logprobs, which needs every prompt position computed), and a model with
+   M/R layers has its prefill chunks cut at the cache's snapshot boundaries.
 
 The oldest running sequence can always proceed (everything newer can be preempted, and the
 engine checks that one sequence at ``max_model_len`` fits), so the engine never deadlocks.
@@ -28,6 +31,7 @@ engine then advances ``num_computed`` and appends the sampled tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,6 +39,7 @@ import torch
 
 from megacpp.infer.cache_manager import CacheManager
 from megacpp.infer.detokenize import IncrementalDetokenizer, StopText
+from megacpp.infer.prefix_cache import NO_HIT
 from megacpp.infer.sampling import SamplingParams
 
 
@@ -139,7 +144,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.release(seq.request_id)
 
+    def computed(self, seq: Sequence, end: int) -> None:
+        """``seq``'s tokens up to ``end`` are in the caches (its step ran)."""
+        if seq.prefilling:
+            self.cache.computed(seq.request_id, seq.token_ids, seq.structure_ids, end)
+        seq.num_computed = end
+
     def schedule(self) -> SchedulerOutput:
+        self.cache.flush()  # the last step's snapshots, before any slot is reused or advanced
         plan = _Plan([], [], [])
         self._schedule_decodes(plan)
         budget = self._schedule_prefills(plan, self.prefill_chunk)
@@ -179,7 +191,9 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.running and seq.prefilling:
-                end = min(seq.prefill_end, seq.num_computed + budget)
+                end = self.cache.chunk_end(seq.request_id, seq.num_computed,
+                                           min(seq.prefill_end, seq.num_computed + budget),
+                                           seq.prefill_end)
                 if self._reserve(seq, end, plan):
                     plan.prefills.append(PrefillChunk(seq, seq.num_computed, end))
                     budget -= end - seq.num_computed
@@ -188,17 +202,28 @@ class Scheduler:
     def _admit(self, plan: _Plan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            end = min(len(seq.token_ids), budget)
-            if self.cache.slots.num_free == 0 or not self.cache.can_hold(seq.request_id, end):
+            if self.cache.slots.num_free == 0:
+                return
+            n_tokens = len(seq.token_ids)
+            hit = NO_HIT if seq.params.prompt_logprobs is not None else \
+                self.cache.match_prefix(seq.token_ids, seq.structure_ids)  # scores every token
+            start = hit.num_tokens
+            if not self.cache.can_admit(hit, min(n_tokens, start + budget)):
                 return
             self.waiting.popleft()
-            self.cache.open_slot(seq.request_id)
-            self.cache.reserve(seq.request_id, end)
-            seq.num_computed, seq.prefill_end = 0, len(seq.token_ids)
+            self.cache.admit(seq.request_id, hit, n_tokens)
+            if any(_same_first_block(seq, other, self.cache.block_size)
+                   for other in itertools.islice(self.waiting, self.max_num_seqs)):
+                self.cache.expect_sharing(seq.request_id)
+            end = self.cache.chunk_end(seq.request_id, start, min(n_tokens, start + budget),
+                                       n_tokens)
+            if not self.cache.reserve(seq.request_id, end):
+                raise AssertionError(f"admitted {seq.request_id!r} without room for {end} tokens")
+            seq.num_computed, seq.prefill_end = start, n_tokens
             seq.running = True
             self.running.append(seq)
-            plan.prefills.append(PrefillChunk(seq, 0, end))
-            budget -= end
+            plan.prefills.append(PrefillChunk(seq, start, end))
+            budget -= end - start
 
     def _reserve(self, seq: Sequence, n_tokens: int, plan: _Plan) -> bool:
         """Room for ``n_tokens`` tokens of ``seq``, preempting the newest running sequences
@@ -221,3 +246,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
         self.preemptions += 1
+
+
+def _same_first_block(a: Sequence, b: Sequence, block_size: int) -> bool:
+    """``a`` and ``b`` start with the same full block (tokens and structure ids)."""
+    if len(a.token_ids) <= block_size or len(b.token_ids) <= block_size:
+        return False
+    if a.token_ids[:block_size] != b.token_ids[:block_size]:
+        return False
+    return a.structure_ids is None or a.structure_ids[:block_size] == \
+        (b.structure_ids or [])[:block_size]
