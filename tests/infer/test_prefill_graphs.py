@@ -26,9 +26,14 @@ def tokenizer() -> CppTokenizer:
     return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
-@pytest.fixture(scope="module", params=["tiny", "latent"])
+def _mimo(vocab: int):
+    """The tiny preset with Mamba-3 MIMO layers in place of its M layers."""
+    return dataclasses.replace(_tiny(vocab), pattern="A M:mimo E R M:mimo D")
+
+
+@pytest.fixture(scope="module", params=["tiny", "latent", "mimo"])
 def model(request, tokenizer) -> HybridLM:
-    build = _tiny if request.param == "tiny" else _latent
+    build = {"tiny": _tiny, "latent": _latent, "mimo": _mimo}[request.param]
     return _model(build(tokenizer.vocab_size))
 
 

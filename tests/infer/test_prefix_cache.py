@@ -36,11 +36,13 @@ def _model(cfg: ModelConfig) -> HybridLM:
     return HybridLM(cfg).double().eval()
 
 
-@pytest.fixture(scope="module", params=["hybrid", "latent", "attention"])
+@pytest.fixture(scope="module", params=["hybrid", "mimo", "latent", "attention"])
 def model(request, tokenizer) -> HybridLM:
     vocab = tokenizer.vocab_size
     if request.param == "hybrid":  # A, E, M, R
         return _model(small_config("AMEAR", vocab_size=vocab, init_std=0.3))
+    if request.param == "mimo":  # Mamba-3 MIMO states (rank-R keys) in the snapshots
+        return _model(small_config("A M:mimo E A R", vocab_size=vocab, init_std=0.3))
     if request.param == "latent":  # MLA and DSA pages with M and R states
         return _model(ModelConfig.from_dict({
             "model": {"pattern": "A:mla M R A:dsa D", "vocab_size": vocab, "d_model": 32,

@@ -183,3 +183,16 @@ def test_text_generator_speculates(model, tokenizer):
     assert spec_text == plain_text
     with pytest.raises(ConfigError, match="speculative_tokens must be an integer"):
         TextGenerator(model, tokenizer, speculative_tokens=99)
+
+
+def test_mimo_layers_roll_back_like_siso_ones(tokenizer):
+    """Mamba-3 MIMO layers in the main stack: per-position states from the verify forward
+    (rank-R keys) roll back to the last accepted token; greedy output equals plain."""
+    cfg = dataclasses.replace(_small(tokenizer.vocab_size, mtp=MtpConfig(depth=1)),
+                              pattern="A E M:mimo R")
+    torch.manual_seed(0)
+    model = HybridLM(cfg).double().eval()
+    prompts = _prompts(tokenizer.vocab_size)
+    want = _run(_engine(model, tokenizer, 0), prompts)
+    engine = _engine(model, tokenizer, 2)
+    assert _run(engine, prompts) == want and engine.stats().spec_draft_tokens > 0

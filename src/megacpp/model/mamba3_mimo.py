@@ -91,16 +91,17 @@ class Mamba3MimoMixer(Mamba3Mixer):
 
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
-        cache: Mamba3ScanState | None = None,
+        cache: Mamba3ScanState | None = None, fresh: bool = False,
     ) -> Tensor:
-        """Chunked scan over x [B, L, d_model] -> [B, L, d_model]; ``doc_ids``, ``cache`` and
-        ``again`` as in :meth:`Mamba3Mixer.forward`."""
+        """Chunked scan over x [B, L, d_model] -> [B, L, d_model]; ``doc_ids``, ``cache``,
+        ``fresh`` and ``again`` as in :meth:`Mamba3Mixer.forward`."""
         reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
         inputs = self._scan_inputs(x, again)
         # the catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
-        # continue from a cache (a prefill)
+        # continue from a cache (a prefill); ``fresh`` starts from the empty state unread
+        initial = None if fresh else cache
         scan = resolve("mamba3_mimo_scan", inputs["v"]).fn
-        y, final = scan(**inputs, reset=reset, initial_state=cache, chunk_size=self.chunk_size,
+        y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
                         output_final_state=cache is not None)
         if cache is not None:
             cache.update_(final)
