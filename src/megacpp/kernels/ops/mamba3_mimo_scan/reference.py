@@ -37,15 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.kernels.ops.mamba3_scan.reference import (
+    _STATE_FIELDS,
+    _TWO_PI,
     Mamba3ScanState,
     _chunk_states_weights,
+    _compute_dtype,
     _keep_mask,
     _pass_states,
     _to_chunks,
 )
-
-_TWO_PI = 2 * math.pi
-_STATE_FIELDS = ("angle", "ssm", "k", "v")
 
 
 def zero_mimo_state(
@@ -308,10 +308,6 @@ def _initial_state(
         if tuple(got.shape) != want:
             raise ValueError(f"initial_state.{name} has shape {tuple(got.shape)}, expected {want}")
     return Mamba3ScanState(*(s.to(x.dtype) for s in state.tensors()))
-
-
-def _compute_dtype(v: Tensor) -> torch.dtype:
-    return torch.float64 if v.dtype == torch.float64 else torch.float32
 
 
 def _check_inputs(
