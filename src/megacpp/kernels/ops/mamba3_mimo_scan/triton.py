@@ -282,6 +282,6 @@ def mamba3_mimo_scan_triton(
             f"mamba3_mimo_scan triton: needs chunk_size * rank <= {MAX_ROWS}, d_state <= "
             f"{MAX_D_STATE} and headdim <= {MAX_HEADDIM}, got {rows}, {q.shape[-1]} and "
             f"{v.shape[-1]} (lower [mamba] mimo_chunk_size, or use the reference)")
-    return chunked_scan(_intra_triton, _pass_triton, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles,
-                        mimo_z, mimo_o, D, z, reset, initial_state, chunk_size,
+    return chunked_scan(_intra_triton, _pass_triton, q, k, v, adt, dt, trap, q_bias, k_bias,
+                        mimo_v, angles, mimo_z, mimo_o, D, z, reset, initial_state, chunk_size,
                         output_final_state)
