@@ -24,7 +24,8 @@ Everything else (rotation, biases, the MIMO projections, the chunk states' einsu
 read-out of the carried state, skip, gate) is the reference's PyTorch, differentiated by
 autograd. Limits: T*R <= 128, d_state <= 128, headdim <= 128 (larger
 tiles would not fit a program's registers); float64 runs the reference. Matmul operands are
-bf16 / fp16 as given (float32 with IEEE products for float32 inputs); sums in float32.
+float32 for every input dtype (:func:`chunked_scan` computes q, k and x in float32 before the
+intra-chunk form), with IEEE products; sums in float32.
 Launch settings: ``configs.py``.
 """
 
@@ -253,10 +254,11 @@ def _intra_triton(q: Tensor, k: Tensor, x: Tensor, a_cs: Tensor, gamma: Tensor, 
     def rows(t: Tensor) -> Tensor:  # [B, C, T, R, H, F] -> [B, C, H, T*R, F]
         return t.permute(0, 1, 4, 2, 3, 5).reshape(B, C, H, T * R, t.shape[-1])
 
-    operand = x.dtype if x.dtype != torch.float64 else torch.float32
+    # q, k, x arrive in float32 (chunked_scan's compute dtype; mamba3_mimo_scan_triton
+    # refuses float64)
     y = _IntraFn.apply(
-        rows(q).to(operand).contiguous(), rows(k).to(operand).contiguous(),
-        rows(x).to(operand).contiguous(), a_cs.float().contiguous(),
+        rows(q).contiguous(), rows(k).contiguous(), rows(x).contiguous(),
+        a_cs.float().contiguous(),
         scale.transpose(2, 3).float().contiguous(), gamma.transpose(2, 3).float().contiguous(),
         seg.to(torch.int32).reshape(B * C, T).contiguous(), R)
     return y.to(x.dtype).reshape(B, C, H, T, R, -1).permute(0, 1, 3, 4, 2, 5)
