@@ -5,8 +5,9 @@ dd_dt, dd_A, trap, angles]``; dt = softplus(dd_dt + dt_bias); A = -softplus(dd_A
 is data-dependent per token and head; B and C are RMS-normed per group, then biased and
 rotated per head inside the scan; there is no conv1d. The output projected by ``out_proj`` is
 ``rms_norm((y + D x) * silu(z))``, normed per head (Mamba-2's gated RMSNorm with the gate
-first, group size headdim), or ``(y + D x) * silu(z)`` with ``outproj_norm=False``. The mixer has no pre-norm and no
-residual: the block wrapper does ``x + mixer(norm(x))``. Equations: docs/mamba3.md.
+first, group size headdim), or ``(y + D x) * silu(z)`` with ``outproj_norm=False``. The mixer
+has no pre-norm and no residual: the block wrapper does ``x + mixer(norm(x))``. Equations:
+docs/mamba3.md.
 """
 
 from __future__ import annotations
