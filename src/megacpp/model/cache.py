@@ -157,7 +157,8 @@ def paged_pool(
 
 def gather_state(pool: Any, slots: Tensor) -> Any:
     """The rows ``slots`` [B] of a state pool (a mixer cache dataclass) as a new cache object."""
-    return type(pool)(**{f.name: getattr(pool, f.name).index_select(0, slots) for f in fields(pool)})
+    return type(pool)(**{f.name: getattr(pool, f.name).index_select(0, slots)
+                         for f in fields(pool)})
 
 
 def scatter_state(pool: Any, slots: Tensor, state: Any) -> None:
@@ -202,7 +203,8 @@ class LockstepCache:
         self.layers: list[Any] = []
         for i, layout in enumerate(model.paged_layouts()):
             if layout is not None:
-                self.layers.append(paged_pool(layout, batch_size * width, block_size, device, dtype))
+                self.layers.append(
+                    paged_pool(layout, batch_size * width, block_size, device, dtype))
             else:
                 self.layers.append(model.init_state_pool(i, batch_size, device, state_dtype))
         self.block_tables = torch.arange(batch_size * width, device=device).view(batch_size, width)

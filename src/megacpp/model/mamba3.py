@@ -5,13 +5,15 @@ dd_dt, dd_A, trap, angles]``; dt = softplus(dd_dt + dt_bias); A = -softplus(dd_A
 is data-dependent per token and head; B and C are RMS-normed per group, then biased and
 rotated per head inside the scan; there is no conv1d. The output projected by ``out_proj`` is
 ``rms_norm((y + D x) * silu(z))``, normed per head (Mamba-2's gated RMSNorm with the gate
-first, group size headdim), or ``(y + D x) * silu(z)`` with ``outproj_norm=False``. The mixer has no pre-norm and no
-residual: the block wrapper does ``x + mixer(norm(x))``. Equations: docs/mamba3.md.
+first, group size headdim), or ``(y + D x) * silu(z)`` with ``outproj_norm=False``. The mixer
+has no pre-norm and no residual: the block wrapper does ``x + mixer(norm(x))``. Equations:
+docs/mamba3.md.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -189,22 +191,37 @@ class Mamba3Mixer(RecurrentMixer):
         """
         reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
         inputs = self._scan_inputs(x, again)
-        # the catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
-        # continues a non-zero cache runs the reference, the only form that takes an initial
-        # state (an all-zero cache -- a first prefill chunk -- is the same as none)
-        initial = None if cache is None or fresh or cache.is_zero() else cache
-        scan = mamba3_scan_chunked if initial is not None else resolve("mamba3_scan", inputs["v"]).fn
+        scan, initial = self._chunked_scan(inputs["v"], cache, fresh)
         y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
                         output_final_state=cache is not None)
         if cache is not None:
             cache.update_(final)
         return self._output(y)
 
+    def _chunked_scan(
+        self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool
+    ) -> tuple[Callable[..., tuple[Tensor, Mamba3ScanState | None]], Mamba3ScanState | None]:
+        """The chunked scan :meth:`forward` runs on v [B, L, H, P], and the state it starts from.
+
+        The catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
+        continues a non-zero cache runs the reference, the only form that takes an initial
+        state (an all-zero cache -- a first prefill chunk -- is the same as none).
+        """
+        initial = None if cache is None or fresh or cache.is_zero() else cache
+        scan = mamba3_scan_chunked if initial is not None else resolve("mamba3_scan", v).fn
+        return scan, initial
+
+    def _recurrent_scan(
+        self, **inputs: Tensor | Mamba3ScanState | None
+    ) -> tuple[Tensor, Mamba3ScanState | None]:
+        """The one-token scan :meth:`step` runs."""
+        return mamba3_scan_recurrent(**inputs)
+
     def step(self, x: Tensor, cache: Mamba3ScanState) -> Tensor:
         """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache."""
         if x.ndim != 3 or x.shape[1] != 1:
             raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
-        y, final = mamba3_scan_recurrent(**self._scan_inputs(x), initial_state=cache)
+        y, final = self._recurrent_scan(**self._scan_inputs(x), initial_state=cache)
         cache.update_(final)
         return self._output(y)
 

@@ -12,6 +12,7 @@ comes after the gate, as in the SISO mixer. Equations: docs/mamba3.md, "MIMO".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +29,7 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
 )
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
 from megacpp.kernels.runtime import resolve
-from megacpp.model.mamba3 import _CACHE_DTYPES, Mamba3Mixer, _doc_starts, _Gates
+from megacpp.model.mamba3 import _CACHE_DTYPES, Mamba3Mixer, _Gates
 
 if TYPE_CHECKING:
     from megacpp.model.config import ModelConfig
@@ -89,31 +90,17 @@ class Mamba3MimoMixer(Mamba3Mixer):
             self.mimo_z.fill_(1.0)
             self.mimo_o.fill_(1.0 / self.mimo_rank)
 
-    def forward(
-        self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
-        cache: Mamba3ScanState | None = None, fresh: bool = False,
-    ) -> Tensor:
-        """Chunked scan over x [B, L, d_model] -> [B, L, d_model]; ``doc_ids``, ``cache``,
-        ``fresh`` and ``again`` as in :meth:`Mamba3Mixer.forward`."""
-        reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
-        inputs = self._scan_inputs(x, again)
-        # the catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
-        # continue from a cache (a prefill); ``fresh`` starts from the empty state unread
-        initial = None if fresh else cache
-        scan = resolve("mamba3_mimo_scan", inputs["v"]).fn
-        y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
-                        output_final_state=cache is not None)
-        if cache is not None:
-            cache.update_(final)
-        return self._output(y)
+    def _chunked_scan(
+        self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool
+    ) -> tuple[Callable[..., tuple[Tensor, Mamba3ScanState | None]], Mamba3ScanState | None]:
+        """The catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
+        continue from a cache (a prefill); ``fresh`` starts from the empty state unread."""
+        return resolve("mamba3_mimo_scan", v).fn, None if fresh else cache
 
-    def step(self, x: Tensor, cache: Mamba3ScanState) -> Tensor:
-        """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache."""
-        if x.ndim != 3 or x.shape[1] != 1:
-            raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
-        y, final = mamba3_mimo_scan_recurrent(**self._scan_inputs(x), initial_state=cache)
-        cache.update_(final)
-        return self._output(y)
+    def _recurrent_scan(
+        self, **inputs: Tensor | Mamba3ScanState | None
+    ) -> tuple[Tensor, Mamba3ScanState | None]:
+        return mamba3_mimo_scan_recurrent(**inputs)
 
     def _output(self, y: Tensor) -> Tensor:
         """out_proj of the scan output: with ``outproj_norm`` y is the R gated outputs

@@ -51,14 +51,13 @@ from megacpp.errors import ConfigError
 from megacpp.kernels.catalog import device_facts, rejection
 from megacpp.kernels.ops.float8_linear.spec import backend_of
 from megacpp.kernels.ops.float8_linear.torchao_float8 import (
+    ALIGN,
     convert_linears,
     float8_config,
     is_float8_linear,
 )
 
 OFF = "off"
-RECIPES = ("tensorwise", "rowwise")
-ALIGN = 16  # the float8 GEMM's dims must be multiples of this
 
 
 @dataclass

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.errors import ConfigError, describe_error
+from megacpp.kernels.ops.float8_linear.reference import RECIPES
 
-RECIPES = ("tensorwise", "rowwise")
 ALIGN = 16  # the float8 GEMM's dims must be multiples of this
 _QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 

@@ -37,15 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.kernels.ops.mamba3_scan.reference import (
+    _STATE_FIELDS,
+    _TWO_PI,
     Mamba3ScanState,
     _chunk_states_weights,
+    _compute_dtype,
     _keep_mask,
     _pass_states,
     _to_chunks,
 )
-
-_TWO_PI = 2 * math.pi
-_STATE_FIELDS = ("angle", "ssm", "k", "v")
 
 
 def zero_mimo_state(
@@ -147,13 +147,14 @@ def mamba3_mimo_scan_chunked(
     L)`` with tokens that change nothing.
     """
     return chunked_scan(
-        _intra_chunk, _pass_states, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles, mimo_z, mimo_o,
-        D, z, reset, initial_state, chunk_size, output_final_state)
+        _intra_chunk, _pass_states, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles,
+        mimo_z, mimo_o, D, z, reset, initial_state, chunk_size, output_final_state)
 
 
 def chunked_scan(
     intra: Callable[..., Tensor], pass_states: Callable[..., tuple[Tensor, Tensor]],
-    q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor, q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor,
+    q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
     mimo_z: Tensor | None, mimo_o: Tensor | None, D: Tensor | None, z: Tensor | None,
     reset: Tensor | None, initial_state: Mamba3ScanState | None, chunk_size: int,
     output_final_state: bool,
@@ -310,10 +311,6 @@ def _initial_state(
     return Mamba3ScanState(*(s.to(x.dtype) for s in state.tensors()))
 
 
-def _compute_dtype(v: Tensor) -> torch.dtype:
-    return torch.float64 if v.dtype == torch.float64 else torch.float32
-
-
 def _check_inputs(
     q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor,
     q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
@@ -331,7 +328,8 @@ def _check_inputs(
     if nheads % groups:
         raise ValueError(f"nheads ({nheads}) must be a multiple of the q/k groups ({groups})")
     if d_state % 2:
-        raise ValueError(f"d_state must be even (dims i and i + N/2 rotate together), got {d_state}")
+        raise ValueError(
+            f"d_state must be even (dims i and i + N/2 rotate together), got {d_state}")
     if (z is None) != (mimo_z is None):
         raise ValueError("z and mimo_z come together: pass both or neither")
     expected = {

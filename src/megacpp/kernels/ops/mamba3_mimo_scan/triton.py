@@ -24,7 +24,8 @@ Everything else (rotation, biases, the MIMO projections, the chunk states' einsu
 read-out of the carried state, skip, gate) is the reference's PyTorch, differentiated by
 autograd. Limits: T*R <= 128, d_state <= 128, headdim <= 128 (larger
 tiles would not fit a program's registers); float64 runs the reference. Matmul operands are
-bf16 / fp16 as given (float32 with IEEE products for float32 inputs); sums in float32.
+float32 for every input dtype (:func:`chunked_scan` computes q, k and x in float32 before the
+intra-chunk form), with IEEE products; sums in float32.
 Launch settings: ``configs.py``.
 """
 
@@ -253,10 +254,11 @@ def _intra_triton(q: Tensor, k: Tensor, x: Tensor, a_cs: Tensor, gamma: Tensor, 
     def rows(t: Tensor) -> Tensor:  # [B, C, T, R, H, F] -> [B, C, H, T*R, F]
         return t.permute(0, 1, 4, 2, 3, 5).reshape(B, C, H, T * R, t.shape[-1])
 
-    operand = x.dtype if x.dtype != torch.float64 else torch.float32
+    # q, k, x arrive in float32 (chunked_scan's compute dtype; mamba3_mimo_scan_triton
+    # refuses float64)
     y = _IntraFn.apply(
-        rows(q).to(operand).contiguous(), rows(k).to(operand).contiguous(),
-        rows(x).to(operand).contiguous(), a_cs.float().contiguous(),
+        rows(q).contiguous(), rows(k).contiguous(), rows(x).contiguous(),
+        a_cs.float().contiguous(),
         scale.transpose(2, 3).float().contiguous(), gamma.transpose(2, 3).float().contiguous(),
         seg.to(torch.int32).reshape(B * C, T).contiguous(), R)
     return y.to(x.dtype).reshape(B, C, H, T, R, -1).permute(0, 1, 3, 4, 2, 5)
@@ -282,6 +284,6 @@ def mamba3_mimo_scan_triton(
             f"mamba3_mimo_scan triton: needs chunk_size * rank <= {MAX_ROWS}, d_state <= "
             f"{MAX_D_STATE} and headdim <= {MAX_HEADDIM}, got {rows}, {q.shape[-1]} and "
             f"{v.shape[-1]} (lower [mamba] mimo_chunk_size, or use the reference)")
-    return chunked_scan(_intra_triton, _pass_triton, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles,
-                        mimo_z, mimo_o, D, z, reset, initial_state, chunk_size,
+    return chunked_scan(_intra_triton, _pass_triton, q, k, v, adt, dt, trap, q_bias, k_bias,
+                        mimo_v, angles, mimo_z, mimo_o, D, z, reset, initial_state, chunk_size,
                         output_final_state)
