@@ -59,6 +59,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serve_decode import sync
 
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.sampling import SamplingParams
@@ -98,11 +101,6 @@ def validation_prompts(data: Path, n: int, prompt_len: int) -> list[list[int]]:
             if len(rows) == n:
                 return rows
     sys.exit(f"--prompts {n}: the validation split has only {len(rows)} rows")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
