@@ -212,7 +212,9 @@ class TimingStreamer:
         pass
 
 
-def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.device):
+def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.device,
+           **generate_kwargs):
+    """Greedy ``generate`` of exactly ``new_tokens`` per prompt, timed by a streamer."""
     ids = torch.tensor(prompts, device=device)
     streamer = TimingStreamer()
     sync(device)
@@ -221,7 +223,7 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.devic
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, use_cache=True, streamer=streamer,
-                             pad_token_id=0)
+                             pad_token_id=0, **generate_kwargs)
     sync(device)
     assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
     assert len(streamer.times) == new_tokens, len(streamer.times)
@@ -255,19 +257,8 @@ def run_hf_static(model, caches: dict, prompts: list[list[int]], new_tokens: int
     cache.reset()
     # transformers 5 names generate's cache argument ``cache`` (``past_key_values`` before)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    ids = torch.tensor(prompts, device=device)
-    streamer = TimingStreamer()
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, use_cache=True, streamer=streamer,
-                             pad_token_id=0, compile_config=compile_config, **{name: cache})
-    sync(device)
-    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
-    assert len(streamer.times) == new_tokens, len(streamer.times)
-    return [list(streamer.times) for _ in prompts], t0
+    return run_hf(model, prompts, new_tokens, device, compile_config=compile_config,
+                  **{name: cache})
 
 
 def build_llama(target_params: int, vocab: int, d_model: int, max_len: int, device, dtype):
