@@ -1,6 +1,6 @@
 """Time to first token with prefix caching on vs off, on a shared-prefix workload.
 
-Run on a GPU (the numbers the docs quote)::
+Run on a GPU (the command docs/serving.md gives; no GPU result is recorded yet)::
 
     PYTHONPATH=src python benchmarks/prefix_cache.py --preset nam56r-350m \\
         --tokenizer TOKENIZER.json --requests 32 --prefix-len 2048 --suffix-len 32
