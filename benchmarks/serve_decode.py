@@ -143,20 +143,29 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, bos: int, seed: int)
 # ---- our engine -----------------------------------------------------------------------------
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+def run_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+    """All ``prompts`` arriving at once, greedy, ``new_tokens`` each (``ignore_eos``)
+    -> (tokens per request, [host time of each token per request], t0)."""
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     sync(engine.device)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
+    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     times: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
-            times[out.request_id].extend([now] * len(out.new_token_ids))
-    assert all(len(ts) == new_tokens for ts in times.values()), "a request stopped early"
-    return list(times.values()), t0
+            tokens[out.request_id] += out.new_token_ids
+            times[out.request_id] += [now] * len(out.new_token_ids)
+    return list(tokens.values()), list(times.values()), t0
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+    _, times, t0 = run_wave(engine, prompts, new_tokens, tag)
+    assert all(len(ts) == new_tokens for ts in times), "a request stopped early"
+    return times, t0
 
 
 def run_async(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
