@@ -1,6 +1,6 @@
 """Time to first token with prefix caching on vs off, on a shared-prefix workload.
 
-Run on a GPU (the numbers the docs quote)::
+Run on a GPU (the command docs/serving.md gives; no GPU result is recorded yet)::
 
     PYTHONPATH=src python benchmarks/prefix_cache.py --preset nam56r-350m \\
         --tokenizer TOKENIZER.json --requests 32 --prefix-len 2048 --suffix-len 32
@@ -47,6 +47,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serve_decode import percentile, sync
 
 from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.infer.engine import Engine, EngineConfig
@@ -72,19 +75,6 @@ class Row:
     hit_rate: float
     computed_prompt_tokens: int
     same_tokens_as_off: float  # fraction of requests whose tokens equal the cache-off run's
-
-
-def percentile(values: list[float], q: float) -> float:
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def workload(args, vocab: int, bos: int, seed: int) -> list[list[int]]:

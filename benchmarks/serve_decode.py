@@ -143,20 +143,29 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, bos: int, seed: int)
 # ---- our engine -----------------------------------------------------------------------------
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+def run_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+    """All ``prompts`` arriving at once, greedy, ``new_tokens`` each (``ignore_eos``)
+    -> (tokens per request, [host time of each token per request], t0)."""
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     sync(engine.device)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
+    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     times: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
-            times[out.request_id].extend([now] * len(out.new_token_ids))
-    assert all(len(ts) == new_tokens for ts in times.values()), "a request stopped early"
-    return list(times.values()), t0
+            tokens[out.request_id] += out.new_token_ids
+            times[out.request_id] += [now] * len(out.new_token_ids)
+    return list(tokens.values()), list(times.values()), t0
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
+    _, times, t0 = run_wave(engine, prompts, new_tokens, tag)
+    assert all(len(ts) == new_tokens for ts in times), "a request stopped early"
+    return times, t0
 
 
 def run_async(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
@@ -212,7 +221,9 @@ class TimingStreamer:
         pass
 
 
-def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.device):
+def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.device,
+           **generate_kwargs):
+    """Greedy ``generate`` of exactly ``new_tokens`` per prompt, timed by a streamer."""
     ids = torch.tensor(prompts, device=device)
     streamer = TimingStreamer()
     sync(device)
@@ -221,7 +232,7 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.devic
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, use_cache=True, streamer=streamer,
-                             pad_token_id=0)
+                             pad_token_id=0, **generate_kwargs)
     sync(device)
     assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
     assert len(streamer.times) == new_tokens, len(streamer.times)
@@ -255,19 +266,8 @@ def run_hf_static(model, caches: dict, prompts: list[list[int]], new_tokens: int
     cache.reset()
     # transformers 5 names generate's cache argument ``cache`` (``past_key_values`` before)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    ids = torch.tensor(prompts, device=device)
-    streamer = TimingStreamer()
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, use_cache=True, streamer=streamer,
-                             pad_token_id=0, compile_config=compile_config, **{name: cache})
-    sync(device)
-    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
-    assert len(streamer.times) == new_tokens, len(streamer.times)
-    return [list(streamer.times) for _ in prompts], t0
+    return run_hf(model, prompts, new_tokens, device, compile_config=compile_config,
+                  **{name: cache})
 
 
 def build_llama(target_params: int, vocab: int, d_model: int, max_len: int, device, dtype):

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,9 +58,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serve_decode import run_wave
 
 from megacpp.infer.engine import Engine, EngineConfig
-from megacpp.infer.sampling import SamplingParams
 from megacpp.kernels.runtime import chosen_kernels, set_kernel_mode
 
 
@@ -98,29 +99,6 @@ def validation_prompts(data: Path, n: int, prompt_len: int) -> list[list[int]]:
             if len(rows) == n:
                 return rows
     sys.exit(f"--prompts {n}: the validation split has only {len(rows)} rows")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
-    """-> (tokens per request, [times per request], t0)."""
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    sync(engine.device)
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params)
-    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
-    times: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            tokens[out.request_id] += out.new_token_ids
-            times[out.request_id] += [now] * len(out.new_token_ids)
-    return list(tokens.values()), list(times.values()), t0
 
 
 def run_system(engine: Engine, prompts: list[list[int]], batch: int, new_tokens: int):

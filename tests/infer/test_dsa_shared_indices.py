@@ -9,7 +9,11 @@ import torch
 from megacpp.infer.generate import TextGenerator
 from megacpp.model.config import ModelConfig
 from megacpp.model.model import HybridLM
-from tests.infer.test_one_decode_path import GREEDY, PROMPTS, tokenizer  # noqa: F401 (fixture)
+from tests.infer.test_one_decode_path import (  # noqa: F401 (tokenizer: a fixture)
+    PROMPTS,
+    assert_greedy_is_full_forward_argmax,
+    tokenizer,
+)
 
 
 def _model(vocab: int) -> HybridLM:
@@ -35,10 +39,5 @@ def test_engine_decodes_with_shared_indices_like_the_full_forward(tokenizer):  #
     assert reuser.indexer is None and "index_k" not in reuser.paged_layout()
     generator = TextGenerator(model, tokenizer)
     for prompt in PROMPTS:
-        rows = [c.token_ids for c in generator.complete(prompt, 2, GREEDY)]
-        assert rows[0] == rows[1]
-        ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + rows[0]])).logits[0, len(ids) - 1 : -1]
-        assert rows[0] == logits.argmax(-1).tolist()[: len(rows[0])]
+        assert_greedy_is_full_forward_argmax(model, generator, tokenizer, prompt)
     assert reuser.index_cache_misses == 0 and len(source.index_cache) > 0

@@ -58,14 +58,21 @@ def test_text_generator_greedy_equals_full_forward_argmax(pattern, tokenizer):
     generator = TextGenerator(model, tokenizer)
     varied = set()
     for prompt in PROMPTS:
-        rows = [c.token_ids for c in generator.complete(prompt, 2, GREEDY)]
-        assert rows[0] == rows[1]
-        ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + rows[0]])).logits[0, len(ids) - 1 : -1]
-        assert rows[0] == logits.argmax(-1).tolist()[: len(rows[0])]
-        varied |= set(rows[0])
+        varied |= set(assert_greedy_is_full_forward_argmax(model, generator, tokenizer, prompt))
     assert len(varied) > 4  # the tokens vary
+
+
+def assert_greedy_is_full_forward_argmax(model: HybridLM, generator: TextGenerator,
+                                         tokenizer: CppTokenizer, prompt: str) -> list[int]:
+    """Two greedy completions of ``prompt`` are equal and equal the uncached full forward's
+    argmax at every position; -> their tokens."""
+    rows = [c.token_ids for c in generator.complete(prompt, 2, GREEDY)]
+    assert rows[0] == rows[1]
+    ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + rows[0]])).logits[0, len(ids) - 1 : -1]
+    assert rows[0] == logits.argmax(-1).tolist()[: len(rows[0])]
+    return rows[0]
 
 
 # The greedy tokens of the seeded float32 models above (vocabulary 600) for the token-id

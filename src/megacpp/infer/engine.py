@@ -356,7 +356,7 @@ class Engine:
         for rid, spec in result.speculative.items():
             outputs.append(self._append_speculated(self.sequences[rid], spec))
         if self.speculative is not None:
-            self.speculative.forget(set(self.sequences))
+            self.speculative.forget(self.sequences)
         return outputs
 
     def _append_speculated(self, seq: Sequence, spec: SpecStep) -> RequestOutput:

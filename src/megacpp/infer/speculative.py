@@ -34,6 +34,7 @@ no parse).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -174,8 +175,8 @@ class SpeculativeDecoder:
             return 0
         return max(0, min(self.k, self.max_model_len - 1 - req.start))
 
-    def forget(self, live: set[str]) -> None:
-        """Drop the drafts of requests that are no longer running."""
+    def forget(self, live: Container[str]) -> None:
+        """Drop the drafts of requests not in ``live`` (the engine's unfinished requests)."""
         for rid in [r for r in self.drafts if r not in live]:
             del self.drafts[rid]
 
