@@ -32,8 +32,8 @@ from megacpp.errors import MegaCppError
 from megacpp.model.model import HybridLM
 from megacpp.posttrain.tasks import prompt_digest
 from megacpp.receipts import write_receipt
+from megacpp.train.metrics import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 RECEIPT_FILE = "receipt.json"
 CHECKPOINTS_DIR = "checkpoints"
 ADAPTERS_DIR = "adapters"
@@ -217,11 +217,6 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
-
-
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    text = read_text_bounded(path, LOG_LIMIT, what="metrics file", error=PosttrainError)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def write_run_receipt(out: Path, config: dict[str, Any], metrics: dict[str, float],
