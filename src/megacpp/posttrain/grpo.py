@@ -63,7 +63,7 @@ from megacpp.posttrain.common import (
     trainable_parameters,
     write_run_receipt,
 )
-from megacpp.posttrain.sft import completion_batch
+from megacpp.posttrain.sft import completion_batch, prompt_ids
 
 ADVANTAGE_EPS = 1e-4
 PLOT_FILE = "plot.png"
@@ -183,10 +183,6 @@ class Rollout:
     prompt_ids: list[int]  # BOS + prompt
     token_ids: list[int]  # the sampled tokens (EOS included when it ended the completion)
     completion: str  # the function body the verifier compiled
-
-
-def prompt_ids(tokenizer: CppTokenizer, prompt: str) -> list[int]:
-    return [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
 
 
 class PolicySampler:

@@ -61,9 +61,14 @@ class SftConfig:
         self.lora.check()
 
 
+def prompt_ids(tokenizer: CppTokenizer, prompt: str) -> list[int]:
+    """``BOS + prompt`` token ids: how SFT rows and GRPO samples start."""
+    return [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
+
+
 def encode_pair(tokenizer: CppTokenizer, pair: Pair) -> tuple[list[int], int]:
     """(``BOS + prompt + completion + EOS`` token ids, number of prompt ids incl. BOS)."""
-    prompt = [tokenizer.bos_id, *tokenizer.encode(pair.prompt).tolist()]
+    prompt = prompt_ids(tokenizer, pair.prompt)
     completion = [*tokenizer.encode(pair.completion).tolist(), tokenizer.eos_id]
     return prompt + completion, len(prompt)
 
