@@ -255,13 +255,12 @@ class GrpoRun:
                                       len(rollouts[i].prompt_ids)) for i in chunk],
                                     self.tokenizer.pad_id) for chunk in chunks]
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        self.model.train()
         with torch.no_grad():
             ref = [token_logprobs(self.reference, x, y) for x, y in batches]
             old = None
             if cfg.inner_steps > 1:
-                self.model.train()
                 old = [token_logprobs(self.model, x, y) for x, y in batches]
-        self.model.train()
         first: dict[str, float] = {}
         for inner in range(cfg.inner_steps):
             self.optimizer.zero_grad(set_to_none=True)
@@ -370,7 +369,7 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
         evaluate(0)
         steps_started = time.monotonic()  # the budget counts GRPO steps, not the first eval
         for step in range(1, cfg.steps + 1):
-            emit(run.step(step, list(train)))
+            emit(run.step(step, train))
             last = step == cfg.steps or (cfg.time_budget_s > 0 and
                                          time.monotonic() - steps_started >= cfg.time_budget_s)
             if (cfg.eval_every and step % cfg.eval_every == 0) or last:
