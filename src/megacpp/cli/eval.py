@@ -351,11 +351,16 @@ def humaneval_x(
     console.print(f"sampling {n} completions for each of {len(chosen)} problems from {ckpt}")
     report, _ = _with_progress("samples", n * len(chosen), lambda tick: evaluate_generator(
         generate, chosen, sampling, verifier=verifier, out_dir=out, workers=workers,
-        model={"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
-               "params": sum(p.numel() for p in model.parameters())},
+        model=_local_model(ckpt, model),
         ks=tuple(k or DEFAULT_KS), on_result=tick, problem_file=problem_file,
         kernels=chosen_kernels))
     _print_report(report)
+
+
+def _local_model(checkpoint: Path, model) -> dict:
+    """A local model as a receipt records it."""
+    return {"checkpoint": str(checkpoint), "pattern": model.cfg.pattern,
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def _print_report(report: EvalReport) -> None:
@@ -412,9 +417,8 @@ def _score_endpoint(server: Endpoint, chosen: Sequence[Problem], sampling: Sampl
     samples = [Sample(problem.task_id, index, close_function_body(c.text, c.finish_reason or ""))
                for problem, per_problem in zip(chosen, sampled.completions)
                for index, c in enumerate(per_problem)]
-    served = sampled.served_models
     model = {"endpoint": server.public_url(), "requested": server.model,
-             "name": served[0] if len(served) == 1 else (served or None)}
+             "name": sampled.served_name()}
     settings = {**asdict(sampling), "stop": [CPP_BODY_STOP], "n_per_request": server.n_per_request,
                 "concurrency": server.concurrency, "retries": server.retries,
                 "request_timeout_s": server.timeout_s, "requests": sampled.requests,
@@ -612,8 +616,7 @@ def _local_filler(checkpoint: Path, tokenizer: Path | None, device: str, fallbac
                 tick(c)
         return filled
 
-    return fill, {"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
-                  "params": sum(p.numel() for p in model.parameters())}
+    return fill, _local_model(ckpt, model)
 
 
 def _endpoint_filler(server: Endpoint, temperature: float, max_new_tokens: int, seed: int):
@@ -626,8 +629,7 @@ def _endpoint_filler(server: Endpoint, temperature: float, max_new_tokens: int, 
         sampled = sample_endpoint(server, [t.prefix for t in tasks], sampling,
                                   names=[t.task_id for t in tasks], on_completion=tick,
                                   suffixes=[t.suffix for t in tasks])
-        model["name"] = sampled.served_models[0] if len(sampled.served_models) == 1 else (
-            sampled.served_models or None)
+        model["name"] = sampled.served_name()
         return [Filled(c[0].text, c[0].finish_reason) for c in sampled.completions]
 
     model = {"endpoint": server.public_url(), "requested": server.model}
