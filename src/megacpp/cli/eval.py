@@ -313,41 +313,30 @@ def humaneval_x(
     """Sample completions of a problem set's prompts (HumanEval-X C++ by default) from a
     checkpoint, or from an OpenAI-compatible server (--endpoint URL --model NAME), and score
     pass@k."""
-    if endpoint is not None or endpoint_model is not None:
-        if checkpoint is not None or tokenizer is not None or fallback_to_previous:
-            raise MegaCppError("--endpoint samples from a server: --checkpoint, --tokenizer and "
-                               "--fallback-to-previous are for a local model")
-        server = _endpoint(endpoint, endpoint_model, api_key, concurrency, retries,
-                           request_timeout, n_per_request)
-        problem_set = load_problem_set(problems, layout=problem_format,
-                                       suite_config=suite_config)
-        problem_file = problem_set.path
-        chosen = select_problems(problem_set.problems, task or (), limit)
-        verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
-        sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
-                                    max_new_tokens=max_new_tokens, seed=seed)
+    server = _model_source("samples", checkpoint, tokenizer, fallback_to_previous, endpoint,
+                           endpoint_model, api_key, concurrency, retries, request_timeout,
+                           n_per_request)
+    if server is None:
+        device = resolve_device(device)
+    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
+    problem_file = problem_set.path
+    chosen = select_problems(problem_set.problems, task or (), limit)
+    verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
+    sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
+                                max_new_tokens=max_new_tokens, seed=seed)
+    if server is not None:
         _print_report(_score_endpoint(server, chosen, sampling, verifier=verifier,
                                       out_dir=out, workers=workers, ks=tuple(k or DEFAULT_KS),
                                       problem_file=problem_file))
         return
-    if checkpoint is None:
-        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
-                           "NAME (an OpenAI-compatible server)")
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.eval import evaluate_generator
     from megacpp.infer.generate import FunctionBodyGenerator, TextGenerator
     from megacpp.kernels.runtime import chosen_kernels
 
-    device = resolve_device(device)
-    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
-    problem_file = problem_set.path
-    chosen = select_problems(problem_set.problems, task or (), limit)
-    verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
     model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
                                           fallback_to_previous=fallback_to_previous)
     generate = FunctionBodyGenerator(TextGenerator(model, tok, device), max_new_tokens)
-    sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
-                                max_new_tokens=max_new_tokens, seed=seed)
     console.print(f"sampling {n} completions for each of {len(chosen)} problems from {ckpt}")
     report, _ = _with_progress("samples", n * len(chosen), lambda tick: evaluate_generator(
         generate, chosen, sampling, verifier=verifier, out_dir=out, workers=workers,
@@ -391,6 +380,22 @@ RequestTimeoutOpt = Annotated[float, typer.Option(
 NPerRequestOpt = Annotated[int | None, typer.Option(
     help="With --endpoint: completions asked per request (default: all n in one); for servers "
          "that cap or ignore n.")]
+
+
+def _model_source(verb: str, checkpoint: Path | None, tokenizer: Path | None, fallback: bool,
+                  url: str | None, model: str | None, api_key: str | None, concurrency: int,
+                  retries: int, timeout_s: float, n_per_request: int | None) -> Endpoint | None:
+    """The server to sample from (--endpoint), or None for a local --checkpoint; refuses
+    options of both and neither (``verb`` names what the command does in the error)."""
+    if url is not None or model is not None:
+        if checkpoint is not None or tokenizer is not None or fallback:
+            raise MegaCppError(f"--endpoint {verb} from a server: --checkpoint, --tokenizer and "
+                               "--fallback-to-previous are for a local model")
+        return _endpoint(url, model, api_key, concurrency, retries, timeout_s, n_per_request)
+    if checkpoint is None:
+        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
+                           "NAME (an OpenAI-compatible server)")
+    return None
 
 
 def _endpoint(url: str | None, model: str | None, api_key: str | None, concurrency: int,
@@ -548,17 +553,9 @@ def infill(
         raise MegaCppError(f"--max-new-tokens {max_new_tokens}: expected >= 1")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise MegaCppError(f"--temperature {temperature}: expected a number >= 0")
-    local = checkpoint is not None or tokenizer is not None or fallback_to_previous
-    if endpoint is not None or endpoint_model is not None:
-        if local:
-            raise MegaCppError("--endpoint fills from a server: --checkpoint, --tokenizer and "
-                               "--fallback-to-previous are for a local model")
-        server = _endpoint(endpoint, endpoint_model, api_key, concurrency, retries,
-                           request_timeout, 1)
-    elif checkpoint is None:
-        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
-                           "NAME (an OpenAI-compatible server)")
-    else:
+    server = _model_source("fills", checkpoint, tokenizer, fallback_to_previous, endpoint,
+                           endpoint_model, api_key, concurrency, retries, request_timeout, 1)
+    if server is None:
         device = resolve_device(device)
     documents, where = load_documents(source)
     tasks = make_tasks(documents, span, spans_per_document=spans_per_file, max_lines=max_lines,
@@ -568,7 +565,7 @@ def infill(
                 "limit": limit, "seed": seed, "temperature": temperature,
                 "max_new_tokens": max_new_tokens, "prefix_chars": prefix_chars,
                 "suffix_chars": suffix_chars, "order": "psm"}
-    if endpoint is not None:
+    if server is not None:
         fill, model = _endpoint_filler(server, temperature, max_new_tokens, seed)
     else:
         fill, model = _local_filler(checkpoint, tokenizer, device, fallback_to_previous,
