@@ -72,10 +72,11 @@ def plan_fim(text: str, sha256: str, cfg: FimConfig) -> FimPlan | None:
     if cfg.rate <= 0 or not text:
         return None
     rng = np.random.default_rng(_seed_words(cfg.seed, sha256))
-    chosen = rng.random() < cfg.rate
+    if rng.random() >= cfg.rate:
+        return None
     order = SPM if rng.random() < cfg.spm_rate else PSM
     start, end = sorted(int(c) for c in rng.integers(0, len(text) + 1, size=2))
-    return FimPlan(order, start, end) if chosen else None
+    return FimPlan(order, start, end)
 
 
 def _seed_words(seed: int, sha256: str) -> list[int]:
