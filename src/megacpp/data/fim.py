@@ -81,7 +81,13 @@ def plan_fim(text: str, sha256: str, cfg: FimConfig) -> FimPlan | None:
 
 def _seed_words(seed: int, sha256: str) -> list[int]:
     """Seed material from the config seed and the document hash (any hex string works)."""
-    digest = hashlib.sha256(f"fim:{seed}:{sha256}".encode()).digest()
+    return seed_words(f"fim:{seed}:{sha256}".encode())
+
+
+def seed_words(material: bytes) -> list[int]:
+    """Four 32-bit words of ``sha256(material)``: a ``numpy.random.default_rng`` seed that
+    depends only on ``material``."""
+    digest = hashlib.sha256(material).digest()
     return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
 
 
