@@ -49,7 +49,6 @@ from megacpp.infer.sampling import SamplingParams, sample_seed
 from megacpp.model.model import IGNORE_INDEX, HybridLM
 from megacpp.posttrain.common import (
     LoraOptions,
-    MetricsLog,
     PosttrainError,
     autocast,
     check_out_dir,
@@ -57,6 +56,7 @@ from megacpp.posttrain.common import (
     index_batches,
     make_policy,
     model_card,
+    open_metrics_log,
     publish_final,
     refuse_eval_only,
     save_checkpoint,
@@ -348,7 +348,7 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
               "pattern": model.cfg.pattern, "build": asdict(verifier.build),
               "isolation": verifier.sandbox.isolation.value}
     card = model_card("grpo", base, config)
-    log = MetricsLog(out)
+    log = open_metrics_log(out)
     started = time.monotonic()
     records: list[dict[str, Any]] = []
 
@@ -365,21 +365,18 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
                   "heldout_pass@1": run.heldout_pass_at_1(eval_set)})
 
     checkpoint = None
-    try:
-        evaluate(0)
-        steps_started = time.monotonic()  # the budget counts GRPO steps, not the first eval
-        for step in range(1, cfg.steps + 1):
-            emit(run.step(step, train))
-            last = step == cfg.steps or (cfg.time_budget_s > 0 and
-                                         time.monotonic() - steps_started >= cfg.time_budget_s)
-            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
-                evaluate(step)
-            if (cfg.save_every and step % cfg.save_every == 0) or last:
-                checkpoint = save_checkpoint(out, step, model, tokenizer, lora, base, card)
-            if last:
-                break
-    finally:
-        log.close()
+    evaluate(0)
+    steps_started = time.monotonic()  # the budget counts GRPO steps, not the first eval
+    for step in range(1, cfg.steps + 1):
+        emit(run.step(step, train))
+        last = step == cfg.steps or (cfg.time_budget_s > 0 and
+                                     time.monotonic() - steps_started >= cfg.time_budget_s)
+        if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+            evaluate(step)
+        if (cfg.save_every and step % cfg.save_every == 0) or last:
+            checkpoint = save_checkpoint(out, step, model, tokenizer, lora, base, card)
+        if last:
+            break
     final = publish_final(out, checkpoint)
     plot = plot_grpo(records, out / PLOT_FILE)
     train_records = [r for r in records if r["kind"] == "train"]
