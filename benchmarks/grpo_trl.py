@@ -32,9 +32,10 @@ from types import SimpleNamespace
 
 from megacpp.eval import CppVerifier, Sample, Sandbox, load_problem_set, verify_samples
 from megacpp.infer.batch import CPP_BODY_STOP
-from megacpp.posttrain.common import read_metrics, refuse_eval_only
+from megacpp.posttrain.common import refuse_eval_only
 from megacpp.posttrain.grpo import reward_of
 from megacpp.receipts import write_receipt
+from megacpp.train.metrics import read_metrics
 
 
 def function_body(completion: str) -> str:

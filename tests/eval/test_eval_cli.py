@@ -9,19 +9,8 @@ import sys
 
 import pytest
 
-from megacpp.cli.main import main
 from megacpp.eval.harness import RECEIPT_FILE, SAMPLES_FILE, SUMMARY_FILE
-
-
-def megacpp(capsys, *args: str) -> tuple[int, str, str]:
-    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
-    try:
-        main(["eval", *args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from tests.eval.cli_helpers import run_eval as megacpp
 
 
 def test_sandbox_info_reports_the_mechanisms(capsys):

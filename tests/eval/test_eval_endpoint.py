@@ -15,9 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from megacpp.cli.main import main
 from megacpp.eval import load_problems
 from megacpp.eval.harness import RECEIPT_FILE, SAMPLES_FILE, SUMMARY_FILE
+from tests.eval.cli_helpers import error_line, run_eval
 from tests.infer.server_helpers import save_checkpoint, serve_process, tiny_tokenizer
 
 # (status, headers, body) for the request body and its number (0-based)
@@ -26,20 +26,7 @@ Answer = Callable[[dict, int], tuple[int, dict[str, str], bytes]]
 
 def megacpp(capsys, *args: str) -> tuple[int, str, str]:
     """``megacpp eval humaneval-x ARGS`` in-process; returns (exit code, stdout, stderr)."""
-    try:
-        main(["eval", "humaneval-x", *args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def error_line(err: str) -> str:
-    """The one ``error:`` line of a failed command (and no traceback)."""
-    assert "Traceback" not in err, err
-    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
-    return line
+    return run_eval(capsys, "humaneval-x", *args)
 
 
 class ScriptedServer(ThreadingHTTPServer):

@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 
-from megacpp.cli.main import main
 from megacpp.data.fim import FimIds, psm_prompt
 from megacpp.eval.infill import (
     RECEIPT_FILE,
@@ -26,6 +25,7 @@ from megacpp.infer.batch import BatchRequest, run_batch
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.generate import TextGenerator
 from megacpp.infer.sampling import SamplingParams
+from tests.eval.cli_helpers import error_line, run_eval
 from tests.infer.server_helpers import save_checkpoint, serve_process, tiny_model, tiny_tokenizer
 
 SOURCE = """#include <vector>
@@ -55,19 +55,7 @@ def one_thread():
 
 
 def megacpp(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(["eval", "infill", *args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
-    return line
+    return run_eval(capsys, "infill", *args)
 
 
 def test_line_spans_are_whole_non_blank_lines_and_reproducible():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megacpp.eval import Status, load_problem_set
-from megacpp.posttrain.common import LoraOptions, PosttrainError, frozen_copy, read_metrics
+from megacpp.posttrain.common import LoraOptions, PosttrainError, frozen_copy
 from megacpp.posttrain.grpo import (
     GrpoConfig,
     Rollout,
@@ -25,6 +25,7 @@ from megacpp.posttrain.grpo import (
 )
 from megacpp.posttrain.sft import completion_batch
 from megacpp.pretrained import load_pretrained
+from megacpp.train.metrics import read_metrics
 from tests.posttrain.conftest import tiny_model
 
 

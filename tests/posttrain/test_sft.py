@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megacpp.model.model import IGNORE_INDEX
-from megacpp.posttrain.common import LoraOptions, Pair, PosttrainError, read_metrics
+from megacpp.posttrain.common import LoraOptions, Pair, PosttrainError
 from megacpp.posttrain.sft import (
     SftConfig,
     completion_batch,
@@ -18,6 +18,7 @@ from megacpp.posttrain.sft import (
     run_sft,
 )
 from megacpp.pretrained import load_pretrained
+from megacpp.train.metrics import read_metrics
 from tests.posttrain.conftest import tiny_model
 
 

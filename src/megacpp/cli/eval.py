@@ -313,49 +313,43 @@ def humaneval_x(
     """Sample completions of a problem set's prompts (HumanEval-X C++ by default) from a
     checkpoint, or from an OpenAI-compatible server (--endpoint URL --model NAME), and score
     pass@k."""
-    if endpoint is not None or endpoint_model is not None:
-        if checkpoint is not None or tokenizer is not None or fallback_to_previous:
-            raise MegaCppError("--endpoint samples from a server: --checkpoint, --tokenizer and "
-                               "--fallback-to-previous are for a local model")
-        server = _endpoint(endpoint, endpoint_model, api_key, concurrency, retries,
-                           request_timeout, n_per_request)
-        problem_set = load_problem_set(problems, layout=problem_format,
-                                       suite_config=suite_config)
-        problem_file = problem_set.path
-        chosen = select_problems(problem_set.problems, task or (), limit)
-        verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
-        sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
-                                    max_new_tokens=max_new_tokens, seed=seed)
+    server = _model_source("samples", checkpoint, tokenizer, fallback_to_previous, endpoint,
+                           endpoint_model, api_key, concurrency, retries, request_timeout,
+                           n_per_request)
+    if server is None:
+        device = resolve_device(device)
+    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
+    problem_file = problem_set.path
+    chosen = select_problems(problem_set.problems, task or (), limit)
+    verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
+    sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
+                                max_new_tokens=max_new_tokens, seed=seed)
+    if server is not None:
         _print_report(_score_endpoint(server, chosen, sampling, verifier=verifier,
                                       out_dir=out, workers=workers, ks=tuple(k or DEFAULT_KS),
                                       problem_file=problem_file))
         return
-    if checkpoint is None:
-        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
-                           "NAME (an OpenAI-compatible server)")
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.eval import evaluate_generator
     from megacpp.infer.generate import FunctionBodyGenerator, TextGenerator
     from megacpp.kernels.runtime import chosen_kernels
 
-    device = resolve_device(device)
-    problem_set = load_problem_set(problems, layout=problem_format, suite_config=suite_config)
-    problem_file = problem_set.path
-    chosen = select_problems(problem_set.problems, task or (), limit)
-    verifier = _suite_verifier(problem_set.suite, std, sanitize, pch, linker, isolation)
     model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
                                           fallback_to_previous=fallback_to_previous)
     generate = FunctionBodyGenerator(TextGenerator(model, tok, device), max_new_tokens)
-    sampling = SamplingSettings(n=n, temperature=temperature, top_p=top_p,
-                                max_new_tokens=max_new_tokens, seed=seed)
     console.print(f"sampling {n} completions for each of {len(chosen)} problems from {ckpt}")
     report, _ = _with_progress("samples", n * len(chosen), lambda tick: evaluate_generator(
         generate, chosen, sampling, verifier=verifier, out_dir=out, workers=workers,
-        model={"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
-               "params": sum(p.numel() for p in model.parameters())},
+        model=_local_model(ckpt, model),
         ks=tuple(k or DEFAULT_KS), on_result=tick, problem_file=problem_file,
         kernels=chosen_kernels))
     _print_report(report)
+
+
+def _local_model(checkpoint: Path, model) -> dict:
+    """A local model as a receipt records it."""
+    return {"checkpoint": str(checkpoint), "pattern": model.cfg.pattern,
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def _print_report(report: EvalReport) -> None:
@@ -388,6 +382,22 @@ NPerRequestOpt = Annotated[int | None, typer.Option(
          "that cap or ignore n.")]
 
 
+def _model_source(verb: str, checkpoint: Path | None, tokenizer: Path | None, fallback: bool,
+                  url: str | None, model: str | None, api_key: str | None, concurrency: int,
+                  retries: int, timeout_s: float, n_per_request: int | None) -> Endpoint | None:
+    """The server to sample from (--endpoint), or None for a local --checkpoint; refuses
+    options of both and neither (``verb`` names what the command does in the error)."""
+    if url is not None or model is not None:
+        if checkpoint is not None or tokenizer is not None or fallback:
+            raise MegaCppError(f"--endpoint {verb} from a server: --checkpoint, --tokenizer and "
+                               "--fallback-to-previous are for a local model")
+        return _endpoint(url, model, api_key, concurrency, retries, timeout_s, n_per_request)
+    if checkpoint is None:
+        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
+                           "NAME (an OpenAI-compatible server)")
+    return None
+
+
 def _endpoint(url: str | None, model: str | None, api_key: str | None, concurrency: int,
               retries: int, timeout_s: float, n_per_request: int | None) -> Endpoint:
     if url is None or model is None:
@@ -412,9 +422,8 @@ def _score_endpoint(server: Endpoint, chosen: Sequence[Problem], sampling: Sampl
     samples = [Sample(problem.task_id, index, close_function_body(c.text, c.finish_reason or ""))
                for problem, per_problem in zip(chosen, sampled.completions)
                for index, c in enumerate(per_problem)]
-    served = sampled.served_models
     model = {"endpoint": server.public_url(), "requested": server.model,
-             "name": served[0] if len(served) == 1 else (served or None)}
+             "name": sampled.served_name()}
     settings = {**asdict(sampling), "stop": [CPP_BODY_STOP], "n_per_request": server.n_per_request,
                 "concurrency": server.concurrency, "retries": server.retries,
                 "request_timeout_s": server.timeout_s, "requests": sampled.requests,
@@ -544,17 +553,9 @@ def infill(
         raise MegaCppError(f"--max-new-tokens {max_new_tokens}: expected >= 1")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise MegaCppError(f"--temperature {temperature}: expected a number >= 0")
-    local = checkpoint is not None or tokenizer is not None or fallback_to_previous
-    if endpoint is not None or endpoint_model is not None:
-        if local:
-            raise MegaCppError("--endpoint fills from a server: --checkpoint, --tokenizer and "
-                               "--fallback-to-previous are for a local model")
-        server = _endpoint(endpoint, endpoint_model, api_key, concurrency, retries,
-                           request_timeout, 1)
-    elif checkpoint is None:
-        raise MegaCppError("give --checkpoint DIR (a local model) or --endpoint URL --model "
-                           "NAME (an OpenAI-compatible server)")
-    else:
+    server = _model_source("fills", checkpoint, tokenizer, fallback_to_previous, endpoint,
+                           endpoint_model, api_key, concurrency, retries, request_timeout, 1)
+    if server is None:
         device = resolve_device(device)
     documents, where = load_documents(source)
     tasks = make_tasks(documents, span, spans_per_document=spans_per_file, max_lines=max_lines,
@@ -564,7 +565,7 @@ def infill(
                 "limit": limit, "seed": seed, "temperature": temperature,
                 "max_new_tokens": max_new_tokens, "prefix_chars": prefix_chars,
                 "suffix_chars": suffix_chars, "order": "psm"}
-    if endpoint is not None:
+    if server is not None:
         fill, model = _endpoint_filler(server, temperature, max_new_tokens, seed)
     else:
         fill, model = _local_filler(checkpoint, tokenizer, device, fallback_to_previous,
@@ -612,8 +613,7 @@ def _local_filler(checkpoint: Path, tokenizer: Path | None, device: str, fallbac
                 tick(c)
         return filled
 
-    return fill, {"checkpoint": str(ckpt), "pattern": model.cfg.pattern,
-                  "params": sum(p.numel() for p in model.parameters())}
+    return fill, _local_model(ckpt, model)
 
 
 def _endpoint_filler(server: Endpoint, temperature: float, max_new_tokens: int, seed: int):
@@ -626,8 +626,7 @@ def _endpoint_filler(server: Endpoint, temperature: float, max_new_tokens: int, 
         sampled = sample_endpoint(server, [t.prefix for t in tasks], sampling,
                                   names=[t.task_id for t in tasks], on_completion=tick,
                                   suffixes=[t.suffix for t in tasks])
-        model["name"] = sampled.served_models[0] if len(sampled.served_models) == 1 else (
-            sampled.served_models or None)
+        model["name"] = sampled.served_name()
         return [Filled(c[0].text, c[0].finish_reason) for c in sampled.completions]
 
     model = {"endpoint": server.public_url(), "requested": server.model}

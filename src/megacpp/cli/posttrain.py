@@ -160,8 +160,7 @@ def grpo(
     train_set.suite.check_toolchain(verifier)
     device = resolve_device(device)
     loaded = load_pretrained(base, device)
-    total = steps
-    with _progress(progress, "grpo", total) as tick:
+    with _progress(progress, "grpo", steps) as tick:
         def on_record(record: dict[str, Any]) -> None:
             if record["kind"] == "train":
                 tick(f"reward {record['reward']:.3f} kl {record['kl']:.4f}")

@@ -72,15 +72,22 @@ def plan_fim(text: str, sha256: str, cfg: FimConfig) -> FimPlan | None:
     if cfg.rate <= 0 or not text:
         return None
     rng = np.random.default_rng(_seed_words(cfg.seed, sha256))
-    chosen = rng.random() < cfg.rate
+    if rng.random() >= cfg.rate:
+        return None
     order = SPM if rng.random() < cfg.spm_rate else PSM
     start, end = sorted(int(c) for c in rng.integers(0, len(text) + 1, size=2))
-    return FimPlan(order, start, end) if chosen else None
+    return FimPlan(order, start, end)
 
 
 def _seed_words(seed: int, sha256: str) -> list[int]:
     """Seed material from the config seed and the document hash (any hex string works)."""
-    digest = hashlib.sha256(f"fim:{seed}:{sha256}".encode()).digest()
+    return seed_words(f"fim:{seed}:{sha256}".encode())
+
+
+def seed_words(material: bytes) -> list[int]:
+    """Four 32-bit words of ``sha256(material)``: a ``numpy.random.default_rng`` seed that
+    depends only on ``material``."""
+    digest = hashlib.sha256(material).digest()
     return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
 
 

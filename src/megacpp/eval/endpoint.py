@@ -81,6 +81,12 @@ class EndpointSamples:
     requests: int = 0  # completed requests
     retried: int = 0  # attempts repeated after a retryable failure
 
+    def served_name(self) -> str | list[str] | None:
+        """The served model as a receipt records it: the one name, every name where the
+        responses named several, None where none named one."""
+        served = self.served_models
+        return served[0] if len(served) == 1 else (served or None)
+
 
 def completions_url(url: str) -> str:
     """The ``/v1/completions`` URL of a server given by its base URL (with or without

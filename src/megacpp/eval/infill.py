@@ -25,7 +25,6 @@ FIM-transformed) or from C/C++ files under a directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from megacpp._io import TEXT_LIMIT, atomic_write_json, atomic_write_text, read_bounded
+from megacpp.data.fim import seed_words
 from megacpp.errors import MegaCppError
 from megacpp.receipts import write_receipt
 
@@ -173,8 +173,7 @@ def cut_spans(doc: Document, kind: str, count: int, max_lines: int, seed: int,
 
 
 def _seed_words(seed: int, text: str) -> list[int]:
-    digest = hashlib.sha256(f"infill:{seed}:".encode() + text.encode("utf-8", "replace")).digest()
-    return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
+    return seed_words(f"infill:{seed}:".encode() + text.encode("utf-8", "replace"))
 
 
 def _tail_lines(text: str, limit: int) -> str:

@@ -76,5 +76,4 @@ def _apply(problem: Problem, source: bytes, prefix_len: int, start: int, end: in
 
 def all_mutants(problems: Sequence[Problem], per_problem: int) -> list[Mutant]:
     """The mutants of every problem that has a reference solution (the others have none)."""
-    return [mutant for problem in problems if problem.has_reference
-            for mutant in mutants(problem, per_problem)]
+    return [mutant for problem in problems for mutant in mutants(problem, per_problem)]

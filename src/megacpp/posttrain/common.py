@@ -14,7 +14,6 @@ Output layout of a post-training run directory ``OUT``::
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -32,8 +31,8 @@ from megacpp.errors import MegaCppError
 from megacpp.model.model import HybridLM
 from megacpp.posttrain.tasks import prompt_digest
 from megacpp.receipts import write_receipt
+from megacpp.train.metrics import METRICS_FILE, MetricsLog
 
-METRICS_FILE = "metrics.jsonl"
 RECEIPT_FILE = "receipt.json"
 CHECKPOINTS_DIR = "checkpoints"
 ADAPTERS_DIR = "adapters"
@@ -203,25 +202,13 @@ def publish_final(out: Path, checkpoint: Path) -> Path:
     return final
 
 
-class MetricsLog:
-    """``OUT/metrics.jsonl``: one flushed JSON line per record."""
-
-    def __init__(self, out: Path) -> None:
-        self.path = Path(out) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    text = read_text_bounded(path, LOG_LIMIT, what="metrics file", error=PosttrainError)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+def open_metrics_log(out: Path) -> MetricsLog:
+    """An empty ``OUT/metrics.jsonl`` (the trainer's JSONL log: one line per record)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out / METRICS_FILE)
+    log.reset()
+    return log
 
 
 def write_run_receipt(out: Path, config: dict[str, Any], metrics: dict[str, float],

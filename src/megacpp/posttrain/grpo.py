@@ -49,7 +49,6 @@ from megacpp.infer.sampling import SamplingParams, sample_seed
 from megacpp.model.model import IGNORE_INDEX, HybridLM
 from megacpp.posttrain.common import (
     LoraOptions,
-    MetricsLog,
     PosttrainError,
     autocast,
     check_out_dir,
@@ -57,13 +56,14 @@ from megacpp.posttrain.common import (
     index_batches,
     make_policy,
     model_card,
+    open_metrics_log,
     publish_final,
     refuse_eval_only,
     save_checkpoint,
     trainable_parameters,
     write_run_receipt,
 )
-from megacpp.posttrain.sft import completion_batch
+from megacpp.posttrain.sft import completion_batch, prompt_ids
 
 ADVANTAGE_EPS = 1e-4
 PLOT_FILE = "plot.png"
@@ -185,10 +185,6 @@ class Rollout:
     completion: str  # the function body the verifier compiled
 
 
-def prompt_ids(tokenizer: CppTokenizer, prompt: str) -> list[int]:
-    return [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
-
-
 class PolicySampler:
     """One engine over the policy for the whole run (its weights are the live parameters)."""
 
@@ -259,13 +255,12 @@ class GrpoRun:
                                       len(rollouts[i].prompt_ids)) for i in chunk],
                                     self.tokenizer.pad_id) for chunk in chunks]
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        self.model.train()
         with torch.no_grad():
             ref = [token_logprobs(self.reference, x, y) for x, y in batches]
             old = None
             if cfg.inner_steps > 1:
-                self.model.train()
                 old = [token_logprobs(self.model, x, y) for x, y in batches]
-        self.model.train()
         first: dict[str, float] = {}
         for inner in range(cfg.inner_steps):
             self.optimizer.zero_grad(set_to_none=True)
@@ -353,7 +348,7 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
               "pattern": model.cfg.pattern, "build": asdict(verifier.build),
               "isolation": verifier.sandbox.isolation.value}
     card = model_card("grpo", base, config)
-    log = MetricsLog(out)
+    log = open_metrics_log(out)
     started = time.monotonic()
     records: list[dict[str, Any]] = []
 
@@ -370,21 +365,18 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
                   "heldout_pass@1": run.heldout_pass_at_1(eval_set)})
 
     checkpoint = None
-    try:
-        evaluate(0)
-        steps_started = time.monotonic()  # the budget counts GRPO steps, not the first eval
-        for step in range(1, cfg.steps + 1):
-            emit(run.step(step, list(train)))
-            last = step == cfg.steps or (cfg.time_budget_s > 0 and
-                                         time.monotonic() - steps_started >= cfg.time_budget_s)
-            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
-                evaluate(step)
-            if (cfg.save_every and step % cfg.save_every == 0) or last:
-                checkpoint = save_checkpoint(out, step, model, tokenizer, lora, base, card)
-            if last:
-                break
-    finally:
-        log.close()
+    evaluate(0)
+    steps_started = time.monotonic()  # the budget counts GRPO steps, not the first eval
+    for step in range(1, cfg.steps + 1):
+        emit(run.step(step, train))
+        last = step == cfg.steps or (cfg.time_budget_s > 0 and
+                                     time.monotonic() - steps_started >= cfg.time_budget_s)
+        if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+            evaluate(step)
+        if (cfg.save_every and step % cfg.save_every == 0) or last:
+            checkpoint = save_checkpoint(out, step, model, tokenizer, lora, base, card)
+        if last:
+            break
     final = publish_final(out, checkpoint)
     plot = plot_grpo(records, out / PLOT_FILE)
     train_records = [r for r in records if r["kind"] == "train"]

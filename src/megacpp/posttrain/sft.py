@@ -22,7 +22,6 @@ from megacpp.data.tokenizer import CppTokenizer
 from megacpp.model.model import IGNORE_INDEX, HybridLM
 from megacpp.posttrain.common import (
     LoraOptions,
-    MetricsLog,
     Pair,
     PosttrainError,
     autocast,
@@ -30,6 +29,7 @@ from megacpp.posttrain.common import (
     index_batches,
     make_policy,
     model_card,
+    open_metrics_log,
     publish_final,
     save_checkpoint,
     trainable_parameters,
@@ -61,9 +61,14 @@ class SftConfig:
         self.lora.check()
 
 
+def prompt_ids(tokenizer: CppTokenizer, prompt: str) -> list[int]:
+    """``BOS + prompt`` token ids: how SFT rows and GRPO samples start."""
+    return [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
+
+
 def encode_pair(tokenizer: CppTokenizer, pair: Pair) -> tuple[list[int], int]:
     """(``BOS + prompt + completion + EOS`` token ids, number of prompt ids incl. BOS)."""
-    prompt = [tokenizer.bos_id, *tokenizer.encode(pair.prompt).tolist()]
+    prompt = prompt_ids(tokenizer, pair.prompt)
     completion = [*tokenizer.encode(pair.completion).tolist(), tokenizer.eos_id]
     return prompt + completion, len(prompt)
 
@@ -122,33 +127,30 @@ def run_sft(model: HybridLM, tokenizer: CppTokenizer, pairs: Sequence[Pair], out
               "pattern": model.cfg.pattern}
     card = model_card("sft", base, config)
     order = index_batches(len(rows), cfg.batch_size, cfg.seed)
-    log = MetricsLog(out)
+    log = open_metrics_log(out)
     started = time.monotonic()
     losses: list[float] = []
     checkpoint = None
-    try:
-        model.train()
-        for step in range(1, cfg.steps + 1):
-            input_ids, labels = completion_batch([rows[i] for i in next(order)],
-                                                 tokenizer.pad_id)
-            loss = completion_loss(model, input_ids.to(device), labels.to(device))
-            if not torch.isfinite(loss):
-                raise PosttrainError(f"step {step}: the loss is {loss.item()}; lower --lr")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            losses.append(loss.item())
-            record = {"step": step, "loss": losses[-1], "grad_norm": float(grad_norm),
-                      "completion_tokens": int((labels != IGNORE_INDEX).sum()),
-                      "elapsed_s": round(time.monotonic() - started, 3)}
-            log.write(record)
-            if on_step is not None:
-                on_step(record)
-            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-                checkpoint = save_checkpoint(out, step, model, tokenizer, lora, base, card)
-    finally:
-        log.close()
+    model.train()
+    for step in range(1, cfg.steps + 1):
+        input_ids, labels = completion_batch([rows[i] for i in next(order)],
+                                             tokenizer.pad_id)
+        loss = completion_loss(model, input_ids.to(device), labels.to(device))
+        if not torch.isfinite(loss):
+            raise PosttrainError(f"step {step}: the loss is {loss.item()}; lower --lr")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+        record = {"step": step, "loss": losses[-1], "grad_norm": float(grad_norm),
+                  "completion_tokens": int((labels != IGNORE_INDEX).sum()),
+                  "elapsed_s": round(time.monotonic() - started, 3)}
+        log.write(record)
+        if on_step is not None:
+            on_step(record)
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+            checkpoint = save_checkpoint(out, step, model, tokenizer, lora, base, card)
     final = publish_final(out, checkpoint)
     metrics = {"steps": float(cfg.steps), "first_loss": losses[0], "final_loss": losses[-1],
                "wall_s": time.monotonic() - started}
