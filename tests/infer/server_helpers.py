@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -26,9 +27,11 @@ from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.infer.async_engine import AsyncEngine
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.router import SnippetClassifier
-from megacpp.infer.server import Specialist, create_app
 from megacpp.model.config import load_config
 from megacpp.model.model import HybridLM
+
+if TYPE_CHECKING:  # the server modules need fastapi: imported only where a server runs
+    from megacpp.infer.jobs import Specialist
 
 BITS = Path("/usr/include/c++/12/bits")
 # Real C++ for the tokenizer (libstdc++ headers when present, else this file's own snippets).
@@ -54,6 +57,8 @@ def tiny_model(vocab_size: int, seed: int = 0) -> HybridLM:
 
 
 def tiny_specialist(name: str, seed: int = 0, **config) -> Specialist:
+    from megacpp.infer.jobs import Specialist
+
     tok = tiny_tokenizer()
     cfg = EngineConfig(**{"max_num_seqs": 8, "max_model_len": 256, **config})
     engine = Engine(tiny_model(tok.vocab_size, seed), tok, cfg)
@@ -94,6 +99,8 @@ def live_server(specialists: list[Specialist],
                 classifier: SnippetClassifier | None = None) -> Iterator[LiveServer]:
     """A real uvicorn server on a random loopback port, in a thread, with the real app."""
     import uvicorn
+
+    from megacpp.infer.server import create_app
 
     app = create_app(specialists, classifier)
     sock = free_socket()

@@ -11,7 +11,6 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -270,6 +269,7 @@ def test_chat_logprobs_and_top_logprobs(client):
 
 
 def test_the_openai_client_reads_logprobs(srv):
+    openai = pytest.importorskip("openai")
     oa = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
     c = oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
     assert c.choices[0].text == PROMPT and c.choices[0].logprobs.token_logprobs[0] is None

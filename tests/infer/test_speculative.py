@@ -53,10 +53,10 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[1, *torch.randint(3, vocab, (n - 1,), generator=g).tolist()] for n in LENGTHS]
 
 
-def _engine(model, tokenizer, k: int, **config) -> Engine:
+def _engine(model, tokenizer, k: int, device: str = "cpu", **config) -> Engine:
     defaults = {"max_num_seqs": 8, "block_size": 4, "max_model_len": 96, "prefill_chunk": 8}
     return Engine(model, tokenizer, EngineConfig(**{**defaults, **config},
-                                                 speculative_tokens=k))
+                                                 speculative_tokens=k), device=device)
 
 
 def _run(engine: Engine, prompts, params=GREEDY) -> dict[str, list[int]]:

@@ -26,10 +26,10 @@ def test_speculative_equals_graph_decode_on_gpu(tokenizer, k):
     torch.manual_seed(0)
     model = HybridLM(_small(tokenizer.vocab_size, mtp=MtpConfig(depth=1))).double().cuda().eval()
     prompts = _prompts(tokenizer.vocab_size)
-    plain_engine = _engine(model, tokenizer, 0)
+    plain_engine = _engine(model, tokenizer, 0, device="cuda")
     assert plain_engine.graphs is not None
     plain = _run(plain_engine, prompts)
-    spec = _engine(model, tokenizer, k)
+    spec = _engine(model, tokenizer, k, device="cuda")
     assert _run(spec, prompts) == plain
     assert spec.stats().spec_draft_tokens > 0
 
