@@ -187,6 +187,9 @@ def make_jobs(phase: str, settings: Settings, work: Path, plan: list[tuple[Candi
 
 
 def slots_for(device: str, gpus: int | None, parallel: int) -> list[str]:
+    """Slot names: ``cpuN`` on the CPU; on CUDA the first ``gpus`` devices this process may
+    see, named as ``CUDA_VISIBLE_DEVICES`` names them (so ``CUDA_VISIBLE_DEVICES=2,3`` runs
+    the jobs on GPUs 2 and 3, not 0 and 1)."""
     if device == "cpu":
         return [f"cpu{i}" for i in range(parallel)]
     import torch
@@ -197,7 +200,9 @@ def slots_for(device: str, gpus: int | None, parallel: int) -> list[str]:
     n = count if gpus is None else gpus
     if not 1 <= n <= count:
         raise MegaCppError(f"--gpus {n}: this machine has {count} CUDA device(s)")
-    return [str(i) for i in range(n)]
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    return visible[:n] if len(visible) >= n else [str(i) for i in range(n)]
 
 
 def job_env(slot: str, device: str, kernels: str) -> dict[str, str]:

@@ -138,3 +138,18 @@ def test_goal_verdict_and_candidate_specs() -> None:
     for bad in ("nopreset", "a b=c", "a=b lr=1"):
         with pytest.raises(quality.MegaCppError):
             quality.Candidate.parse(bad)
+
+
+def test_gpu_slots_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    quality = _quality_module()
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert quality.slots_for("cuda", None, 1) == ["2", "3"]
+    assert quality.slots_for("cuda", 1, 1) == ["2"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert quality.slots_for("cuda", None, 1) == ["0", "1"]
+    with pytest.raises(quality.MegaCppError, match="--gpus 3"):
+        quality.slots_for("cuda", 3, 1)
+    assert quality.slots_for("cpu", None, 2) == ["cpu0", "cpu1"]
