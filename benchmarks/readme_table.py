@@ -35,6 +35,18 @@ def _command(folder: Path, stem: str | None = None) -> str:
     return path.read_text().strip() if path.is_file() else "(no command recorded)"
 
 
+def _command_line(folder: Path, stem: str | None = None) -> str:
+    """The command as one line for a table cell: the first line that is not a ``#`` note,
+    with a pointer to the rest of command.txt when there is more."""
+    lines = [x for x in _command(folder, stem).splitlines() if x.strip()]
+    commands = [x for x in lines if not x.lstrip().startswith("#")]
+    if not commands:
+        return "(no command recorded)"
+    more = len(commands) - 1
+    name = "command.txt" if stem is None else f"{stem}.command.txt"
+    return commands[0] + (f" (+{more} more in {name})" if more else "")
+
+
 def _link(folder: Path) -> str:
     rel = folder.relative_to(ROOT).as_posix()
     return f"[{folder.parent.name}/{folder.name}]({rel})"
@@ -88,10 +100,13 @@ def _serve(data: dict) -> list[list[str]]:
                     if r["system"] == "engine" and r["batch"] == int(batch)), None)
         ratio = static[batch]
         if eng is not None:
+            # TTFT only from a run whose timed prompts were cold (see serve_decode.py)
+            ttft = (f"TTFT p50 {_fmt(eng['ttft_ms_p50'])} ms ({ratio['ttft_ms_p50']:.2f}x the "
+                    "peer's), " if "warmup_prompts" in data else
+                    "TTFT not measured cold in this run, ")
             out.append(["serving vs transformers' static-cache compiled generate, batch " + batch,
-                        (f"decode {ratio['decode_tok_s']:.2f}x, TTFT p50 "
-                         f"{_fmt(eng['ttft_ms_p50'])} ms ({ratio['ttft_ms_p50']:.2f}x the "
-                         f"peer's), ITL p50 {ratio['itl_ms_p50']:.2f}x the peer's")])
+                        (f"decode {ratio['decode_tok_s']:.2f}x, {ttft}"
+                         f"ITL p50 {ratio['itl_ms_p50']:.2f}x the peer's")])
     return out
 
 
@@ -213,7 +228,7 @@ def headline_table() -> str:
                 continue
             for what, text in render(data):
                 lines.append(f"| {what} | {_link(folder)} | {text} | "
-                             f"`{_command(folder)}` |")
+                             f"`{_command_line(folder)}` |")
     return "\n".join(lines)
 
 
@@ -234,7 +249,7 @@ def kernels_table() -> str:
     for folder in _devices("kernels"):
         cases: dict[tuple[str, str], list[dict]] = {}
         for stem, data in _kernel_runs(folder):
-            commands.append(_command(folder, None if stem == "kernels" else stem))
+            commands.append(_command_line(folder, None if stem == "kernels" else stem))
             for row in data["rows"]:
                 cases.setdefault((row["surface"], row["case"]), []).append(row)
         for (surface, case), rows in cases.items():

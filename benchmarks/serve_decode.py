@@ -23,12 +23,15 @@ Both systems run in this one process on one device, in bf16 weights (no autocast
 Per batch size ``B``: ``B`` prompts of ``--prompt-len`` random token ids (BOS first; the
 same ids for both systems) all arrive at t0; each generates exactly ``--new-tokens`` tokens
 (greedy; ``ignore_eos`` for the engine, ``min_new_tokens`` for hf), so both do the same
-number of decode steps. A warm-up run per batch size comes first: for ``engine`` and
-``hf-static`` an identical run (the engine captures the CUDA graphs of exactly the prefill and
-decode buckets the timed run replays; transformers compiles and records its decode forward
-for exactly the shapes and cache the timed run uses, so no compile or recording is timed),
-for the others 8 tokens. ``engine-eager`` is the engine with ``cuda_graphs=False`` and
-``prefill_graphs=False``, for reference;
+number of decode steps. A warm-up run per batch size comes first: for ``engine``,
+``engine-compiled`` and ``hf-static`` a run of the same shape (the engine captures the CUDA
+graphs of exactly the prefill and decode buckets the timed run replays; transformers compiles
+and records its decode forward for exactly the shapes and cache the timed run uses, so no
+compile or recording is timed), for the others 8 tokens. The warm-up's prompts are other
+random tokens, so the engine's prefix cache holds none of the timed prompts' blocks.
+``engine-compiled`` is ``engine`` with ``compile_decode=True`` (inductor fuses each block
+family's decode step inside the captured graphs). ``engine-eager`` is the engine with
+``cuda_graphs=False`` and ``prefill_graphs=False``, for reference;
 ``engine-async`` is the graphs engine driven through ``AsyncEngine`` (the server's engine
 thread and asyncio consumers, no HTTP), measured right after ``engine`` on the same engine. Times are host
 clocks after the per-step device sync both systems already do (the engine reads sampled
@@ -82,7 +85,7 @@ from megacpp.model.model import HybridLM
 
 @dataclass
 class Row:
-    system: str  # "engine" | "engine-async" | "engine-eager" | "hf" | "hf-static"
+    system: str  # "engine" | "engine-async" | "engine-compiled" | "engine-eager" | "hf" | "hf-static"
     model: str
     batch: int
     prompt_len: int
@@ -281,12 +284,20 @@ def build_llama(target_params: int, vocab: int, d_model: int, max_len: int, devi
 # ---- driver ---------------------------------------------------------------------------------
 
 
+GRAPHED = ("engine", "engine-compiled", "hf-static")  # warmed up with a whole run
+WARM_SEED = 1_000_003  # warm-up prompts' seed offset (the timed prompts use seed = batch)
+
+
 def measure(system: str, runner, batch: int, args, meta: dict) -> Row:
     device = meta["device"]
     prompts = random_prompts(batch, args.prompt_len, meta["vocab"], meta["bos"], seed=batch)
-    # the engine's warm-up is the whole run: it captures exactly the graphs the run replays
-    warm = args.new_tokens if system in ("engine", "hf-static") else min(8, args.new_tokens)
-    runner(prompts, warm, f"warm{batch}")
+    # the engine's warm-up is the whole run: it captures exactly the graphs the run replays.
+    # Its prompts have the same shape but other tokens, so the timed run's prompts are cold
+    # (the engine's prefix cache would otherwise serve them from the warm-up's blocks).
+    warm = args.new_tokens if system in GRAPHED else min(8, args.new_tokens)
+    warm_prompts = random_prompts(batch, args.prompt_len, meta["vocab"], meta["bos"],
+                                  seed=WARM_SEED + batch)
+    runner(warm_prompts, warm, f"warm{batch}")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -322,8 +333,9 @@ def bench_engine(args, device, dtype, tok: CppTokenizer, system: str) -> list[Ro
     config = EngineConfig(max_num_seqs=max(args.batch), block_size=args.block_size,
                           max_model_len=args.prompt_len + args.new_tokens,
                           prefill_chunk=args.prefill_chunk, max_waiting=max(args.batch),
-                          cuda_graphs=system == "engine",
-                          prefill_graphs=system == "engine" and args.prefill_graphs,
+                          cuda_graphs=system != "engine-eager",
+                          compile_decode=system == "engine-compiled",
+                          prefill_graphs=system != "engine-eager" and args.prefill_graphs,
                           prefill_graph_tokens=args.prefill_graph_tokens)
     engine = Engine(model, tok, config, device=device, dtype=dtype)
     meta = {"device": device, "vocab": min(cfg.vocab_size, tok.vocab_size), "bos": tok.bos_id,
@@ -430,6 +442,10 @@ def save(out: Path, rows: list[Row], args, preflight, facts, tokenizer_sha256: s
         "tokenizer_sha256": tokenizer_sha256,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "tokenizer")},
         "chosen_kernels": chosen_kernels(),
+        # the timed prompts are cold: the warm-up ran other prompts of the same shape (a
+        # result without this key warmed up on the timed prompts themselves, so the engine's
+        # prefix cache served their prefill and its TTFT does not measure a cold prompt)
+        "warmup_prompts": f"other random tokens (seed {WARM_SEED} + batch)",
         "engine_over_hf": {str(b): v for b, v in ratios(rows).items()},
         "engine_over_hf_static": {str(b): v for b, v in ratios(rows, "hf-static").items()},
         "results": [asdict(r) for r in rows],
@@ -481,7 +497,8 @@ def main() -> None:
                     default=EngineConfig.prefill_graph_tokens,
                     help="the largest captured prefill bucket, batch x length")
     ap.add_argument("--systems", nargs="+", default=["engine", "hf", "hf-static"],
-                    choices=["engine", "engine-async", "engine-eager", "hf", "hf-static"])
+                    choices=["engine", "engine-async", "engine-compiled", "engine-eager", "hf",
+                             "hf-static"])
     ap.add_argument("--hf-compile-backend", default="inductor",
                     help="hf-static: torch.compile backend of generate's decode forward")
     ap.add_argument("--hf-compile-mode", default="reduce-overhead",
@@ -523,7 +540,7 @@ def main() -> None:
             profile_engine(args, device, dtype, tok, batch, out)
         return
     rows: list[Row] = []
-    for system in ("engine", "hf-static", "hf", "engine-eager"):  # least needed last
+    for system in ("engine", "hf-static", "engine-compiled", "hf", "engine-eager"):  # least needed last
         if system not in args.systems:
             continue
         try:
