@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,19 @@ def test_bad_group_is_refused(args):
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert "usage" in proc.stderr or "group" in proc.stderr
+
+
+def test_gpu_modules_import_without_the_serving_packages():
+    # The GPU machine's image has no fastapi, pydantic or openai: a gpu-marked module that
+    # imports them (directly or through a helper) stops the whole group's collection there.
+    modules = sorted(str(p.relative_to(ROOT).with_suffix("")).replace("/", ".")
+                     for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
+    assert modules
+    code = ("import importlib, sys\n"
+            "for name in ('fastapi', 'pydantic', 'openai', 'starlette', 'uvicorn'):\n"
+            "    sys.modules[name] = None\n"
+            f"for module in {modules!r}:\n"
+            "    importlib.import_module(module)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+    assert run.returncode == 0, run.stderr[-2000:]
