@@ -61,6 +61,7 @@ def test_gpu_modules_import_without_the_serving_packages():
             "    sys.modules[name] = None\n"
             f"for module in {modules!r}:\n"
             "    importlib.import_module(module)\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True,
+                         text=True,
                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
     assert run.returncode == 0, run.stderr[-2000:]

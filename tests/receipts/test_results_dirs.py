@@ -59,7 +59,8 @@ def _committable(folder: Path) -> list[Path]:
     """The files under ``folder`` that git would commit (tracked, or new and not ignored):
     a benchmark's ignored ``runs/`` and ``data/`` folders stay out of the count."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
-                             "-z", "--", str(folder)], cwd=ROOT, capture_output=True)
+                             "-z", "--", str(folder)], check=False, cwd=ROOT,
+                            capture_output=True)
     if listed.returncode != 0:  # not a git checkout (an sdist): every file
         return [p for p in folder.rglob("*") if p.is_file()]
     paths = (ROOT / name for name in listed.stdout.decode().split("\0") if name)
