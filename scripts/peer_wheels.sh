@@ -46,5 +46,22 @@ if ! compgen -G ".whl/mamba_ssm-2.3.2.post1-*.whl" >/dev/null; then
     --disable-pip-version-check --no-deps --no-build-isolation -w .whl mamba-ssm==2.3.2.post1 \
     2> >(grep -v "is ignored" >&2)
 fi
+# mamba_ssm's Mamba-3 MIMO op is TileLang: the versions its metadata pins (tilelang 0.1.15
+# fails to lower its kernels). Opt-in (MIMO_PEER=1): together 76 MB, over one call's 64 MiB
+# carry, so they land in two folders to carry in two calls of one warm machine and install
+# together after the second: .whl-mimo/a (tilelang), .whl-mimo/b (its compiled dependencies).
+if [ "${MIMO_PEER:-0}" = 1 ]; then
+  log "mamba_ssm MIMO peer (TileLang) wheels into .whl-mimo/a and .whl-mimo/b"
+  mkdir -p .whl-mimo/a .whl-mimo/b
+  for spec in "a tilelang==0.1.8" "b apache-tvm-ffi==0.1.9" "b z3-solver==4.15.4.0" \
+              "b torch-c-dlpack-ext==0.1.5"; do
+    set -- $spec
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      --python-version "$PYV" --implementation cp --platform manylinux2014_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 \
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
+      -d ".whl-mimo/$1" "$2" 2> >(grep -v "is ignored" >&2)
+  done
+fi
 log "ready: $(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/"
 ls .whl >&2
