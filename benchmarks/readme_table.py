@@ -206,13 +206,32 @@ def quality_table(benchmark: str = "quality") -> str:
                            f"time, is {verdict}: {bpb[goal['hybrid']]:.3f} against {best}'s "
                            f"{bpb[best]:.3f} bits/byte.")]
     for folder in folders:
-        lines += _commands_block(folder)
+        lines += _commands_block(folder, inline_max=0)  # long lines: a link keeps the page short
     return "\n".join(lines)
+
+
+def _fp8(data: dict) -> list[list[str]]:
+    out = []
+    speed = [r for r in data.get("speed", []) if r["status"] == "ok" and r["float8"] != "off"]
+    if speed:
+        parts = [f"{r['preset']} {r['speedup']:.2f}x" for r in speed if r["graphs"]]
+        eager = [f"{r['preset']} {r['speedup']:.2f}x" for r in speed if not r["graphs"]]
+        recipe = speed[0]["float8"]
+        out.append([f"FP8 ({recipe}) training against bf16, tokens/s",
+                    f"with CUDA graphs {', '.join(parts)}; eager {', '.join(eager)}"])
+    loss = [r for r in data.get("loss", []) if r["status"] == "ok" and r["float8"] != "off"]
+    for r in loss:
+        out.append([f"FP8 ({r['float8']}) training loss, {r['preset']}, {r['steps']} steps",
+                    (f"final loss {r['rel_to_bf16'] * 100:+.2f}%, validation "
+                     f"{r['val_rel_to_bf16'] * 100:+.2f}% against bf16")])
+    return out
 
 
 HEADLINE: list[tuple[str, Callable[[dict], list[list[str]]]]] = [
     ("train_step", _train_step),
     ("muon_step", _muon),
+    ("fp8", _fp8),
+    ("fp8_loss", _fp8),
     ("serve_decode", _serve),
     ("data_pipeline", _data_pipeline),
     ("verifier_throughput", _verifier),
@@ -223,7 +242,7 @@ def headline_table() -> str:
     lines = ["| what | device | result | command |", "|---|---|---|---|"]
     for benchmark, render in HEADLINE:
         for folder in _devices(benchmark):
-            data = _load(folder / f"{benchmark}.json")
+            data = _load(folder / f"{benchmark}.json") or _load(folder / "results.json")
             if not data:
                 continue
             for what, text in render(data):
