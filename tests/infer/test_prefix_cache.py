@@ -292,3 +292,27 @@ def test_input_features_give_the_same_tokens_with_the_cache(tokenizer, features)
                     out[cache][o.request_id] += o.new_token_ids
     assert out[True] == out[False]
     assert engine.stats().prefix_hit_tokens > 0  # "again" reuses base's blocks at least
+
+
+def test_a_waiting_request_is_hashed_once(tokenizer, monkeypatch):
+    from megacpp.infer import prefix_cache
+
+    model = _model(small_config("AMRA", vocab_size=tokenizer.vocab_size, init_std=0.3))
+    base = _prompts(model.cfg.vocab_size)["base"]
+    prompts = {"a": base + [5, 6], "b": base + [7, 8, 9]}
+    engine = _engine(model, tokenizer, True)
+    hashed = []
+    real = prefix_cache.block_hash
+    monkeypatch.setattr(prefix_cache, "block_hash",
+                        lambda parent, tokens, extra=None: hashed.append(tuple(tokens))
+                        or real(parent, tokens, extra))
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    # b waits several steps for a's shared blocks; each full block of each prompt is hashed
+    # exactly once (the lookups; a computed block is registered under its known hash)
+    assert steps > 3
+    assert len(hashed) == (len(prompts["a"]) - 1) // BS + (len(prompts["b"]) - 1) // BS

@@ -25,6 +25,7 @@ of snapshot rows per M/R layer holds recurrent states at block boundaries.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -153,9 +154,11 @@ class CacheManager:
         return True
 
     # -- prefix caching --------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], extra: list[int] | None) -> PrefixHit:
-        """What a new sequence with these tokens can reuse (nothing without prefix caching)."""
-        return NO_HIT if self.prefix is None else self.prefix.match(token_ids, extra)
+    def match_prefix(self, token_ids: list[int], extra: list[int] | None,
+                     known: Sequence[bytes] = ()) -> PrefixHit:
+        """What a new sequence with these tokens can reuse (nothing without prefix caching);
+        ``known``: its block hashes from an earlier lookup."""
+        return NO_HIT if self.prefix is None else self.prefix.match(token_ids, extra, known)
 
     def can_admit(self, hit: PrefixHit, n_tokens: int) -> bool:
         """A free slot, blocks for ``n_tokens`` tokens beyond the hit's blocks, and (prefix

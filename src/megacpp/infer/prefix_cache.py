@@ -46,7 +46,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -177,11 +177,14 @@ class PrefixCache:
         self.snapshot_evictions = 0
 
     # -- lookup ----------------------------------------------------------------------------------
-    def match(self, token_ids: list[int], extra: list[int] | None) -> PrefixHit:
+    def match(self, token_ids: list[int], extra: list[int] | None,
+              known: Sequence[bytes] = ()) -> PrefixHit:
         """The longest reusable prefix of a prompt (at most up to the block boundary before its
-        last token; with M/R layers, one that has a snapshot)."""
+        last token; with M/R layers, one that has a snapshot). ``known``: the hashes of this
+        prompt's first blocks from an earlier lookup (a waiting request is looked up every
+        step until admitted; its tokens only grow, so they stay valid)."""
         limit = (len(token_ids) - 1) // self.block_size
-        hashes = prompt_hashes(token_ids, extra, self.block_size, limit)
+        hashes = prompt_hashes(token_ids, extra, self.block_size, limit, list(known[:limit]))
         blocks = []
         for h in hashes:
             block = self.block_of.get(h)

@@ -56,6 +56,7 @@ class Sequence:
     prefill_end: int = 0  # prefill until num_computed reaches this
     running: bool = False  # admitted (holds a slot and blocks), not preempted or finished
     structure_ids: list[int] | None = None  # per token, for a structure-embedding model
+    block_hashes: tuple[bytes, ...] = ()  # chained hashes of its full blocks, once looked up
 
     @property
     def completion_len(self) -> int:
@@ -205,8 +206,11 @@ class Scheduler:
             if self.cache.slots.num_free == 0:
                 return
             n_tokens = len(seq.token_ids)
-            hit = NO_HIT if seq.params.prompt_logprobs is not None else \
-                self.cache.match_prefix(seq.token_ids, seq.structure_ids)  # scores every token
+            if seq.params.prompt_logprobs is not None:  # scores every token: no cached start
+                hit = NO_HIT
+            else:
+                hit = self.cache.match_prefix(seq.token_ids, seq.structure_ids, seq.block_hashes)
+                seq.block_hashes = hit.hashes  # a request left waiting is not hashed again
             start = hit.num_tokens
             if not self.cache.can_admit(hit, min(n_tokens, start + budget)):
                 return
