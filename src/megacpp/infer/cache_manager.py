@@ -141,9 +141,6 @@ class CacheManager:
         have = len(self.tables.get(seq_id, ()))
         return max(0, -(-n_tokens // self.block_size) - have)
 
-    def can_hold(self, seq_id: str, n_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, n_tokens) <= self.blocks.num_free
-
     def reserve(self, seq_id: str, n_tokens: int) -> bool:
         """Grow ``seq_id``'s block table to hold ``n_tokens`` tokens; False if blocks ran out
         (nothing allocated then)."""
