@@ -153,6 +153,17 @@ def test_grpo_refuses_bad_config_and_eval_only_problems(tokenizer, verifier, tmp
     assert not (tmp_path / "r").exists()
 
 
+def test_grpo_refuses_a_heldout_set_that_overlaps_training(tokenizer, verifier, task_dir,
+                                                           tmp_path):
+    from megacpp.eval.problems import load_problem_set
+
+    train = load_problem_set(task_dir / "train.jsonl").problems
+    with pytest.raises(PosttrainError, match="share 1 prompt"):
+        run_grpo(tiny_model(tokenizer), tokenizer, train, [train[0]], verifier, tmp_path / "r",
+                 GrpoConfig(steps=1, group_size=2), base="x")
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_a_model_that_learned_the_tasks_earns_reward(task_dir, tokenizer, base_dir, verifier,
                                                      tmp_path):

