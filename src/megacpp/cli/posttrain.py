@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from megacpp.cli._options import DeviceOpt, resolve_device
-from megacpp.errors import MegaCppError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console(highlight=False)
