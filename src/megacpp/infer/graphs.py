@@ -188,30 +188,78 @@ class DecodeGraphs:
         self._dev.copy_(self._host)
         batch = self._batch(b, w)
         ids, layers = self.ids[:b], self.cache.layers
-        if not self.capture:  # CPU stand-in: same buffers, same order, eager replays
-            out = self.decode_fn(ids, layers, batch)
-            return _EagerReplay(lambda: self.decode_fn(ids, layers, batch), out), out
-        stream = torch.cuda.Stream(device=self._dev.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # allocator, cuBLAS and (if compiled) autotuning warm-up
-                self.decode_fn(ids, layers, batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.decode_fn(ids, layers, batch)
-        self._pool = graph.pool()
+        graph, out, self._pool = capture_step(lambda: self.decode_fn(ids, layers, batch),
+                                              self._dev.device, self._pool, self.capture)
         return graph, out
 
+
+def capture_step(step: Callable[[], object], device: torch.device, pool, capture: bool = True
+                 ) -> tuple[object, object, object]:
+    """Capture ``step`` (a function of static buffers returning a tensor or a tuple of
+    tensors) as a CUDA graph in memory pool ``pool`` (None: a new one) after two warm-up runs
+    on a side stream -> (graph, its output, the pool). ``capture=False`` (the CPU stand-in)
+    runs it once and returns an :class:`_EagerReplay` instead of a graph."""
+    if not capture:
+        out = step()
+        return _EagerReplay(step, out), out, pool
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # allocator, cuBLAS and (if compiled) autotuning warm-up
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out, graph.pool()
+
+
+class StaticInputs:
+    """Named int64 inputs of captured graphs: one pinned host buffer, written field by field
+    (numpy views), and its device copy, sent in one host-to-device copy per step; the graphs
+    read fixed device addresses (:meth:`dev`). ``pads`` gives each field's padding value."""
+
+    def __init__(self, sizes: dict[str, int], pads: dict[str, int], device: torch.device):
+        self.offsets, start = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = (start, start + size)
+            start += size
+        self.pads = pads
+        self._host = torch.empty(start, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(start, dtype=torch.int64, device=device)
+
+    def host(self, name: str):
+        """The field's host view (numpy, 1-D)."""
+        a, b = self.offsets[name]
+        return self._host_np[a:b]
+
+    def dev(self, name: str) -> torch.Tensor:
+        """The field's device view (1-D)."""
+        a, b = self.offsets[name]
+        return self._dev[a:b]
+
+    def pad(self) -> None:
+        """Every host field to its padding value."""
+        for name, value in self.pads.items():
+            self.host(name)[:] = value
+
+    def upload(self, blocking: bool = False) -> None:
+        self._dev.copy_(self._host, non_blocking=not blocking)
 
 
 class _EagerReplay:
     """A stand-in for a captured graph (``capture=False``, e.g. on the CPU): ``replay()``
-    reruns the step on the static buffers into the same output tensor, so the tests exercise
-    the real runner's buffer handling and call order without CUDA."""
+    reruns the step on the static buffers into the same output tensor(s), so the tests
+    exercise the real runner's buffer handling and call order without CUDA."""
 
-    def __init__(self, step: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+    def __init__(self, step: Callable[[], object], out: object) -> None:
         self.step, self.out = step, out
 
     def replay(self) -> None:
-        self.out.copy_(self.step())
+        new = self.step()
+        if isinstance(self.out, torch.Tensor):
+            self.out.copy_(new)
+        else:
+            for old, fresh in zip(self.out, new, strict=True):
+                old.copy_(fresh)
