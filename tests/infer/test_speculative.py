@@ -15,8 +15,8 @@ import torch
 from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.errors import ConfigError
 from megacpp.infer.engine import Engine, EngineConfig
-from megacpp.infer.sampling import SamplingParams
 from megacpp.infer.graphs import batch_buckets, width_buckets
+from megacpp.infer.sampling import SamplingParams
 from megacpp.infer.scheduler import ScheduledRequest
 from megacpp.infer.spec_graphs import SpecGraphs
 from megacpp.infer.speculative import Draft, SpeculativeDecoder
