@@ -104,8 +104,24 @@ def test_rows_accepting_different_prefixes(model, tokenizer, plain, k, graphed, 
     wrong at draft i % (k + 1): row 0 rejects at once, row k accepts everything) exercise
     accept-all, accept-some and reject-all in one batch, and the M/R rollback after each."""
     prompts = _prompts(tokenizer.vocab_size)
+    accepted_by_row = controlled_drafts(monkeypatch, prompts, plain, k, tokenizer.vocab_size)
+    engine = _engine(model, tokenizer, k, graphed=graphed)
+    assert _run(engine, prompts) == plain
+    for rid, accepted in accepted_by_row.items():
+        wrong_at = int(rid) % (k + 1)
+        # a row accepts its drafts up to the wrong one (fewer only where drafts were capped)
+        assert max(accepted) == min(wrong_at, k)
+    assert engine.stats().spec_accepted_tokens > 0
+    assert len({max(a) for a in accepted_by_row.values()}) == min(k + 1, len(LENGTHS))
+
+
+def controlled_drafts(monkeypatch, prompts: list[list[int]], plain: dict[str, list[int]], k: int,
+                      vocab: int) -> dict[str, list[int]]:
+    """Make every speculative step verify the true greedy continuation with one wrong draft
+    at index ``int(request_id) % (k + 1)`` (none when that is k); -> request id -> drafts
+    accepted per step (filled as the engine runs)."""
     truth = {rid: prompts[int(rid)] + tokens for rid, tokens in plain.items()}
-    real_draft = SpeculativeDecoder._draft
+    real_draft, real_step = SpeculativeDecoder._draft, SpeculativeDecoder._step
     accepted_by_row: dict[str, list[int]] = {}
 
     def controlled_draft(self, rows, n, inputs):
@@ -116,11 +132,9 @@ def test_rows_accepting_different_prefixes(model, tokenizer, plain, k, graphed, 
                    else 0 for j in range(1, n + 1)]
             wrong_at = int(r.request_id) % (k + 1)
             if wrong_at < n:
-                row[wrong_at] = (row[wrong_at] + 1) % tokenizer.vocab_size
+                row[wrong_at] = (row[wrong_at] + 1) % vocab
             drafts.append(row)
         return torch.tensor(drafts, device=self.cache.device)
-
-    real_step = SpeculativeDecoder._step
 
     def recording_step(self, rows, n):
         out = real_step(self, rows, n)
@@ -130,14 +144,7 @@ def test_rows_accepting_different_prefixes(model, tokenizer, plain, k, graphed, 
 
     monkeypatch.setattr(SpeculativeDecoder, "_draft", controlled_draft)
     monkeypatch.setattr(SpeculativeDecoder, "_step", recording_step)
-    engine = _engine(model, tokenizer, k, graphed=graphed)
-    assert _run(engine, prompts) == plain
-    for rid, accepted in accepted_by_row.items():
-        wrong_at = int(rid) % (k + 1)
-        # a row accepts its drafts up to the wrong one (fewer only where drafts were capped)
-        assert max(accepted) == min(wrong_at, k)
-    assert engine.stats().spec_accepted_tokens > 0
-    assert len({max(a) for a in accepted_by_row.values()}) == min(k + 1, len(LENGTHS))
+    return accepted_by_row
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
