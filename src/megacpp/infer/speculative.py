@@ -24,6 +24,11 @@ the M/R layers advance one token at a time through their decode ``step`` (the ke
 decoding runs, so recurrent numerics match it exactly) and each position's state is kept,
 so a step is one forward however many drafts are rejected.
 
+On CUDA with ``cuda_graphs`` the step (drafts 2 .. k; verify, acceptance, rollback and
+catch-up) replays captured CUDA graphs (:mod:`megacpp.infer.spec_graphs`); elsewhere it runs
+eagerly. Both run the same tensor code (:meth:`SpeculativeDecoder.run_drafts`,
+:meth:`SpeculativeDecoder.verify`: no host syncs) and one host sync per step.
+
 Only greedy requests without logprobs speculate: a sampled request (temperature > 0) decodes
 one token at a time through the plain path, with its usual draws, and so does a request that
 asks for logprobs. Speculation needs an MTP module whose
