@@ -23,7 +23,12 @@ The graphs are captured lazily on first use and share one memory pool (apart fro
 graphs'); each holds its outputs and its intermediates' share of the pool -- the verify's
 per-position states are ``(k + 1) x b`` rows of each M/R layer's state.
 
-The eager step (the same tensor code on unpadded inputs) is the reference the graphs are
+The engine builds these graphs with the decode graphs (CUDA with ``cuda_graphs``); the eager
+step serves only where there are none (the CPU, ``cuda_graphs = False``: the engine leaves
+``SpeculativeDecoder.graphs`` None) and for module 1's catch-up over a prompt (once per
+request, after its prefill). A step past the buffers (more rows, blocks or drafts than the
+engine's limits allow) raises instead of falling back. The eager step (the same tensor code
+on unpadded inputs) is the reference the graphs are
 tested against (``tests/infer/test_speculative.py`` with ``capture=False`` on the CPU,
 ``tests/infer/test_speculative_gpu.py`` captured).
 """
