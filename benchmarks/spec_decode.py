@@ -14,12 +14,14 @@ dataset's validation split: held-out C++) run in waves of ``B`` through the serv
   GPU its speculative step replays CUDA graphs (``infer/spec_graphs.py``) like ``plain``;
 - ``spec-k<k>-eager`` (GPU, with ``--eager-spec``): the same without CUDA graphs.
 
-Each system gets a warm-up run first (one wave: graph capture, allocator), then the timed run.
+Each system gets a warm-up run first (one wave of other validation prompts of the same shape:
+graph capture, allocator; the timed prompts stay cold for the prefix cache), then the timed run.
 Both are bounded by ``--max-seconds`` each (default 30): a system that is still decoding then
 has its requests aborted and its row covers the tokens it made (``complete`` false), so a slow
-system gives a partial row instead of losing the run. The default command (8 prompts x 256
-tokens at batch 1, k = 1, 2, 3) takes about 3 minutes on an H100, most of it ``plain-eager``'s
-bounded minute. Metrics per (system, B): ``decode_tok_s`` = tokens after each wave's last first
+system gives a partial row instead of losing the run. The defaults (8 prompts x 128 + 256
+tokens at batch 1, k = 1, 2, 3, 30 s) are sized for about 3 minutes on an H100: every system
+is bounded to twice ``--max-seconds`` (``plain-eager``, about 12 tok/s there, uses all of it)
+and graphed ``plain`` (about 165 tok/s) needs some 13 s for the 8 x 256 tokens. Metrics per (system, B): ``decode_tok_s`` = tokens after each wave's last first
 token / the time after it, summed over waves (``decode_tokens`` of them); ``output_tok_s``
 (prefill included); ``acceptance`` = accepted / drafted
 MTP tokens; ``tokens_per_step`` = tokens a greedy row gains per speculative step
@@ -107,7 +109,8 @@ def validation_prompts(data: Path, n: int, prompt_len: int) -> list[list[int]]:
             rows.append(list(tokens[:prompt_len]))
             if len(rows) == n:
                 return rows
-    sys.exit(f"--prompts {n}: the validation split has only {len(rows)} rows")
+    sys.exit(f"benchmarks/spec_decode.py: {n} prompts wanted (--prompts, and a warm-up wave of "
+             f"the largest --batch); the validation split has only {len(rows)} rows")
 
 
 def bounded_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str,
@@ -168,7 +171,7 @@ def same_fraction(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def bench(args, model, tok, device, dtype, prompts) -> list[Row]:
+def bench(args, model, tok, device, dtype, prompts, warm_prompts) -> list[Row]:
     rows: list[Row] = []
     systems = [("plain", 0, True)]
     if device.type == "cuda":
@@ -183,7 +186,7 @@ def bench(args, model, tok, device, dtype, prompts) -> list[Row]:
                                   max_model_len=args.prompt_len + args.new_tokens + 1,
                                   cuda_graphs=graphs, speculative_tokens=k)
             engine = Engine(model, tok, config, device=device, dtype=dtype)
-            run_system(engine, prompts[:batch], batch, args.new_tokens,  # warm-up
+            run_system(engine, warm_prompts[:batch], batch, args.new_tokens,  # warm-up
                        args.max_seconds)
             before = engine.stats()
             tokens, decode_tok_s, decode_tokens, output_tok_s, wall, complete = run_system(
@@ -290,7 +293,8 @@ def main() -> None:
     if model.mtp is None:
         sys.exit(f"benchmarks/spec_decode.py: {source} has no MTP head ([model.mtp] depth = 0)")
     dtype = getattr(torch, args.dtype)
-    prompts = validation_prompts(args.data, args.prompts, args.prompt_len)
+    read = validation_prompts(args.data, args.prompts + max(args.batch), args.prompt_len)
+    prompts, warm_prompts = read[: args.prompts], read[args.prompts :]
     facts = capture_fingerprint()
     preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
     out = args.out or results_dir(
@@ -305,7 +309,7 @@ def main() -> None:
             "tokenizer_sha256": tok.sha256, "prompts_from": f"{args.data}/validation"}
     print(f"{meta['device']}  {args.dtype}  {source}  prompts {args.prompts} x "
           f"{args.prompt_len} tokens, {args.new_tokens} new", flush=True)
-    rows = bench(args, model, tok, device, dtype, prompts)
+    rows = bench(args, model, tok, device, dtype, prompts, warm_prompts)
     save(out, rows, args, meta, preflight, facts)
     print(f"results: {out / 'spec_decode.json'}")
 
