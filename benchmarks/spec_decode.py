@@ -2,30 +2,37 @@
 acceptance rate, on a checkpoint with a trained MTP head.
 
     PYTHONPATH=src python benchmarks/spec_decode.py --checkpoint RUN_DIR --data DATA_DIR \\
-        --batch 1 --k 1 2 3 --prompt-len 128 --new-tokens 256 --prompts 8
+        --batch 1 --k 1 2 3 --prompt-len 128 --new-tokens 256 --prompts 8 --max-seconds 30
 
 Per batch size ``B``, ``--prompts`` prompts (the first ``--prompt-len`` tokens of rows of the
 dataset's validation split: held-out C++) run in waves of ``B`` through the serving
 ``Engine``, greedy, ``--new-tokens`` tokens each (``ignore_eos``), once per system:
 
 - ``plain``: one token per step (CUDA graphs on a GPU: the engine's default fast path);
-- ``plain-eager``: the same without CUDA graphs (GPU only; the speculative step is eager);
-- ``spec-k<k>``: ``speculative_tokens = k`` (``megacpp serve --speculative-tokens k``).
+- ``plain-eager``: the same without CUDA graphs (GPU only);
+- ``spec-k<k>``: ``speculative_tokens = k`` (``megacpp serve --speculative-tokens k``); on a
+  GPU its speculative step replays CUDA graphs (``infer/spec_graphs.py``) like ``plain``;
+- ``spec-k<k>-eager`` (GPU, with ``--eager-spec``): the same without CUDA graphs.
 
-Each system gets an identical warm-up run first (graph capture, allocator). Metrics per
-(system, B): ``decode_tok_s`` = tokens after each wave's last first token / the time after it,
-summed over waves; ``output_tok_s`` (prefill included); ``acceptance`` = accepted / drafted
+Each system gets a warm-up run first (one wave of other validation prompts of the same shape:
+graph capture, allocator; the timed prompts stay cold for the prefix cache), then the timed run.
+Both are bounded by ``--max-seconds`` each (default 30): a system that is still decoding then
+has its requests aborted and its row covers the tokens it made (``complete`` false), so a slow
+system gives a partial row instead of losing the run. The defaults (8 prompts x 128 + 256
+tokens at batch 1, k = 1, 2, 3, 30 s) are sized for about 3 minutes on an H100: every system
+is bounded to twice ``--max-seconds`` (``plain-eager``, about 12 tok/s there, uses all of it)
+and graphed ``plain`` (about 165 tok/s) needs some 13 s for the 8 x 256 tokens. Metrics per (system, B): ``decode_tok_s`` = tokens after each wave's last first
+token / the time after it, summed over waves (``decode_tokens`` of them); ``output_tok_s``
+(prefill included); ``acceptance`` = accepted / drafted
 MTP tokens; ``tokens_per_step`` = tokens a greedy row gains per speculative step
 (1 + accepted / verified rows); ``same_tokens`` = the fraction of tokens equal to ``plain``'s
-(1.0 in float32/float64; bf16 verify-vs-decode rounding can flip near-ties); ``speedup`` =
-decode_tok_s / plain's. Writes ``spec_decode.json``, one ``bench`` receipt per (system, B)
+(1.0 in float32/float64; bf16 verify-vs-decode rounding can flip near-ties; a partial row
+compares the tokens both made); ``speedup`` = decode_tok_s / plain's. Writes ``spec_decode.json``, one ``bench`` receipt per (system, B)
 under ``receipts/spec_decode/`` and ``command.txt`` to ``--out`` (default
 ``benchmarks/results/spec_decode/<device>``).
 
 A trained MTP head is needed (the 1.5x goal needs one; a random head is almost never
-accepted). The speculative step runs eagerly while ``plain`` replays CUDA graphs, so on a GPU
-compare ``spec-k*`` with ``plain-eager`` for what speculation itself gains, and with ``plain``
-for what a user gets.
+accepted). The headline comparison is ``spec-k*`` against ``plain``, both graphed.
 
 On one GPU (an H100: a few minutes of training, then the benchmark)::
 
@@ -51,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,15 +68,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_decode import run_wave
+from serve_decode import sync
 
 from megacpp.infer.engine import Engine, EngineConfig
+from megacpp.infer.sampling import SamplingParams
 from megacpp.kernels.runtime import chosen_kernels, set_kernel_mode
 
 
 @dataclass
 class Row:
-    system: str  # "plain" | "plain-eager" | "spec-k<k>"
+    system: str  # "plain" | "plain-eager" | "spec-k<k>" | "spec-k<k>-eager"
     speculative_tokens: int
     batch: int
     prompts: int
@@ -81,6 +90,8 @@ class Row:
     same_tokens: float  # fraction of tokens equal to plain's
     speedup: float | None  # decode_tok_s / plain's
     wall_s: float
+    decode_tokens: int = 0  # the tokens decode_tok_s counts
+    complete: bool = True  # False: --max-seconds ran out (the row covers the tokens made)
 
 
 def validation_prompts(data: Path, n: int, prompt_len: int) -> list[list[int]]:
@@ -98,36 +109,76 @@ def validation_prompts(data: Path, n: int, prompt_len: int) -> list[list[int]]:
             rows.append(list(tokens[:prompt_len]))
             if len(rows) == n:
                 return rows
-    sys.exit(f"--prompts {n}: the validation split has only {len(rows)} rows")
+    sys.exit(f"benchmarks/spec_decode.py: {n} prompts wanted (--prompts, and a warm-up wave of "
+             f"the largest --batch); the validation split has only {len(rows)} rows")
 
 
-def run_system(engine: Engine, prompts: list[list[int]], batch: int, new_tokens: int):
-    """All prompts in waves of ``batch``: (tokens per prompt, decode tok/s, output tok/s, s)."""
+def bounded_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str,
+                 deadline: float):
+    """All ``prompts`` arriving at once, greedy, ``new_tokens`` each (``ignore_eos``), until
+    done or ``deadline`` (then the rest is aborted) -> (tokens per request, [host time of each
+    token per request], t0, finished)."""
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    times: dict[str, list[float]] = {rid: [] for rid in ids}
+    finished = True
+    while engine.has_unfinished():
+        if finished and time.perf_counter() > deadline:
+            finished = False
+            for rid in ids:
+                engine.abort(rid)  # reported by the next step, with no tokens
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            tokens[out.request_id] += out.new_token_ids
+            times[out.request_id] += [now] * len(out.new_token_ids)
+    return list(tokens.values()), list(times.values()), t0, finished
+
+
+def run_system(engine: Engine, prompts: list[list[int]], batch: int, new_tokens: int,
+               max_seconds: float):
+    """Prompts in waves of ``batch`` for at most ``max_seconds``: (tokens per prompt that
+    ran, decode tok/s, decode tokens, output tok/s, s, every wave finished)."""
     all_tokens: list[list[int]] = []
     decode_tokens = decode_time = output_tokens = output_time = 0.0
+    deadline = time.perf_counter() + max_seconds
+    finished = True
     for w in range(0, len(prompts), batch):
-        tokens, times, t0 = run_wave(engine, prompts[w : w + batch], new_tokens, f"w{w}")
+        tokens, times, t0, finished = bounded_wave(engine, prompts[w : w + batch], new_tokens,
+                                                   f"w{w}", deadline)
         all_tokens += tokens
-        last_first = max(ts[0] for ts in times)
-        t_end = max(ts[-1] for ts in times)
-        decode_tokens += sum(1 for ts in times for t in ts if t > last_first)
-        decode_time += t_end - last_first
         output_tokens += sum(len(ts) for ts in times)
-        output_time += t_end - t0
-    return all_tokens, decode_tokens / decode_time, output_tokens / output_time, output_time
+        if all(times):  # every request of the wave has its first token
+            last_first = max(ts[0] for ts in times)
+            t_end = max(ts[-1] for ts in times)
+            decode_tokens += sum(1 for ts in times for t in ts if t > last_first)
+            decode_time += t_end - last_first
+            output_time += t_end - t0
+        if not finished:
+            break
+    return (all_tokens, decode_tokens / decode_time if decode_time else 0.0, int(decode_tokens),
+            output_tokens / output_time if output_time else 0.0, output_time, finished)
 
 
 def same_fraction(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    """Equal tokens over the tokens both runs made (a partial run compares its prefix)."""
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def bench(args, model, tok, device, dtype, prompts) -> list[Row]:
+def bench(args, model, tok, device, dtype, prompts, warm_prompts) -> list[Row]:
     rows: list[Row] = []
     systems = [("plain", 0, True)]
     if device.type == "cuda":
         systems.append(("plain-eager", 0, False))
     systems += [(f"spec-k{k}", k, True) for k in args.k]
+    if device.type == "cuda" and args.eager_spec:
+        systems += [(f"spec-k{k}-eager", k, False) for k in args.k]
     for batch in args.batch:
         reference = plain_tok_s = None
         for name, k, graphs in systems:
@@ -135,10 +186,11 @@ def bench(args, model, tok, device, dtype, prompts) -> list[Row]:
                                   max_model_len=args.prompt_len + args.new_tokens + 1,
                                   cuda_graphs=graphs, speculative_tokens=k)
             engine = Engine(model, tok, config, device=device, dtype=dtype)
-            run_system(engine, prompts[:batch], batch, args.new_tokens)  # warm-up
+            run_system(engine, warm_prompts[:batch], batch, args.new_tokens,  # warm-up
+                       args.max_seconds)
             before = engine.stats()
-            tokens, decode_tok_s, output_tok_s, wall = run_system(engine, prompts, batch,
-                                                                  args.new_tokens)
+            tokens, decode_tok_s, decode_tokens, output_tok_s, wall, complete = run_system(
+                engine, prompts, batch, args.new_tokens, args.max_seconds)
             stats = engine.stats()
             drafted = stats.spec_draft_tokens - before.spec_draft_tokens
             accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
@@ -151,7 +203,8 @@ def bench(args, model, tok, device, dtype, prompts) -> list[Row]:
                 acceptance=accepted / drafted if drafted else None,
                 tokens_per_step=1 + accepted / (drafted / k) if drafted else None,
                 same_tokens=same_fraction(tokens, reference),
-                speedup=decode_tok_s / plain_tok_s if name != "plain" else None, wall_s=wall)
+                speedup=decode_tok_s / plain_tok_s if name != "plain" and plain_tok_s else None,
+                wall_s=wall, decode_tokens=decode_tokens, complete=complete)
             rows.append(row)
             print_row(row)
             del engine
@@ -166,7 +219,8 @@ def print_row(r: Row) -> None:
     speed = "-" if r.speedup is None else f"x{r.speedup:.2f}"
     print(f"{r.system:12s} B={r.batch:<3d} decode {r.decode_tok_s:9.1f} tok/s  "
           f"output {r.output_tok_s:9.1f} tok/s  acceptance {acc:>5s}  tokens/step {tps:>4s}  "
-          f"same {r.same_tokens:.3f}  speedup {speed}", flush=True)
+          f"same {r.same_tokens:.3f}  speedup {speed}"
+          f"{'' if r.complete else f'  PARTIAL ({r.decode_tokens} decode tokens)'}", flush=True)
 
 
 def save(out: Path, rows: list[Row], args, meta: dict, preflight, facts) -> None:
@@ -182,7 +236,8 @@ def save(out: Path, rows: list[Row], args, meta: dict, preflight, facts) -> None
         config = {"benchmark": "spec_decode", "system": r.system,
                   "speculative_tokens": r.speculative_tokens, "batch": r.batch,
                   "prompts": r.prompts, "prompt_len": r.prompt_len, "new_tokens": r.new_tokens,
-                  "block_size": args.block_size, **meta, "chosen_kernels": chosen_kernels()}
+                  "block_size": args.block_size, "complete": r.complete, **meta,
+                  "chosen_kernels": chosen_kernels()}
         metrics = {k: float(v) for k, v in asdict(r).items()
                    if isinstance(v, float | int) and not isinstance(v, bool)
                    and k not in ("batch", "prompts", "prompt_len", "new_tokens",
@@ -205,6 +260,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-seconds", type=float, default=30.0,
+                    help="per system: the warm-up and the timed run each stop after this "
+                         "many seconds (the row is then partial: complete = false)")
+    ap.add_argument("--eager-spec", action="store_true",
+                    help="GPU: also spec-k<k>-eager rows (the speculative step without graphs)")
     ap.add_argument("--kernels", default="auto", choices=["reference", "auto", "fast"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -222,6 +282,8 @@ def main() -> None:
         sys.exit("benchmarks/spec_decode.py: --device cuda but no CUDA GPU here")
     if min(args.batch) < 1 or min(args.k) < 1 or args.prompts < max(args.batch):
         sys.exit("--batch and --k must be >= 1, --prompts >= the largest --batch")
+    if not args.max_seconds > 0:
+        sys.exit(f"--max-seconds must be > 0, got {args.max_seconds}")
     set_kernel_mode(args.kernels)
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.contract import capture_fingerprint, load_contract_config, require_preflight
@@ -231,7 +293,8 @@ def main() -> None:
     if model.mtp is None:
         sys.exit(f"benchmarks/spec_decode.py: {source} has no MTP head ([model.mtp] depth = 0)")
     dtype = getattr(torch, args.dtype)
-    prompts = validation_prompts(args.data, args.prompts, args.prompt_len)
+    read = validation_prompts(args.data, args.prompts + max(args.batch), args.prompt_len)
+    prompts, warm_prompts = read[: args.prompts], read[args.prompts :]
     facts = capture_fingerprint()
     preflight = require_preflight(facts, load_contract_config(None), skip=args.skip_preflight)
     out = args.out or results_dir(
@@ -246,7 +309,7 @@ def main() -> None:
             "tokenizer_sha256": tok.sha256, "prompts_from": f"{args.data}/validation"}
     print(f"{meta['device']}  {args.dtype}  {source}  prompts {args.prompts} x "
           f"{args.prompt_len} tokens, {args.new_tokens} new", flush=True)
-    rows = bench(args, model, tok, device, dtype, prompts)
+    rows = bench(args, model, tok, device, dtype, prompts, warm_prompts)
     save(out, rows, args, meta, preflight, facts)
     print(f"results: {out / 'spec_decode.json'}")
 

@@ -1,6 +1,8 @@
 """Self-speculative decoding (MTP drafts, main-model verify): greedy output identical to plain
 greedy decoding for a hybrid A/E/M/R model, with the MTP module's own drafts and with drafts
-of controlled quality (rows accepting different numbers of tokens), k = 1..3; refusals."""
+of controlled quality (rows accepting different numbers of tokens), k = 1..3, eager and through
+the speculative graphs' buffers (``SpecGraphs`` with ``capture=False``: padded buckets, static
+inputs, eager replays); bucket choice, buffer sizes, fallbacks and refusals."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ import torch
 from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.errors import ConfigError
 from megacpp.infer.engine import Engine, EngineConfig
+from megacpp.infer.graphs import batch_buckets, width_buckets
 from megacpp.infer.sampling import SamplingParams
-from megacpp.infer.speculative import SpeculativeDecoder
+from megacpp.infer.scheduler import ScheduledRequest
+from megacpp.infer.spec_graphs import SpecGraphs
+from megacpp.infer.speculative import Draft, SpeculativeDecoder
 from megacpp.model.config import ModelConfig, MtpConfig, NgramConfig
 from megacpp.model.model import HybridLM
 
@@ -53,10 +58,18 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[1, *torch.randint(3, vocab, (n - 1,), generator=g).tolist()] for n in LENGTHS]
 
 
-def _engine(model, tokenizer, k: int, device: str = "cpu", **config) -> Engine:
+def _engine(model, tokenizer, k: int, device: str = "cpu", graphed: bool = False,
+            **config) -> Engine:
+    """An engine; ``graphed`` on the CPU: the speculative step through SpecGraphs' padded
+    static buffers with eager replays (``capture=False``)."""
     defaults = {"max_num_seqs": 8, "block_size": 4, "max_model_len": 96, "prefill_chunk": 8}
-    return Engine(model, tokenizer, EngineConfig(**{**defaults, **config},
-                                                 speculative_tokens=k), device=device)
+    cfg = EngineConfig(**{**defaults, **config}, speculative_tokens=k)
+    engine = Engine(model, tokenizer, cfg, device=device)
+    if graphed and engine.speculative.graphs is None:
+        width = -(-cfg.max_model_len // cfg.block_size)
+        engine.speculative.graphs = SpecGraphs(engine.speculative, cfg.max_num_seqs, width,
+                                               capture=False)
+    return engine
 
 
 def _run(engine: Engine, prompts, params=GREEDY) -> dict[str, list[int]]:
@@ -74,48 +87,25 @@ def plain(model, tokenizer) -> dict[str, list[int]]:
     return _run(_engine(model, tokenizer, 0), _prompts(tokenizer.vocab_size))
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_mtp_drafts_give_plain_greedy_output(model, tokenizer, plain, k):
-    engine = _engine(model, tokenizer, k)
+def test_mtp_drafts_give_plain_greedy_output(model, tokenizer, plain, k, graphed):
+    engine = _engine(model, tokenizer, k, graphed=graphed)
     assert _run(engine, _prompts(tokenizer.vocab_size)) == plain
     stats = engine.stats()
     assert stats.spec_draft_tokens > 0  # it speculated (a random MTP head is rarely right)
     assert stats.generated_tokens == NEW * len(LENGTHS)
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_rows_accepting_different_prefixes(model, tokenizer, plain, k, monkeypatch):
+def test_rows_accepting_different_prefixes(model, tokenizer, plain, k, graphed, monkeypatch):
     """Drafts that are the true greedy continuation up to a row-dependent point (row i is
     wrong at draft i % (k + 1): row 0 rejects at once, row k accepts everything) exercise
     accept-all, accept-some and reject-all in one batch, and the M/R rollback after each."""
     prompts = _prompts(tokenizer.vocab_size)
-    truth = {rid: prompts[int(rid)] + tokens for rid, tokens in plain.items()}
-    real_draft = SpeculativeDecoder._draft
-    accepted_by_row: dict[str, list[int]] = {}
-
-    def controlled_draft(self, rows, n):
-        real_draft(self, rows, n)  # the MTP module still runs (its cache, its draft)
-        drafts = []
-        for r in rows:
-            row = [truth[r.request_id][r.start + j] if r.start + j < len(truth[r.request_id])
-                   else 0 for j in range(1, n + 1)]
-            wrong_at = int(r.request_id) % (k + 1)
-            if wrong_at < n:
-                row[wrong_at] = (row[wrong_at] + 1) % tokenizer.vocab_size
-            drafts.append(row)
-        return torch.tensor(drafts, device=self.cache.device)
-
-    real_step = SpeculativeDecoder._step
-
-    def recording_step(self, rows, n):
-        out = real_step(self, rows, n)
-        for rid, step in out.items():
-            accepted_by_row.setdefault(rid, []).append(step.accepted)
-        return out
-
-    monkeypatch.setattr(SpeculativeDecoder, "_draft", controlled_draft)
-    monkeypatch.setattr(SpeculativeDecoder, "_step", recording_step)
-    engine = _engine(model, tokenizer, k)
+    accepted_by_row = controlled_drafts(monkeypatch, prompts, plain, k, tokenizer.vocab_size)
+    engine = _engine(model, tokenizer, k, graphed=graphed)
     assert _run(engine, prompts) == plain
     for rid, accepted in accepted_by_row.items():
         wrong_at = int(rid) % (k + 1)
@@ -125,14 +115,51 @@ def test_rows_accepting_different_prefixes(model, tokenizer, plain, k, monkeypat
     assert len({max(a) for a in accepted_by_row.values()}) == min(k + 1, len(LENGTHS))
 
 
-def test_tight_blocks_and_max_model_len(model, tokenizer, plain):
+def controlled_drafts(monkeypatch, prompts: list[list[int]], plain: dict[str, list[int]], k: int,
+                      vocab: int) -> dict[str, list[int]]:
+    """Make every speculative step verify the true greedy continuation with one wrong draft
+    at index ``int(request_id) % (k + 1)`` (none when that is k); -> request id -> drafts
+    accepted per step (filled as the engine runs)."""
+    truth = {rid: prompts[int(rid)] + tokens for rid, tokens in plain.items()}
+    real_draft, real_step = SpeculativeDecoder._draft, SpeculativeDecoder._step
+    accepted_by_row: dict[str, list[int]] = {}
+
+    def controlled_draft(self, rows, n, inputs):
+        real_draft(self, rows, n, inputs)  # the MTP module still runs (its cache, its draft)
+        drafts = []
+        for r in rows:
+            row = [truth[r.request_id][r.start + j] if r.start + j < len(truth[r.request_id])
+                   else 0 for j in range(1, n + 1)]
+            wrong_at = int(r.request_id) % (k + 1)
+            if wrong_at < n:
+                row[wrong_at] = (row[wrong_at] + 1) % vocab
+            drafts.append(row)
+        return torch.tensor(drafts, device=self.cache.device)
+
+    def recording_step(self, rows, n):
+        out = real_step(self, rows, n)
+        for rid, step in out.items():
+            accepted_by_row.setdefault(rid, []).append(step.accepted)
+        return out
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draft", controlled_draft)
+    monkeypatch.setattr(SpeculativeDecoder, "_step", recording_step)
+    return accepted_by_row
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_tight_blocks_and_max_model_len(model, tokenizer, plain, graphed):
     """Drafts near max_model_len are capped and preemption under block pressure recomputes
-    the MTP cache: still the plain greedy tokens."""
+    the MTP cache: still the plain greedy tokens. Graphed, a capped group (fewer drafts) gets
+    graphs of its own k."""
     prompts = _prompts(tokenizer.vocab_size)
     longest = max(LENGTHS) + NEW
-    engine = _engine(model, tokenizer, 3, max_model_len=longest, num_blocks=-(-longest // 4) + 8)
+    engine = _engine(model, tokenizer, 3, graphed=graphed, max_model_len=longest,
+                     num_blocks=-(-longest // 4) + 8)
     assert _run(engine, prompts) == plain
     assert engine.stats().preemptions > 0
+    if graphed:
+        assert {k for _, _, k in engine.speculative.graphs.buckets_used} > {3}
 
 
 def test_sampled_requests_do_not_speculate(model, tokenizer):
@@ -161,7 +188,8 @@ def test_bad_speculative_tokens(k):
         EngineConfig(speculative_tokens=k)
 
 
-def test_ngram_model_speculates_exactly(tokenizer):
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_ngram_model_speculates_exactly(tokenizer, graphed):
     """A hashed n-gram branch reads the tokens before each verified draft (history, then the
     drafts themselves): still plain greedy output."""
     cfg = _small(tokenizer.vocab_size, mtp=MtpConfig(depth=1),
@@ -169,7 +197,8 @@ def test_ngram_model_speculates_exactly(tokenizer):
     torch.manual_seed(0)
     model = HybridLM(cfg).double().eval()
     prompts = _prompts(tokenizer.vocab_size)[1:3]
-    assert _run(_engine(model, tokenizer, 2), prompts) == _run(_engine(model, tokenizer, 0), prompts)
+    want = _run(_engine(model, tokenizer, 0), prompts)
+    assert _run(_engine(model, tokenizer, 2, graphed=graphed), prompts) == want
 
 
 def test_text_generator_speculates(model, tokenizer):
@@ -196,3 +225,63 @@ def test_mimo_layers_roll_back_like_siso_ones(tokenizer):
     want = _run(_engine(model, tokenizer, 0), prompts)
     engine = _engine(model, tokenizer, 2)
     assert _run(engine, prompts) == want and engine.stats().spec_draft_tokens > 0
+
+
+def test_graph_buckets_are_the_decode_buckets(model, tokenizer, plain):
+    """Each step runs the smallest (batch, width) bucket of the decode graphs' sizes that
+    holds its rows and positions N .. N + k, with the step's exact k."""
+    engine = _engine(model, tokenizer, 3, graphed=True)
+    graphs = engine.speculative.graphs
+    seen = []
+    real_stage = graphs.stage
+
+    def recording_stage(rows, pending, k):
+        seen.append((len(rows), max(r.start for r in rows) + k + 1, k))
+        return real_stage(rows, pending, k)
+
+    graphs.stage = recording_stage
+    assert _run(engine, _prompts(tokenizer.vocab_size)) == plain
+    batches, widths = batch_buckets(8), width_buckets(24)
+    want = {(next(b for b in batches if b >= n), next(w for w in widths if w * 4 >= end), k)
+            for n, end, k in seen}
+    assert graphs.buckets_used == want == set(graphs.graphs)
+    assert {b for b, _, _ in want} > {1} and {w for _, w, _ in want} > {8}  # several buckets
+
+
+def test_graph_buffers_are_sized_for_the_largest_step(model, tokenizer):
+    engine = _engine(model, tokenizer, 3, graphed=True)
+    graphs = engine.speculative.graphs
+    n, width, L = 8, 24, 4
+    assert graphs.h_prev.shape == (n, 1, model.cfg.d_model)
+    assert graphs.h_prev.dtype == torch.float64
+    assert graphs.drafts_in.numel() == n * 3
+    assert {name: b - a for name, (a, b) in graphs.inputs.offsets.items()} == {
+        "newest": n, "first": n, "positions": n * L, "slot_mapping": n * L,
+        "tables": n * width, "state_slots": n, "ngram": 0}
+
+
+def _row(rid: str, start: int, blocks: int) -> ScheduledRequest:
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    return ScheduledRequest(rid, [5], start, list(range(blocks)), 0, True, params, None)
+
+
+def test_graph_refuses_steps_past_its_buffers(model, tokenizer):
+    engine = _engine(model, tokenizer, 2, graphed=True, max_num_seqs=2, max_model_len=16)
+    graphs = engine.speculative.graphs
+    draft = Draft(3, 7, torch.zeros(model.cfg.d_model, dtype=torch.float64))
+    with pytest.raises(ValueError, match="3 rows x 2 blocks x 2 drafts exceeds the captured "
+                                         r"maximum 2 x 4 x 2"):
+        graphs.stage([_row(str(i), 3, 2) for i in range(3)], [draft] * 3, 2)
+    with pytest.raises(ValueError, match="1 rows x 2 blocks x 3 drafts exceeds"):
+        graphs.stage([_row("0", 3, 2)], [draft], 3)
+    with pytest.raises(ValueError, match="1 rows x 5 blocks x 2 drafts exceeds"):
+        graphs.stage([_row("0", 17, 5)], [draft], 2)
+    with pytest.raises(RuntimeError, match="without a staged step"):
+        graphs.verify(torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_cpu_engines_speculate_eagerly(model, tokenizer):
+    """The speculative graphs come with the decode graphs (CUDA with cuda_graphs): a CPU
+    engine keeps the eager step."""
+    engine = _engine(model, tokenizer, 2)
+    assert engine.graphs is None and engine.speculative.graphs is None

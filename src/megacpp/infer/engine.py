@@ -51,6 +51,7 @@ from megacpp.infer.logprobs import TokenLogprob
 from megacpp.infer.model_runner import ModelRunner, ModelRunnerOutput
 from megacpp.infer.sampling import SamplingParams
 from megacpp.infer.scheduler import Scheduler, SchedulerOutput, Sequence
+from megacpp.infer.spec_graphs import SpecGraphs
 from megacpp.infer.speculative import MAX_SPECULATIVE_TOKENS, SpecStep, SpeculativeDecoder
 from megacpp.infer.structure import StructureIds
 from megacpp.model.model import HybridLM
@@ -211,6 +212,9 @@ class Engine:
         )
         if self.speculative is not None:
             self.runner.speculative, self.speculative.runner = self.speculative, self.runner
+            if self.runner.graphs is not None:  # CUDA with cuda_graphs: the step is captured
+                self.speculative.graphs = SpecGraphs(self.speculative, config.max_num_seqs,
+                                                     self.runner.graphs.max_width)
         self.structure = (  # per-token structure ids, for a structure-embedding model
             StructureIds(tokenizer) if model.structure_embed is not None else None)
         self.sequences: dict[str, Sequence] = {}  # unfinished requests

@@ -9,8 +9,10 @@ table entries point at the scratch block and sit past every query's position (ma
 
 A model's structure ids and n-gram context (``model/features.py``) are two more static
 inputs. All inputs travel in one pinned int64 buffer and one host-to-device copy per step; the
-graph reads them from fixed device addresses. Graphs are captured lazily on first use
-(:meth:`DecodeGraphs.capture_all` captures every bucket up front) and share one memory pool.
+graph reads them from fixed device addresses (:class:`StaticInputs`). Graphs are captured
+lazily on first use (:meth:`DecodeGraphs.capture_all` captures every bucket up front) and
+share one memory pool. :func:`capture_step` and :class:`StaticInputs` also serve the
+speculative step's graphs (:mod:`megacpp.infer.spec_graphs`).
 The eager path (:meth:`HybridLM.forward_paged`) is the reference the graphs are tested
 against (``tests/infer/test_engine_gpu.py``).
 """
@@ -80,21 +82,21 @@ class DecodeGraphs:
         # optional inputs of the embedding step: structure ids [n, 1], n-gram context [n, C]
         self.uses_structure = model.structure_embed is not None
         self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
-        self._tables_end = 4 * n + n * max_width
-        self._structure_end = self._tables_end + (n if self.uses_structure else 0)
-        size = self._structure_end + n * self.context_len
-        pinned = cache.device.type == "cuda"
-        self._host = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
-        self._host_np = self._host.numpy()
-        self._dev = torch.empty(self._host.shape, dtype=torch.int64, device=cache.device)
-        d = self._dev
-        self.ids, self.positions = d[:n].view(n, 1), d[n : 2 * n].view(n, 1)
-        self.slot_mapping, self.state_slots = d[2 * n : 3 * n], d[3 * n : 4 * n]
-        self.tables = d[4 * n : self._tables_end].view(n, max_width)
-        self.structure_ids = (
-            d[self._tables_end : self._structure_end].view(n, 1) if self.uses_structure else None)
-        self.ngram_context = (
-            d[self._structure_end :].view(n, self.context_len) if self.context_len else None)
+        sizes = {"ids": n, "positions": n, "slot_mapping": n, "state_slots": n,
+                 "tables": n * max_width, "structure": n if self.uses_structure else 0,
+                 "ngram": n * self.context_len}
+        pads = {"ids": 0, "positions": 0,  # token 0 at position 0
+                "slot_mapping": cache.null_block * cache.block_size,  # the scratch block
+                "state_slots": cache.null_slot, "tables": cache.null_block,
+                "structure": 0,  # structure id OTHER
+                "ngram": -1}  # no previous tokens
+        self.inputs = StaticInputs(sizes, pads, cache.device)
+        dev = self.inputs.dev
+        self.ids, self.positions = dev("ids").view(n, 1), dev("positions").view(n, 1)
+        self.slot_mapping, self.state_slots = dev("slot_mapping"), dev("state_slots")
+        self.tables = dev("tables").view(n, max_width)
+        self.structure_ids = dev("structure").view(n, 1) if self.uses_structure else None
+        self.ngram_context = dev("ngram").view(n, self.context_len) if self.context_len else None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buckets_used: set[tuple[int, int]] = set()
         self._pool = None
@@ -134,30 +136,18 @@ class DecodeGraphs:
     def _stage(self, ids, positions, slot_mapping, state_slots, tables, structure_ids=None,
                ngram_context=None) -> None:
         """Write the step's inputs (and padding everywhere else) to the device buffers."""
-        n, h = self.max_batch, self._host_np
-        B = len(ids)
-        self._fill_padding()
-        h[:B], h[n : n + B], h[2 * n : 2 * n + B], h[3 * n : 3 * n + B] = (
-            ids, positions, slot_mapping, state_slots
-        )
-        table_np = h[4 * n : self._tables_end].reshape(n, self.max_width)
+        inputs, n, B = self.inputs, self.max_batch, len(ids)
+        inputs.pad()
+        inputs.host("ids")[:B], inputs.host("positions")[:B] = ids, positions
+        inputs.host("slot_mapping")[:B], inputs.host("state_slots")[:B] = slot_mapping, state_slots
+        table_np = inputs.host("tables").reshape(n, self.max_width)
         for i, row in enumerate(tables):
             table_np[i, : len(row)] = row
         if structure_ids is not None:
-            h[self._tables_end : self._tables_end + B] = structure_ids
+            inputs.host("structure")[:B] = structure_ids
         if ngram_context is not None:
-            context_np = h[self._structure_end :].reshape(n, self.context_len)
-            context_np[:B] = ngram_context
-        self._dev.copy_(self._host, non_blocking=True)
-
-    def _fill_padding(self) -> None:
-        n, h, c = self.max_batch, self._host_np, self.cache
-        h[: 2 * n] = 0  # token 0 at position 0
-        h[2 * n : 3 * n] = c.null_block * c.block_size  # writes go to the scratch block
-        h[3 * n : 4 * n] = c.null_slot
-        h[4 * n : self._tables_end] = c.null_block
-        h[self._tables_end : self._structure_end] = 0  # structure id OTHER
-        h[self._structure_end :] = -1  # no previous tokens
+            inputs.host("ngram").reshape(n, self.context_len)[:B] = ngram_context
+        inputs.upload()
 
     def _batch(self, b: int, w: int) -> PagedBatch:
         """The bucket's view of the static input buffers."""
@@ -184,34 +174,82 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self._fill_padding()  # warm-up and capture runs touch only the scratch block/slot
-        self._dev.copy_(self._host)
+        self.inputs.pad()  # warm-up and capture runs touch only the scratch block/slot
+        self.inputs.upload(blocking=True)
         batch = self._batch(b, w)
         ids, layers = self.ids[:b], self.cache.layers
-        if not self.capture:  # CPU stand-in: same buffers, same order, eager replays
-            out = self.decode_fn(ids, layers, batch)
-            return _EagerReplay(lambda: self.decode_fn(ids, layers, batch), out), out
-        stream = torch.cuda.Stream(device=self._dev.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # allocator, cuBLAS and (if compiled) autotuning warm-up
-                self.decode_fn(ids, layers, batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.decode_fn(ids, layers, batch)
-        self._pool = graph.pool()
+        graph, out, self._pool = capture_step(lambda: self.decode_fn(ids, layers, batch),
+                                              self.cache.device, self._pool, self.capture)
         return graph, out
 
+
+def capture_step(step: Callable[[], object], device: torch.device, pool, capture: bool = True
+                 ) -> tuple[object, object, object]:
+    """Capture ``step`` (a function of static buffers returning a tensor or a tuple of
+    tensors) as a CUDA graph in memory pool ``pool`` (None: a new one) after two warm-up runs
+    on a side stream -> (graph, its output, the pool). ``capture=False`` (the CPU stand-in)
+    runs it once and returns an :class:`_EagerReplay` instead of a graph."""
+    if not capture:
+        out = step()
+        return _EagerReplay(step, out), out, pool
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # allocator, cuBLAS and (if compiled) autotuning warm-up
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out, graph.pool()
+
+
+class StaticInputs:
+    """Named int64 inputs of captured graphs: one pinned host buffer, written field by field
+    (numpy views), and its device copy, sent in one host-to-device copy per step; the graphs
+    read fixed device addresses (:meth:`dev`). ``pads`` gives each field's padding value."""
+
+    def __init__(self, sizes: dict[str, int], pads: dict[str, int], device: torch.device):
+        self.offsets, start = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = (start, start + size)
+            start += size
+        self.pads = pads
+        self._host = torch.empty(start, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(start, dtype=torch.int64, device=device)
+
+    def host(self, name: str):
+        """The field's host view (numpy, 1-D)."""
+        a, b = self.offsets[name]
+        return self._host_np[a:b]
+
+    def dev(self, name: str) -> torch.Tensor:
+        """The field's device view (1-D)."""
+        a, b = self.offsets[name]
+        return self._dev[a:b]
+
+    def pad(self) -> None:
+        """Every host field to its padding value."""
+        for name, value in self.pads.items():
+            self.host(name)[:] = value
+
+    def upload(self, blocking: bool = False) -> None:
+        self._dev.copy_(self._host, non_blocking=not blocking)
 
 
 class _EagerReplay:
     """A stand-in for a captured graph (``capture=False``, e.g. on the CPU): ``replay()``
-    reruns the step on the static buffers into the same output tensor, so the tests exercise
-    the real runner's buffer handling and call order without CUDA."""
+    reruns the step on the static buffers into the same output tensor(s), so the tests
+    exercise the real runner's buffer handling and call order without CUDA."""
 
-    def __init__(self, step: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+    def __init__(self, step: Callable[[], object], out: object) -> None:
         self.step, self.out = step, out
 
     def replay(self) -> None:
-        self.out.copy_(self.step())
+        new = self.step()
+        if isinstance(self.out, torch.Tensor):
+            self.out.copy_(new)
+        else:
+            for old, fresh in zip(self.out, new, strict=True):
+                old.copy_(fresh)

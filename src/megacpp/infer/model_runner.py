@@ -13,7 +13,9 @@ pools), block tables (padded with the scratch block) and state slots -- runs
   token is sampled only after a prompt's last chunk.
 * all decoding requests advance together in one [B, 1] forward where every row sits at its
   own position -- through the captured CUDA graphs (:mod:`megacpp.infer.graphs`) on CUDA with
-  ``cuda_graphs``, eagerly otherwise.
+  ``cuda_graphs``, eagerly otherwise. Greedy rows with a pending MTP draft (speculative
+  decoding) run the speculative step instead (:mod:`megacpp.infer.speculative`; captured by
+  :mod:`megacpp.infer.spec_graphs` alongside the decode graphs).
 
 Sampling is per request (its own ``torch.Generator``, one uniform draw per token), batched in
 one pass; greedy is exact argmax. The runner reads the cache manager's pools and geometry

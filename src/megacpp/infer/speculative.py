@@ -24,6 +24,11 @@ the M/R layers advance one token at a time through their decode ``step`` (the ke
 decoding runs, so recurrent numerics match it exactly) and each position's state is kept,
 so a step is one forward however many drafts are rejected.
 
+On CUDA with ``cuda_graphs`` the step (drafts 2 .. k; verify, acceptance, rollback and
+catch-up) replays captured CUDA graphs (:mod:`megacpp.infer.spec_graphs`); elsewhere it runs
+eagerly. Both run the same tensor code (:meth:`SpeculativeDecoder.run_drafts`,
+:meth:`SpeculativeDecoder.verify`: no host syncs) and one host sync per step.
+
 Only greedy requests without logprobs speculate: a sampled request (temperature > 0) decodes
 one token at a time through the plain path, with its usual draws, and so does a request that
 asks for logprobs. Speculation needs an MTP module whose
@@ -52,6 +57,7 @@ from megacpp.model.moe import moe_all_experts
 
 if TYPE_CHECKING:
     from megacpp.infer.model_runner import ModelRunner
+    from megacpp.infer.spec_graphs import SpecGraphs
 
 MAX_SPECULATIVE_TOKENS = 16
 DRAFT_FAMILIES = ("A", "E", "D")  # MTP sublayers whose draft positions can be overwritten
@@ -83,6 +89,21 @@ class Draft:
     position: int  # N: the position of the newest token (not yet in the caches)
     first: int  # d_1, the draft for position N + 1
     hidden: Tensor  # [D] MTP module 1's output (before its norm) that drafted d_1
+
+
+@dataclass
+class StepInputs:
+    """A speculative step's inputs, ``B`` rows verifying ``k`` drafts (device tensors; the
+    captured graphs' static buffers, or the eager step's own)."""
+
+    newest: Tensor  # [B] t_N
+    first: Tensor  # [B] d_1
+    h_prev: Tensor  # [B, 1, D] module 1's output that drafted d_1
+    positions: Tensor  # [B, k + 1] N .. N + k
+    slot_mapping: Tensor  # [B, k + 1] pool row of each position (block * size + offset)
+    tables: Tensor  # [B, W] block tables (scratch block past each row's blocks)
+    state_slots: Tensor  # [B]
+    ngram_context: Tensor | None  # [B, C] tokens before t_N (a hashed n-gram branch)
 
 
 @dataclass
@@ -159,6 +180,7 @@ class SpeculativeDecoder:
         self.drafts: dict[str, Draft] = {}
         self.pending: dict[str, Tensor] = {}  # prefill chunk's main output, until sampled
         self.runner: ModelRunner | None = None
+        self.graphs: SpecGraphs | None = None  # set by the engine on CUDA with cuda_graphs
         self.draft_tokens = self.accepted_tokens = self.steps = 0
 
     # -- who speculates --------------------------------------------------------------------------
@@ -216,47 +238,100 @@ class SpeculativeDecoder:
         return out
 
     def _step(self, rows: list[ScheduledRequest], k: int) -> dict[str, SpecStep]:
-        drafts = self._draft(rows, k)  # [B, k]
-        dev = self.cache.device
-        newest = torch.tensor([r.token_ids[0] for r in rows], device=dev)
-        ids = torch.cat([newest[:, None], drafts], dim=1)  # [B, k + 1]
-        batch = self._batch(rows, [r.start for r in rows], k + 1, main=True)
+        """One speculative step of ``rows`` (each verifying ``k`` drafts): through the
+        captured graphs where :attr:`graphs` is set, else eagerly -- the same tensor code
+        (:meth:`run_drafts`, :meth:`verify`) either way, and one host sync."""
+        pending = [self.drafts.pop(r.request_id) for r in rows]
+        graphs = self.graphs
+        inputs = (self._inputs(rows, pending, k) if graphs is None
+                  else graphs.stage(rows, pending, k))
+        drafts = self._draft(rows, k, inputs)  # [B, k]
+        if graphs is None:
+            packed, final = self.verify(inputs, drafts)
+        else:
+            packed, final = graphs.verify(drafts)
+            final = final.clone()  # a view into the graph's output, rewritten by the next step
+        packed_list = packed.tolist()  # per row: k + 1 following tokens, accepted, next d_1
+        out = {}
+        for i, (r, row) in enumerate(zip(rows, packed_list, strict=True)):
+            a, first = row[k + 1], row[k + 2]
+            out[r.request_id] = SpecStep(tokens=row[: a + 1], num_computed=r.start + a + 1,
+                                         drafted=k, accepted=a)
+            self.drafts[r.request_id] = Draft(r.start + a + 1, first, final[i])
+        self.steps += 1
+        self.draft_tokens += k * len(rows)
+        self.accepted_tokens += sum(step.accepted for step in out.values())
+        return out
+
+    def _draft(self, rows: list[ScheduledRequest], k: int, inputs: StepInputs) -> Tensor:
+        """[B, k] drafts of the step's rows (the captured draft graph, or eagerly)."""
+        if self.graphs is not None:
+            return self.graphs.draft()
+        return self.run_drafts(inputs, k)
+
+    # -- the step's tensor code (captured by SpecGraphs; no host syncs) --------------------------
+    def run_drafts(self, x: StepInputs, k: int) -> Tensor:
+        """[B, k] drafts: each row's pending d_1, then module 1 run recursively at positions
+        N .. N + k - 2 on its own previous output."""
+        token, h_prev = x.first, x.h_prev  # [B], [B, 1, D]
+        drafts = [token]
+        for j in range(1, k):
+            batch = PagedBatch(positions=x.positions[:, j - 1 : j],
+                               slot_mapping=x.slot_mapping[:, j - 1],
+                               block_tables=x.tables, state_slots=x.state_slots)
+            h_prev = self._mtp_forward(h_prev, token[:, None], batch)  # [B, 1, D]
+            token = self._mtp_logits(h_prev[:, 0]).argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def verify(self, x: StepInputs, drafts: Tensor) -> tuple[Tensor, Tensor]:
+        """Verify ``drafts`` [B, k], roll the M/R states back, catch module 1 up over the
+        accepted positions -> (packed [B, k + 3] int64: the token after each position N ..
+        N + k (the accepted drafts, then the model's own token; entries past it unread), the
+        number accepted, and the next step's d_1; module 1's output [B, D] that drafted it)."""
+        k = drafts.shape[1]
+        ids = torch.cat([x.newest[:, None], drafts], dim=1)  # [B, k + 1]
+        batch = PagedBatch(positions=x.positions, slot_mapping=x.slot_mapping.flatten(),
+                           block_tables=x.tables, state_slots=x.state_slots,
+                           ngram_context=x.ngram_context)
         record = _RecordStates()
         hidden = self.model.residual_paged(ids, self.cache.layers, batch, record)  # [B, k+1, D]
         targets = self.model.logits(self.model.norm(hidden)).argmax(-1)  # [B, k + 1]
         matches = (drafts == targets[:, :k]).int()
         accepted = matches.cumprod(dim=1).sum(dim=1)  # [B] leading matches
-        record.restore(batch.state_slots, accepted)
-        bonus = targets.gather(1, accepted[:, None])[:, 0]  # [B]
-        # the token after each position N .. N + k: the drafts, then the bonus (padding after
-        # the accepted ones is never read: the catch-up stops at each row's last accepted)
-        following = torch.cat([drafts, bonus[:, None]], dim=1)
-        following.scatter_(1, accepted[:, None], bonus[:, None])
-        accepted_list, following_list = accepted.tolist(), following.tolist()
-        self._catch_up(rows, hidden, following_list, accepted, done=[True] * len(rows))
-        out = {}
-        for r, a, after in zip(rows, accepted_list, following_list, strict=True):
-            out[r.request_id] = SpecStep(tokens=after[: a + 1], num_computed=r.start + a + 1,
-                                         drafted=k, accepted=a)
-        self.steps += 1
-        self.draft_tokens += k * len(rows)
-        self.accepted_tokens += sum(accepted_list)
-        return out
+        record.restore(x.state_slots, accepted)
+        bonus = targets.gather(1, accepted[:, None])  # [B, 1]
+        following = torch.cat([drafts, bonus], dim=1)  # [B, k + 1]
+        following.scatter_(1, accepted[:, None], bonus)
+        # module 1 over positions N .. N + a; its writes past N + a go to the scratch block
+        past = torch.arange(k + 1, device=ids.device)[None, :] > accepted[:, None]
+        bs = self.cache.block_size
+        catch_up = PagedBatch(positions=x.positions,
+                              slot_mapping=x.slot_mapping.masked_fill(
+                                  past, self.cache.null_block * bs).flatten(),
+                              block_tables=x.tables, state_slots=x.state_slots)
+        out = self._mtp_forward(hidden, following, catch_up)  # [B, k + 1, D]
+        final = out[torch.arange(out.shape[0], device=out.device), accepted]  # [B, D]
+        first = self._mtp_logits(final).argmax(-1)  # [B]
+        packed = torch.cat([following, accepted[:, None], first[:, None]], dim=1)
+        return packed.long(), final
 
-    def _draft(self, rows: list[ScheduledRequest], k: int) -> Tensor:
-        """[B, k] drafts: each row's pending d_1, then module 1 run recursively."""
-        dev = self.cache.device
-        pending = [self.drafts.pop(r.request_id) for r in rows]
-        token = torch.tensor([d.first for d in pending], device=dev)  # [B]
-        h_prev = torch.stack([d.hidden for d in pending])[:, None]  # [B, 1, D]
-        drafts = [token]
-        for j in range(1, k):
-            positions = [r.start + j - 1 for r in rows]
-            batch = self._batch(rows, positions, 1, main=False)
-            h_prev = self._mtp_forward(h_prev, token[:, None], batch)  # [B, 1, D]
-            token = self._mtp_logits(h_prev[:, 0]).argmax(-1)
-            drafts.append(token)
-        return torch.stack(drafts, dim=1)
+    def _inputs(self, rows: list[ScheduledRequest], pending: list[Draft], k: int) -> StepInputs:
+        """The eager step's inputs: positions N .. N + k of each row."""
+        dev, bs = self.cache.device, self.cache.block_size
+        starts = torch.tensor([r.start for r in rows], device=dev)
+        positions = starts[:, None] + torch.arange(k + 1, device=dev)  # [B, k + 1]
+        tables = self.runner._block_tables(rows, max(r.start for r in rows) + k + 1)  # [B, W]
+        return StepInputs(
+            newest=torch.tensor([r.token_ids[0] for r in rows], device=dev),
+            first=torch.tensor([d.first for d in pending], device=dev),
+            h_prev=torch.stack([d.hidden for d in pending])[:, None],
+            positions=positions,
+            slot_mapping=tables.gather(1, positions // bs) * bs + positions % bs,
+            tables=tables,
+            state_slots=torch.tensor([r.state_slot for r in rows], device=dev),
+            ngram_context=self.runner._ngram_context(rows),
+        )
 
     # -- MTP module 1 ----------------------------------------------------------------------------
     def _catch_up(self, rows: list[ScheduledRequest], hidden: Tensor, following: list[list[int]],
@@ -267,7 +342,7 @@ class SpeculativeDecoder:
         dev = self.cache.device
         L = hidden.shape[1]
         tokens = torch.tensor([(f + [0] * L)[:L] for f in following], device=dev)  # [B, L]
-        batch = self._batch(rows, [r.start for r in rows], L, main=False, last=last)
+        batch = self._batch(rows, [r.start for r in rows], L, last=last)
         out = self._mtp_forward(hidden, tokens, batch)  # [B, L, D]
         rows_idx = torch.arange(len(rows), device=dev)
         final = out[rows_idx, last]  # [B, D]
@@ -292,8 +367,8 @@ class SpeculativeDecoder:
         return self.model.logits(self.mtp.norm(h))
 
     # -- batches ---------------------------------------------------------------------------------
-    def _batch(self, rows: list[ScheduledRequest], starts: list[int], n_tokens: int, *,
-               main: bool, last: Tensor | None = None) -> PagedBatch:
+    def _batch(self, rows: list[ScheduledRequest], starts: list[int], n_tokens: int,
+               last: Tensor) -> PagedBatch:
         """Positions ``start .. start + n_tokens - 1`` of each row. Past ``last`` [B] (the
         catch-up's padding) entries go to the scratch block."""
         dev, bs = self.cache.device, self.cache.block_size
@@ -301,15 +376,11 @@ class SpeculativeDecoder:
         positions = positions.clamp(max=self.max_model_len - 1)  # padding never reaches past
         tables = self.runner._block_tables(rows, int(positions.max()) + 1)  # [B, W]
         slot_mapping = tables.gather(1, positions // bs) * bs + positions % bs  # [B, L]
-        if last is not None:
-            pad = torch.arange(n_tokens, device=dev)[None, :] > last[:, None]
-            slot_mapping = slot_mapping.masked_fill(pad, self.cache.null_block * bs)
-        batch = PagedBatch(
+        pad = torch.arange(n_tokens, device=dev)[None, :] > last[:, None]
+        slot_mapping = slot_mapping.masked_fill(pad, self.cache.null_block * bs)
+        return PagedBatch(
             positions=positions,
             slot_mapping=slot_mapping.flatten(),
             block_tables=tables,
             state_slots=torch.tensor([r.state_slot for r in rows], device=dev),
         )
-        if main:
-            batch.ngram_context = self.runner._ngram_context(rows)
-        return batch
