@@ -1,0 +1,227 @@
+"""The fused Mamba-3 decode step (``mamba3_step``) against its reference, and the reference
+against the mixer's own paged decode path.
+
+CPU: the reference equals ``RecurrentMixer.forward_paged`` (gather, ``step``, scatter) through
+the mixer's ``_fused_step`` glue; bad shapes name the tensor. Interpreter: the Triton kernel
+equals the reference in float32 / float64 over several shapes (nam56r-350m's included), slots
+out of order, padding rows sharing a scratch slot, several steps in a row. GPU: bf16 at
+nam56r-350m's shapes, and the kernel captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacpp.kernels.ops.mamba3_step.reference import mamba3_step_reference
+from megacpp.kernels.ops.mamba3_step.spec import SURFACE
+from megacpp.model.cache import PagedBatch, PagedView
+from megacpp.model.mamba3 import Mamba3Mixer
+from megacpp.model.mixer import RecurrentMixer
+from tests.kernels.interpreter import run_interpreter_check
+
+STATE = ("angle", "ssm", "k", "v")
+# (batch, pool slots, heads, headdim, d_state, groups, rotated pairs, output norm)
+SHAPES = {
+    "check": (5, 9, 4, 64, 64, 2, 16, 1),
+    "nam56r-350m": (3, 7, 24, 64, 64, 1, 16, 1),
+    "odd": (4, 6, 6, 24, 40, 3, 3, 0),  # P, N not powers of two, an odd R, no output norm
+}
+
+
+def make_inputs(shape: str, dtype: torch.dtype, device="cpu", seed=0) -> dict:
+    batch, pool, heads, headdim, d_state, groups, angles, norm = SHAPES[shape]
+    case = {"batch": batch, "pool": pool, "heads": heads, "headdim": headdim,
+            "d_state": d_state, "groups": groups, "angles": angles, "norm": norm}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inputs = SURFACE.make_inputs(case, dtype, device, gen)
+    if dtype == torch.float64:  # a float64 model keeps a float64 state pool
+        inputs.update({name: inputs[name].double() for name in STATE})
+    return inputs
+
+
+def clone(inputs: dict) -> dict:
+    return {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if not torch.isfinite(actual).all():
+        return float("nan")
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def errors(step, inputs: dict, steps: int = 1, padding: int = 0) -> dict[str, float]:
+    """Relative errors of ``step`` against the reference over ``steps`` decode steps (fresh
+    in_proj outputs each step), on the real rows and their slots. ``padding`` extra rows at
+    the end share one scratch slot outside the real rows' slots (as the engine pads)."""
+    ours, ref = clone(inputs), clone(inputs)
+    real = inputs["slots"]
+    slots = torch.cat([real, torch.full((padding,), int(real.max()) + 1,
+                                        dtype=real.dtype, device=real.device)])
+    for state in (ours, ref):
+        for name in STATE:  # one more pool row for the scratch slot
+            state[name] = torch.cat([state[name], state[name][:1]])
+        state["slots"] = slots
+    gen = torch.Generator(device=real.device).manual_seed(7)
+    out = {}
+    for t in range(steps):
+        proj = torch.randn(len(slots), inputs["proj"].shape[1], generator=gen,
+                           device=real.device).to(inputs["proj"].dtype)
+        ours["proj"], ref["proj"] = proj, proj.clone()
+        y, y_ref = step(**ours)[: len(real)], mamba3_step_reference(**ref)[: len(real)]
+        assert y.dtype == y_ref.dtype == proj.dtype and y.shape == y_ref.shape
+        out[f"y{t}"] = rel(y, y_ref)
+    rows = real.long()
+    for name in STATE:
+        out[name] = rel(ours[name][rows], ref[name][rows])
+    return out
+
+
+# --- CPU: the reference is the mixer's decode path ------------------------------------------
+
+def _paged(slots: torch.Tensor) -> PagedBatch:
+    n = len(slots)
+    zeros = torch.zeros(n, 1, dtype=torch.long)
+    return PagedBatch(positions=zeros, slot_mapping=zeros.flatten(), block_tables=zeros,
+                      state_slots=slots)
+
+
+@pytest.mark.parametrize("outproj_norm", [True, False])
+def test_reference_is_the_mixers_paged_decode_step(outproj_norm):
+    """_fused_step(reference) == RecurrentMixer.forward_paged (gather, step, scatter) in
+    float64 over three steps, rows in slots out of order, ngroups 2."""
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(d_model=32, d_state=16, headdim=8, expand=2, ngroups=2,
+                        outproj_norm=outproj_norm, init_std=0.2).double()
+    with torch.no_grad():  # parameters off their init values, so each one is exercised
+        for p in mixer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    pool = mixer.init_cache(6, dtype=torch.float64)
+    for t in pool.tensors():
+        t.normal_()
+    pool.angle.uniform_(0, 6.28)
+    theirs = type(pool)(*(t.clone() for t in pool.tensors()))
+    slots = torch.tensor([4, 0, 2])
+    for step in range(3):
+        x = torch.randn(3, 1, 32, dtype=torch.float64)
+        view = PagedView(pool, _paged(slots))
+        ours = mixer._fused_step(mamba3_step_reference, x, pool, slots)
+        expected = RecurrentMixer.forward_paged(mixer, x, PagedView(theirs, view.batch))
+        torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12, msg=f"step {step}")
+        for name, a, b in zip(STATE, pool.tensors(), theirs.tensors(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_bad_shapes_name_the_tensor():
+    inputs = make_inputs("check", torch.float32)
+    inputs["B_bias"] = inputs["B_bias"][:, :-1]
+    with pytest.raises(ValueError, match="B_bias has shape"):
+        mamba3_step_reference(**inputs)
+    inputs = make_inputs("check", torch.float32)
+    inputs["proj"] = inputs["proj"][:, :-1]
+    with pytest.raises(ValueError, match="proj has shape"):
+        mamba3_step_reference(**inputs)
+
+
+def test_catalog_row_is_forward_only_with_reference_fallback():
+    from megacpp.kernels.registry import default_catalog
+
+    catalog = default_catalog()
+    assert catalog.surface("mamba3_step").grad_args == ()
+    assert catalog.of("mamba3_step", "fallback")[0].fn is mamba3_step_reference
+    chosen = catalog.backend("mamba3_step", "triton_fused")
+    assert chosen.role == "chosen" and chosen.requirements.devices == ("cuda",)
+    assert chosen.requirements.min_capability == (8, 0)
+
+
+# --- the Triton kernel under the CPU interpreter --------------------------------------------
+
+def interpreter_check() -> dict:
+    """Run in a fresh process with TRITON_INTERPRET=1; raises on a tolerance miss."""
+    from megacpp.kernels.ops.mamba3_step.triton import mamba3_step_triton
+
+    results = {}
+    for dtype, tol in ((torch.float32, 2e-6), (torch.float64, 1e-12)):
+        for shape in SHAPES:
+            steps = 2 if shape == "check" else 1
+            padding = 2 if shape == "check" else 0
+            errs = errors(mamba3_step_triton, make_inputs(shape, dtype), steps, padding)
+            results[f"{shape}/{dtype}"] = errs
+            assert all(e <= tol for e in errs.values()), (shape, dtype, errs)
+    results["mixer"] = _mixer_check(mamba3_step_triton)
+    return results
+
+
+def _mixer_check(kernel) -> float:
+    """The mixer's fused step through the kernel == its reference decode path (float32)."""
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(d_model=64, d_state=32, headdim=16, expand=2, ngroups=2,
+                        init_std=0.2).float()
+    pool = mixer.init_cache(4)
+    for t in pool.tensors():
+        t.normal_()
+    theirs = type(pool)(*(t.clone() for t in pool.tensors()))
+    slots = torch.tensor([3, 1])
+    x = torch.randn(2, 1, 64)
+    ours = mixer._fused_step(kernel, x, pool, slots)
+    expected = RecurrentMixer.forward_paged(mixer, x, PagedView(theirs, _paged(slots)))
+    err = rel(ours, expected)
+    assert err < 1e-5, err
+    for name, a, b in zip(STATE, pool.tensors(), theirs.tensors(), strict=True):
+        assert rel(a, b) < 1e-5, name
+    return err
+
+
+def test_triton_step_under_the_interpreter():
+    run_interpreter_check(__file__, "interpreter_check")
+
+
+# --- GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_bf16_at_nam56r_shapes(batch):
+    """bf16 in_proj output and parameters, float32 state: the kernel against the float64
+    reference of the same inputs, no further from it than the bf16 reference is."""
+    from megacpp.kernels.ops.mamba3_step.triton import mamba3_step_triton
+
+    case = {**SURFACE.cases["nam56r_b1"], "batch": batch, "pool": batch + 3}
+    inputs = SURFACE.make_inputs(case, torch.bfloat16, "cuda",
+                                 torch.Generator(device="cuda").manual_seed(0))
+    exact = {n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+             for n, t in clone(inputs).items()}
+    bf16_ref = clone(inputs)
+    y = mamba3_step_triton(**inputs)
+    y_exact = mamba3_step_reference(**exact)
+    y_ref = mamba3_step_reference(**bf16_ref)
+    assert rel(y, y_exact) <= 2 * rel(y_ref, y_exact) + 1e-3, (rel(y, y_exact),
+                                                               rel(y_ref, y_exact))
+    assert rel(y, y_ref) < 2e-2
+    rows = inputs["slots"]
+    for name in STATE:
+        assert rel(inputs[name][rows], bf16_ref[name][rows]) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_kernel_replays_in_a_cuda_graph():
+    """Captured once, replayed on new in_proj outputs: equals the eager reference (float32)."""
+    from megacpp.kernels.ops.mamba3_step.triton import mamba3_step_triton
+
+    inputs = make_inputs("nam56r-350m", torch.float32, "cuda")
+    ref = clone(inputs)
+    mamba3_step_triton(**clone(inputs))  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mamba3_step_triton(**inputs)
+    for name in STATE:  # the capture did not run the step: restore nothing, compare from here
+        ref[name].copy_(inputs[name])
+    for t in range(3):
+        proj = torch.randn_like(inputs["proj"])
+        inputs["proj"].copy_(proj)
+        ref["proj"] = proj
+        graph.replay()
+        y_ref = mamba3_step_reference(**ref)
+        assert rel(y, y_ref) < 1e-5, t
+    for name in STATE:
+        assert rel(inputs[name], ref[name]) < 1e-5, name
