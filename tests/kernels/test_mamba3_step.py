@@ -113,6 +113,28 @@ def test_reference_is_the_mixers_paged_decode_step(outproj_norm):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
 
+def test_compiled_decode_runs_the_reference_step_without_asking_the_catalog():
+    """Under torch.compile (the engine's compile_decode: fullgraph) the mixer does not resolve
+    ``mamba3_step`` (a first selection is a graph break there) and runs the reference step."""
+    from megacpp.kernels.runtime import chosen_kernels, clear_resolutions
+
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(d_model=32, d_state=16, headdim=8).eval()
+    pool = mixer.init_cache(3)
+    batch = _paged(torch.tensor([2, 0]))
+    clear_resolutions()
+    with torch.no_grad():
+        mixer(torch.randn(1, 3, 32))  # the eager forward's own selections (norms, scan)
+        step = torch.compile(lambda x: mixer.forward_paged(x, PagedView(pool, batch)),
+                             fullgraph=True, backend="eager")
+        x = torch.randn(2, 1, 32)
+        theirs = type(pool)(*(t.clone() for t in pool.tensors()))
+        out = step(x)
+    assert "mamba3_step" not in chosen_kernels()
+    expected = RecurrentMixer.forward_paged(mixer, x, PagedView(theirs, batch))
+    torch.testing.assert_close(out, expected)
+
+
 def test_bad_shapes_name_the_tensor():
     inputs = make_inputs("check", torch.float32)
     inputs["B_bias"] = inputs["B_bias"][:, :-1]
@@ -150,7 +172,44 @@ def interpreter_check() -> dict:
             results[f"{shape}/{dtype}"] = errs
             assert all(e <= tol for e in errs.values()), (shape, dtype, errs)
     results["mixer"] = _mixer_check(mamba3_step_triton)
+    results["generate_greedy"] = _generate_check()
     return results
+
+
+def _generate_check() -> int:
+    """The tiny model's greedy decode (LockstepCache: the engine's paged mixer code) with the
+    catalog's triton_fused row routed in by the mixer's hook == with the reference path; the
+    hook ran once per decode step and M layer."""
+    import dataclasses
+
+    from megacpp.kernels.registry import default_catalog
+    from megacpp.model import mamba3
+    from megacpp.model.config import load_config
+    from megacpp.model.model import HybridLM
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(load_config("tiny"), vocab_size=256, init_std=0.3)
+    model = HybridLM(cfg).float().eval()
+    prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    expected = model.generate_greedy(prompt, 6)
+    fused = default_catalog().backend("mamba3_step", "triton_fused")
+    calls = []
+
+    def resolve(surface, like):
+        if surface != "mamba3_step":
+            return mamba3_resolve(surface, like)
+        calls.append(like.shape)
+        return fused
+
+    mamba3_resolve, mamba3.resolve = mamba3.resolve, resolve
+    try:
+        got = model.generate_greedy(prompt, 6)
+    finally:
+        mamba3.resolve = mamba3_resolve
+    m_layers = cfg.pattern.count("M")
+    assert len(calls) == 5 * m_layers and all(s == (2, 1, cfg.d_model) for s in calls), calls
+    assert torch.equal(got, expected), (got, expected)
+    return len(calls)
 
 
 def _mixer_check(kernel) -> float:

@@ -235,10 +235,13 @@ class Mamba3Mixer(RecurrentMixer):
     ) -> Tensor:
         """:meth:`RecurrentMixer.forward_paged`; a decode step (one token per row, no reset)
         whose catalog backend for ``mamba3_step`` is not the reference runs in_proj as one
-        GEMM, that backend on the pool rows in place (no gather / scatter) and out_proj."""
+        GEMM, that backend on the pool rows in place (no gather / scatter) and out_proj.
+        Under torch.compile (``compile_decode``) the reference step runs, for inductor to fuse:
+        a catalog backend is a graph break, which the decode layers' fullgraph compile
+        refuses."""
         batch = cache.batch
         decode = x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh
-        if decode and self.STEP_SURFACE is not None:
+        if decode and self.STEP_SURFACE is not None and not torch.compiler.is_compiling():
             backend = resolve(self.STEP_SURFACE, x)
             if backend.role != "fallback":
                 return self._fused_step(backend.fn, x, cache.pool, batch.state_slots)
