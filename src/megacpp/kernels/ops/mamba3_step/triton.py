@@ -24,6 +24,8 @@ from torch import Tensor
 
 from megacpp.errors import MegaCppError
 from megacpp.kernels.device import next_power_of_2
+from megacpp.kernels.launch import for_device
+from megacpp.kernels.ops.mamba3_step.configs import CONFIGS, StepConfig
 from megacpp.kernels.ops.mamba3_step.reference import check_step_inputs
 
 
@@ -146,11 +148,12 @@ def mamba3_step_triton(
     proj: Tensor, angle: Tensor, ssm: Tensor, k: Tensor, v: Tensor, slots: Tensor,
     dt_bias: Tensor, B_norm_weight: Tensor, C_norm_weight: Tensor, B_bias: Tensor,
     C_bias: Tensor, D: Tensor, norm_weight: Tensor | None = None, *, ngroups: int = 1,
-    A_floor: float = 1e-4, eps: float = 1e-5,
+    A_floor: float = 1e-4, eps: float = 1e-5, config: StepConfig | None = None,
 ) -> Tensor:
     """:func:`~megacpp.kernels.ops.mamba3_step.reference.mamba3_step_reference` in one launch
     (same arguments and result; the pool rows ``slots`` are updated in place). Needs the
-    state tensors and parameters contiguous and the rows of ``proj`` unit-stride."""
+    state tensors and parameters contiguous and the rows of ``proj`` unit-stride. ``config``:
+    the launch settings (default: ``configs.CONFIGS`` for proj's device)."""
     check_step_inputs(proj, angle, ssm, k, v, slots, dt_bias, B_norm_weight, C_norm_weight,
                       B_bias, C_bias, D, norm_weight, ngroups)
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, norm_weight)
@@ -169,6 +172,7 @@ def mamba3_step_triton(
     y = torch.empty(batch, nheads * headdim, device=proj.device, dtype=proj.dtype)
     if batch == 0:
         return y
+    config = config or for_device(CONFIGS, proj.device)
     compute = tl.float64 if proj.dtype == torch.float64 else tl.float32
     block_p, block_n = next_power_of_2(headdim), next_power_of_2(d_state)
     _mamba3_step_kernel[(nheads, batch)](
@@ -177,6 +181,7 @@ def mamba3_step_triton(
         proj.stride(0), y.stride(0), angle.stride(0), ssm.stride(0), k.stride(0), v.stride(0),
         nheads, ngroups, headdim, d_state, angle.shape[-1], A_floor, eps,
         BP=block_p, BN=block_n, HAS_NORM=norm_weight is not None, CDT=compute,
-        num_warps=4 if block_p * block_n >= 4096 else 2,
+        num_warps=(config.num_warps if block_p * block_n >= config.large_tile
+                   else config.num_warps_small),
     )
     return y
