@@ -282,3 +282,35 @@ def test_kernel_replays_in_a_cuda_graph():
         assert rel(y, y_ref) < 1e-5, t
     for name in STATE:
         assert rel(inputs[name], ref[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize(("proj", "state"), [("bf16", "fp32"), ("fp32", "fp32"),
+                                             ("fp64", "fp64")])
+def test_step_kernel_compiles_for_hopper_without_spills(proj, state):
+    """The kernel at nam56r-350m's shape (P = N = 64, 24 heads, 16 pairs) compiles for sm_90
+    with Triton's own compiler and ptxas (no GPU needed) at the shipped warps and spills no
+    registers. The divisibility hints are the launch's: every pointer, and the sizes and
+    strides that are multiples of 16 at that shape (not proj's row stride, 3288)."""
+    import triton.language as tl
+
+    from megacpp.kernels.ops.mamba3_step import triton as step
+    from megacpp.kernels.ops.mamba3_step.configs import CONFIGS
+    from tests.kernels.test_triton_compile import _compile, _ptxas_spills
+
+    tl_dtype = {"bf16": tl.bfloat16, "fp32": tl.float32, "fp64": tl.float64}
+    pointers = {"PROJ": proj, "ANGLE": state, "SSM": state, "KS": state, "VS": state,
+                "SLOTS": "i64", "DT_BIAS": proj, "BW": proj, "CW": proj, "BB": proj,
+                "CB": proj, "DSKIP": proj, "NW": proj, "Y": proj}
+    signature = {name: f"*{t}" for name, t in pointers.items()}
+    signature.update({name: "i32" for name in ("stride_proj", "stride_y", "s_angle", "s_ssm",
+                                               "s_k", "s_v", "H", "G", "P", "N", "R")})
+    signature.update({"A_floor": "fp32", "eps": "fp32"})
+    constexprs = {"BP": 64, "BN": 64, "HAS_NORM": True,
+                  "CDT": tl.float64 if proj == "fp64" else tl.float32,
+                  "IN_DT": tl_dtype[proj], "ST_DT": tl_dtype[state]}
+    signature.update({name: "constexpr" for name in constexprs})
+    div16 = (*pointers, "stride_y", "s_angle", "s_ssm", "s_k", "s_v", "P", "N", "R")
+    warps = step._warps(CONFIGS["default"], 64 * 64, proj == "fp64")
+    kernel = _compile(step._mamba3_step_kernel, signature, constexprs, div16, num_warps=warps)
+    regs, spills = _ptxas_spills(kernel)
+    assert spills == 0, (regs, spills)

@@ -17,6 +17,8 @@ the launch can be captured in a CUDA graph. Forward only: decode is inference.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,9 @@ from megacpp.kernels.device import next_power_of_2
 from megacpp.kernels.launch import for_device
 from megacpp.kernels.ops.mamba3_step.configs import CONFIGS, StepConfig
 from megacpp.kernels.ops.mamba3_step.reference import check_step_inputs
+
+_TL_DTYPES = MappingProxyType({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+                               torch.float16: tl.float16, torch.float64: tl.float64})
 
 
 @triton.jit
@@ -75,11 +80,12 @@ def _mamba3_step_kernel(
     stride_proj, stride_y, s_angle, s_ssm, s_k, s_v,
     H, G, P, N, R, A_floor, eps,
     BP: tl.constexpr, BN: tl.constexpr, HAS_NORM: tl.constexpr, CDT: tl.constexpr,
+    IN_DT: tl.constexpr, ST_DT: tl.constexpr,
 ):
+    """One program per (head h, row b); CDT the compute dtype, IN_DT proj's, ST_DT the
+    state's."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    IN_DT: tl.constexpr = PROJ.dtype.element_ty
-    ST_DT: tl.constexpr = SSM.dtype.element_ty
     slot = tl.load(SLOTS + b).to(tl.int64)
     g = h // (H // G)
     d_inner = H * P
@@ -144,6 +150,12 @@ def _mamba3_step_kernel(
     tl.store(angle_row + offs_n // 2, theta.to(ST_DT), mask=rot & (offs_n % 2 == 0))
 
 
+def _warps(config: StepConfig, tile: int, f64: bool) -> int:
+    if f64:
+        return config.num_warps_f64
+    return config.num_warps if tile >= config.large_tile else config.num_warps_small
+
+
 def mamba3_step_triton(
     proj: Tensor, angle: Tensor, ssm: Tensor, k: Tensor, v: Tensor, slots: Tensor,
     dt_bias: Tensor, B_norm_weight: Tensor, C_norm_weight: Tensor, B_bias: Tensor,
@@ -164,6 +176,9 @@ def mamba3_step_triton(
             raise MegaCppError(f"mamba3_step triton: {name} must be contiguous")
     if proj.stride(-1) != 1:
         raise MegaCppError("mamba3_step triton: proj's rows must be unit-stride")
+    if proj.dtype not in _TL_DTYPES:
+        raise MegaCppError(f"mamba3_step triton: proj must be one of "
+                           f"{sorted(str(d) for d in _TL_DTYPES)}, got {proj.dtype}")
     if ssm.dtype not in (torch.float32, torch.float64):
         raise MegaCppError(f"mamba3_step triton: the state must be float32 or float64, got "
                            f"{ssm.dtype}")
@@ -181,7 +196,7 @@ def mamba3_step_triton(
         proj.stride(0), y.stride(0), angle.stride(0), ssm.stride(0), k.stride(0), v.stride(0),
         nheads, ngroups, headdim, d_state, angle.shape[-1], A_floor, eps,
         BP=block_p, BN=block_n, HAS_NORM=norm_weight is not None, CDT=compute,
-        num_warps=(config.num_warps if block_p * block_n >= config.large_tile
-                   else config.num_warps_small),
+        IN_DT=_TL_DTYPES[proj.dtype], ST_DT=_TL_DTYPES[ssm.dtype],
+        num_warps=_warps(config, block_p * block_n, proj.dtype == torch.float64),
     )
     return y
