@@ -61,6 +61,10 @@ BENCH = {  # surface -> (cases, backends in table order)
     # Mamba-3 MIMO, rank 4, chunk 16 (mamba_ssm's tuned MIMO shape): ours (the intra-chunk
     # form in Triton, the rest PyTorch) against mamba_ssm's TileLang op
     "mamba3_mimo_scan": (["seq4096"], ["triton_intra", "mamba_ssm", "reference"]),
+    # one Mamba-3 SISO decode step between in_proj and out_proj at nam56r-350m's M layers (24
+    # heads x 64, d_state 64, 16 rotated pairs), batch 1 and 64; forward only (decode):
+    # the fused kernel against the mixer's decode path (gather, ~100 small ops, scatter)
+    "mamba3_step": (["nam56r_b1", "nam56r_b64"], ["triton_fused", "reference"]),
     # Newton-Schulz's polynomial at nam56r-350m's Muon batches; forward only (no autograd).
     # FLOPs count A A whole (2 m^3 a matrix): the symmetric kernel's rate is an effective one
     "muon_polynomial": (["nam56r_moe_in", "nam56r_moe_out", "nam56r_dense"],

@@ -20,6 +20,7 @@ SURFACES = (
     "document_attention",
     "sparse_attention",
     "mamba3_scan",
+    "mamba3_step",
     "mamba3_mimo_scan",
     "short_conv",
     "gated_delta",

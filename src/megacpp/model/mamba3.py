@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from megacpp.model.mixer import RecurrentMixer
 from megacpp.model.norm import RMSNorm
 
 if TYPE_CHECKING:
+    from megacpp.model.cache import PagedView
     from megacpp.model.config import ModelConfig
 
 _CACHE_DTYPES = (torch.float32, torch.float64)
@@ -174,6 +175,10 @@ class Mamba3Mixer(RecurrentMixer):
     # three [T, d_model] products: 0.47 ms of the nam56r-350m step on an H100, 14 layers)
     INPUT_FANOUT = 3
 
+    #: The catalog surface of the fused paged decode step (None: the reference's
+    #: gather / :meth:`step` / scatter always)
+    STEP_SURFACE: ClassVar[str | None] = "mamba3_step"
+
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
         cache: Mamba3ScanState | None = None, fresh: bool = False,
@@ -224,6 +229,33 @@ class Mamba3Mixer(RecurrentMixer):
         y, final = self._recurrent_scan(**self._scan_inputs(x), initial_state=cache)
         cache.update_(final)
         return self._output(y)
+
+    def forward_paged(
+        self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
+    ) -> Tensor:
+        """:meth:`RecurrentMixer.forward_paged`; a decode step (one token per row, no reset)
+        whose catalog backend for ``mamba3_step`` is not the reference runs in_proj as one
+        GEMM, that backend on the pool rows in place (no gather / scatter) and out_proj.
+        Under torch.compile (``compile_decode``) the reference step runs, for inductor to fuse:
+        a catalog backend is a graph break, which the decode layers' fullgraph compile
+        refuses."""
+        batch = cache.batch
+        decode = x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh
+        if decode and self.STEP_SURFACE is not None and not torch.compiler.is_compiling():
+            backend = resolve(self.STEP_SURFACE, x)
+            if backend.role != "fallback":
+                return self._fused_step(backend.fn, x, cache.pool, batch.state_slots)
+        return super().forward_paged(x, cache, again)
+
+    def _fused_step(self, step: Callable[..., Tensor], x: Tensor, pool: Mamba3ScanState,
+                    slots: Tensor) -> Tensor:
+        """x [B, 1, d_model] -> [B, 1, d_model] through ``step`` (a ``mamba3_step`` backend),
+        advancing pool rows ``slots``."""
+        proj = linear_rows(self.in_proj, x[:, 0], 0)  # [B, sum(_split)]
+        y = step(proj, *pool.tensors(), slots, self.dt_bias, self.B_norm.weight,
+                 self.C_norm.weight, self.B_bias, self.C_bias, self.D, self.norm_weight,
+                 ngroups=self.ngroups, A_floor=self.A_floor, eps=self.norm_eps)  # [B, H*P]
+        return self.out_proj(y[:, None])
 
     def _output(self, y: Tensor) -> Tensor:
         """out_proj of the gated scan output y [B, L, H, P], with ``outproj_norm`` first

@@ -40,6 +40,8 @@ class Mamba3MimoMixer(Mamba3Mixer):
     ``mimo_rank`` (R >= 1, the rank of each token's state update). ``chunk_size`` counts
     tokens: a chunk's score tile is (chunk_size * R)^2 (the config's ``mimo_chunk_size``)."""
 
+    STEP_SURFACE = None  # no fused MIMO decode step: the paged step gathers, steps, scatters
+
     def __init__(self, d_model: int, *, mimo_rank: int = 4, d_state: int = 128, **kwargs) -> None:
         if not (isinstance(mimo_rank, int) and mimo_rank >= 1):
             raise ConfigError(f"Mamba3MimoMixer: mimo_rank must be a positive int, got "
