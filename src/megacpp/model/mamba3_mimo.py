@@ -28,6 +28,7 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
     zero_mimo_state,
 )
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
+from megacpp.kernels.recompute import recompute_in_backward
 from megacpp.kernels.runtime import resolve
 from megacpp.model.mamba3 import _CACHE_DTYPES, Mamba3Mixer, _Gates
 
@@ -105,13 +106,19 @@ class Mamba3MimoMixer(Mamba3Mixer):
     def _output(self, y: Tensor) -> Tensor:
         """out_proj of the scan output: with ``outproj_norm`` y is the R gated outputs
         [B, L, R, H, P], each RMS-normed per head and scaled by ``norm_weight`` (float32 math),
-        then summed with ``mimo_o``; without it the scan already summed them ([B, L, H, P])."""
+        then summed with ``mimo_o``; without it the scan already summed them ([B, L, H, P]).
+        The norm and sum keep only y for backward and recompute the rest there (three
+        float32 [B, L, R, H, P] tensors otherwise)."""
         if self.outproj_norm:
-            f32 = torch.promote_types(y.dtype, torch.float32)
-            weight = self.norm_weight.to(f32).view(self.nheads, self.headdim)
-            normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
-            y = (normed * self.mimo_o.to(f32).transpose(0, 1)).sum(2).to(y.dtype)
+            (y,) = recompute_in_backward(self._norm_and_sum, y, self.norm_weight, self.mimo_o)
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
+
+    def _norm_and_sum(self, y: Tensor, norm_weight: Tensor, mimo_o: Tensor) -> tuple[Tensor]:
+        """y [B, L, R, H, P] -> (sum_r mimo_o_r * RMSNorm_P(y_r) * norm_weight,) [B, L, H, P]."""
+        f32 = torch.promote_types(y.dtype, torch.float32)
+        weight = norm_weight.to(f32).view(self.nheads, self.headdim)
+        normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
+        return ((normed * mimo_o.to(f32).transpose(0, 1)).sum(2).to(y.dtype),)
 
     def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
         """Project x [B, L, d_model] (and its copies ``again``) into the MIMO scan's keyword
