@@ -11,22 +11,30 @@ keeps for backward, on any device.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
+from megacpp._compile import disable
+
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+_replay = threading.local()  # .active: a backward is re-running some fn on this thread
 
 
+@disable
 def recompute_in_backward(fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor | None
                           ) -> tuple[Tensor, ...]:
     """``fn(*inputs)`` (a tuple of tensors; ``inputs`` are tensors or None), keeping only
-    ``inputs`` for backward. Without grad mode or an input that needs a gradient this is a
-    plain call. ``fn`` must be deterministic: backward differentiates a second run of it."""
+    ``inputs`` for backward. A plain call without grad mode, without an input that needs a
+    gradient, or inside another recomputation's re-run (that one already keeps only its own
+    inputs; nesting would recompute ``fn`` twice). ``fn`` must be deterministic: backward
+    differentiates a second run of it. Opaque to torch.compile (a graph break; the backward
+    calls ``torch.autograd.grad``, which dynamo does not trace)."""
     needs_grad = any(t is not None and t.requires_grad for t in inputs)
-    if not (torch.is_grad_enabled() and needs_grad):
+    if not (torch.is_grad_enabled() and needs_grad) or getattr(_replay, "active", False):
         return fn(*inputs)
     return _Recompute.apply(fn, *inputs)
 
@@ -46,8 +54,12 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         inputs = [None if t is None else t.detach().requires_grad_(needs)
                   for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[1:], strict=True)]
-        with torch.enable_grad(), _autocast(ctx.autocast):
-            outputs = ctx.fn(*inputs)
+        _replay.active = True
+        try:
+            with torch.enable_grad(), _autocast(ctx.autocast):
+                outputs = ctx.fn(*inputs)
+        finally:
+            _replay.active = False
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True)
                  if g is not None and o.requires_grad]
         wanted = [t for t in inputs if t is not None and t.requires_grad]

@@ -12,6 +12,7 @@ comes after the gate, as in the SISO mixer. Equations: docs/mamba3.md, "MIMO".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -95,8 +96,38 @@ class Mamba3MimoMixer(Mamba3Mixer):
         self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool
     ) -> tuple[Callable[..., tuple[Tensor, Mamba3ScanState | None]], Mamba3ScanState | None]:
         """The catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
-        continue from a cache (a prefill); ``fresh`` starts from the empty state unread."""
-        return resolve("mamba3_mimo_scan", v).fn, None if fresh else cache
+        continue from a cache (a prefill); ``fresh`` starts from the empty state unread. With
+        ``outproj_norm`` the scan comes with the output norm and ``mimo_o`` sum applied
+        (:meth:`_scan_and_norm`)."""
+        scan = resolve("mamba3_mimo_scan", v).fn
+        if self.outproj_norm:
+            scan = functools.partial(self._scan_and_norm, scan)
+        return scan, None if fresh else cache
+
+    def _scan_and_norm(
+        self, scan: Callable[..., tuple[Tensor, Mamba3ScanState | None]], *,
+        initial_state: Mamba3ScanState | None, **inputs: Tensor | int | bool | None,
+    ) -> tuple[Tensor, Mamba3ScanState | None]:
+        """``scan(**inputs)`` with its R outputs normed and summed (:meth:`_norm_and_sum`):
+        y [B, L, H, P] and the final state. Under autograd the two keep only their inputs for
+        backward and run again there (:func:`recompute_in_backward`): the scan's float32
+        ``[B, L, R, H, P]`` intermediates, its per-rank output and the norm's float32 copies
+        of it would otherwise stay alive from forward to backward (docs/mamba3.md, MIMO)."""
+        names = [n for n, t in inputs.items() if isinstance(t, Tensor)]
+        settings = {n: t for n, t in inputs.items() if not isinstance(t, Tensor)}
+        state = () if initial_state is None else initial_state.tensors()
+
+        def run(*tensors: Tensor | None) -> tuple[Tensor, ...]:
+            scan_inputs, (norm_weight, mimo_o), state = (
+                tensors[:len(names)], tensors[len(names):len(names) + 2], tensors[len(names) + 2:])
+            y, final = scan(**dict(zip(names, scan_inputs, strict=True)), **settings,
+                            initial_state=Mamba3ScanState(*state) if state else None)
+            (y,) = self._norm_and_sum(y, norm_weight, mimo_o)
+            return (y,) if final is None else (y, *final.tensors())
+
+        y, *final = recompute_in_backward(run, *(inputs[n] for n in names), self.norm_weight,
+                                          self.mimo_o, *state)
+        return y, (Mamba3ScanState(*final) if final else None)
 
     def _recurrent_scan(
         self, **inputs: Tensor | Mamba3ScanState | None
@@ -104,17 +135,17 @@ class Mamba3MimoMixer(Mamba3Mixer):
         return mamba3_mimo_scan_recurrent(**inputs)
 
     def _output(self, y: Tensor) -> Tensor:
-        """out_proj of the scan output: with ``outproj_norm`` y is the R gated outputs
-        [B, L, R, H, P], each RMS-normed per head and scaled by ``norm_weight`` (float32 math),
-        then summed with ``mimo_o``; without it the scan already summed them ([B, L, H, P]).
-        The norm and sum keep only y for backward and recompute the rest there (three
-        float32 [B, L, R, H, P] tensors otherwise)."""
-        if self.outproj_norm:
-            (y,) = recompute_in_backward(self._norm_and_sum, y, self.norm_weight, self.mimo_o)
+        """out_proj of the scan output y [B, L, H, P]. With ``outproj_norm`` the recurrent
+        scan (:meth:`step`) returns the R gated outputs [B, L, R, H, P] instead, normed and
+        summed here (:meth:`_norm_and_sum`); the chunked scan's come so already
+        (:meth:`_scan_and_norm`)."""
+        if self.outproj_norm and y.ndim == 5:
+            (y,) = self._norm_and_sum(y, self.norm_weight, self.mimo_o)
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
 
     def _norm_and_sum(self, y: Tensor, norm_weight: Tensor, mimo_o: Tensor) -> tuple[Tensor]:
-        """y [B, L, R, H, P] -> (sum_r mimo_o_r * RMSNorm_P(y_r) * norm_weight,) [B, L, H, P]."""
+        """The R gated outputs y [B, L, R, H, P], each RMS-normed per head and scaled by
+        ``norm_weight`` (float32 math), summed with ``mimo_o``: ([B, L, H, P] in y.dtype,)."""
         f32 = torch.promote_types(y.dtype, torch.float32)
         weight = norm_weight.to(f32).view(self.nheads, self.headdim)
         normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
