@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp._compile import disable
 from megacpp.errors import ConfigError
 from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
     flops_per_token as mimo_scan_flops_per_token,
@@ -104,6 +105,7 @@ class Mamba3MimoMixer(Mamba3Mixer):
             scan = functools.partial(self._scan_and_norm, scan)
         return scan, None if fresh else cache
 
+    @disable  # a graph break under torch.compile: the scan is opaque there anyway
     def _scan_and_norm(
         self, scan: Callable[..., tuple[Tensor, Mamba3ScanState | None]], *,
         initial_state: Mamba3ScanState | None, **inputs: Tensor | int | bool | None,
