@@ -16,7 +16,10 @@ extrapolation is arithmetic, not a measurement. ::
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/mimo_memory.py --backend triton_intra \
         --batch 1 --seq 64
 
-Prints one JSON object.
+``--stack N`` instead runs N mixers as a residual stack (forward and backward, batch x seq,
+bf16 autocast) and prints the process's peak resident memory above the built model (Linux
+``ru_maxrss``, CPU): the end-to-end figure, backward's replay included, not a count of saved
+tensors. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,6 +72,18 @@ def measure(mixer: Mamba3MimoMixer, x: torch.Tensor, backend: str) -> dict[str, 
             "scan_bytes": scan_saved["bytes"], "scan_tensors": scan_saved["tensors"]}
 
 
+def stack_peak_rss(mixers: list[Mamba3MimoMixer], x: torch.Tensor) -> dict[str, float]:
+    """Peak resident MiB above the current peak for a residual stack's forward + backward."""
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        h = x
+        for mixer in mixers:
+            h = h + mixer(h)
+    h.float().square().mean().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"layers": len(mixers), "peak_rss_above_model_mib": round((peak - base) / 2**10)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="nam56r-dense-150m")
@@ -78,9 +94,18 @@ def main() -> None:
     ap.add_argument("--to-seq", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=14, help="M:mimo layers in the model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--stack", type=int, default=0,
+                    help="run this many mixers as a stack and print peak RSS (CPU) instead")
     args = ap.parse_args()
 
     cfg = load_config(args.preset)
+    if args.stack:
+        torch.manual_seed(0)
+        mixers = [Mamba3MimoMixer.from_config(cfg) for _ in range(args.stack)]
+        x = torch.randn(args.batch, args.seq, cfg.d_model, requires_grad=True)
+        print(json.dumps({"preset": args.preset, "batch": args.batch, "seq": args.seq,
+                          **stack_peak_rss(mixers, x)}))
+        return
     torch.manual_seed(0)
     mixer = Mamba3MimoMixer.from_config(cfg).to(args.device)
     # two lengths: saved bytes = fixed (autocast's bf16 weight copies) + per token * tokens
