@@ -194,3 +194,48 @@ def test_bad_inputs_are_named():
         bad = random_state(inputs)
         bad.k = bad.k[:, :1]
         mamba3_mimo_scan_chunked(**inputs, initial_state=bad)
+
+
+def test_float32_gradients_on_fresh_inputs_agree_with_the_recurrence():
+    """The chunked form as it trains (its intermediates recomputed in backward) against the
+    recurrence, float32, every input's gradient and the initial state's, resets included."""
+    inputs = make_inputs(seqlen=37, dtype=torch.float32, seed=21)
+    state = random_state(inputs, seed=22)
+    reset = random_reset(2, 37, seed=23)
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+    state_leaves = Mamba3ScanState(*(t.float().requires_grad_() for t in state.tensors()))
+    weight = torch.randn(2, 37, 4, 4, generator=torch.Generator().manual_seed(24))
+    results = []
+    for scan, kw in ((mamba3_mimo_scan_recurrent, {}), (mamba3_mimo_scan_chunked,
+                                                        {"chunk_size": 8})):
+        y, final = scan(**leaves, reset=reset, initial_state=state_leaves, **kw)
+        loss = (y * weight).sum() + final.ssm.square().sum() + final.k.sum()
+        grads = torch.autograd.grad(loss, [*leaves.values(), *state_leaves.tensors()])
+        results.append((y.detach(), final.ssm.detach(), *grads))
+    for ref, got in zip(*results, strict=True):
+        assert_close_rel(got, ref, 2e-5)
+
+
+def test_only_the_inputs_are_kept_for_backward():
+    """Under autograd the chunked form saves its inputs and nothing else (the rank-expanded
+    intermediates are recomputed in backward); computed in one pass it would keep over 10x
+    that. The bound is the inputs' bytes, so an intermediate kept again fails here."""
+    from megacpp.kernels.ops.mamba3_mimo_scan.reference import _chunked_forward, _intra_chunk
+    from megacpp.kernels.ops.mamba3_scan.reference import _pass_states
+    from megacpp.kernels.recompute import saved_tensor_bytes
+
+    inputs = make_inputs(batch=2, seqlen=64, rank=4, groups=1, nheads=4, d_state=16,
+                         headdim=16, n_angles=4, dtype=torch.float32, seed=12)
+    leaves = {n: t.requires_grad_() for n, t in inputs.items()}
+    input_bytes = sum(t.untyped_storage().nbytes() for t in leaves.values())
+    with saved_tensor_bytes() as kept:
+        y, _ = mamba3_mimo_scan_chunked(**leaves, chunk_size=16)
+    assert kept["bytes"] <= input_bytes
+    order = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "mimo_v", "angles",
+             "mimo_z", "mimo_o", "D", "z")
+    with saved_tensor_bytes() as one_pass:
+        _chunked_forward(_intra_chunk, _pass_states, *(leaves[n] for n in order), None, None,
+                         16, True)
+    assert one_pass["bytes"] > 10 * input_bytes
+    y.sum().backward()  # what was kept is enough
+    assert all(t.grad is not None for t in leaves.values())

@@ -171,3 +171,26 @@ def test_bad_call_shapes_are_named():
         mixer.step(make_x(seqlen=2), mixer.init_cache(2, dtype=F64))
     with pytest.raises(ValueError, match="doc_ids"):
         mixer(make_x(), doc_ids=torch.zeros(2, 20, dtype=torch.long))
+
+
+def test_training_forward_keeps_no_rank_expanded_tensor():
+    """Saved-for-backward bytes per token of a training forward (float32, measured at two
+    lengths) stay within the design's bound: in_proj's outputs, the B/C norms' saves, the
+    gates', out_proj's input, and nothing [R, H, P] (the scan and the output norm recompute
+    theirs in backward). One more [R, H, P] float32 tensor per token breaks the bound."""
+    from megacpp.kernels.recompute import saved_tensor_bytes
+
+    mixer = make_mixer(torch.float32)
+    H, P, G, N, R = mixer.nheads, mixer.headdim, mixer.ngroups, mixer.d_state, mixer.mimo_rank
+    saved = []
+    for seqlen in (32, 64):
+        x = make_x(batch=2, seqlen=seqlen, dtype=torch.float32).requires_grad_()
+        with saved_tensor_bytes((x, *mixer.parameters())) as counted:
+            y = mixer(x)
+        y.sum().backward()  # what was kept is enough
+        saved.append(counted["bytes"])
+    per_token = (saved[1] - saved[0]) / (2 * 32)
+    # elements: in_proj's outputs, each norm's input/output (2 x 2RGN) and rstd (2RG), the
+    # gates' five [H] tensors, out_proj's input; slack of half an [R, H, P] tensor
+    design = sum(mixer._split) + 2 * 2 * R * G * N + 2 * R * G + 5 * H + H * P
+    assert per_token <= 4 * (design + R * H * P / 2), (per_token, design)

@@ -12,6 +12,7 @@ comes after the gate, as in the SISO mixer. Equations: docs/mamba3.md, "MIMO".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megacpp._compile import disable
 from megacpp.errors import ConfigError
 from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
     flops_per_token as mimo_scan_flops_per_token,
@@ -28,6 +30,7 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
     zero_mimo_state,
 )
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
+from megacpp.kernels.recompute import recompute_in_backward
 from megacpp.kernels.runtime import resolve
 from megacpp.model.mamba3 import _CACHE_DTYPES, Mamba3Mixer, _Gates
 
@@ -96,8 +99,39 @@ class Mamba3MimoMixer(Mamba3Mixer):
         self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool
     ) -> tuple[Callable[..., tuple[Tensor, Mamba3ScanState | None]], Mamba3ScanState | None]:
         """The catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
-        continue from a cache (a prefill); ``fresh`` starts from the empty state unread."""
-        return resolve("mamba3_mimo_scan", v).fn, None if fresh else cache
+        continue from a cache (a prefill); ``fresh`` starts from the empty state unread. With
+        ``outproj_norm`` the scan comes with the output norm and ``mimo_o`` sum applied
+        (:meth:`_scan_and_norm`)."""
+        scan = resolve("mamba3_mimo_scan", v).fn
+        if self.outproj_norm:
+            scan = functools.partial(self._scan_and_norm, scan)
+        return scan, None if fresh else cache
+
+    @disable  # a graph break under torch.compile: the scan is opaque there anyway
+    def _scan_and_norm(
+        self, scan: Callable[..., tuple[Tensor, Mamba3ScanState | None]], *,
+        initial_state: Mamba3ScanState | None, **inputs: Tensor | int | bool | None,
+    ) -> tuple[Tensor, Mamba3ScanState | None]:
+        """``scan(**inputs)`` with its R outputs normed and summed (:meth:`_norm_and_sum`):
+        y [B, L, H, P] and the final state. Under autograd the two keep only their inputs for
+        backward and run again there (:func:`recompute_in_backward`): the scan's float32
+        ``[B, L, R, H, P]`` intermediates, its per-rank output and the norm's float32 copies
+        of it would otherwise stay alive from forward to backward (docs/mamba3.md, MIMO)."""
+        names = [n for n, t in inputs.items() if isinstance(t, Tensor)]
+        settings = {n: t for n, t in inputs.items() if not isinstance(t, Tensor)}
+        state = () if initial_state is None else initial_state.tensors()
+
+        def run(*tensors: Tensor | None) -> tuple[Tensor, ...]:
+            scan_inputs, (norm_weight, mimo_o), state = (
+                tensors[:len(names)], tensors[len(names):len(names) + 2], tensors[len(names) + 2:])
+            y, final = scan(**dict(zip(names, scan_inputs, strict=True)), **settings,
+                            initial_state=Mamba3ScanState(*state) if state else None)
+            (y,) = self._norm_and_sum(y, norm_weight, mimo_o)
+            return (y,) if final is None else (y, *final.tensors())
+
+        y, *final = recompute_in_backward(run, *(inputs[n] for n in names), self.norm_weight,
+                                          self.mimo_o, *state)
+        return y, (Mamba3ScanState(*final) if final else None)
 
     def _recurrent_scan(
         self, **inputs: Tensor | Mamba3ScanState | None
@@ -105,15 +139,21 @@ class Mamba3MimoMixer(Mamba3Mixer):
         return mamba3_mimo_scan_recurrent(**inputs)
 
     def _output(self, y: Tensor) -> Tensor:
-        """out_proj of the scan output: with ``outproj_norm`` y is the R gated outputs
-        [B, L, R, H, P], each RMS-normed per head and scaled by ``norm_weight`` (float32 math),
-        then summed with ``mimo_o``; without it the scan already summed them ([B, L, H, P])."""
-        if self.outproj_norm:
-            f32 = torch.promote_types(y.dtype, torch.float32)
-            weight = self.norm_weight.to(f32).view(self.nheads, self.headdim)
-            normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
-            y = (normed * self.mimo_o.to(f32).transpose(0, 1)).sum(2).to(y.dtype)
+        """out_proj of the scan output y [B, L, H, P]. With ``outproj_norm`` the recurrent
+        scan (:meth:`step`) returns the R gated outputs [B, L, R, H, P] instead, normed and
+        summed here (:meth:`_norm_and_sum`); the chunked scan's come so already
+        (:meth:`_scan_and_norm`)."""
+        if self.outproj_norm and y.ndim == 5:
+            (y,) = self._norm_and_sum(y, self.norm_weight, self.mimo_o)
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
+
+    def _norm_and_sum(self, y: Tensor, norm_weight: Tensor, mimo_o: Tensor) -> tuple[Tensor]:
+        """The R gated outputs y [B, L, R, H, P], each RMS-normed per head and scaled by
+        ``norm_weight`` (float32 math), summed with ``mimo_o``: ([B, L, H, P] in y.dtype,)."""
+        f32 = torch.promote_types(y.dtype, torch.float32)
+        weight = norm_weight.to(f32).view(self.nheads, self.headdim)
+        normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
+        return ((normed * mimo_o.to(f32).transpose(0, 1)).sum(2).to(y.dtype),)
 
     def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
         """Project x [B, L, d_model] (and its copies ``again``) into the MIMO scan's keyword

@@ -46,6 +46,7 @@ from megacpp.kernels.ops.mamba3_scan.reference import (
     _pass_states,
     _to_chunks,
 )
+from megacpp.kernels.recompute import recompute_in_backward
 
 
 def zero_mimo_state(
@@ -162,11 +163,40 @@ def chunked_scan(
     """:func:`mamba3_mimo_scan_chunked` with its intra-chunk quadratic form computed by
     ``intra`` and the sequential pass over chunks by ``pass_states`` (the arguments and
     results of :func:`_intra_chunk` and the SISO scan's ``_pass_states``; the Triton backend
-    passes its kernels)."""
+    passes its kernels).
+
+    Under autograd it keeps only its inputs for backward and recomputes the rest there
+    (:func:`~megacpp.kernels.recompute.recompute_in_backward`): the rank-expanded
+    ``[B, L, R, H, P]`` / ``[B, L, R, H, N]`` float32 intermediates (rotated q and k, the R
+    inputs, the two read-outs, skip, gate) and the chunk states would otherwise stay alive
+    from forward to backward, several GiB per layer at training sizes (docs/mamba3.md)."""
     _check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v, angles, mimo_z, mimo_o, D,
                   z, reset)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    state = (None,) * 4 if initial_state is None else initial_state.tensors()
+
+    def run(*tensors: Tensor | None) -> tuple[Tensor, ...]:
+        *scan_inputs, s_angle, s_ssm, s_k, s_v = tensors
+        initial = None if s_angle is None else Mamba3ScanState(s_angle, s_ssm, s_k, s_v)
+        y, final = _chunked_forward(intra, pass_states, *scan_inputs, reset, initial,
+                                    chunk_size, output_final_state)
+        return (y,) if final is None else (y, *final.tensors())
+
+    y, *final = recompute_in_backward(run, q, k, v, adt, dt, trap, q_bias, k_bias, mimo_v,
+                                      angles, mimo_z, mimo_o, D, z, *state)
+    return y, (Mamba3ScanState(*final) if final else None)
+
+
+def _chunked_forward(
+    intra: Callable[..., Tensor], pass_states: Callable[..., tuple[Tensor, Tensor]],
+    q: Tensor, k: Tensor, v: Tensor, adt: Tensor, dt: Tensor, trap: Tensor,
+    q_bias: Tensor, k_bias: Tensor, mimo_v: Tensor, angles: Tensor,
+    mimo_z: Tensor | None, mimo_o: Tensor | None, D: Tensor | None, z: Tensor | None,
+    reset: Tensor | None, initial_state: Mamba3ScanState | None, chunk_size: int,
+    output_final_state: bool,
+) -> tuple[Tensor, Mamba3ScanState | None]:
+    """:func:`chunked_scan`'s computation on checked inputs."""
     batch, seqlen, nheads, _ = v.shape
     cdt = _compute_dtype(v)
     x, adt, dt = v.to(cdt), adt.to(cdt), dt.to(cdt)

@@ -78,10 +78,10 @@ SURFACE = Surface(
     "[B, L, H, P] (summed with mimo_o; [B, L, R, H, P] with mimo_o=None) in v.dtype + final "
     "state (angle [B, H, A], ssm [B, H, P, N], k [B, R, H, N], v [B, H, P]; None with "
     "output_final_state=False); fp32 accumulation. triton_intra: the chunked form with "
-    "its intra-chunk [T*R, T*R] form and its pass over chunks in Triton (fwd+bwd; saves the "
-    "rows-layout q, k, x copies and the entering states [B, H, L/T, P, N] in float32, "
-    "nothing [T*R, T*R]) and the rest in PyTorch; chunk_size * R <= 128, d_state and "
-    "headdim <= 128, no float64",
+    "its intra-chunk [T*R, T*R] form and its pass over chunks in Triton (fwd+bwd, nothing "
+    "[T*R, T*R] stored) and the rest in PyTorch; chunk_size * R <= 128, d_state and "
+    "headdim <= 128, no float64. Both rows keep only their inputs for backward and "
+    "recompute the forward there",
     mamba3_mimo_scan_chunked, _mimo_inputs,
     {"check": {"batch": 2, "seq": 128, "groups": 1, "heads": 4, "d_state": 32, "headdim": 32,
                "angles": 8, "rank": 4, "chunk": 16},

@@ -22,7 +22,9 @@ of the reference's Python loop of a few small kernels per chunk (256 chunks at L
 
 Everything else (rotation, biases, the MIMO projections, the chunk states' einsum, the
 read-out of the carried state, skip, gate) is the reference's PyTorch, differentiated by
-autograd. Limits: T*R <= 128, d_state <= 128, headdim <= 128 (larger
+autograd; :func:`chunked_scan` keeps only the scan's inputs for backward and runs the whole
+forward (these kernels included) again there, so none of this module's saved tensors (the
+rows-layout copies, the entering states) outlive one backward. Limits: T*R <= 128, d_state <= 128, headdim <= 128 (larger
 tiles would not fit a program's registers); float64 runs the reference. Matmul operands are
 float32 for every input dtype (:func:`chunked_scan` computes q, k and x in float32 before the
 intra-chunk form), with IEEE products; sums in float32.
