@@ -63,5 +63,16 @@ if [ "${MIMO_PEER:-0}" = 1 ]; then
       -d ".whl-mimo/$1" "$2" 2> >(grep -v "is ignored" >&2)
   done
 fi
+# TRL's GRPOTrainer, the peer of `megacpp posttrain grpo` (benchmarks/grpo_trl.py): opt-in
+# (TRL_PEER=1), into .whl-trl; the GPU image has transformers, accelerate, pandas and pyarrow
+# but not these. Install them into their own --target so the GPU suite's site stays as is.
+if [ "${TRL_PEER:-0}" = 1 ]; then
+  log "TRL peer wheels into .whl-trl"
+  mkdir -p .whl-trl
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version "$PYV" --implementation cp --platform manylinux2014_x86_64 \
+    -d .whl-trl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+    2> >(grep -v "is ignored" >&2)
+fi
 log "ready: $(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/"
 ls .whl >&2
