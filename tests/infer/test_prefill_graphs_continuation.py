@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from megacpp.infer.engine import Engine
-from megacpp.infer.prefill_graphs import ContinuationGraphs, PrefillGraphs
+from megacpp.infer.prefill_graphs import (
+    ContinuationGraphs,
+    PrefillGraphs,
+    supports_prefill_graphs,
+)
 from megacpp.infer.scheduler import ScheduledRequest
 from megacpp.model.config import ModelConfig
 from tests.infer import test_prefix_cache as pc
@@ -26,8 +30,9 @@ def _with_graphs(engine: Engine, max_tokens: int = 64) -> ContinuationGraphs:
     """Both graph families as eager stand-ins (``capture=False``): the padded static-buffer
     paths run on the CPU."""
     cfg, runner = engine.config, engine.runner
-    runner.prefill_graphs = PrefillGraphs(engine.model, engine.cache, cfg.max_num_seqs,
-                                          cfg.max_model_len, max_tokens, capture=False)
+    if supports_prefill_graphs(engine.model):  # not an n-gram model: its first chunks are eager
+        runner.prefill_graphs = PrefillGraphs(engine.model, engine.cache, cfg.max_num_seqs,
+                                              cfg.max_model_len, max_tokens, capture=False)
     graphs = ContinuationGraphs(engine.model, engine.cache, cfg.max_num_seqs,
                                 cfg.max_model_len, max_tokens, capture=False)
     runner.continuation_graphs = graphs
@@ -155,3 +160,32 @@ def test_right_padding_never_reaches_the_recurrent_states(tokenizer):
             for name, tensor in eager.tensors.items():  # the real blocks (scratch excluded)
                 torch.testing.assert_close(padded.tensors[name][:-1], tensor[:-1],
                                            rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("features", ["structure", "ngram"])
+def test_input_features_ride_along_in_the_continuation_graphs(tokenizer, features):
+    """A structure-id model's ids are right-padded with the tokens; a hashed n-gram model's
+    context (the tokens before each chunk) is a static input -- right padding never enters a
+    real token's n-gram window, so n-gram models take these graphs (not the first-chunk ones)."""
+    from tests.infer.test_features_engine import _model as features_model
+
+    model = features_model(tokenizer.vocab_size, structure=features == "structure",
+                           orders=(2, 3) if features == "ngram" else ())
+    base = "// add two numbers\nint add(int a, int b) {\n    int sum = a + b;\n    return"
+    prompts = {"base": base, "again": base, "more": base + " sum; }\n// next:",
+               "other": "#define GREETING"}
+    out, used = {}, None
+    for graphed in (False, True):
+        engine = pc._engine(model, tokenizer, True, max_model_len=96)
+        if graphed:
+            used = _with_graphs(engine).buckets_used
+        out[graphed] = {}
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, pc.GREEDY)
+            out[graphed][rid] = []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out[graphed][o.request_id] += o.new_token_ids
+    assert out[True] == out[False]
+    assert used and engine.stats().prefix_hit_tokens > 0
+    assert (engine.runner.prefill_graphs is None) == (features == "ngram")
