@@ -1,4 +1,6 @@
-"""First prefill chunks as replayed CUDA graphs, one per (batch, length) bucket.
+"""Prefill chunks as replayed CUDA graphs: first chunks one per (batch, length) bucket
+(:class:`PrefillGraphs`), continuation chunks one per (batch, length, width) bucket
+(:class:`ContinuationGraphs`).
 
 Eager prefill of a short prompt is launch-bound: each of the model's blocks launches tens of
 small kernels whatever the chunk's length, so a 128-token prompt costs about as much host
@@ -12,7 +14,8 @@ preempted sequence's recompute) of at most ``max_len`` tokens. Chunks of any len
 one replay: ``B`` chunks whose longest has ``L`` tokens run the graph of the smallest bucket
 ``(b >= B, l >= L)`` -- batch sizes as the decode graphs' (1, 2, 4, 8, then multiples of 8),
 lengths powers of two from 16 -- while ``b * l <= max_tokens`` (longer work is
-compute-bound, so it runs eagerly). Continuation chunks (``start > 0``) run eagerly.
+compute-bound, so it runs eagerly). Continuation chunks (``start > 0``) take the
+:class:`ContinuationGraphs` (right padding, below).
 
 Padding goes *before* each row's tokens (left padding), so every row's last token sits at
 the last index (its logits are read there) and:
@@ -29,13 +32,17 @@ the last index (its logits are read there) and:
 * padding rows (batch up to the bucket) write into the scratch block and scratch slot.
 
 Graphs are captured lazily on first use (:meth:`PrefillGraphs.capture_all` captures every
-bucket up front) and share one memory pool, apart from the decode graphs' pool.
+bucket up front) and share one memory pool with the continuation graphs (the model runner
+gives both one; the two never replay at once), apart from the decode graphs' pool.
 
 The eager path (unpadded, grouped by equal length, :meth:`HybridLM.forward_paged`) is the
 reference the padded replay is tested against (``tests/infer/test_prefill_graphs.py``, CPU
-and CUDA). A model with a hashed n-gram branch prefills eagerly (its n-gram windows would
-span the padding), and the model runner keeps chunks that want prompt logprobs (every
-position's logits) on the eager path.
+and CUDA; ``tests/infer/test_prefill_graphs_continuation.py`` for continuations). A model
+with a hashed n-gram branch prefills its first chunks eagerly (its n-gram windows would span
+the left padding; right padding does not enter them, so its continuations take the graphs).
+The model runner keeps chunks that want prompt logprobs (every position's logits) or an MTP
+draft (speculative decoding reads the main stack's hidden states) on the eager path, and so
+are chunks longer than the largest length bucket.
 """
 
 from __future__ import annotations
