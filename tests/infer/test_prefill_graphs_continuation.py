@@ -189,3 +189,30 @@ def test_input_features_ride_along_in_the_continuation_graphs(tokenizer, feature
     assert out[True] == out[False]
     assert used and engine.stats().prefix_hit_tokens > 0
     assert (engine.runner.prefill_graphs is None) == (features == "ngram")
+
+
+@pytest.mark.parametrize("letter", ["M", "M:mimo", "R"])
+def test_a_recurrent_mixer_holds_its_state_over_right_padding(letter):
+    """A mixer's chunked forward from a non-zero state over rows right-padded to 12 tokens
+    (garbage, even non-finite, after each row's last_index) gives the unpadded rows' outputs
+    and final states, row by row."""
+    from dataclasses import fields
+
+    model = pc._model(small_config(f"{letter} A", init_std=0.3))
+    mixer = model.blocks[0].mixer
+    torch.manual_seed(1)
+    lengths, L, B = [5, 12, 1], 12, 3
+    x = torch.randn(B, L, 32, dtype=torch.float64)
+    x[0, 5:], x[2, 1:] = float("nan"), 1e6  # padding: nothing of it may reach a state
+    start = mixer.init_cache(B, dtype=torch.float64)
+    mixer.forward(torch.randn(B, 7, 32, dtype=torch.float64), cache=start)  # a history
+    padded = type(start)(**{f.name: getattr(start, f.name).clone() for f in fields(start)})
+    out = mixer.forward(x, cache=padded, last_index=torch.tensor(lengths) - 1, continues=True)
+    for row, n in enumerate(lengths):
+        alone = type(start)(**{f.name: getattr(start, f.name)[row : row + 1].clone()
+                               for f in fields(start)})
+        want = mixer.forward(x[row : row + 1, :n], cache=alone)
+        torch.testing.assert_close(out[row, :n], want[0], rtol=0, atol=1e-10)
+        for f in fields(start):
+            torch.testing.assert_close(getattr(padded, f.name)[row],
+                                       getattr(alone, f.name)[0], rtol=0, atol=1e-10)

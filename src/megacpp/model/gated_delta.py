@@ -252,9 +252,11 @@ class GatedDeltaNetMixer(RecurrentMixer):
         f32 = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for fp64 runs
         g = -self.A_log.to(f32).exp() * F.softplus(a.to(f32) + self.dt_bias.to(f32))  # [B, L, H]
         beta = b.to(f32).sigmoid()  # [B, L, H]
-        if last_index is not None:  # right padding: no decay, no write
+        if last_index is not None:  # right padding: no decay, no write (selected, so even
+            #                           non-finite padding values stay out of the state)
             padding = torch.arange(L, device=x.device)[None, :, None] > last_index[:, None, None]
             g, beta = g.masked_fill(padding, 0.0), beta.masked_fill(padding, 0.0)
+            q, k, v = (t.masked_fill(padding[..., None], 0.0) for t in (q, k, v))
 
         o, state = op(
             q,

@@ -351,15 +351,18 @@ def hold_state_after(inputs: dict[str, Tensor], last_index: Tensor) -> dict[str,
     """The scan inputs with every token after its row's ``last_index`` [B] (right padding)
     turned into one that leaves the state as the last real token left it: step size and decay
     0 (no input, no decay, no rotation: every trapezoid weight of the padding is a multiple of
-    dt) and the last real token's k and v (the state keeps them as the trapezoid's previous
-    pair). Selected, not multiplied, so non-finite padding values do not leak."""
+    dt), trapezoid and angle logits 0, and the last real token's k and v (the state keeps them
+    as the trapezoid's previous pair). Selected, not multiplied, so even non-finite padding
+    values stay out of the state and the real tokens' outputs (q and z of a padding token
+    reach only its own output)."""
     v = inputs["v"]
     B, L = v.shape[:2]
     rows = torch.arange(B, device=v.device)
     padding = torch.arange(L, device=v.device)[None, :] > last_index[:, None]  # [B, L]
     held = dict(inputs)
-    for name in ("dt", "adt"):  # [B, L, H]
-        held[name] = inputs[name].masked_fill(padding[:, :, None], 0.0)
+    for name in ("dt", "adt", "trap", "angles"):  # [B, L, H] (angles [B, L, H, R])
+        t = inputs[name]
+        held[name] = t.masked_fill(padding.view(B, L, *([1] * (t.ndim - 2))), 0.0)
     for name in ("k", "v"):  # [B, L, ...]: the last real token's, repeated
         t = inputs[name]
         mask = padding.view(B, L, *([1] * (t.ndim - 2)))
