@@ -10,9 +10,10 @@ pools), block tables (padded with the scratch block) and state slots -- runs
   (:mod:`megacpp.infer.prefill_graphs`, CUDA with ``prefill_graphs``): a chunk that starts
   its sequence left-padded to a (batch, length) bucket, a continuation chunk (after a
   prefix-cache hit or an earlier chunk) right-padded to a (batch, length, width) bucket; any
-  lengths in one replay. Chunks no bucket holds (longer than the largest length bucket)
-  share one eager [B, L] forward per length, never padded. A token is sampled only after a
-  prompt's last chunk.
+  lengths in one replay. The other chunks (longer than the largest length bucket, asking
+  for prompt logprobs, or making an MTP draft; every chunk off CUDA or without
+  ``prefill_graphs``) share one eager [B, L] forward per length, never padded. A token is
+  sampled only after a prompt's last chunk.
 * all decoding requests advance together in one [B, 1] forward where every row sits at its
   own position -- through the captured CUDA graphs (:mod:`megacpp.infer.graphs`) on CUDA with
   ``cuda_graphs``, eagerly otherwise. Greedy rows with a pending MTP draft (speculative
