@@ -17,7 +17,7 @@ from tests.infer.test_engine import _latent, _prompts
 from tests.infer.test_engine_gpu import _engine, tokenizer  # noqa: F401 - fixture
 from tests.infer.test_prefill_graphs import _logits_by_step
 
-LENGTHS = (1, 5, 17, 40, 9, 23, 70, 3, 33)  # prefill_chunk 64: 70 continues eagerly
+LENGTHS = (1, 5, 17, 40, 9, 23, 70, 3, 33)  # prefill_chunk 64: 70 continues (a 2nd chunk)
 
 
 def _model(family: str, vocab: int, dtype: torch.dtype) -> HybridLM:

@@ -65,8 +65,8 @@ def serve(
     max_waiting: Annotated[int, typer.Option(
         help="Waiting-queue bound; beyond it requests get HTTP 429.")] = 256,
     prefill_graphs: Annotated[bool, typer.Option(
-        help="On CUDA: replay prompts' first prefill chunks as captured CUDA graphs per "
-             "(batch, length) bucket.")] = True,
+        help="On CUDA: replay prefill chunks as captured CUDA graphs: first chunks per "
+             "(batch, length) bucket, later chunks per (batch, length, width) bucket.")] = True,
     speculative_tokens: Annotated[int, typer.Option(
         help="Greedy requests: tokens the model's MTP head drafts per step, verified by the "
              "model (0: off; needs [model.mtp] depth >= 1).")] = 0,

@@ -69,8 +69,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA: replay the decode step as captured CUDA graphs
     compile_decode: bool = False  # with cuda_graphs: torch.compile each block family's
     #                               decode step first (fewer kernels; slow first steps)
-    prefill_graphs: bool = True  # on CUDA: replay first prefill chunks as captured CUDA
-    #                              graphs per (batch, length) bucket (infer/prefill_graphs.py)
+    prefill_graphs: bool = True  # on CUDA: replay prefill chunks as captured CUDA graphs,
+    #                              first chunks per (batch, length) bucket, continuation
+    #                              chunks per (batch, length, width) (infer/prefill_graphs.py)
     prefill_graph_tokens: int = 2048  # the largest captured prefill bucket (batch x length)
     speculative_tokens: int = 0  # greedy requests: MTP drafts verified per step (0: off)
     prefix_cache: bool = True  # reuse KV blocks and M/R state snapshots of shared prefixes

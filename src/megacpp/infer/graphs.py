@@ -218,6 +218,9 @@ class StaticInputs:
         self._host = torch.empty(start, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(start, dtype=torch.int64, device=device)
+        # the last host-to-device copy: a step whose replay samples nothing syncs nothing, so
+        # the next staging waits for the copy before it overwrites the pinned buffer
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def host(self, name: str):
         """The field's host view (numpy, 1-D)."""
@@ -230,12 +233,16 @@ class StaticInputs:
         return self._dev[a:b]
 
     def pad(self) -> None:
-        """Every host field to its padding value."""
+        """Every host field to its padding value (after the last upload has read them)."""
+        if self._copied is not None:
+            self._copied.synchronize()
         for name, value in self.pads.items():
             self.host(name)[:] = value
 
     def upload(self, blocking: bool = False) -> None:
         self._dev.copy_(self._host, non_blocking=not blocking)
+        if self._copied is not None:
+            self._copied.record()
 
 
 class _EagerReplay:

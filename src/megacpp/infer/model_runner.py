@@ -6,11 +6,14 @@ position tensors, the slot mapping (where each token's KV entry is written in th
 pools), block tables (padded with the scratch block) and state slots -- runs
 :meth:`HybridLM.forward_paged` over the engine's pools and samples:
 
-* chunks that start their sequence (and want no prompt logprobs) run through the captured
-  prefill graphs (:mod:`megacpp.infer.prefill_graphs`, CUDA with ``prefill_graphs``):
-  left-padded to a (batch, length) bucket, any lengths in one replay. Other chunks of equal
-  length share one eager [B, L] forward (a burst of same-size prompts), never padded. A
-  token is sampled only after a prompt's last chunk.
+* prefill chunks (that want no prompt logprobs) run through the captured prefill graphs
+  (:mod:`megacpp.infer.prefill_graphs`, CUDA with ``prefill_graphs``): a chunk that starts
+  its sequence left-padded to a (batch, length) bucket, a continuation chunk (after a
+  prefix-cache hit or an earlier chunk) right-padded to a (batch, length, width) bucket; any
+  lengths in one replay. The other chunks (longer than the largest length bucket, asking
+  for prompt logprobs, or making an MTP draft; every chunk off CUDA or without
+  ``prefill_graphs``) share one eager [B, L] forward per length, never padded. A token is
+  sampled only after a prompt's last chunk.
 * all decoding requests advance together in one [B, 1] forward where every row sits at its
   own position -- through the captured CUDA graphs (:mod:`megacpp.infer.graphs`) on CUDA with
   ``cuda_graphs``, eagerly otherwise. Greedy rows with a pending MTP draft (speculative
@@ -43,7 +46,11 @@ import torch
 from megacpp.infer.cache_manager import CacheManager
 from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
 from megacpp.infer.logprobs import TokenLogprob, token_logprobs, truncated
-from megacpp.infer.prefill_graphs import PrefillGraphs, supports_prefill_graphs
+from megacpp.infer.prefill_graphs import (
+    ContinuationGraphs,
+    PrefillGraphs,
+    supports_prefill_graphs,
+)
 from megacpp.infer.sampling import sample_rows
 from megacpp.infer.scheduler import ScheduledRequest, SchedulerOutput
 from megacpp.infer.speculative import SpecStep, SpeculativeDecoder
@@ -93,9 +100,17 @@ class ModelRunner:
             decode_fn = compiled_decode_fn(model) if compile_decode else None
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_width, decode_fn)
         self.prefill_graphs: PrefillGraphs | None = None
-        if self.device.type == "cuda" and prefill_graphs and supports_prefill_graphs(model):
-            self.prefill_graphs = PrefillGraphs(model, cache, max_num_seqs, max_model_len,
-                                                prefill_graph_tokens)
+        self.continuation_graphs: ContinuationGraphs | None = None
+        if self.device.type == "cuda" and prefill_graphs:
+            if supports_prefill_graphs(model):
+                self.prefill_graphs = PrefillGraphs(model, cache, max_num_seqs, max_model_len,
+                                                    prefill_graph_tokens)
+            self.continuation_graphs = ContinuationGraphs(model, cache, max_num_seqs,
+                                                          max_model_len, prefill_graph_tokens)
+            pool = torch.cuda.graph_pool_handle()  # one pool: the two never replay at once
+            self.continuation_graphs.pool = pool
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.pool = pool
 
     @torch.no_grad()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
@@ -131,20 +146,24 @@ class ModelRunner:
         return out
 
     def _prefill_groups(self, chunks: list[ScheduledRequest]) -> list[tuple[list, object]]:
-        """The step's prefill chunks as (group, runner): the prefill graphs' groups first,
-        then the rest grouped by equal length for the eager forward."""
-        graphs = self.prefill_graphs
-        if graphs is None:
-            return [(g, self._run_prefill) for g in _equal_length_groups(chunks)]
+        """The step's prefill chunks as (group, runner): the first-chunk graphs' groups, the
+        continuation graphs' groups, then the rest grouped by equal length for the eager
+        forward."""
+        families = [g for g in (self.prefill_graphs, self.continuation_graphs) if g is not None]
         # prompt logprobs need every position's logits, and speculating requests the main
-        # stack's output for the MTP module: those chunks prefill eagerly
+        # stack's output for the MTP module: those chunks prefill eagerly, as do chunks no
+        # bucket holds (longer than the largest length bucket)
         spec = self.speculative
-        graphed = [graphs.takes(c) and c.params.prompt_logprobs is None
-                   and not (spec is not None and spec.wants(c)) for c in chunks]
-        taken = [c for c, g in zip(chunks, graphed, strict=True) if g]
-        rest = [c for c, g in zip(chunks, graphed, strict=True) if not g]
-        return ([(g, graphs.run) for g in graphs.groups(taken)]
-                + [(g, self._run_prefill) for g in _equal_length_groups(rest)])
+        out, rest = [], []
+        taken: list[list[ScheduledRequest]] = [[] for _ in families]
+        for c in chunks:
+            eager = c.params.prompt_logprobs is not None or (spec is not None and spec.wants(c))
+            family = None if eager else next(
+                (i for i, g in enumerate(families) if g.takes(c)), None)
+            (rest if family is None else taken[family]).append(c)
+        for graphs, mine in zip(families, taken, strict=True):
+            out += [(g, graphs.run) for g in graphs.groups(mine)]
+        return out + [(g, self._run_prefill) for g in _equal_length_groups(rest)]
 
     # -- inputs and forward ----------------------------------------------------------------------
     def _run_prefill(self, chunks: list[ScheduledRequest], all_positions: bool = False

@@ -1,4 +1,6 @@
-"""First prefill chunks as replayed CUDA graphs, one per (batch, length) bucket.
+"""Prefill chunks as replayed CUDA graphs: first chunks one per (batch, length) bucket
+(:class:`PrefillGraphs`), continuation chunks one per (batch, length, width) bucket
+(:class:`ContinuationGraphs`).
 
 Eager prefill of a short prompt is launch-bound: each of the model's blocks launches tens of
 small kernels whatever the chunk's length, so a 128-token prompt costs about as much host
@@ -12,7 +14,8 @@ preempted sequence's recompute) of at most ``max_len`` tokens. Chunks of any len
 one replay: ``B`` chunks whose longest has ``L`` tokens run the graph of the smallest bucket
 ``(b >= B, l >= L)`` -- batch sizes as the decode graphs' (1, 2, 4, 8, then multiples of 8),
 lengths powers of two from 16 -- while ``b * l <= max_tokens`` (longer work is
-compute-bound, so it runs eagerly). Continuation chunks (``start > 0``) run eagerly.
+compute-bound, so it runs eagerly). Continuation chunks (``start > 0``) take the
+:class:`ContinuationGraphs` (right padding, below).
 
 Padding goes *before* each row's tokens (left padding), so every row's last token sits at
 the last index (its logits are read there) and:
@@ -29,13 +32,17 @@ the last index (its logits are read there) and:
 * padding rows (batch up to the bucket) write into the scratch block and scratch slot.
 
 Graphs are captured lazily on first use (:meth:`PrefillGraphs.capture_all` captures every
-bucket up front) and share one memory pool, apart from the decode graphs' pool.
+bucket up front) and share one memory pool with the continuation graphs (the model runner
+gives both one; the two never replay at once), apart from the decode graphs' pool.
 
 The eager path (unpadded, grouped by equal length, :meth:`HybridLM.forward_paged`) is the
 reference the padded replay is tested against (``tests/infer/test_prefill_graphs.py``, CPU
-and CUDA). A model with a hashed n-gram branch prefills eagerly (its n-gram windows would
-span the padding), and the model runner keeps chunks that want prompt logprobs (every
-position's logits) on the eager path.
+and CUDA; ``tests/infer/test_prefill_graphs_continuation.py`` for continuations). A model
+with a hashed n-gram branch prefills its first chunks eagerly (its n-gram windows would span
+the left padding; right padding does not enter them, so its continuations take the graphs).
+The model runner keeps chunks that want prompt logprobs (every position's logits) or an MTP
+draft (speculative decoding reads the main stack's hidden states) on the eager path, and so
+are chunks longer than the largest length bucket.
 """
 
 from __future__ import annotations
@@ -47,7 +54,13 @@ import torch
 
 from megacpp.errors import MegaCppError
 from megacpp.infer.cache_manager import CacheManager
-from megacpp.infer.graphs import _EagerReplay, batch_buckets, bucket
+from megacpp.infer.graphs import (
+    StaticInputs,
+    batch_buckets,
+    bucket,
+    capture_step,
+    width_buckets,
+)
 from megacpp.infer.scheduler import ScheduledRequest
 from megacpp.model.cache import PagedBatch
 from megacpp.model.model import HybridLM
@@ -131,7 +144,8 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.buffers: dict[tuple[int, int], _Bucket] = {}
         self.buckets_used: set[tuple[int, int]] = set()
-        self._pool = None
+        self.pool = None  # the graphs' memory pool (the runner shares it with the
+        #                   continuation graphs)
 
     # -- which chunks ----------------------------------------------------------------------------
     def takes(self, chunk: ScheduledRequest) -> bool:
@@ -141,19 +155,7 @@ class PrefillGraphs:
     def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
         """``chunks`` (all :meth:`takes`), shortest first, cut into groups whose bucket holds
         at most ``max_tokens`` tokens (similar lengths together: little padding)."""
-        out: list[list[ScheduledRequest]] = []
-        group: list[ScheduledRequest] = []
-        longest = 0
-        for chunk in sorted(chunks, key=lambda c: len(c.token_ids)):
-            n = max(longest, len(chunk.token_ids))
-            if group and not self._fits(len(group) + 1, n):
-                out.append(group)
-                group, n = [], len(chunk.token_ids)
-            group.append(chunk)
-            longest = n
-        if group:
-            out.append(group)
-        return out
+        return _groups_within(chunks, self._fits)
 
     def _fits(self, rows: int, n: int) -> bool:
         if rows > self.batches[-1]:
@@ -240,27 +242,199 @@ class PrefillGraphs:
         self._fill_padding(buf)  # warm-up and capture runs touch only the scratch block/slot
         buf.dev.copy_(buf.host)
         batch, ids, layers = self._batch(buf), buf.dev_view("ids", buf.n), self.cache.layers
-
-        def forward() -> torch.Tensor:
-            return self.model.forward_paged(ids, layers, batch)
-
-        if not self.capture:  # CPU stand-in: same buffers, same padding, eager replays
-            out = forward()
-            return _EagerReplay(forward, out), out
-        stream = torch.cuda.Stream(device=buf.dev.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # allocator, cuBLAS and Triton autotuning warm-up
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = forward()
+            graph, out, self.pool = capture_step(
+                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
+                self.pool, self.capture)
         except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
             raise MegaCppError(
                 f"capturing the prefill forward of bucket {buf.b} x {buf.n} failed ({exc}); "
                 "serve with --no-prefill-graphs, or with kernels that do not sync the host"
             ) from exc
-        self._pool = graph.pool()
         return graph, out
+
+
+class ContinuationGraphs:
+    """Captures and replays continuation chunks (``start > 0``): the chunk after a prefix-cache
+    hit, after a snapshot cut, a later chunk of a long prompt.
+
+    ``B`` chunks whose longest has ``L`` tokens and whose furthest ends in block ``W`` run the
+    graph of the smallest bucket ``(b >= B, l >= L, w >= W)`` -- the prefill graphs' batch and
+    length buckets, the decode graphs' width buckets (:mod:`megacpp.infer.graphs`) -- while
+    ``b * l <= max_tokens``. The attention reads each row's earlier KV blocks through its
+    block table (masked by position), and M/R continue from the row's slot
+    (``PagedBatch.continues``: no host-side zero check).
+
+    Padding goes *after* each row's tokens (right padding): a row's real tokens keep their
+    positions ``start..end-1`` and their blocks, and the logits are read at its last real
+    token (``PagedBatch.last_index``). Padding tokens are token 0 at the row's last real
+    position (their queries see the real token's keys: finite), writing their cache entries
+    into the scratch block; M and R keep the state the last real token left (Mamba-3: step
+    size 0 and the last real k, v; gated delta: no decay, no write, the conv tail taken at the
+    last real token). Padding rows write into the scratch block and scratch slot.
+
+    All buckets share one :class:`~megacpp.infer.graphs.StaticInputs` (``max_tokens``
+    tokens, ``max_batch`` block tables of ``max_width`` blocks) and one memory pool (the
+    first-chunk graphs' when the runner passes it). A graph holds its output and its share of
+    the pool: the largest bucket's activations, about an eager forward of ``max_tokens``
+    tokens against ``max_width * block_size`` keys.
+    """
+
+    def __init__(
+        self,
+        model: HybridLM,
+        cache: CacheManager,
+        max_batch: int,
+        max_len: int,
+        max_tokens: int,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.cache, self.capture = model, cache, capture
+        self.max_tokens = max_tokens
+        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
+        if not self.lengths:
+            raise MegaCppError(f"continuation graphs: max_tokens {max_tokens} is below the "
+                               f"smallest length bucket {MIN_LENGTH}")
+        self.max_len = self.lengths[-1]
+        self.batches = batch_buckets(max_batch)
+        self.max_width = -(-max_len // cache.block_size)
+        self.widths = width_buckets(self.max_width)
+        self.uses_structure = model.structure_embed is not None
+        self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
+        n, T, C = max_batch, max_tokens, self.context_len
+        sizes = {"ids": T, "positions": T, "slot_mapping": T, "structure": T if
+                 self.uses_structure else 0, "tables": n * self.max_width, "state_slots": n,
+                 "last_index": n, "ngram": n * C}
+        pads = {"ids": 0, "positions": 0,  # token 0 at position 0
+                "slot_mapping": cache.null_block * cache.block_size,  # the scratch block
+                "structure": 0, "tables": cache.null_block, "state_slots": cache.null_slot,
+                "last_index": 0, "ngram": -1}  # no previous tokens
+        self.inputs = StaticInputs(sizes, pads, cache.device)
+        self.graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
+        self.buckets_used: set[tuple[int, int, int]] = set()
+        self.pool = None  # the runner may set the first-chunk graphs' pool
+
+    # -- which chunks ----------------------------------------------------------------------------
+    def takes(self, chunk: ScheduledRequest) -> bool:
+        """A chunk that continues its sequence and fits the largest length bucket."""
+        return chunk.start > 0 and len(chunk.token_ids) <= self.max_len
+
+    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """``chunks`` (all :meth:`takes`), shortest first, cut into groups whose bucket holds
+        at most ``max_tokens`` tokens."""
+        return _groups_within(chunks, self._fits)
+
+    def _fits(self, rows: int, n: int) -> bool:
+        if rows > self.batches[-1]:
+            return False
+        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
+
+    def _width(self, chunks: list[ScheduledRequest]) -> int:
+        return -(-max(c.end for c in chunks) // self.cache.block_size)
+
+    # -- replay ----------------------------------------------------------------------------------
+    def run(self, chunks: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits [len(chunks), V] at each chunk's last token (a view into the graph's output
+        buffer, valid until the next call)."""
+        B, L, W = len(chunks), max(len(c.token_ids) for c in chunks), self._width(chunks)
+        if not all(self.takes(c) for c in chunks) or not self._fits(B, L) or W > self.max_width:
+            raise ValueError(f"continuation graphs: {B} chunks of up to {L} tokens over {W} "
+                             "blocks (or a chunk that starts its sequence) fit no bucket")
+        b, n, w = bucket(self.batches, B), bucket(self.lengths, L), bucket(self.widths, W)
+        graph, out = self._graph(b, n, w)  # capture first: it fills the buffers with padding
+        self.buckets_used.add((b, n, w))
+        self._stage(chunks, n)
+        graph.replay()
+        return out[:B]
+
+    def _stage(self, chunks: list[ScheduledRequest], n: int) -> None:
+        """Write the chunks, right-padded to ``n`` tokens, into the static buffers."""
+        inputs, bs = self.inputs, self.cache.block_size
+        inputs.pad()
+        ids, positions = inputs.host("ids")[: len(chunks) * n], inputs.host("positions")
+        slots, structure = inputs.host("slot_mapping"), inputs.host("structure")
+        tables = inputs.host("tables").reshape(-1, self.max_width)
+        for i, chunk in enumerate(chunks):
+            k, lo = len(chunk.token_ids), i * n
+            pos = np.arange(chunk.start, chunk.end, dtype=np.int64)
+            table = np.asarray(chunk.block_table[: self.max_width], dtype=np.int64)
+            ids[lo : lo + k] = chunk.token_ids
+            positions[lo : lo + k] = pos
+            positions[lo + k : lo + n] = chunk.end - 1  # padding: the last real position
+            slots[lo : lo + k] = table[pos // bs] * bs + pos % bs
+            tables[i, : len(table)] = table
+            if self.uses_structure:
+                structure[lo : lo + k] = chunk.structure_ids
+        B = len(chunks)
+        inputs.host("state_slots")[:B] = [c.state_slot for c in chunks]
+        inputs.host("last_index")[:B] = [len(c.token_ids) - 1 for c in chunks]
+        if self.context_len:
+            context = inputs.host("ngram").reshape(-1, self.context_len)
+            for i, chunk in enumerate(chunks):
+                before = chunk.history[max(0, chunk.start - self.context_len) : chunk.start]
+                context[i] = [-1] * (self.context_len - len(before)) + before
+        inputs.upload()
+
+    def _batch(self, b: int, n: int, w: int) -> PagedBatch:
+        """The (b, n, w) bucket's view of the static buffers."""
+        dev, C = self.inputs.dev, self.context_len
+        return PagedBatch(
+            positions=dev("positions")[: b * n].view(b, n),
+            slot_mapping=dev("slot_mapping")[: b * n],
+            block_tables=dev("tables").view(-1, self.max_width)[:b, :w],
+            state_slots=dev("state_slots")[:b],
+            last_index=dev("last_index")[:b],
+            structure_ids=dev("structure")[: b * n].view(b, n) if self.uses_structure else None,
+            ngram_context=dev("ngram").view(-1, C)[:b] if C else None,
+            continues=True,
+        )
+
+    # -- capture ---------------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Capture every bucket now (largest first, so smaller ones reuse its memory): batch x
+        length x width buckets, as many as fit ``max_tokens``."""
+        for b in reversed(self.batches):
+            for n in reversed(self.lengths):
+                for w in reversed(self.widths):
+                    if b * n <= self.max_tokens:
+                        self._graph(b, n, w)
+
+    def _graph(self, b: int, n: int, w: int) -> tuple[object, torch.Tensor]:
+        if (b, n, w) not in self.graphs:
+            self.graphs[(b, n, w)] = self._capture(b, n, w)
+        return self.graphs[(b, n, w)]
+
+    @torch.no_grad()
+    def _capture(self, b: int, n: int, w: int) -> tuple[object, torch.Tensor]:
+        self.inputs.pad()  # warm-up and capture runs touch only the scratch block/slot
+        self.inputs.upload(blocking=True)
+        batch, layers = self._batch(b, n, w), self.cache.layers
+        ids = self.inputs.dev("ids")[: b * n].view(b, n)
+        try:
+            graph, out, self.pool = capture_step(
+                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
+                self.pool, self.capture)
+        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
+            raise MegaCppError(
+                f"capturing the continuation forward of bucket {b} x {n} x {w} blocks failed "
+                f"({exc}); serve with --no-prefill-graphs, or with kernels that do not sync "
+                "the host") from exc
+        return graph, out
+
+
+def _groups_within(chunks: Iterable[ScheduledRequest], fits) -> list[list[ScheduledRequest]]:
+    """``chunks`` shortest first, cut into groups for which ``fits(rows, longest)`` holds
+    (similar lengths together: little padding)."""
+    out: list[list[ScheduledRequest]] = []
+    group: list[ScheduledRequest] = []
+    longest = 0
+    for chunk in sorted(chunks, key=lambda c: len(c.token_ids)):
+        n = max(longest, len(chunk.token_ids))
+        if group and not fits(len(group) + 1, n):
+            out.append(group)
+            group, n = [], len(chunk.token_ids)
+        group.append(chunk)
+        longest = n
+    if group:
+        out.append(group)
+    return out

@@ -44,6 +44,9 @@ class PagedBatch:
                   (the scratch block): keys past a query's position are masked out.
     state_slots:  [B] int64 state slot of each row in the M and R pools.
     last_index:   [B] int64 index in ``L`` of each row's last real token, or None (L - 1).
+                  Tokens after it are right padding (the continuation graphs): their
+                  logits are not read, their cache entries go to the scratch block
+                  (``slot_mapping``), and M and R keep the state the last real token left.
     structure_ids: [B, L] int64 structure id of each input token, for a model with a
                   structure-id embedding (else None).
     ngram_context: [B, max order - 1] int64 the tokens before each row's first input token,
@@ -56,6 +59,9 @@ class PagedBatch:
     fresh:        every row starts from the empty state (a first prefill chunk): M and R
                   neither read nor check their slots' contents (no host sync), they only
                   write the new state.
+    continues:    every row continues its slot's state (a continuation chunk): M and R read
+                  the slots without first checking them for zeros (Mamba-3's check is a host
+                  sync), so the forward can be captured.
     """
 
     positions: Tensor
@@ -67,6 +73,7 @@ class PagedBatch:
     ngram_context: Tensor | None = None
     doc_ids: Tensor | None = None
     fresh: bool = False
+    continues: bool = False
     _memo: dict = field(default_factory=dict, repr=False)  # tables shared by the layers
 
     def forget(self) -> None:

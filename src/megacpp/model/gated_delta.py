@@ -162,6 +162,7 @@ class GatedDeltaNetMixer(RecurrentMixer):
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
         cache: GatedDeltaCache | None = None, fresh: bool = False,
+        last_index: Tensor | None = None, continues: bool = False,
     ) -> Tensor:
         """Mix a sequence with the chunked op (``again`` is empty: ``INPUT_FANOUT`` 1).
 
@@ -171,10 +172,14 @@ class GatedDeltaNetMixer(RecurrentMixer):
         training path (zero initial state). With ``cache`` it continues from the cache (its
         first token continues the cached document) and writes the final state back: prefill.
         ``fresh``: start from the empty state whatever ``cache`` holds (only written).
+        ``last_index`` [B]: each row's last real token; the tokens after it (right padding)
+        neither decay nor write the state (g = 0, beta = 0) and the conv tail written back
+        ends at the last real token. ``continues`` changes nothing here (the cache is read
+        without a check either way).
         """
         chunked = resolve("gated_delta", x).fn  # the reference unless MEGACPP_KERNELS picks one
         op = partial(chunked, chunk_size=self.chunk_size)
-        return self._mix(x, doc_ids, cache, op, fresh)
+        return self._mix(x, doc_ids, cache, op, fresh, last_index)
 
     def step(self, x: Tensor, cache: GatedDeltaCache) -> Tensor:
         """One decode step with the recurrent op: ``x`` [B, 1, d_model]; updates ``cache``."""
@@ -225,7 +230,7 @@ class GatedDeltaNetMixer(RecurrentMixer):
 
     def _mix(
         self, x: Tensor, doc_ids: Tensor | None, cache: GatedDeltaCache | None, op: GatedDeltaOp,
-        fresh: bool = False,
+        fresh: bool = False, last_index: Tensor | None = None,
     ) -> Tensor:
         self._check_inputs(x, doc_ids, cache)
         B, L, _ = x.shape
@@ -236,7 +241,10 @@ class GatedDeltaNetMixer(RecurrentMixer):
             qkv = resolve("short_conv", qkv).fn(qkv, self.conv_weight, doc_ids)
         else:
             history = None if fresh else cache.conv_state  # None: zeros
+            conv_in = qkv
             qkv, conv_tail = short_causal_conv(qkv, self.conv_weight, history, doc_ids)
+            if last_index is not None:
+                conv_tail = _conv_tail_at(history, conv_in, last_index)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.view(B, L, H, K))  # [B, L, H, K]
         k = l2norm(k.view(B, L, H, K))
@@ -244,6 +252,11 @@ class GatedDeltaNetMixer(RecurrentMixer):
         f32 = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for fp64 runs
         g = -self.A_log.to(f32).exp() * F.softplus(a.to(f32) + self.dt_bias.to(f32))  # [B, L, H]
         beta = b.to(f32).sigmoid()  # [B, L, H]
+        if last_index is not None:  # right padding: no decay, no write (selected, so even
+            #                           non-finite padding values stay out of the state)
+            padding = torch.arange(L, device=x.device)[None, :, None] > last_index[:, None, None]
+            g, beta = g.masked_fill(padding, 0.0), beta.masked_fill(padding, 0.0)
+            q, k, v = (t.masked_fill(padding[..., None], 0.0) for t in (q, k, v))
 
         o, state = op(
             q,
@@ -281,6 +294,19 @@ class GatedDeltaNetMixer(RecurrentMixer):
                     raise ValueError(
                         f"cache.{name} must have shape {list(shape)} for batch {B}, got {list(got)}"
                     )
+
+
+def _conv_tail_at(history: Tensor | None, conv_in: Tensor, last_index: Tensor) -> Tensor:
+    """The conv inputs ending at each row's ``last_index`` [B]: [B, C, W - 1], oldest first,
+    from ``history`` [B, C, W - 1] (None: zeros) followed by ``conv_in`` [B, L, C]."""
+    B, _, C = conv_in.shape
+    if history is None:
+        raise ValueError("right padding (last_index) needs the conv history to continue")
+    width = history.shape[2]
+    seq = torch.cat([history.transpose(1, 2).to(conv_in.dtype), conv_in], dim=1)  # [B, W-1+L, C]
+    # token t sits at W - 1 + t: the W - 1 inputs ending at it start at index t + 1
+    index = last_index[:, None] + torch.arange(1, width + 1, device=conv_in.device)  # [B, W-1]
+    return seq.gather(1, index[:, :, None].expand(B, width, C)).transpose(1, 2)
 
 
 def l2norm(x: Tensor) -> Tensor:

@@ -182,6 +182,7 @@ class Mamba3Mixer(RecurrentMixer):
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
         cache: Mamba3ScanState | None = None, fresh: bool = False,
+        last_index: Tensor | None = None, continues: bool = False,
     ) -> Tensor:
         """Chunked scan over x [B, L, d_model] -> [B, L, d_model].
 
@@ -193,10 +194,16 @@ class Mamba3Mixer(RecurrentMixer):
             receives the final state): no host sync, so a first prefill chunk can be captured.
         again: up to two more tensors with x's values, read by in_proj's second and third
             GEMMs (default x).
+        last_index: [B] each row's last real token; the tokens after it (right padding)
+            leave the state as it was (:func:`hold_state_after`).
+        continues: continue from ``cache`` without checking it for zeros (no host sync: a
+            continuation chunk can be captured).
         """
         reset = None if doc_ids is None else _doc_starts(doc_ids, x.shape[:2])
         inputs = self._scan_inputs(x, again)
-        scan, initial = self._chunked_scan(inputs["v"], cache, fresh)
+        if last_index is not None:
+            inputs = hold_state_after(inputs, last_index)
+        scan, initial = self._chunked_scan(inputs["v"], cache, fresh, continues)
         y, final = scan(**inputs, reset=reset, initial_state=initial, chunk_size=self.chunk_size,
                         output_final_state=cache is not None)
         if cache is not None:
@@ -204,15 +211,17 @@ class Mamba3Mixer(RecurrentMixer):
         return self._output(y)
 
     def _chunked_scan(
-        self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool
+        self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool, continues: bool = False
     ) -> tuple[Callable[..., tuple[Tensor, Mamba3ScanState | None]], Mamba3ScanState | None]:
         """The chunked scan :meth:`forward` runs on v [B, L, H, P], and the state it starts from.
 
         The catalog's backend (reference unless MEGACPP_KERNELS says so); a prefill that
         continues a non-zero cache runs the reference, the only form that takes an initial
-        state (an all-zero cache -- a first prefill chunk -- is the same as none).
+        state (an all-zero cache -- a first prefill chunk -- is the same as none; with
+        ``continues`` the cache is taken as non-zero unchecked).
         """
-        initial = None if cache is None or fresh or cache.is_zero() else cache
+        unused = cache is None or fresh or (not continues and cache.is_zero())
+        initial = None if unused else cache
         scan = mamba3_scan_chunked if initial is not None else resolve("mamba3_scan", v).fn
         return scan, initial
 
@@ -336,6 +345,29 @@ class Mamba3Mixer(RecurrentMixer):
         projections = 2 * self.d_model * (sum(self._split) + self.d_inner)
         H, P, N = self.nheads, self.headdim, self.d_state
         return projections + scan_flops_per_token(seq_len, self.chunk_size, H, P, N)
+
+
+def hold_state_after(inputs: dict[str, Tensor], last_index: Tensor) -> dict[str, Tensor]:
+    """The scan inputs with every token after its row's ``last_index`` [B] (right padding)
+    turned into one that leaves the state as the last real token left it: step size and decay
+    0 (no input, no decay, no rotation: every trapezoid weight of the padding is a multiple of
+    dt), trapezoid and angle logits 0, and the last real token's k and v (the state keeps them
+    as the trapezoid's previous pair). Selected, not multiplied, so even non-finite padding
+    values stay out of the state and the real tokens' outputs (q and z of a padding token
+    reach only its own output)."""
+    v = inputs["v"]
+    B, L = v.shape[:2]
+    rows = torch.arange(B, device=v.device)
+    padding = torch.arange(L, device=v.device)[None, :] > last_index[:, None]  # [B, L]
+    held = dict(inputs)
+    for name in ("dt", "adt", "trap", "angles"):  # [B, L, H] (angles [B, L, H, R])
+        t = inputs[name]
+        held[name] = t.masked_fill(padding.view(B, L, *([1] * (t.ndim - 2))), 0.0)
+    for name in ("k", "v"):  # [B, L, ...]: the last real token's, repeated
+        t = inputs[name]
+        mask = padding.view(B, L, *([1] * (t.ndim - 2)))
+        held[name] = torch.where(mask, t[rows, last_index][:, None], t)
+    return held
 
 
 def _doc_starts(doc_ids: Tensor, batch_seqlen: torch.Size) -> Tensor:

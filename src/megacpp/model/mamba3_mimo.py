@@ -96,7 +96,7 @@ class Mamba3MimoMixer(Mamba3Mixer):
             self.mimo_o.fill_(1.0 / self.mimo_rank)
 
     def _chunked_scan(
-        self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool
+        self, v: Tensor, cache: Mamba3ScanState | None, fresh: bool, continues: bool = False
     ) -> tuple[Callable[..., tuple[Tensor, Mamba3ScanState | None]], Mamba3ScanState | None]:
         """The catalog's backend (reference unless MEGACPP_KERNELS says so); both of ours
         continue from a cache (a prefill); ``fresh`` starts from the empty state unread. With

@@ -123,11 +123,15 @@ class RecurrentMixer(Mixer):
     @abstractmethod
     def forward(
         self, x: Tensor, doc_ids: Tensor | None = None, again: tuple[Tensor, ...] = (),
-        cache: Any = None, fresh: bool = False,
+        cache: Any = None, fresh: bool = False, last_index: Tensor | None = None,
+        continues: bool = False,
     ) -> Tensor:
         """:meth:`Mixer.forward`; with ``cache`` (an :meth:`init_cache` state), continue from
         it and write the final state back (prefill). ``fresh``: start from the empty state
-        whatever ``cache`` holds (only the final state is written)."""
+        whatever ``cache`` holds (only the final state is written). ``last_index`` [B]: each
+        row's last real token; the tokens after it are right padding, and the state written
+        back is the one after the last real token. ``continues``: read ``cache`` as the state
+        to continue without checking it for zeros (no host sync)."""
 
     @abstractmethod
     def step(self, x: Tensor, cache: Any) -> Tensor:
@@ -147,8 +151,9 @@ class RecurrentMixer(Mixer):
     ) -> Tensor:
         """The rows' slots (``cache.batch.state_slots``) gathered from the state pool, advanced
         (one token: :meth:`step`; more: the chunked forward from the state, i.e. chunked
-        prefill) and scattered back. Padding is allowed only before a row's tokens, in a
-        document of its own (``batch.doc_ids``), so it never reaches the state."""
+        prefill) and scattered back. Padding before a row's tokens is a document of its own
+        (``batch.doc_ids``); padding after them (``batch.last_index``) leaves the state as the
+        last real token left it: padding never reaches the state."""
         batch = cache.batch
         slots = batch.state_slots
         state = gather_state(cache.pool, slots)
@@ -156,6 +161,7 @@ class RecurrentMixer(Mixer):
             out = self.step(x, state)
         else:
             out = self.forward(x, doc_ids=batch.doc_ids, again=again, cache=state,
-                               fresh=batch.fresh)
+                               fresh=batch.fresh, last_index=batch.last_index,
+                               continues=batch.continues)
         scatter_state(cache.pool, slots, state)
         return out
