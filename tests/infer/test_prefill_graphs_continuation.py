@@ -18,9 +18,8 @@ from megacpp.infer.prefill_graphs import (
     supports_prefill_graphs,
 )
 from megacpp.infer.scheduler import ScheduledRequest
-from megacpp.model.config import ModelConfig
 from tests.infer import test_prefix_cache as pc
-from tests.infer.test_prefill_graphs import _logits_by_step
+from tests.infer.test_prefill_graphs import _logits_by_step, assert_same_steps
 from tests.model.conftest import small_config
 
 tokenizer = pc.tokenizer  # the module fixture
@@ -46,16 +45,7 @@ def model(request, tokenizer):
         return pc._model(small_config("AMEAR", vocab_size=vocab, init_std=0.3))
     if request.param == "mimo":
         return pc._model(small_config("A M:mimo E A R", vocab_size=vocab, init_std=0.3))
-    return pc._model(ModelConfig.from_dict({  # MLA and DSA pages with M and R states
-        "model": {"pattern": "A:mla M R A:dsa D", "vocab_size": vocab, "d_model": 32,
-                  "init_std": 0.3},
-        "mla": {"n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
-                "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8},
-        "dsa": {"index_n_heads": 2, "index_head_dim": 8, "top_k": 6, "query_chunk": 8},
-        "mamba": {"d_state": 8, "headdim": 8, "expand": 2, "chunk_size": 4},
-        "rnn": {"n_heads": 2, "head_k_dim": 8, "head_v_dim": 8, "chunk_size": 4},
-        "mlp": {"ffn": 48},
-    }))
+    return pc._model(pc.latent_config(vocab))  # MLA and DSA pages with M and R states
 
 
 def _chunk(n: int, start: int, blocks: int = 24) -> ScheduledRequest:
@@ -124,11 +114,7 @@ def test_continuation_graphs_equal_eager_with_the_prefix_cache(model, tokenizer,
     padded, padded_steps = run(engine)
     assert {rid: t[0] for rid, t in padded.items()} == want_tokens
     assert padded == eager
-    assert len(padded_steps) == len(eager_steps)
-    for a, b in zip(padded_steps, eager_steps, strict=True):
-        assert a.keys() == b.keys()
-        for rid in a:
-            torch.testing.assert_close(a[rid], b[rid], rtol=0, atol=1e-9)
+    assert_same_steps(padded_steps, eager_steps)
     assert not eager_chunks  # every chunk fits a bucket: none ran eagerly
     assert engine.stats().prefix_hit_tokens > 0
     assert any(b > 1 for b, _, _ in graphs.buckets_used) == together

@@ -36,6 +36,20 @@ def _model(cfg: ModelConfig) -> HybridLM:
     return HybridLM(cfg).double().eval()
 
 
+def latent_config(vocab: int) -> ModelConfig:
+    """MLA and DSA pages beside M and R states, small."""
+    return ModelConfig.from_dict({
+        "model": {"pattern": "A:mla M R A:dsa D", "vocab_size": vocab, "d_model": 32,
+                  "init_std": 0.3},
+        "mla": {"n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8},
+        "dsa": {"index_n_heads": 2, "index_head_dim": 8, "top_k": 6, "query_chunk": 8},
+        "mamba": {"d_state": 8, "headdim": 8, "expand": 2, "chunk_size": 4},
+        "rnn": {"n_heads": 2, "head_k_dim": 8, "head_v_dim": 8, "chunk_size": 4},
+        "mlp": {"ffn": 48},
+    })
+
+
 @pytest.fixture(scope="module", params=["hybrid", "mimo", "latent", "attention"])
 def model(request, tokenizer) -> HybridLM:
     vocab = tokenizer.vocab_size
@@ -44,16 +58,7 @@ def model(request, tokenizer) -> HybridLM:
     if request.param == "mimo":  # Mamba-3 MIMO states (rank-R keys) in the snapshots
         return _model(small_config("A M:mimo E A R", vocab_size=vocab, init_std=0.3))
     if request.param == "latent":  # MLA and DSA pages with M and R states
-        return _model(ModelConfig.from_dict({
-            "model": {"pattern": "A:mla M R A:dsa D", "vocab_size": vocab, "d_model": 32,
-                      "init_std": 0.3},
-            "mla": {"n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
-                    "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8},
-            "dsa": {"index_n_heads": 2, "index_head_dim": 8, "top_k": 6, "query_chunk": 8},
-            "mamba": {"d_state": 8, "headdim": 8, "expand": 2, "chunk_size": 4},
-            "rnn": {"n_heads": 2, "head_k_dim": 8, "head_v_dim": 8, "chunk_size": 4},
-            "mlp": {"ffn": 48},
-        }))
+        return _model(latent_config(vocab))
     return _model(small_config("ADA", vocab_size=vocab, init_std=0.3))  # no M/R: no snapshots
 
 
