@@ -12,7 +12,8 @@ clock settles: ``a @ b`` in bf16, ``torch._scaled_mm`` in e4m3;
 :mod:`megacpp.kernels.timing`). FLOPs per token are the trainer's analytic count (the same
 for both precisions).
 
-``--loss-steps N`` (N >= 500 for the goal) adds the loss curves: for each preset, bf16 and
+``--loss-steps N`` (N >= 500 for the goal) adds the loss curves: for each preset (or each of
+``--loss-presets``), bf16 and
 each recipe train N steps from the same seed on the same data, and the table gives each
 run's final loss (the mean training loss of its last 20 steps) and final validation loss
 against bf16's (goal: within 1%); ``loss.png`` draws the curves.
@@ -318,7 +319,8 @@ def save(speed: list[SpeedRow], loss: list[LossRow], peaks: dict, args: argparse
             value = getattr(r, name)
             if r.status == "ok" and value is not None:
                 metrics[f"{r.preset}.{r.float8}.loss.{name}"] = float(value)
-    config = {"benchmark": "fp8", "presets": args.presets, "recipes": args.recipes,
+    config = {"benchmark": "fp8", "presets": args.presets, "loss_presets": args.loss_presets,
+              "recipes": args.recipes,
               "graphs": args.graphs, "speed_steps": args.speed_steps,
               "loss_steps": args.loss_steps, "device": args.device, "overrides": args.set,
               "dataset": str(data), "command": shlex.join([sys.executable, *sys.argv])}
@@ -343,6 +345,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="speed runs: steps left out of the median (warm-up, compile, capture)")
     ap.add_argument("--loss-steps", type=int, default=0,
                     help="steps of each loss-curve run (0: none; >= 500 for the 1%% goal)")
+    ap.add_argument("--loss-presets", nargs="+", default=None,
+                    help="the presets that get loss curves (default: every --presets one)")
     ap.add_argument("--val-batches", type=int, default=8, help="loss runs: validation batches")
     ap.add_argument("--micro-batch", type=int, default=0,
                     help="rows per micro-step (0: the run config's)")
@@ -359,6 +363,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.compact:
         args.presets, args.recipes, args.graphs = ["nam56r-350m"], ["tensorwise"], ["on", "off"]
+    unknown = sorted(set(args.loss_presets or ()) - set(args.presets))
+    if unknown:
+        ap.error(f"--loss-presets {' '.join(unknown)}: not among --presets")
     if args.device == "cpu" and "on" in args.graphs:
         args.graphs = ["off"]  # CUDA graphs need CUDA
     if args.speed_steps and args.speed_steps <= args.skip_steps:
@@ -389,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
                               f"{row.status} {_f(row.tokens_per_s, ',.0f')} tok/s "
                               f"({time.perf_counter() - started:.0f} s)")
                 speed.append(row)
-        if args.loss_steps:
+        if args.loss_steps and (args.loss_presets is None or preset in args.loss_presets):
             for recipe in ("off", *args.recipes):
                 row = loss_row(preset, config, recipe, args, data)
                 console.print(f"{preset} float8={recipe} loss run: {row.status} final "

@@ -231,7 +231,6 @@ HEADLINE: list[tuple[str, Callable[[dict], list[list[str]]]]] = [
     ("train_step", _train_step),
     ("muon_step", _muon),
     ("fp8", _fp8),
-    ("fp8_loss", _fp8),
     ("serve_decode", _serve),
     ("data_pipeline", _data_pipeline),
     ("verifier_throughput", _verifier),

@@ -48,3 +48,12 @@ def test_fp8_benchmark_runs_bf16_skips_fp8_on_the_cpu_and_writes_results(tmp_pat
     receipt = json.loads((out / "receipt.json").read_text())
     assert receipt["kind"] == "bench" and "tiny-fp8.off.eager.tokens_per_s" in receipt["metrics"]
     assert "--loss-steps 3" in (out / "command.txt").read_text()
+
+
+def test_loss_presets_must_be_among_the_presets(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--presets", "nam56r-350m",
+           "--loss-steps", "3", "--loss-presets", "nam56r-1b", "--out", str(tmp_path / "o")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2
+    assert "--loss-presets nam56r-1b: not among --presets" in result.stderr
+    assert not (tmp_path / "o").exists()
