@@ -44,6 +44,7 @@ from megacpp.eval import CppVerifier, Problem, Sample, Status, verify_samples
 from megacpp.infer.batch import CPP_BODY_STOP, BatchRequest, close_function_body, run_batch
 from megacpp.infer.cache_manager import pool_bytes
 from megacpp.infer.engine import Engine, EngineConfig
+from megacpp.infer.generate import BLOCK_SIZE
 from megacpp.infer.memory import check_fits
 from megacpp.infer.sampling import SamplingParams, sample_seed
 from megacpp.model.model import IGNORE_INDEX, HybridLM
@@ -67,7 +68,6 @@ from megacpp.posttrain.sft import completion_batch, prompt_ids
 
 ADVANTAGE_EPS = 1e-4
 PLOT_FILE = "plot.png"
-BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
