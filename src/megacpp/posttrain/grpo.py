@@ -60,6 +60,7 @@ from megacpp.posttrain.common import (
     open_metrics_log,
     publish_final,
     refuse_eval_only,
+    require_at_least_one,
     save_checkpoint,
     trainable_parameters,
     write_run_receipt,
@@ -95,11 +96,8 @@ class GrpoConfig:
     lora: LoraOptions = field(default_factory=LoraOptions)
 
     def check(self) -> None:
-        for name in ("steps", "tasks_per_step", "group_size", "max_new_tokens", "inner_steps",
-                     "micro_batch", "workers"):
-            if getattr(self, name) < 1:
-                raise PosttrainError(f"--{name.replace('_', '-')} {getattr(self, name)}: "
-                                     "expected >= 1")
+        require_at_least_one(self, ("steps", "tasks_per_step", "group_size", "max_new_tokens",
+                                    "inner_steps", "micro_batch", "workers"))
         if self.group_size < 2:
             raise PosttrainError(f"--group-size {self.group_size}: GRPO compares completions "
                                  "within a group; expected >= 2")
