@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 BENCHMARK = "fim"
 STEM = "fim_loss"
+DATA_CONFIG, RUN_CONFIG = "tiny", "tiny-cpu"  # the shipped data and run configs
 
 
 def build(sources: list[str], out: Path, fim_rate: float, seed: int, tokenizer: Path | None,
@@ -45,7 +46,7 @@ def build(sources: list[str], out: Path, fim_rate: float, seed: int, tokenizer: 
     """Build ``sources`` with the tiny data config and ``[fim] rate = fim_rate``."""
     from megacpp.data.build import BuildConfig, build_dataset
 
-    cfg = BuildConfig.from_toml("tiny")
+    cfg = BuildConfig.from_toml(DATA_CONFIG)
     cfg.fim.rate, cfg.fim.seed = fim_rate, seed
     cfg.fim.validate()
     start = time.perf_counter()
@@ -69,7 +70,7 @@ def train(data: Path, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]
                  f"checkpoint.every={args.steps}", "run.device=cpu", "run.plots=false",
                  f"run.seed={args.seed}", f"run.cpu_threads={args.threads}",
                  f"schedule.warmup_steps={max(1, args.steps // 10)}"]
-    cfg = load_run_config("tiny-cpu", overrides)
+    cfg = load_run_config(RUN_CONFIG, overrides)
     start = time.perf_counter()
     result = run_training(cfg, show_progress=False)
     return {"steps": result.steps, "final_train_loss": round(result.final_loss, 4),
@@ -101,6 +102,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from megacpp.data.build import BuildConfig
     from megacpp.receipts import write_receipt
     from megacpp.receipts.results import begin
 
@@ -141,9 +143,11 @@ def run(args: argparse.Namespace) -> None:
     result = {
         "benchmark": STEM, "device": "cpu", "cpus": os.cpu_count(),
         "sources": [str(Path(s).resolve()) for s in args.sources],
-        "data_config": "tiny", "run_config": "tiny-cpu", "steps": args.steps,
+        "data_config": DATA_CONFIG, "run_config": RUN_CONFIG, "steps": args.steps,
         "val_batches": args.val_batches, "seed": args.seed, "threads": args.threads,
-        "fim_rates": args.fim_rate, "spm_rate": 0.5, "validation_split_identical": True,
+        "fim_rates": args.fim_rate,
+        "spm_rate": BuildConfig.from_toml(DATA_CONFIG).fim.spm_rate,  # what build() used
+        "validation_split_identical": True,
         "val_loss_baseline": round(base, 5), "goal": args.goal, "comparisons": comparisons,
         "builds": builds, "runs": runs,
         "loadavg_before": [round(x, 2) for x in load_before],

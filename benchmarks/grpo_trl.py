@@ -77,6 +77,16 @@ def accept_right_padding(model_class) -> None:
     model_class.forward = forward_right_padded
 
 
+def exported_model_class(base: Path) -> type:
+    """The class ``AutoModelForCausalLM`` builds for the export at ``base`` (its remote code,
+    the same class object transformers caches), without loading the weights."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config = AutoConfig.from_pretrained(base, trust_remote_code=True)
+    return get_class_from_dynamic_module(config.auto_map["AutoModelForCausalLM"], base)
+
+
 def expose_backbone(causal_lm) -> None:
     """TRL scores completions through a fused LM head: it calls the backbone
     (``base_model``, here the HybridLM) with Hugging Face keywords, reads
@@ -128,10 +138,7 @@ def main() -> None:
     verifier = CppVerifier(problem_set.suite.build_options(), Sandbox())
     tokenizer = AutoTokenizer.from_pretrained(args.base, trust_remote_code=True)
     dataset = datasets.Dataset.from_list([{"prompt": p.prompt} for p in problem_set.problems])
-    from transformers import AutoModelForCausalLM
-
-    accept_right_padding(type(AutoModelForCausalLM.from_pretrained(args.base,
-                                                                   trust_remote_code=True)))
+    accept_right_padding(exported_model_class(args.base))
     # one prompt's group per generation batch (the exported model takes no left padding);
     # tasks_per_step groups are accumulated into one optimizer step
     config = GRPOConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -54,3 +55,5 @@ def utf8_text(value: str, option: str) -> str:
 FallbackOpt = Annotated[bool, typer.Option(
     "--fallback-to-previous", help="If the newest checkpoint of the run is incomplete or "
     "corrupt, use the newest intact one before it (otherwise that is an error).")]
+TokenizerOpt = Annotated[Path | None, typer.Option(
+    "--tokenizer", help="tokenizer.json (default: the checkpoint's own).")]

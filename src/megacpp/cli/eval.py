@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from megacpp._io import TEXT_LIMIT, read_text_bounded
-from megacpp.cli._options import DeviceOpt, FallbackOpt, resolve_device
+from megacpp.cli._options import DeviceOpt, FallbackOpt, TokenizerOpt, resolve_device
 from megacpp.errors import MegaCppError
 from megacpp.eval import (
     DEFAULT_KS,
@@ -291,7 +291,7 @@ def humaneval_x(
     suite_config: SuiteConfigOpt = None,
     k: Annotated[list[int] | None, typer.Option(
         "--k", help="k for pass@k (repeatable; default 1, 10, 100 where n allows).")] = None,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
+    tokenizer: TokenizerOpt = None,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     workers: WorkersOpt = DEFAULT_WORKERS,
@@ -533,8 +533,7 @@ def infill(
         help="Characters of text after the span at most (cut at a line end).")] = 1024,
     checkpoint: Annotated[Path | None, typer.Option(
         help="Run directory or checkpoints/step_N directory (or fill from --endpoint).")] = None,
-    tokenizer: Annotated[Path | None, typer.Option(
-        help="tokenizer.json (default: the checkpoint's own).")] = None,
+    tokenizer: TokenizerOpt = None,
     device: DeviceOpt = "auto",
     fallback_to_previous: FallbackOpt = False,
     endpoint: EndpointOpt = None,

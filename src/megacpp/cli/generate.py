@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 
 from megacpp._io import TEXT_LIMIT, read_text_bounded
-from megacpp.cli._options import DeviceOpt, FallbackOpt, resolve_device, utf8_text
+from megacpp.cli._options import DeviceOpt, FallbackOpt, TokenizerOpt, resolve_device, utf8_text
 from megacpp.errors import MegaCppError
 
 app = typer.Typer(add_completion=False)
@@ -32,7 +32,7 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop sequence (repeatable).")] = None,
     function_body: Annotated[bool, typer.Option(
         "--function-body", help="Complete a C++ function body: stop at its closing brace.")] = False,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: the checkpoint's own).")] = None,
+    tokenizer: TokenizerOpt = None,
     speculative_tokens: Annotated[int, typer.Option(
         help="Greedy (--temperature 0): tokens the model's MTP head drafts per step, verified "
              "by the model (0: off; needs [model.mtp] depth >= 1).")] = 0,

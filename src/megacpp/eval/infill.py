@@ -112,12 +112,17 @@ def load_documents(source: Path, extensions: Sequence[str] = DEFAULT_EXTENSIONS
 
 
 def _dataset_documents(root: Path) -> tuple[list[Document], dict[str, Any]]:
+    import pyarrow.compute as pc
+
     from megacpp.data.packing import VALIDATION
     from megacpp.data.shards import ShardedDataset
 
     dataset = ShardedDataset.open(root, verify=False)
-    table = dataset.documents(["split", "rel_path", "text"]).to_pylist()
-    documents = [Document(d["rel_path"], d["text"]) for d in table if d["split"] == VALIDATION]
+    table = dataset.documents(["split", "rel_path", "text"])
+    # only the validation rows become Python strings (the train split's text is most of it)
+    held_out = table.filter(pc.equal(table["split"], VALIDATION))
+    documents = [Document(d["rel_path"], d["text"])
+                 for d in held_out.select(["rel_path", "text"]).to_pylist()]
     if not documents:
         raise MegaCppError(f"the dataset {root} has no validation documents to hold out")
     return documents, {"kind": "dataset", "path": str(root.resolve()), "split": VALIDATION,

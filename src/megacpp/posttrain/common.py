@@ -43,6 +43,13 @@ class PosttrainError(MegaCppError):
     """Bad post-training input: data, options, a base model that cannot be used."""
 
 
+def require_at_least_one(cfg: Any, names: Sequence[str]) -> None:
+    """Refuse a config whose count fields ``names`` are below 1 (named as their CLI options)."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise PosttrainError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: expected >= 1")
+
+
 # -- eval-only sets never feed training ---------------------------------------------------------
 def eval_only_digests() -> set[str]:
     """Digests of the prompts of the eval-only sets (the shipped HumanEval-X C++)."""

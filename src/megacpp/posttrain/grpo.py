@@ -44,6 +44,7 @@ from megacpp.eval import CppVerifier, Problem, Sample, Status, verify_samples
 from megacpp.infer.batch import CPP_BODY_STOP, BatchRequest, close_function_body, run_batch
 from megacpp.infer.cache_manager import pool_bytes
 from megacpp.infer.engine import Engine, EngineConfig
+from megacpp.infer.generate import BLOCK_SIZE
 from megacpp.infer.memory import check_fits
 from megacpp.infer.sampling import SamplingParams, sample_seed
 from megacpp.model.model import IGNORE_INDEX, HybridLM
@@ -59,6 +60,7 @@ from megacpp.posttrain.common import (
     open_metrics_log,
     publish_final,
     refuse_eval_only,
+    require_at_least_one,
     save_checkpoint,
     trainable_parameters,
     write_run_receipt,
@@ -67,7 +69,6 @@ from megacpp.posttrain.sft import completion_batch, prompt_ids
 
 ADVANTAGE_EPS = 1e-4
 PLOT_FILE = "plot.png"
-BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,8 @@ class GrpoConfig:
     lora: LoraOptions = field(default_factory=LoraOptions)
 
     def check(self) -> None:
-        for name in ("steps", "tasks_per_step", "group_size", "max_new_tokens", "inner_steps",
-                     "micro_batch", "workers"):
-            if getattr(self, name) < 1:
-                raise PosttrainError(f"--{name.replace('_', '-')} {getattr(self, name)}: "
-                                     "expected >= 1")
+        require_at_least_one(self, ("steps", "tasks_per_step", "group_size", "max_new_tokens",
+                                    "inner_steps", "micro_batch", "workers"))
         if self.group_size < 2:
             raise PosttrainError(f"--group-size {self.group_size}: GRPO compares completions "
                                  "within a group; expected >= 2")

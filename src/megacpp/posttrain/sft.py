@@ -31,6 +31,7 @@ from megacpp.posttrain.common import (
     model_card,
     open_metrics_log,
     publish_final,
+    require_at_least_one,
     save_checkpoint,
     trainable_parameters,
     write_run_receipt,
@@ -50,10 +51,7 @@ class SftConfig:
     lora: LoraOptions = field(default_factory=LoraOptions)
 
     def check(self) -> None:
-        for name in ("steps", "batch_size", "max_len"):
-            if getattr(self, name) < 1:
-                raise PosttrainError(f"--{name.replace('_', '-')} {getattr(self, name)}: "
-                                     "expected >= 1")
+        require_at_least_one(self, ("steps", "batch_size", "max_len"))
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise PosttrainError(f"--lr {self.lr}: expected a number > 0")
         if self.save_every < 0:
