@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -111,19 +111,24 @@ class Mamba3Mixer(RecurrentMixer):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> Mamba3Mixer:
+        return cls(**cls._config_kwargs(cfg))
+
+    @classmethod
+    def _config_kwargs(cls, cfg: ModelConfig) -> dict[str, Any]:
+        """The constructor's keyword arguments from the config's model and ``[mamba]`` fields."""
         m = cfg.mamba
-        return cls(
-            d_model=cfg.d_model,
-            d_state=m.d_state,
-            headdim=m.headdim,
-            expand=m.expand,
-            ngroups=m.ngroups,
-            chunk_size=m.chunk_size,
-            rope_fraction=m.rope_fraction,
-            outproj_norm=m.outproj_norm,
-            norm_eps=cfg.norm_eps,
-            init_std=cfg.init_std,
-        )
+        return {
+            "d_model": cfg.d_model,
+            "d_state": m.d_state,
+            "headdim": m.headdim,
+            "expand": m.expand,
+            "ngroups": m.ngroups,
+            "chunk_size": m.chunk_size,
+            "rope_fraction": m.rope_fraction,
+            "outproj_norm": m.outproj_norm,
+            "norm_eps": cfg.norm_eps,
+            "init_std": cfg.init_std,
+        }
 
     def _validate(self, rope_fraction: float) -> None:
         for name in ("d_model", "d_state", "headdim", "ngroups", "chunk_size"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -69,21 +69,11 @@ class Mamba3MimoMixer(Mamba3Mixer):
         self.reset_parameters()
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> Mamba3MimoMixer:
+    def _config_kwargs(cls, cfg: ModelConfig) -> dict[str, Any]:
+        """:meth:`Mamba3Mixer._config_kwargs` with the rank and the MIMO chunk size."""
         m = cfg.mamba
-        return cls(
-            d_model=cfg.d_model,
-            mimo_rank=m.mimo_rank,
-            d_state=m.d_state,
-            headdim=m.headdim,
-            expand=m.expand,
-            ngroups=m.ngroups,
-            chunk_size=m.mimo_chunk_size,
-            rope_fraction=m.rope_fraction,
-            outproj_norm=m.outproj_norm,
-            norm_eps=cfg.norm_eps,
-            init_std=cfg.init_std,
-        )
+        return {**super()._config_kwargs(cfg), "mimo_rank": m.mimo_rank,
+                "chunk_size": m.mimo_chunk_size}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
