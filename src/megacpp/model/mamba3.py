@@ -327,16 +327,21 @@ class Mamba3Mixer(RecurrentMixer):
         """A zero cache (the state of an empty prefix) for ``batch_size`` sequences."""
         if dtype not in _CACHE_DTYPES:
             raise ConfigError(f"Mamba3 cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
+        return self._zero_cache(batch_size, device, dtype)
+
+    def _zero_cache(
+        self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype
+    ) -> Mamba3ScanState:
+        """The zero state of this mixer's scan (fields shaped as :class:`Mamba3ScanState`)."""
         return zero_scan_state(
             batch_size, self.nheads, self.headdim, self.d_state, self.n_angles,
             device=device, dtype=dtype,
         )
 
     def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of the decode cache: B * H * (R + P*N + N + P) elements of ``dtype``."""
-        P, N = self.headdim, self.d_state
-        per_head = self.n_angles + P * N + N + P
-        return batch * self.nheads * per_head * dtype.itemsize
+        """Bytes of the decode cache: B * H * (R + P*N + N + P) elements of ``dtype`` (the
+        cache's own size, from a cache on the meta device)."""
+        return self._zero_cache(batch, "meta", dtype).nbytes()
 
     def residual_projections(self) -> list[Tensor]:
         return [self.out_proj.weight]

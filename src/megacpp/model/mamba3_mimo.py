@@ -32,7 +32,7 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
 from megacpp.kernels.recompute import recompute_in_backward
 from megacpp.kernels.runtime import resolve
-from megacpp.model.mamba3 import _CACHE_DTYPES, Mamba3Mixer, _Gates
+from megacpp.model.mamba3 import Mamba3Mixer, _Gates
 
 if TYPE_CHECKING:
     from megacpp.model.config import ModelConfig
@@ -171,23 +171,15 @@ class Mamba3MimoMixer(Mamba3Mixer):
             "z": z.unflatten(-1, (H, P)),
         }
 
-    def init_cache(
-        self, batch_size: int, device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+    def _zero_cache(
+        self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype
     ) -> Mamba3ScanState:
-        """A zero cache (the state of an empty prefix) for ``batch_size`` sequences."""
-        if dtype not in _CACHE_DTYPES:
-            raise ConfigError(f"Mamba3 cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
+        """The zero MIMO state: k holds R keys per head, so the cache is
+        B * H * (A + P*N + R*N + P) elements (:meth:`state_bytes`)."""
         return zero_mimo_state(
             batch_size, self.nheads, self.headdim, self.d_state, self.n_angles, self.mimo_rank,
             device=device, dtype=dtype,
         )
-
-    def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of the decode cache: B * H * (A + P*N + R*N + P) elements of ``dtype``."""
-        P, N, R = self.headdim, self.d_state, self.mimo_rank
-        per_head = self.n_angles + P * N + R * N + P
-        return batch * self.nheads * per_head * dtype.itemsize
 
     def flops_per_token(self, seq_len: int) -> int:
         """Forward matmul FLOPs per token: projections + chunked MIMO scan (FlopCounterMode's
