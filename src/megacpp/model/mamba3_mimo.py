@@ -126,15 +126,17 @@ class Mamba3MimoMixer(Mamba3Mixer):
     def _recurrent_scan(
         self, **inputs: Tensor | Mamba3ScanState | None
     ) -> tuple[Tensor, Mamba3ScanState | None]:
-        return mamba3_mimo_scan_recurrent(**inputs)
+        """The one-token scan :meth:`step` runs -> y [B, L, H, P]; with ``outproj_norm`` its
+        R gated outputs normed and summed (:meth:`_norm_and_sum`), as :meth:`_chunked_scan`'s
+        are."""
+        y, final = mamba3_mimo_scan_recurrent(**inputs)
+        if self.outproj_norm:  # y [B, L, R, H, P]
+            (y,) = self._norm_and_sum(y, self.norm_weight, self.mimo_o)
+        return y, final
 
     def _output(self, y: Tensor) -> Tensor:
-        """out_proj of the scan output y [B, L, H, P]. With ``outproj_norm`` the recurrent
-        scan (:meth:`step`) returns the R gated outputs [B, L, R, H, P] instead, normed and
-        summed here (:meth:`_norm_and_sum`); the chunked scan's come so already
-        (:meth:`_scan_and_norm`)."""
-        if self.outproj_norm and y.ndim == 5:
-            (y,) = self._norm_and_sum(y, self.norm_weight, self.mimo_o)
+        """out_proj of the scan output y [B, L, H, P] (both scans apply the output norm and
+        the ``mimo_o`` sum themselves)."""
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
 
     def _norm_and_sum(self, y: Tensor, norm_weight: Tensor, mimo_o: Tensor) -> tuple[Tensor]:
