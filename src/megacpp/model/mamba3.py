@@ -285,12 +285,12 @@ class Mamba3Mixer(RecurrentMixer):
         arguments."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
-        H, P, G, N = self.nheads, self.headdim, self.ngroups, self.d_state
+        H, P = self.nheads, self.headdim
         z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x, *again)
         adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
         return {
-            "q": self.C_norm(c.unflatten(-1, (G, N))),  # [B, L, G, N]
-            "k": self.B_norm(b.unflatten(-1, (G, N))),
+            "q": self.C_norm(c.unflatten(-1, self._bc_shape())),  # [B, L, G, N] (MIMO: R, G, N)
+            "k": self.B_norm(b.unflatten(-1, self._bc_shape())),
             "v": xs.unflatten(-1, (H, P)),  # [B, L, H, P]
             "adt": adt,
             "dt": dt,
@@ -301,6 +301,10 @@ class Mamba3Mixer(RecurrentMixer):
             "D": self.D,
             "z": z.unflatten(-1, (H, P)),
         }
+
+    def _bc_shape(self) -> tuple[int, ...]:
+        """Shape of one token's B (and C) vectors in the scan's q / k: (G, N)."""
+        return (self.ngroups, self.d_state)
 
     def _project(self, x: Tensor, x2: Tensor | None = None, x3: Tensor | None = None
                  ) -> tuple[Tensor, ...]:

@@ -32,7 +32,7 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
 from megacpp.kernels.recompute import recompute_in_backward
 from megacpp.kernels.runtime import resolve
-from megacpp.model.mamba3 import Mamba3Mixer, _Gates
+from megacpp.model.mamba3 import Mamba3Mixer
 
 if TYPE_CHECKING:
     from megacpp.model.config import ModelConfig
@@ -147,31 +147,16 @@ class Mamba3MimoMixer(Mamba3Mixer):
         normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
         return ((normed * mimo_o.to(f32).transpose(0, 1)).sum(2).to(y.dtype),)
 
+    def _bc_shape(self) -> tuple[int, ...]:
+        """(R, G, N): each token's R B / C vectors per group, rank-major (mamba_ssm's)."""
+        return (self.mimo_rank, self.ngroups, self.d_state)
+
     def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
-        """Project x [B, L, d_model] (and its copies ``again``) into the MIMO scan's keyword
-        arguments; ``mimo_o`` only without ``outproj_norm`` (the norm sits between the scan's
-        per-rank outputs and their sum)."""
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
-        H, P, G, N, R = self.nheads, self.headdim, self.ngroups, self.d_state, self.mimo_rank
-        z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x, *again)
-        adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
-        return {
-            "q": self.C_norm(c.unflatten(-1, (R, G, N))),  # [B, L, R, G, N]
-            "k": self.B_norm(b.unflatten(-1, (R, G, N))),
-            "v": xs.unflatten(-1, (H, P)),  # [B, L, H, P]
-            "adt": adt,
-            "dt": dt,
-            "trap": trap,
-            "q_bias": self.C_bias,
-            "k_bias": self.B_bias,
-            "mimo_v": self.mimo_x,
-            "mimo_z": self.mimo_z,
-            "mimo_o": None if self.outproj_norm else self.mimo_o,
-            "angles": angles[:, :, None, :].expand(-1, -1, H, -1),  # [B, L, H, A]
-            "D": self.D,
-            "z": z.unflatten(-1, (H, P)),
-        }
+        """:meth:`Mamba3Mixer._scan_inputs` (q, k [B, L, R, G, N]; the biases [H, R, N]) plus
+        the MIMO projections; ``mimo_o`` only without ``outproj_norm`` (the norm sits between
+        the scan's per-rank outputs and their sum)."""
+        return {**super()._scan_inputs(x, again), "mimo_v": self.mimo_x,
+                "mimo_z": self.mimo_z, "mimo_o": None if self.outproj_norm else self.mimo_o}
 
     def _zero_cache(
         self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype
