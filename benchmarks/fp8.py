@@ -227,8 +227,7 @@ def relate(speed: list[SpeedRow], loss: list[LossRow]) -> None:
             row.within_goal = abs(row.rel_to_bf16) <= LOSS_GOAL
 
 
-def _f(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+_f = scaling._fmt  # a number in ``spec``, "-" for None
 
 
 def print_tables(speed: list[SpeedRow], loss: list[LossRow], peaks: dict) -> None:
@@ -323,7 +322,7 @@ def save(speed: list[SpeedRow], loss: list[LossRow], peaks: dict, args: argparse
               "recipes": args.recipes,
               "graphs": args.graphs, "speed_steps": args.speed_steps,
               "loss_steps": args.loss_steps, "device": args.device, "overrides": args.set,
-              "dataset": str(data), "command": shlex.join([sys.executable, *sys.argv])}
+              "dataset": str(data), "command": scaling._command()}
     write_receipt(out / "receipt.json", "bench", config, metrics, artifacts=artifacts)
     console.print(f"results: {results}, {out / 'receipt.json'}, {receipts}/"
                   + (f", {png}" if png else ""))

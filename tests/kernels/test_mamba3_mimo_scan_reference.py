@@ -16,6 +16,11 @@ from megacpp.kernels.ops.mamba3_mimo_scan import (
     mamba3_mimo_scan_recurrent,
 )
 from megacpp.kernels.ops.mamba3_scan import Mamba3ScanState, mamba3_scan_recurrent
+from tests.kernels.test_mamba3_scan_reference import (
+    assert_close_rel,
+    assert_states_close,
+    random_reset,
+)
 
 F64 = torch.float64
 
@@ -62,26 +67,6 @@ def random_state(inputs, seed=1) -> Mamba3ScanState:
         k=torch.randn(batch, rank, nheads, d_state, generator=g, dtype=dtype),
         v=torch.randn(batch, nheads, headdim, generator=g, dtype=dtype),
     )
-
-
-def random_reset(batch, seqlen, seed=2) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    reset = torch.rand(batch, seqlen, generator=g) < 0.15
-    reset[0, 0] = True  # a reset on the very first token drops the initial state
-    reset[-1, 8] = True  # one exactly on a chunk boundary for chunk sizes 1, 4, 8
-    return reset
-
-
-def assert_close_rel(actual, expected, rel):
-    scale = expected.abs().max().clamp(min=1.0)
-    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * scale)
-
-
-def assert_states_close(actual: Mamba3ScanState, expected: Mamba3ScanState, rel):
-    wrapped = torch.remainder(actual.angle - expected.angle + math.pi, 2 * math.pi) - math.pi
-    assert wrapped.abs().max() <= rel * 2 * math.pi
-    for a, e in zip(actual.tensors()[1:], expected.tensors()[1:], strict=True):
-        assert_close_rel(a, e, rel)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 8, 64])

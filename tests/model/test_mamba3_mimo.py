@@ -8,7 +8,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megacpp.errors import ConfigError
-from megacpp.kernels.ops.mamba3_mimo_scan import mamba3_mimo_scan_recurrent
 from megacpp.model.blocks import build_mixer
 from megacpp.model.config import ModelConfig
 from megacpp.model.mamba3_mimo import Mamba3MimoMixer
@@ -54,7 +53,7 @@ def test_forward_and_gradients_equal_the_recurrent_scan(outproj_norm):
         else:
             reset = torch.zeros(2, 21, dtype=torch.bool)
             reset[:, 13] = True
-            y_scan, _ = mamba3_mimo_scan_recurrent(**mixer._scan_inputs(x), reset=reset)
+            y_scan, _ = mixer._recurrent_scan(**mixer._scan_inputs(x), reset=reset)
             y = mixer._output(y_scan)
         params = [x, *mixer.parameters()]
         results.append((y, torch.autograd.grad((y * weight).sum(), params)))

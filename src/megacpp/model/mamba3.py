@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -111,19 +111,24 @@ class Mamba3Mixer(RecurrentMixer):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> Mamba3Mixer:
+        return cls(**cls._config_kwargs(cfg))
+
+    @classmethod
+    def _config_kwargs(cls, cfg: ModelConfig) -> dict[str, Any]:
+        """The constructor's keyword arguments from the config's model and ``[mamba]`` fields."""
         m = cfg.mamba
-        return cls(
-            d_model=cfg.d_model,
-            d_state=m.d_state,
-            headdim=m.headdim,
-            expand=m.expand,
-            ngroups=m.ngroups,
-            chunk_size=m.chunk_size,
-            rope_fraction=m.rope_fraction,
-            outproj_norm=m.outproj_norm,
-            norm_eps=cfg.norm_eps,
-            init_std=cfg.init_std,
-        )
+        return {
+            "d_model": cfg.d_model,
+            "d_state": m.d_state,
+            "headdim": m.headdim,
+            "expand": m.expand,
+            "ngroups": m.ngroups,
+            "chunk_size": m.chunk_size,
+            "rope_fraction": m.rope_fraction,
+            "outproj_norm": m.outproj_norm,
+            "norm_eps": cfg.norm_eps,
+            "init_std": cfg.init_std,
+        }
 
     def _validate(self, rope_fraction: float) -> None:
         for name in ("d_model", "d_state", "headdim", "ngroups", "chunk_size"):
@@ -280,12 +285,12 @@ class Mamba3Mixer(RecurrentMixer):
         arguments."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
-        H, P, G, N = self.nheads, self.headdim, self.ngroups, self.d_state
+        H, P = self.nheads, self.headdim
         z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x, *again)
         adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
         return {
-            "q": self.C_norm(c.unflatten(-1, (G, N))),  # [B, L, G, N]
-            "k": self.B_norm(b.unflatten(-1, (G, N))),
+            "q": self.C_norm(c.unflatten(-1, self._bc_shape())),  # [B, L, G, N] (MIMO: R, G, N)
+            "k": self.B_norm(b.unflatten(-1, self._bc_shape())),
             "v": xs.unflatten(-1, (H, P)),  # [B, L, H, P]
             "adt": adt,
             "dt": dt,
@@ -296,6 +301,10 @@ class Mamba3Mixer(RecurrentMixer):
             "D": self.D,
             "z": z.unflatten(-1, (H, P)),
         }
+
+    def _bc_shape(self) -> tuple[int, ...]:
+        """Shape of one token's B (and C) vectors in the scan's q / k: (G, N)."""
+        return (self.ngroups, self.d_state)
 
     def _project(self, x: Tensor, x2: Tensor | None = None, x3: Tensor | None = None
                  ) -> tuple[Tensor, ...]:
@@ -322,16 +331,21 @@ class Mamba3Mixer(RecurrentMixer):
         """A zero cache (the state of an empty prefix) for ``batch_size`` sequences."""
         if dtype not in _CACHE_DTYPES:
             raise ConfigError(f"Mamba3 cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
+        return self._zero_cache(batch_size, device, dtype)
+
+    def _zero_cache(
+        self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype
+    ) -> Mamba3ScanState:
+        """The zero state of this mixer's scan (fields shaped as :class:`Mamba3ScanState`)."""
         return zero_scan_state(
             batch_size, self.nheads, self.headdim, self.d_state, self.n_angles,
             device=device, dtype=dtype,
         )
 
     def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of the decode cache: B * H * (R + P*N + N + P) elements of ``dtype``."""
-        P, N = self.headdim, self.d_state
-        per_head = self.n_angles + P * N + N + P
-        return batch * self.nheads * per_head * dtype.itemsize
+        """Bytes of the decode cache: B * H * (R + P*N + N + P) elements of ``dtype`` (the
+        cache's own size, from a cache on the meta device)."""
+        return self._zero_cache(batch, "meta", dtype).nbytes()
 
     def residual_projections(self) -> list[Tensor]:
         return [self.out_proj.weight]

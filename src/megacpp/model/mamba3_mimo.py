@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
 from megacpp.kernels.ops.mamba3_scan.reference import Mamba3ScanState
 from megacpp.kernels.recompute import recompute_in_backward
 from megacpp.kernels.runtime import resolve
-from megacpp.model.mamba3 import _CACHE_DTYPES, Mamba3Mixer, _Gates
+from megacpp.model.mamba3 import Mamba3Mixer
 
 if TYPE_CHECKING:
     from megacpp.model.config import ModelConfig
@@ -69,21 +69,11 @@ class Mamba3MimoMixer(Mamba3Mixer):
         self.reset_parameters()
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> Mamba3MimoMixer:
+    def _config_kwargs(cls, cfg: ModelConfig) -> dict[str, Any]:
+        """:meth:`Mamba3Mixer._config_kwargs` with the rank and the MIMO chunk size."""
         m = cfg.mamba
-        return cls(
-            d_model=cfg.d_model,
-            mimo_rank=m.mimo_rank,
-            d_state=m.d_state,
-            headdim=m.headdim,
-            expand=m.expand,
-            ngroups=m.ngroups,
-            chunk_size=m.mimo_chunk_size,
-            rope_fraction=m.rope_fraction,
-            outproj_norm=m.outproj_norm,
-            norm_eps=cfg.norm_eps,
-            init_std=cfg.init_std,
-        )
+        return {**super()._config_kwargs(cfg), "mimo_rank": m.mimo_rank,
+                "chunk_size": m.mimo_chunk_size}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -136,15 +126,17 @@ class Mamba3MimoMixer(Mamba3Mixer):
     def _recurrent_scan(
         self, **inputs: Tensor | Mamba3ScanState | None
     ) -> tuple[Tensor, Mamba3ScanState | None]:
-        return mamba3_mimo_scan_recurrent(**inputs)
+        """The one-token scan :meth:`step` runs -> y [B, L, H, P]; with ``outproj_norm`` its
+        R gated outputs normed and summed (:meth:`_norm_and_sum`), as :meth:`_chunked_scan`'s
+        are."""
+        y, final = mamba3_mimo_scan_recurrent(**inputs)
+        if self.outproj_norm:  # y [B, L, R, H, P]
+            (y,) = self._norm_and_sum(y, self.norm_weight, self.mimo_o)
+        return y, final
 
     def _output(self, y: Tensor) -> Tensor:
-        """out_proj of the scan output y [B, L, H, P]. With ``outproj_norm`` the recurrent
-        scan (:meth:`step`) returns the R gated outputs [B, L, R, H, P] instead, normed and
-        summed here (:meth:`_norm_and_sum`); the chunked scan's come so already
-        (:meth:`_scan_and_norm`)."""
-        if self.outproj_norm and y.ndim == 5:
-            (y,) = self._norm_and_sum(y, self.norm_weight, self.mimo_o)
+        """out_proj of the scan output y [B, L, H, P] (both scans apply the output norm and
+        the ``mimo_o`` sum themselves)."""
         return self.out_proj(y.flatten(2))  # [B, L, H, P] -> [B, L, d_model]
 
     def _norm_and_sum(self, y: Tensor, norm_weight: Tensor, mimo_o: Tensor) -> tuple[Tensor]:
@@ -155,49 +147,26 @@ class Mamba3MimoMixer(Mamba3Mixer):
         normed = F.rms_norm(y.to(f32), (self.headdim,), eps=self.norm_eps) * weight
         return ((normed * mimo_o.to(f32).transpose(0, 1)).sum(2).to(y.dtype),)
 
-    def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
-        """Project x [B, L, d_model] (and its copies ``again``) into the MIMO scan's keyword
-        arguments; ``mimo_o`` only without ``outproj_norm`` (the norm sits between the scan's
-        per-rank outputs and their sum)."""
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"expected x of shape [B, L, {self.d_model}], got {tuple(x.shape)}")
-        H, P, G, N, R = self.nheads, self.headdim, self.ngroups, self.d_state, self.mimo_rank
-        z, xs, b, c, dd_dt, dd_a, trap, angles = self._project(x, *again)
-        adt, dt = _Gates.apply(dd_dt, dd_a, self.dt_bias, self.A_floor)  # [B, L, H] each
-        return {
-            "q": self.C_norm(c.unflatten(-1, (R, G, N))),  # [B, L, R, G, N]
-            "k": self.B_norm(b.unflatten(-1, (R, G, N))),
-            "v": xs.unflatten(-1, (H, P)),  # [B, L, H, P]
-            "adt": adt,
-            "dt": dt,
-            "trap": trap,
-            "q_bias": self.C_bias,
-            "k_bias": self.B_bias,
-            "mimo_v": self.mimo_x,
-            "mimo_z": self.mimo_z,
-            "mimo_o": None if self.outproj_norm else self.mimo_o,
-            "angles": angles[:, :, None, :].expand(-1, -1, H, -1),  # [B, L, H, A]
-            "D": self.D,
-            "z": z.unflatten(-1, (H, P)),
-        }
+    def _bc_shape(self) -> tuple[int, ...]:
+        """(R, G, N): each token's R B / C vectors per group, rank-major (mamba_ssm's)."""
+        return (self.mimo_rank, self.ngroups, self.d_state)
 
-    def init_cache(
-        self, batch_size: int, device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+    def _scan_inputs(self, x: Tensor, again: tuple[Tensor, ...] = ()) -> dict[str, Tensor]:
+        """:meth:`Mamba3Mixer._scan_inputs` (q, k [B, L, R, G, N]; the biases [H, R, N]) plus
+        the MIMO projections; ``mimo_o`` only without ``outproj_norm`` (the norm sits between
+        the scan's per-rank outputs and their sum)."""
+        return {**super()._scan_inputs(x, again), "mimo_v": self.mimo_x,
+                "mimo_z": self.mimo_z, "mimo_o": None if self.outproj_norm else self.mimo_o}
+
+    def _zero_cache(
+        self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype
     ) -> Mamba3ScanState:
-        """A zero cache (the state of an empty prefix) for ``batch_size`` sequences."""
-        if dtype not in _CACHE_DTYPES:
-            raise ConfigError(f"Mamba3 cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
+        """The zero MIMO state: k holds R keys per head, so the cache is
+        B * H * (A + P*N + R*N + P) elements (:meth:`state_bytes`)."""
         return zero_mimo_state(
             batch_size, self.nheads, self.headdim, self.d_state, self.n_angles, self.mimo_rank,
             device=device, dtype=dtype,
         )
-
-    def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of the decode cache: B * H * (A + P*N + R*N + P) elements of ``dtype``."""
-        P, N, R = self.headdim, self.d_state, self.mimo_rank
-        per_head = self.n_angles + P * N + R * N + P
-        return batch * self.nheads * per_head * dtype.itemsize
 
     def flops_per_token(self, seq_len: int) -> int:
         """Forward matmul FLOPs per token: projections + chunked MIMO scan (FlopCounterMode's

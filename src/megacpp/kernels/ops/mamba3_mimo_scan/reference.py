@@ -37,14 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megacpp.kernels.ops.mamba3_scan.reference import (
-    _STATE_FIELDS,
     _TWO_PI,
     Mamba3ScanState,
+    _checked_state,
     _chunk_states_weights,
     _compute_dtype,
     _keep_mask,
     _pass_states,
     _to_chunks,
+    _zeros_state,
 )
 from megacpp.kernels.recompute import recompute_in_backward
 
@@ -54,8 +55,8 @@ def zero_mimo_state(
     *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
 ) -> Mamba3ScanState:
     """The state of an empty prefix: all zeros."""
-    shapes = mimo_state_shapes(batch, nheads, headdim, d_state, n_angles, rank)
-    return Mamba3ScanState(*(torch.zeros(s, device=device, dtype=dtype) for s in shapes))
+    return _zeros_state(mimo_state_shapes(batch, nheads, headdim, d_state, n_angles, rank),
+                       device, dtype)
 
 
 def mimo_state_shapes(
@@ -331,14 +332,8 @@ def _initial_state(
 ) -> Mamba3ScanState:
     """The given state checked and cast to x's dtype, or zeros. x: [B, L, H, P]."""
     batch, _, nheads, headdim = x.shape
-    if state is None:
-        return zero_mimo_state(batch, nheads, headdim, d_state, n_angles, rank,
-                               device=x.device, dtype=x.dtype)
     expected = mimo_state_shapes(batch, nheads, headdim, d_state, n_angles, rank)
-    for name, got, want in zip(_STATE_FIELDS, state.tensors(), expected, strict=True):
-        if tuple(got.shape) != want:
-            raise ValueError(f"initial_state.{name} has shape {tuple(got.shape)}, expected {want}")
-    return Mamba3ScanState(*(s.to(x.dtype) for s in state.tensors()))
+    return _checked_state(state, expected, x)
 
 
 def _check_inputs(

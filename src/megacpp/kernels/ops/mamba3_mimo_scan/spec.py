@@ -15,6 +15,7 @@ from megacpp.kernels.ops.mamba3_mimo_scan.reference import (
     flops_per_token,
     mamba3_mimo_scan_chunked,
 )
+from megacpp.kernels.ops.mamba3_scan.spec import scan_bytes
 
 _GRADS = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "mimo_v", "angles", "mimo_z",
           "mimo_o", "D", "z")
@@ -64,10 +65,7 @@ def _mimo_flops(inp: dict[str, Any]) -> float:
 
 
 def _mimo_bytes(inp: dict[str, Any]) -> float:
-    """Fewest bytes of forward + backward: each differentiable input read by the forward and
-    the backward and its gradient written (3x), y written and dy read (2x v)."""
-    read3 = sum(inp[name].numel() * inp[name].element_size() for name in _GRADS)
-    return 3 * read3 + 2 * inp["v"].numel() * inp["v"].element_size()
+    return scan_bytes(inp, _GRADS)
 
 
 SURFACE = Surface(

@@ -77,7 +77,13 @@ def zero_scan_state(
     *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
 ) -> Mamba3ScanState:
     """The state of an empty prefix: all zeros."""
-    shapes = _state_shapes(batch, nheads, headdim, d_state, n_angles)
+    return _zeros_state(_state_shapes(batch, nheads, headdim, d_state, n_angles), device, dtype)
+
+
+def _zeros_state(
+    shapes: tuple[tuple[int, ...], ...], device: torch.device | str | None, dtype: torch.dtype
+) -> Mamba3ScanState:
+    """A state of zeros with the given (angle, ssm, k, v) shapes."""
     return Mamba3ScanState(*(torch.zeros(s, device=device, dtype=dtype) for s in shapes))
 
 
@@ -323,11 +329,16 @@ def _initial_state(
 ) -> Mamba3ScanState:
     """The given state checked and cast to x's dtype, or zeros. x: [B, L, H, P]."""
     batch, _, nheads, headdim = x.shape
+    return _checked_state(state, _state_shapes(batch, nheads, headdim, d_state, n_angles), x)
+
+
+def _checked_state(
+    state: Mamba3ScanState | None, expected: tuple[tuple[int, ...], ...], x: Tensor
+) -> Mamba3ScanState:
+    """``state`` with its fields checked against the ``expected`` shapes and cast to x's
+    dtype, or zeros of those shapes on x's device."""
     if state is None:
-        return zero_scan_state(
-            batch, nheads, headdim, d_state, n_angles, device=x.device, dtype=x.dtype
-        )
-    expected = _state_shapes(batch, nheads, headdim, d_state, n_angles)
+        return _zeros_state(expected, x.device, x.dtype)
     for name, got, want in zip(_STATE_FIELDS, state.tensors(), expected, strict=True):
         if tuple(got.shape) != want:
             raise ValueError(f"initial_state.{name} has shape {tuple(got.shape)}, expected {want}")

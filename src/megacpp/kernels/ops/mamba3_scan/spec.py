@@ -13,6 +13,8 @@ from megacpp.kernels.catalog import Backend, Requirements, Surface
 from megacpp.kernels.declare import CUDA_SM80, FLOATS, lazy
 from megacpp.kernels.ops.mamba3_scan.reference import flops_per_token, mamba3_scan_chunked
 
+_GRADS = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+
 
 def _mamba3_inputs(case: dict[str, int], dtype, device, gen) -> dict[str, Any]:
     """Model-like scan inputs: q/k RMS-normed, dt = softplus(.) and adt = A dt <= 0 in float32
@@ -55,9 +57,13 @@ def _mamba3_flops(inp: dict[str, Any]) -> float:
 
 
 def _mamba3_bytes(inp: dict[str, Any]) -> float:
-    """Fewest bytes of forward + backward: each differentiable input read by the forward and
-    the backward and its gradient written (3x), y written and dy read (2x v)."""
-    grads = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+    return scan_bytes(inp, _GRADS)
+
+
+def scan_bytes(inp: dict[str, Any], grads: tuple[str, ...]) -> float:
+    """Fewest bytes of a scan's forward + backward: each differentiable input (``grads``) read
+    by the forward and the backward and its gradient written (3x), y written and dy read (2x
+    v)."""
     read3 = sum(inp[name].numel() * inp[name].element_size() for name in grads)
     return 3 * read3 + 2 * inp["v"].numel() * inp["v"].element_size()
 
@@ -81,8 +87,7 @@ SURFACE = Surface(
                  "headdim": 64, "angles": 32, "chunk": 64, "final_state": 0},
      "seq8192": {"batch": 8, "seq": 8192, "groups": 1, "heads": 32, "d_state": 128,
                  "headdim": 64, "angles": 32, "chunk": 64, "final_state": 0}},
-    ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z"),
-    _mamba3_flops, _mamba3_bytes,
+    _GRADS, _mamba3_flops, _mamba3_bytes,
 )
 
 BACKENDS = (
