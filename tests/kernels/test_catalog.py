@@ -51,6 +51,14 @@ def test_every_surface_has_a_reference_and_documented_rows() -> None:
     assert rows["gated_delta/triton_chunked"].role == "chosen"
 
 
+def test_every_required_package_is_probed() -> None:
+    # a package a row requires but device_facts never looks for would reject the row everywhere
+    from megacpp.kernels.catalog import PROBED_PACKAGES
+
+    required = {p for b in default_catalog().backends for p in b.requirements.packages}
+    assert required <= set(PROBED_PACKAGES), sorted(required - set(PROBED_PACKAGES))
+
+
 def test_selection_on_hopper_picks_the_chosen_backends() -> None:
     catalog = default_catalog()
     picks = {s: select(catalog, s, H100, "bfloat16").backend.name

@@ -248,14 +248,17 @@ def select(
     )
 
 
+# every package a backend's Requirements may name (tests/kernels/test_catalog.py checks it)
+PROBED_PACKAGES = ("triton", "liger_kernel", "mamba_ssm", "tilelang", "fla", "flash_attn",
+                   "flash_attn_interface", "torchao")
+
+
 def device_facts(device: torch.device | str | None = None) -> DeviceFacts:
     """Facts about ``device`` (default: CUDA device 0 when present, else the CPU)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    packages = frozenset(p for p in ("triton", "liger_kernel", "mamba_ssm", "fla", "flash_attn",
-                                   "torchao")
-                         if _importable(p))
+    packages = frozenset(p for p in PROBED_PACKAGES if _importable(p))
     ops = frozenset(op for op in ("_grouped_mm", "_scaled_mm", "compile") if hasattr(torch, op))
     if device.type != "cuda":
         return DeviceFacts(type=device.type, name=device.type, packages=packages, torch_ops=ops)
