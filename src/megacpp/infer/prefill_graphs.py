@@ -82,7 +82,53 @@ def supports_prefill_graphs(model: HybridLM) -> bool:
     return model.ngram_embed is None
 
 
-class PrefillGraphs:
+class _ChunkGraphs:
+    """What the first-chunk and continuation graphs share: the batch and length buckets
+    (``b * l <= max_tokens``), grouping chunks into buckets, and capturing one forward."""
+
+    what = "prefill"  # the graphs' name in error messages
+
+    def __init__(self, model: HybridLM, cache: CacheManager, max_batch: int, max_len: int,
+                 max_tokens: int, capture: bool) -> None:
+        self.model, self.cache, self.capture = model, cache, capture
+        self.max_tokens = max_tokens
+        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
+        if not self.lengths:
+            raise MegaCppError(f"{self.what} graphs: max_tokens {max_tokens} is below the "
+                               f"smallest length bucket {MIN_LENGTH}")
+        self.max_len = self.lengths[-1]
+        self.batches = batch_buckets(max_batch)
+        self.uses_structure = model.structure_embed is not None
+        self.pool = None  # the graphs' memory pool (the runner gives both families one)
+
+    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """``chunks`` (all ``takes``), shortest first, cut into groups whose bucket holds at
+        most ``max_tokens`` tokens (similar lengths together: little padding)."""
+        return _groups_within(chunks, self._fits)
+
+    def _fits(self, rows: int, n: int) -> bool:
+        if rows > self.batches[-1]:
+            return False
+        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
+
+    @torch.no_grad()
+    def _capture_forward(self, ids: torch.Tensor, batch: PagedBatch, bucket_name: str
+                         ) -> tuple[object, torch.Tensor]:
+        """Capture the paged forward of ``ids`` over the static ``batch`` -> (graph, logits)."""
+        layers = self.cache.layers
+        try:
+            graph, out, self.pool = capture_step(
+                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
+                self.pool, self.capture)
+        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
+            raise MegaCppError(
+                f"capturing the {self.what} forward of bucket {bucket_name} failed ({exc}); "
+                "serve with --no-prefill-graphs, or with kernels that do not sync the host"
+            ) from exc
+        return graph, out
+
+
+class PrefillGraphs(_ChunkGraphs):
     """Captures and replays first prefill chunks; see the module docstring."""
 
     def __init__(
@@ -97,35 +143,15 @@ class PrefillGraphs:
         if not supports_prefill_graphs(model):
             raise MegaCppError("prefill graphs: a model with a hashed n-gram branch prefills "
                                "eagerly (its n-gram windows would span the padding)")
-        self.model, self.cache, self.capture = model, cache, capture
-        self.max_tokens = max_tokens
-        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
-        if not self.lengths:
-            raise MegaCppError(f"prefill graphs: max_tokens {max_tokens} is below the "
-                               f"smallest length bucket {MIN_LENGTH}")
-        self.max_len = self.lengths[-1]
-        self.batches = batch_buckets(max_batch)
-        self.uses_structure = model.structure_embed is not None
+        super().__init__(model, cache, max_batch, max_len, max_tokens, capture)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.inputs: dict[tuple[int, int], StaticInputs] = {}  # one per bucket
         self.buckets_used: set[tuple[int, int]] = set()
-        self.pool = None  # the graphs' memory pool (the runner shares it with the
-        #                   continuation graphs)
 
     # -- which chunks ----------------------------------------------------------------------------
     def takes(self, chunk: ScheduledRequest) -> bool:
         """A chunk that starts its sequence and fits the largest length bucket."""
         return chunk.start == 0 and len(chunk.token_ids) <= self.max_len
-
-    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-        """``chunks`` (all :meth:`takes`), shortest first, cut into groups whose bucket holds
-        at most ``max_tokens`` tokens (similar lengths together: little padding)."""
-        return _groups_within(chunks, self._fits)
-
-    def _fits(self, rows: int, n: int) -> bool:
-        if rows > self.batches[-1]:
-            return False
-        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
 
     # -- replay ----------------------------------------------------------------------------------
     def run(self, chunks: list[ScheduledRequest]) -> torch.Tensor:
@@ -208,25 +234,15 @@ class PrefillGraphs:
             self.graphs[(b, n)] = self._capture(b, n)
         return self.graphs[(b, n)]
 
-    @torch.no_grad()
     def _capture(self, b: int, n: int) -> tuple[object, torch.Tensor]:
         inputs = self.inputs[(b, n)]
         inputs.pad()  # warm-up and capture runs touch only the scratch block/slot
         inputs.upload(blocking=True)
-        batch, ids, layers = self._batch(inputs, n), inputs.dev("ids").view(b, n), self.cache.layers
-        try:
-            graph, out, self.pool = capture_step(
-                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
-                self.pool, self.capture)
-        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
-            raise MegaCppError(
-                f"capturing the prefill forward of bucket {b} x {n} failed ({exc}); "
-                "serve with --no-prefill-graphs, or with kernels that do not sync the host"
-            ) from exc
-        return graph, out
+        return self._capture_forward(inputs.dev("ids").view(b, n), self._batch(inputs, n),
+                                     f"{b} x {n}")
 
 
-class ContinuationGraphs:
+class ContinuationGraphs(_ChunkGraphs):
     """Captures and replays continuation chunks (``start > 0``): the chunk after a prefix-cache
     hit, after a snapshot cut, a later chunk of a long prompt.
 
@@ -252,6 +268,8 @@ class ContinuationGraphs:
     tokens against ``max_width * block_size`` keys.
     """
 
+    what = "continuation"
+
     def __init__(
         self,
         model: HybridLM,
@@ -261,17 +279,9 @@ class ContinuationGraphs:
         max_tokens: int,
         capture: bool = True,
     ) -> None:
-        self.model, self.cache, self.capture = model, cache, capture
-        self.max_tokens = max_tokens
-        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
-        if not self.lengths:
-            raise MegaCppError(f"continuation graphs: max_tokens {max_tokens} is below the "
-                               f"smallest length bucket {MIN_LENGTH}")
-        self.max_len = self.lengths[-1]
-        self.batches = batch_buckets(max_batch)
+        super().__init__(model, cache, max_batch, max_len, max_tokens, capture)
         self.max_width = -(-max_len // cache.block_size)
         self.widths = width_buckets(self.max_width)
-        self.uses_structure = model.structure_embed is not None
         self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
         n, T, C = max_batch, max_tokens, self.context_len
         sizes = {"ids": T, "positions": T, "slot_mapping": T, "structure": T if
@@ -284,22 +294,11 @@ class ContinuationGraphs:
         self.inputs = StaticInputs(sizes, pads, cache.device)
         self.graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
         self.buckets_used: set[tuple[int, int, int]] = set()
-        self.pool = None  # the runner may set the first-chunk graphs' pool
 
     # -- which chunks ----------------------------------------------------------------------------
     def takes(self, chunk: ScheduledRequest) -> bool:
         """A chunk that continues its sequence and fits the largest length bucket."""
         return chunk.start > 0 and len(chunk.token_ids) <= self.max_len
-
-    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-        """``chunks`` (all :meth:`takes`), shortest first, cut into groups whose bucket holds
-        at most ``max_tokens`` tokens."""
-        return _groups_within(chunks, self._fits)
-
-    def _fits(self, rows: int, n: int) -> bool:
-        if rows > self.batches[-1]:
-            return False
-        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
 
     def _width(self, chunks: list[ScheduledRequest]) -> int:
         return -(-max(c.end for c in chunks) // self.cache.block_size)
@@ -376,22 +375,11 @@ class ContinuationGraphs:
             self.graphs[(b, n, w)] = self._capture(b, n, w)
         return self.graphs[(b, n, w)]
 
-    @torch.no_grad()
     def _capture(self, b: int, n: int, w: int) -> tuple[object, torch.Tensor]:
         self.inputs.pad()  # warm-up and capture runs touch only the scratch block/slot
         self.inputs.upload(blocking=True)
-        batch, layers = self._batch(b, n, w), self.cache.layers
-        ids = self.inputs.dev("ids")[: b * n].view(b, n)
-        try:
-            graph, out, self.pool = capture_step(
-                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
-                self.pool, self.capture)
-        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
-            raise MegaCppError(
-                f"capturing the continuation forward of bucket {b} x {n} x {w} blocks failed "
-                f"({exc}); serve with --no-prefill-graphs, or with kernels that do not sync "
-                "the host") from exc
-        return graph, out
+        return self._capture_forward(self.inputs.dev("ids")[: b * n].view(b, n),
+                                     self._batch(b, n, w), f"{b} x {n} x {w} blocks")
 
 
 def _groups_within(chunks: Iterable[ScheduledRequest], fits) -> list[list[ScheduledRequest]]:
