@@ -49,9 +49,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from engine_decode import tokenizer as small_tokenizer  # 600 tokens over src/ (decoding only)
 from serve_decode import percentile, sync
 
-from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
+from megacpp.data.tokenizer import CppTokenizer
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.sampling import SamplingParams
 from megacpp.kernels.runtime import chosen_kernels, set_kernel_mode
@@ -154,13 +155,6 @@ def measure(model, tok, args, device, dtype, arrival: str, cache: bool,
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, tokens
-
-
-def small_tokenizer() -> CppTokenizer:
-    """A 600-token tokenizer trained on this repository's sources (decoding only: the prompts
-    are token ids, and ids past its vocabulary decode to nothing)."""
-    texts = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "src").rglob("*.py"))]
-    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
 def save(out: Path, rows: list[Row], args, preflight, facts, speedups: dict) -> None:

@@ -146,27 +146,35 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, bos: int, seed: int)
 # ---- our engine -----------------------------------------------------------------------------
 
 
-def run_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
-    """All ``prompts`` arriving at once, greedy, ``new_tokens`` each (``ignore_eos``)
-    -> (tokens per request, [host time of each token per request], t0)."""
+def run_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str,
+             deadline: float | None = None):
+    """All ``prompts`` arriving at once, greedy, ``new_tokens`` each (``ignore_eos``), until
+    done or past ``deadline`` (a ``time.perf_counter()`` value; then the rest is aborted)
+    -> (tokens per request, [host time of each token per request], t0, finished)."""
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     sync(engine.device)
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params)
-    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
-    times: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    times: dict[str, list[float]] = {rid: [] for rid in ids}
+    finished = True
     while engine.has_unfinished():
+        if finished and deadline is not None and time.perf_counter() > deadline:
+            finished = False
+            for rid in ids:
+                engine.abort(rid)  # reported by the next step, with no tokens
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
             tokens[out.request_id] += out.new_token_ids
             times[out.request_id] += [now] * len(out.new_token_ids)
-    return list(tokens.values()), list(times.values()), t0
+    return list(tokens.values()), list(times.values()), t0, finished
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str):
-    _, times, t0 = run_wave(engine, prompts, new_tokens, tag)
+    _, times, t0, _ = run_wave(engine, prompts, new_tokens, tag)
     assert all(len(ts) == new_tokens for ts in times), "a request stopped early"
     return times, t0
 

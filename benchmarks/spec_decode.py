@@ -68,10 +68,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_decode import sync
+from serve_decode import run_wave
 
 from megacpp.infer.engine import Engine, EngineConfig
-from megacpp.infer.sampling import SamplingParams
 from megacpp.kernels.runtime import chosen_kernels, set_kernel_mode
 
 
@@ -113,33 +112,6 @@ def validation_prompts(data: Path, n: int, prompt_len: int) -> list[list[int]]:
              f"the largest --batch); the validation split has only {len(rows)} rows")
 
 
-def bounded_wave(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str,
-                 deadline: float):
-    """All ``prompts`` arriving at once, greedy, ``new_tokens`` each (``ignore_eos``), until
-    done or ``deadline`` (then the rest is aborted) -> (tokens per request, [host time of each
-    token per request], t0, finished)."""
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    sync(engine.device)
-    t0 = time.perf_counter()
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    times: dict[str, list[float]] = {rid: [] for rid in ids}
-    finished = True
-    while engine.has_unfinished():
-        if finished and time.perf_counter() > deadline:
-            finished = False
-            for rid in ids:
-                engine.abort(rid)  # reported by the next step, with no tokens
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            tokens[out.request_id] += out.new_token_ids
-            times[out.request_id] += [now] * len(out.new_token_ids)
-    return list(tokens.values()), list(times.values()), t0, finished
-
-
 def run_system(engine: Engine, prompts: list[list[int]], batch: int, new_tokens: int,
                max_seconds: float):
     """Prompts in waves of ``batch`` for at most ``max_seconds``: (tokens per prompt that
@@ -149,8 +121,8 @@ def run_system(engine: Engine, prompts: list[list[int]], batch: int, new_tokens:
     deadline = time.perf_counter() + max_seconds
     finished = True
     for w in range(0, len(prompts), batch):
-        tokens, times, t0, finished = bounded_wave(engine, prompts[w : w + batch], new_tokens,
-                                                   f"w{w}", deadline)
+        tokens, times, t0, finished = run_wave(engine, prompts[w : w + batch], new_tokens,
+                                               f"w{w}", deadline)
         all_tokens += tokens
         output_tokens += sum(len(ts) for ts in times)
         if all(times):  # every request of the wave has its first token

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megacpp.data.tokenizer import CppTokenizer
+
 
 @pytest.fixture
 def one_thread():
@@ -13,3 +15,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> CppTokenizer:
+    """The 600-token tokenizer over six libstdc++ headers (``server_helpers.tiny_tokenizer``);
+    a module with another corpus defines its own."""
+    from tests.infer.server_helpers import tiny_tokenizer  # httpx and the server: only here
+
+    return tiny_tokenizer()

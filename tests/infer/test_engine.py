@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.errors import ConfigError, MegaCppError
 from megacpp.infer.engine import Engine, EngineConfig, QueueFull
 from megacpp.infer.graphs import DecodeGraphs, compiled_decode_fn
@@ -21,12 +20,6 @@ from megacpp.model.model import HybridLM
 HEADERS = sorted(Path("/usr/include/c++/12/bits").glob("stl_*.h"))[:6]
 LENGTHS = (1, 5, 17, 33, 9, 23)  # mixed prompt lengths (1: BOS only; chunks of 8)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> CppTokenizer:
-    texts = [p.read_text(encoding="utf-8") for p in HEADERS]
-    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
 def _tiny(vocab: int) -> ModelConfig:

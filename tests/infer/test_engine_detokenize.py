@@ -3,20 +3,8 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-import pytest
-
-from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.infer.detokenize import IncrementalDetokenizer, StopText
-
-HEADERS = sorted(Path("/usr/include/c++/12/bits").glob("stl_*.h"))[:6]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> CppTokenizer:
-    texts = [p.read_text(encoding="utf-8") for p in HEADERS]
-    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
 def test_deltas_concatenate_to_the_full_decode(tokenizer):

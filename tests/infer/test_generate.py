@@ -1,24 +1,13 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.errors import MegaCppError
 from megacpp.infer.generate import CPP_BODY_STOP, FunctionBodyGenerator, TextGenerator
 from megacpp.infer.sampling import SamplingParams, sample_next_token
 from megacpp.model.model import HybridLM
 from tests.model.conftest import small_config
-
-HEADERS = sorted(Path("/usr/include/c++/12/bits").glob("stl_*.h"))[:6]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> CppTokenizer:
-    texts = [p.read_text(encoding="utf-8") for p in HEADERS]
-    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
 @pytest.fixture(scope="module")

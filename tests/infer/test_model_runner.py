@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megacpp.infer.model_runner import ModelRunnerOutput
 from megacpp.infer.scheduler import SchedulerOutput
-from tests.infer.test_engine import GREEDY, _engine, _prompts, tiny_model, tokenizer  # noqa: F401
+from tests.infer.test_engine import GREEDY, _engine, _prompts, tiny_model  # noqa: F401
 
 
 def test_one_round_through_the_seam(tiny_model, tokenizer):  # noqa: F811

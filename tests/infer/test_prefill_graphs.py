@@ -9,21 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.errors import MegaCppError
 from megacpp.infer.engine import Engine
 from megacpp.infer.prefill_graphs import PrefillGraphs, length_buckets
 from megacpp.infer.scheduler import ScheduledRequest
 from megacpp.model.model import HybridLM
-from tests.infer.test_engine import GREEDY, HEADERS, _engine, _latent, _model, _prompts, _run, _tiny
+from tests.infer.test_engine import GREEDY, _engine, _latent, _model, _prompts, _run, _tiny
 
 LENGTHS = (1, 5, 17, 33, 9, 23, 40)  # prefill_chunk 24: 33 and 40 continue eagerly
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> CppTokenizer:
-    texts = [p.read_text(encoding="utf-8") for p in HEADERS]
-    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
 def _mimo(vocab: int):

@@ -7,12 +7,10 @@ inputs, eager replays); bucket choice, buffer sizes, fallbacks and refusals."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 
-from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.errors import ConfigError
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.graphs import batch_buckets, width_buckets
@@ -23,16 +21,9 @@ from megacpp.infer.speculative import Draft, SpeculativeDecoder
 from megacpp.model.config import ModelConfig, MtpConfig, NgramConfig
 from megacpp.model.model import HybridLM
 
-HEADERS = sorted(Path("/usr/include/c++/12/bits").glob("stl_*.h"))[:6]
 LENGTHS = (1, 5, 17, 9)  # mixed prompt lengths, prefilled in chunks of 8
 NEW = 10
 GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> CppTokenizer:
-    texts = [p.read_text(encoding="utf-8") for p in HEADERS]
-    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacpp.data.tokenizer import CppTokenizer, train_tokenizer
 from megacpp.infer.engine import Engine, EngineConfig
 from megacpp.infer.sampling import SamplingParams
 from megacpp.model.config import MtpConfig
 from megacpp.model.model import HybridLM
 from tests.infer.test_speculative import (
-    HEADERS,
     LENGTHS,
     _engine,
     _prompts,
@@ -23,12 +21,6 @@ from tests.infer.test_speculative import (
     _small,
     controlled_drafts,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> CppTokenizer:
-    texts = [p.read_text(encoding="utf-8") for p in HEADERS]
-    return CppTokenizer.from_hf(train_tokenizer(texts, vocab_size=600))
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,8 @@ class CacheManager:
         snapshot_interval: int = 512,
     ) -> None:
         """``prefix_cache``: reuse blocks and M/R snapshots across requests (``snapshots``
-        rows, taken every ``snapshot_interval`` tokens rounded up to whole blocks; see :mod:`megacpp.infer.prefix_cache`)."""
+        rows, taken every ``snapshot_interval`` tokens rounded up to whole blocks; see
+        :mod:`megacpp.infer.prefix_cache`)."""
         has_state = any(layout is None and model.init_state_pool(i, 1, "meta", torch.float32)
                         is not None for i, layout in enumerate(model.paged_layouts()))
         snapshots = snapshots if prefix_cache and has_state else 0
@@ -127,7 +128,7 @@ class CacheManager:
                               if pool is not None and not isinstance(pool, PagedPool)]
             self.prefix = PrefixCache(
                 num_blocks=num_blocks, block_size=block_size, state_pools=self.state_pools,
-                snapshot_pools=snapshot_pools if snapshots else [],
+                snapshot_pools=snapshot_pools,
                 snapshot_interval=-(-snapshot_interval // block_size) * block_size)
             self.blocks: IdAllocator | BlockPool = self.prefix.blocks
         else:

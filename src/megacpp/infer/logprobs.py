@@ -45,7 +45,8 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprob]:
     """logits [N, V] and the token taken at each of the N positions [N] -> N entries, each
-    with the ``k`` most likely tokens. One host transfer for the whole batch."""
+    with the ``k`` most likely tokens. Host transfers per batch (the chosen logprobs, the
+    tokens, the top ids and logprobs), none per row."""
     logp = torch.log_softmax(logits.float(), dim=-1).clamp(min=LOGPROB_FLOOR)  # [N, V]
     chosen = logp.gather(-1, tokens[:, None].long()).squeeze(-1)  # [N]
     k = min(k, logp.shape[-1])

@@ -82,42 +82,53 @@ def supports_prefill_graphs(model: HybridLM) -> bool:
     return model.ngram_embed is None
 
 
-class _Bucket:
-    """The static inputs of one (b, l) bucket: one pinned host buffer, one device copy."""
+class _ChunkGraphs:
+    """What the first-chunk and continuation graphs share: the batch and length buckets
+    (``b * l <= max_tokens``), grouping chunks into buckets, and capturing one forward."""
 
-    def __init__(self, b: int, n: int, width: int, structure: bool, device: torch.device):
-        self.b, self.n, self.width = b, n, width
-        sizes = {"ids": b * n, "positions": b * n, "doc_ids": b * n, "slot_mapping": b * n,
-                 "tables": b * width, "state_slots": b, "structure": b * n if structure else 0}
-        self.offsets, start = {}, 0
-        for name, size in sizes.items():
-            self.offsets[name] = (start, start + size)
-            start += size
-        self.host = torch.empty(start, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.dev = torch.empty(start, dtype=torch.int64, device=device)
-        # the last host-to-device copy (a replay that samples nothing syncs nothing, so the
-        # next staging waits for it before overwriting the pinned buffer)
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+    what = "prefill"  # the graphs' name in error messages
 
-    def upload(self) -> None:
-        self.dev.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+    def __init__(self, model: HybridLM, cache: CacheManager, max_batch: int, max_len: int,
+                 max_tokens: int, capture: bool) -> None:
+        self.model, self.cache, self.capture = model, cache, capture
+        self.max_tokens = max_tokens
+        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
+        if not self.lengths:
+            raise MegaCppError(f"{self.what} graphs: max_tokens {max_tokens} is below the "
+                               f"smallest length bucket {MIN_LENGTH}")
+        self.max_len = self.lengths[-1]
+        self.batches = batch_buckets(max_batch)
+        self.uses_structure = model.structure_embed is not None
+        self.pool = None  # the graphs' memory pool (the runner gives both families one)
 
-    def wait_for_upload(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
+    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """``chunks`` (all ``takes``), shortest first, cut into groups whose bucket holds at
+        most ``max_tokens`` tokens (similar lengths together: little padding)."""
+        return _groups_within(chunks, self._fits)
 
-    def host_view(self, name: str, cols: int) -> np.ndarray:
-        lo, hi = self.offsets[name]
-        return self.host.numpy()[lo:hi].reshape(-1, cols)
+    def _fits(self, rows: int, n: int) -> bool:
+        if rows > self.batches[-1]:
+            return False
+        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
 
-    def dev_view(self, name: str, cols: int) -> torch.Tensor:
-        lo, hi = self.offsets[name]
-        return self.dev[lo:hi].view(-1, cols)
+    @torch.no_grad()
+    def _capture_forward(self, ids: torch.Tensor, batch: PagedBatch, bucket_name: str
+                         ) -> tuple[object, torch.Tensor]:
+        """Capture the paged forward of ``ids`` over the static ``batch`` -> (graph, logits)."""
+        layers = self.cache.layers
+        try:
+            graph, out, self.pool = capture_step(
+                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
+                self.pool, self.capture)
+        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
+            raise MegaCppError(
+                f"capturing the {self.what} forward of bucket {bucket_name} failed ({exc}); "
+                "serve with --no-prefill-graphs, or with kernels that do not sync the host"
+            ) from exc
+        return graph, out
 
 
-class PrefillGraphs:
+class PrefillGraphs(_ChunkGraphs):
     """Captures and replays first prefill chunks; see the module docstring."""
 
     def __init__(
@@ -132,35 +143,15 @@ class PrefillGraphs:
         if not supports_prefill_graphs(model):
             raise MegaCppError("prefill graphs: a model with a hashed n-gram branch prefills "
                                "eagerly (its n-gram windows would span the padding)")
-        self.model, self.cache, self.capture = model, cache, capture
-        self.max_tokens = max_tokens
-        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
-        if not self.lengths:
-            raise MegaCppError(f"prefill graphs: max_tokens {max_tokens} is below the "
-                               f"smallest length bucket {MIN_LENGTH}")
-        self.max_len = self.lengths[-1]
-        self.batches = batch_buckets(max_batch)
-        self.uses_structure = model.structure_embed is not None
+        super().__init__(model, cache, max_batch, max_len, max_tokens, capture)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
-        self.buffers: dict[tuple[int, int], _Bucket] = {}
+        self.inputs: dict[tuple[int, int], StaticInputs] = {}  # one per bucket
         self.buckets_used: set[tuple[int, int]] = set()
-        self.pool = None  # the graphs' memory pool (the runner shares it with the
-        #                   continuation graphs)
 
     # -- which chunks ----------------------------------------------------------------------------
     def takes(self, chunk: ScheduledRequest) -> bool:
         """A chunk that starts its sequence and fits the largest length bucket."""
         return chunk.start == 0 and len(chunk.token_ids) <= self.max_len
-
-    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-        """``chunks`` (all :meth:`takes`), shortest first, cut into groups whose bucket holds
-        at most ``max_tokens`` tokens (similar lengths together: little padding)."""
-        return _groups_within(chunks, self._fits)
-
-    def _fits(self, rows: int, n: int) -> bool:
-        if rows > self.batches[-1]:
-            return False
-        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
 
     # -- replay ----------------------------------------------------------------------------------
     def run(self, chunks: list[ScheduledRequest]) -> torch.Tensor:
@@ -173,52 +164,59 @@ class PrefillGraphs:
         b, n = bucket(self.batches, B), bucket(self.lengths, L)
         graph, out = self._graph(b, n)  # capture first: it fills the buffers with padding
         self.buckets_used.add((b, n))
-        self._stage(self.buffers[(b, n)], chunks)
+        self._stage(self.inputs[(b, n)], n, chunks)
         graph.replay()
         return out[:B]
 
-    def _stage(self, buf: _Bucket, chunks: list[ScheduledRequest]) -> None:
-        """Write the chunks, left-padded, into the bucket's buffers (padding elsewhere)."""
-        buf.wait_for_upload()
-        self._fill_padding(buf)
-        bs, n = self.cache.block_size, buf.n
-        ids, positions = buf.host_view("ids", n), buf.host_view("positions", n)
-        doc_ids, slots = buf.host_view("doc_ids", n), buf.host_view("slot_mapping", n)
-        tables, state_slots = buf.host_view("tables", buf.width), buf.host_view("state_slots", 1)
+    def _stage(self, inputs: StaticInputs, n: int, chunks: list[ScheduledRequest]) -> None:
+        """Write the chunks, left-padded to ``n`` tokens, into the bucket's buffers (padding
+        elsewhere)."""
+        inputs.pad()
+        bs, width = self.cache.block_size, self._width(n)
+        ids, positions, doc_ids, slots, structure = (
+            inputs.host(name).reshape(-1, n)
+            for name in ("ids", "positions", "doc_ids", "slot_mapping", "structure"))
+        tables, state_slots = inputs.host("tables").reshape(-1, width), inputs.host("state_slots")
         for i, chunk in enumerate(chunks):
             k = len(chunk.token_ids)
             pad = n - k
-            table = np.asarray(chunk.block_table[: buf.width], dtype=np.int64)
+            table = np.asarray(chunk.block_table[:width], dtype=np.int64)
             pos = np.arange(k, dtype=np.int64)
             ids[i, pad:] = chunk.token_ids
             positions[i, pad:] = pos
             doc_ids[i, pad:] = 1
             slots[i, pad:] = table[pos // bs] * bs + pos % bs
             tables[i, : len(table)] = table
-            state_slots[i, 0] = chunk.state_slot
+            state_slots[i] = chunk.state_slot
             if self.uses_structure:
-                buf.host_view("structure", n)[i, pad:] = chunk.structure_ids
-        buf.upload()
+                structure[i, pad:] = chunk.structure_ids
+        inputs.upload()
 
-    def _fill_padding(self, buf: _Bucket) -> None:
-        c = self.cache
-        for name in ("ids", "positions", "doc_ids", "structure"):
-            lo, hi = buf.offsets[name]
-            buf.host.numpy()[lo:hi] = 0  # token 0 at position 0, document 0, structure OTHER
-        for name, value in (("slot_mapping", c.null_block * c.block_size),
-                            ("tables", c.null_block), ("state_slots", c.null_slot)):
-            lo, hi = buf.offsets[name]
-            buf.host.numpy()[lo:hi] = value
+    def _width(self, n: int) -> int:
+        """Blocks in a row's table for an ``n``-token bucket."""
+        return -(-n // self.cache.block_size)
 
-    def _batch(self, buf: _Bucket) -> PagedBatch:
-        n = buf.n
+    def _new_inputs(self, b: int, n: int) -> StaticInputs:
+        """A (b, n) bucket's static inputs: padding is token 0 at position 0 in document 0
+        (structure OTHER), writing into the scratch block and slot."""
+        c, width = self.cache, self._width(n)
+        sizes = {"ids": b * n, "positions": b * n, "doc_ids": b * n, "slot_mapping": b * n,
+                 "tables": b * width, "state_slots": b,
+                 "structure": b * n if self.uses_structure else 0}
+        pads = {"ids": 0, "positions": 0, "doc_ids": 0, "structure": 0,
+                "slot_mapping": c.null_block * c.block_size, "tables": c.null_block,
+                "state_slots": c.null_slot}
+        return StaticInputs(sizes, pads, c.device)
+
+    def _batch(self, inputs: StaticInputs, n: int) -> PagedBatch:
+        dev = inputs.dev
         return PagedBatch(
-            positions=buf.dev_view("positions", n),
-            slot_mapping=buf.dev_view("slot_mapping", n).flatten(),
-            block_tables=buf.dev_view("tables", buf.width),
-            state_slots=buf.dev_view("state_slots", 1).flatten(),
-            structure_ids=buf.dev_view("structure", n) if self.uses_structure else None,
-            doc_ids=buf.dev_view("doc_ids", n),
+            positions=dev("positions").view(-1, n),
+            slot_mapping=dev("slot_mapping"),
+            block_tables=dev("tables").view(-1, self._width(n)),
+            state_slots=dev("state_slots"),
+            structure_ids=dev("structure").view(-1, n) if self.uses_structure else None,
+            doc_ids=dev("doc_ids").view(-1, n),
             fresh=True,
         )
 
@@ -232,29 +230,19 @@ class PrefillGraphs:
 
     def _graph(self, b: int, n: int) -> tuple[object, torch.Tensor]:
         if (b, n) not in self.graphs:
-            width = -(-n // self.cache.block_size)
-            self.buffers[(b, n)] = _Bucket(b, n, width, self.uses_structure, self.cache.device)
-            self.graphs[(b, n)] = self._capture(self.buffers[(b, n)])
+            self.inputs[(b, n)] = self._new_inputs(b, n)
+            self.graphs[(b, n)] = self._capture(b, n)
         return self.graphs[(b, n)]
 
-    @torch.no_grad()
-    def _capture(self, buf: _Bucket) -> tuple[object, torch.Tensor]:
-        self._fill_padding(buf)  # warm-up and capture runs touch only the scratch block/slot
-        buf.dev.copy_(buf.host)
-        batch, ids, layers = self._batch(buf), buf.dev_view("ids", buf.n), self.cache.layers
-        try:
-            graph, out, self.pool = capture_step(
-                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
-                self.pool, self.capture)
-        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
-            raise MegaCppError(
-                f"capturing the prefill forward of bucket {buf.b} x {buf.n} failed ({exc}); "
-                "serve with --no-prefill-graphs, or with kernels that do not sync the host"
-            ) from exc
-        return graph, out
+    def _capture(self, b: int, n: int) -> tuple[object, torch.Tensor]:
+        inputs = self.inputs[(b, n)]
+        inputs.pad()  # warm-up and capture runs touch only the scratch block/slot
+        inputs.upload(blocking=True)
+        return self._capture_forward(inputs.dev("ids").view(b, n), self._batch(inputs, n),
+                                     f"{b} x {n}")
 
 
-class ContinuationGraphs:
+class ContinuationGraphs(_ChunkGraphs):
     """Captures and replays continuation chunks (``start > 0``): the chunk after a prefix-cache
     hit, after a snapshot cut, a later chunk of a long prompt.
 
@@ -280,6 +268,8 @@ class ContinuationGraphs:
     tokens against ``max_width * block_size`` keys.
     """
 
+    what = "continuation"
+
     def __init__(
         self,
         model: HybridLM,
@@ -289,17 +279,9 @@ class ContinuationGraphs:
         max_tokens: int,
         capture: bool = True,
     ) -> None:
-        self.model, self.cache, self.capture = model, cache, capture
-        self.max_tokens = max_tokens
-        self.lengths = [n for n in length_buckets(max_len) if n <= max_tokens]
-        if not self.lengths:
-            raise MegaCppError(f"continuation graphs: max_tokens {max_tokens} is below the "
-                               f"smallest length bucket {MIN_LENGTH}")
-        self.max_len = self.lengths[-1]
-        self.batches = batch_buckets(max_batch)
+        super().__init__(model, cache, max_batch, max_len, max_tokens, capture)
         self.max_width = -(-max_len // cache.block_size)
         self.widths = width_buckets(self.max_width)
-        self.uses_structure = model.structure_embed is not None
         self.context_len = 0 if model.ngram_embed is None else model.ngram_embed.context_len
         n, T, C = max_batch, max_tokens, self.context_len
         sizes = {"ids": T, "positions": T, "slot_mapping": T, "structure": T if
@@ -312,22 +294,11 @@ class ContinuationGraphs:
         self.inputs = StaticInputs(sizes, pads, cache.device)
         self.graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
         self.buckets_used: set[tuple[int, int, int]] = set()
-        self.pool = None  # the runner may set the first-chunk graphs' pool
 
     # -- which chunks ----------------------------------------------------------------------------
     def takes(self, chunk: ScheduledRequest) -> bool:
         """A chunk that continues its sequence and fits the largest length bucket."""
         return chunk.start > 0 and len(chunk.token_ids) <= self.max_len
-
-    def groups(self, chunks: Iterable[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-        """``chunks`` (all :meth:`takes`), shortest first, cut into groups whose bucket holds
-        at most ``max_tokens`` tokens."""
-        return _groups_within(chunks, self._fits)
-
-    def _fits(self, rows: int, n: int) -> bool:
-        if rows > self.batches[-1]:
-            return False
-        return bucket(self.batches, rows) * bucket(self.lengths, n) <= self.max_tokens
 
     def _width(self, chunks: list[ScheduledRequest]) -> int:
         return -(-max(c.end for c in chunks) // self.cache.block_size)
@@ -404,22 +375,11 @@ class ContinuationGraphs:
             self.graphs[(b, n, w)] = self._capture(b, n, w)
         return self.graphs[(b, n, w)]
 
-    @torch.no_grad()
     def _capture(self, b: int, n: int, w: int) -> tuple[object, torch.Tensor]:
         self.inputs.pad()  # warm-up and capture runs touch only the scratch block/slot
         self.inputs.upload(blocking=True)
-        batch, layers = self._batch(b, n, w), self.cache.layers
-        ids = self.inputs.dev("ids")[: b * n].view(b, n)
-        try:
-            graph, out, self.pool = capture_step(
-                lambda: self.model.forward_paged(ids, layers, batch), self.cache.device,
-                self.pool, self.capture)
-        except RuntimeError as exc:  # a host sync in the forward (e.g. a reference kernel)
-            raise MegaCppError(
-                f"capturing the continuation forward of bucket {b} x {n} x {w} blocks failed "
-                f"({exc}); serve with --no-prefill-graphs, or with kernels that do not sync "
-                "the host") from exc
-        return graph, out
+        return self._capture_forward(self.inputs.dev("ids")[: b * n].view(b, n),
+                                     self._batch(b, n, w), f"{b} x {n} x {w} blocks")
 
 
 def _groups_within(chunks: Iterable[ScheduledRequest], fits) -> list[list[ScheduledRequest]]:

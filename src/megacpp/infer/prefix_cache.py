@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from megacpp.errors import MegaCppError
+from megacpp.model.cache import gather_state, scatter_state
 
 ROOT_HASH = b""  # the parent of a prompt's first block
 
@@ -209,7 +210,7 @@ class PrefixCache:
             self.snapshot_of.move_to_end(hit.hashes[hit.num_tokens // self.block_size - 1])
             row = torch.tensor([hit.snapshot], device=slots.device)
             for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
-                _copy_rows(snaps, row, state, slots)
+                scatter_state(state, slots, gather_state(snaps, row))
         self.seq_hashes[seq_id] = list(hit.hashes)
         if hit.cached_blocks:
             self.sharing.add(seq_id)
@@ -305,7 +306,7 @@ class PrefixCache:
         rows = torch.tensor(list(self._to_copy), device=device)
         slots = torch.tensor(list(self._to_copy.values()), device=device)
         for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
-            _copy_rows(state, slots, snaps, rows)
+            scatter_state(snaps, rows, gather_state(state, slots))
         self._to_copy.clear()
 
     def release(self, seq_id: str) -> None:
@@ -335,9 +336,3 @@ class PrefixCache:
 
 def _rows(pool: Any) -> int:
     return getattr(pool, fields(pool)[0].name).shape[0]
-
-
-def _copy_rows(src: Any, src_rows: torch.Tensor, dst: Any, dst_rows: torch.Tensor) -> None:
-    """Copy rows ``src_rows`` of state object ``src`` into rows ``dst_rows`` of ``dst``."""
-    for f in fields(src):
-        getattr(dst, f.name).index_copy_(0, dst_rows, getattr(src, f.name).index_select(0, src_rows))
