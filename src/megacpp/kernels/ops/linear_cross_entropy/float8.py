@@ -173,8 +173,8 @@ def linear_cross_entropy_float8(
     cast = autocast_dtype(h.device.type)
     if cast is not None and h.dtype == torch.float32:
         h = h.to(cast)
-    if h.dtype not in (torch.bfloat16, torch.float16):
-        raise MegaCppError(f"float8 linear cross-entropy needs bf16/fp16 h, got {h.dtype}")
+    if not h.is_floating_point() or h.element_size() < 2:
+        raise MegaCppError(f"float8 linear cross-entropy needs float h, got {h.dtype}")
     if float8_head_rejection(*weight.shape) is not None:
         raise MegaCppError(f"float8 linear cross-entropy: {float8_head_rejection(*weight.shape)}")
     if chunk_tokens is None:

@@ -89,7 +89,8 @@ def moe_experts_float8(
         0, flat, x.repeat_interleave(k, dim=0))  # [rows, D], zero padding
     w_padded = weights.new_zeros(rows).index_copy(0, flat, weights.reshape(-1))  # [rows]
     gate_up = grouped_mm(x_padded, w_in.transpose(-2, -1), padded_ends)  # [rows, 2F]
-    # rows past the last group end are not written by the GEMM: zero them (and their grads)
+    # rows past the last group end are left unwritten by the GEMM: zero them, so the SwiGLU
+    # and its gradient never compute on unwritten memory (the GEMMs' groups exclude them)
     gate_up = torch.where(filled, gate_up, 0.0)
     gate, up = gate_up.float().chunk(2, dim=-1)
     hidden = (F.silu(gate) * up * w_padded.float()[:, None]).to(x.dtype)  # [rows, F]
