@@ -9,6 +9,7 @@ a short training run that follows bf16."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -37,7 +38,7 @@ from megacpp.model.model import HybridLM, next_token_labels
 from megacpp.receipts import read_receipt, write_receipt
 from megacpp.receipts.compare import DriftError, compare_receipts
 from megacpp.train.config import ParallelSection
-from megacpp.train.float8 import lane_name, require_float8
+from megacpp.train.float8 import lane_name, parse_lane, require_float8
 from megacpp.train.modes import plan_execution
 from tests.train.helpers import single_thread_env
 
@@ -72,6 +73,15 @@ def test_the_lane_name_is_the_setting():
     assert lane_name("tensorwise", experts=True) == "tensorwise+experts"
     assert lane_name("rowwise", head=True) == "rowwise+head"
     assert lane_name("tensorwise", True, True) == "tensorwise+experts+head"
+    for recipe in ("tensorwise", "rowwise"):
+        for experts in (False, True):
+            for head in (False, True):
+                name = lane_name(recipe, experts, head)
+                assert parse_lane(name) == (recipe, experts, head)
+    assert parse_lane("off") == ("off", False, False)
+    for bad in ("off+head", "tensorwise+head+experts", "tensorwise+", "fp8", "rowwise+mlp"):
+        with pytest.raises(ConfigError, match=f"float8 setting '{re.escape(bad)}' not one of"):
+            parse_lane(bad)
 
 
 def test_the_cpu_stops_the_new_design_with_one_line():

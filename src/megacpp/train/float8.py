@@ -139,6 +139,16 @@ def lane_name(recipe: str, experts: bool = False, head: bool = False) -> str:
     return recipe + ("+experts" if experts else "") + ("+head" if head else "")
 
 
+def parse_lane(name: str) -> tuple[str, bool, bool]:
+    """A :func:`lane_name` back into (recipe, experts, head); ConfigError on anything else."""
+    recipe, *parts = name.split("+")
+    experts, head = "experts" in parts, "head" in parts
+    if (recipe not in (OFF, "tensorwise", "rowwise") or lane_name(recipe, experts, head) != name):
+        raise ConfigError(f"float8 setting {name!r} not one of off | RECIPE[+experts][+head] "
+                          "with RECIPE tensorwise | rowwise (e.g. tensorwise+experts+head)")
+    return recipe, experts, head
+
+
 def require_float8(recipe: str, device: torch.device, *, experts: bool = False,
                    head: bool = False) -> None:
     """Stop (one-line ConfigError) unless ``device`` runs the recipe's float8 GEMMs, as the
