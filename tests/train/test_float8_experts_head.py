@@ -223,8 +223,10 @@ def test_the_padded_plan_aligns_every_group_and_keeps_each_rows_place(skew):
     assert padded_ends.dtype == torch.int32
     assert torch.all(padded_ends % ALIGN == 0)
     sizes = torch.diff(padded_ends.long(), prepend=torch.zeros(1, dtype=torch.long))
-    assert torch.equal(sizes, (counts + ALIGN - 1) // ALIGN * ALIGN)
-    assert rows == padded_rows(n_tokens * k, n_experts) and padded_ends[-1] <= rows
+    aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
+    assert torch.equal(sizes[:-1], aligned[:-1])
+    assert rows == padded_rows(n_tokens * k, n_experts) and padded_ends[-1] == rows
+    assert sizes[-1] >= aligned[-1]  # the last group takes the spare rows
     flat = slots.flatten()
     assert flat.unique().numel() == flat.numel()  # one row per (token, choice)
     starts = padded_ends.long() - sizes
@@ -246,16 +248,15 @@ def test_padded_rows_bounds_the_worst_case():
         assert padded_rows(n_rows, n_experts) % ALIGN == 0
 
 
-def _poisoned_grouped_mm(seen: list[torch.Tensor]):
-    """torch._grouped_mm (float32) that checks the group ends and writes NaN past the last
-    (the float8 GEMM leaves those rows unwritten): a leak of them fails the comparison."""
+def _checked_grouped_mm(seen: list[torch.Tensor]):
+    """torch._grouped_mm (float32) that checks what the float8 grouped GEMM requires: group
+    ends multiples of 16 covering every row, the weights column-major per expert."""
     def grouped_mm(a: torch.Tensor, b_t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         assert ends.dtype == torch.int32 and torch.all(ends % ALIGN == 0)
-        assert b_t.stride(-2) == 1  # column-major per expert, as the float8 GEMM needs
+        assert ends[-1] == a.shape[0]  # no row outside a group (the GEMM would not write it)
+        assert a.is_contiguous() and b_t.stride(-2) == 1
         seen.append(ends)
-        out = torch._grouped_mm(a, b_t, offs=ends)
-        tail = torch.arange(out.shape[0])[:, None] >= ends[-1]
-        return torch.where(tail, torch.full_like(out, float("nan")), out)
+        return torch._grouped_mm(a, b_t, offs=ends)
     return grouped_mm
 
 
@@ -274,7 +275,7 @@ def test_the_float8_expert_path_moves_rows_and_gradients_like_the_reference():
     seen: list[torch.Tensor] = []
     inputs = (x, weights, w_in, w_out, addend)
     out = moe_experts_float8(x, expert_idx, weights, w_in, w_out, addend,
-                             grouped_mm=_poisoned_grouped_mm(seen))
+                             grouped_mm=_checked_grouped_mm(seen))
     ref = moe_experts_reference(x, expert_idx, weights, w_in, w_out, addend)
     assert len(seen) == 2 and out.shape == ref.shape
     torch.testing.assert_close(out, ref)

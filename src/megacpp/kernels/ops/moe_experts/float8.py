@@ -12,7 +12,8 @@ That GEMM needs every expert's row group to start at a multiple of 16, so the so
 are **padded**: expert e's c_e rows go to a buffer where its group takes ceil(c_e / 16) * 16
 rows; the padding rows are zero, so they add nothing to either weight gradient. The buffer
 has a fixed row count, ``padded_rows(T * k, E)`` (an upper bound of the padded total, so
-shapes stay static for CUDA graphs); rows past the last group end are never read. The
+shapes stay static for CUDA graphs); the last expert's group runs to its end (more zero
+rows), so every row of the buffer belongs to a group and every GEMM output row is written. The
 SwiGLU with the routing weight, the padding scatter and the combine are plain PyTorch ops
 (torch.compile fuses them); the weights' dims (D, 2F and F) must be multiples of 16.
 """
@@ -47,7 +48,8 @@ def padded_rows(n_rows: int, n_experts: int) -> int:
 
 def padded_plan(expert_idx: Tensor, inv: Tensor, ends: Tensor) -> PaddedPlan:
     """expert_idx [T, k], inv [T, k] (sorted row of each (token, choice)), ends [E] (group
-    ends of the sorted rows) -> the same rows with every group padded to a multiple of 16."""
+    ends of the sorted rows) -> the same rows with every group padded to a multiple of 16 (the
+    last to the buffer's end)."""
     ends = ends.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
     padded = (counts + ALIGN - 1) // ALIGN * ALIGN  # [E]
@@ -55,6 +57,7 @@ def padded_plan(expert_idx: Tensor, inv: Tensor, ends: Tensor) -> PaddedPlan:
     shift = (padded_ends - padded) - (ends - counts)  # padded start - sorted start, per expert
     slots = inv + shift[expert_idx]  # [T, k]
     rows = padded_rows(expert_idx.numel(), ends.shape[0])
+    padded_ends[-1] = rows  # the last group takes the spare zero rows: no row outside a group
     return PaddedPlan(slots, padded_ends.to(torch.int32), rows)
 
 
@@ -84,14 +87,10 @@ def moe_experts_float8(
     _, inv, ends, _ = dispatch_plan(expert_idx, n_experts)
     slots, padded_ends, rows = padded_plan(expert_idx, inv, ends)
     flat = slots.reshape(-1)  # [T*k]
-    filled = torch.zeros(rows, 1, dtype=torch.bool, device=x.device).index_fill_(0, flat, True)
     x_padded = x.new_zeros(rows, x.shape[1]).index_copy(
         0, flat, x.repeat_interleave(k, dim=0))  # [rows, D], zero padding
     w_padded = weights.new_zeros(rows).index_copy(0, flat, weights.reshape(-1))  # [rows]
     gate_up = grouped_mm(x_padded, w_in.transpose(-2, -1), padded_ends)  # [rows, 2F]
-    # rows past the last group end are left unwritten by the GEMM: zero them, so the SwiGLU
-    # and its gradient never compute on unwritten memory (the GEMMs' groups exclude them)
-    gate_up = torch.where(filled, gate_up, 0.0)
     gate, up = gate_up.float().chunk(2, dim=-1)
     hidden = (F.silu(gate) * up * w_padded.float()[:, None]).to(x.dtype)  # [rows, F]
     y = grouped_mm(hidden, w_out.transpose(-2, -1), padded_ends)  # [rows, D]
