@@ -223,8 +223,9 @@ def test_the_padded_plan_aligns_every_group_and_keeps_each_rows_place(skew):
     assert padded_ends.dtype == torch.int32
     assert torch.all(padded_ends % ALIGN == 0)
     sizes = torch.diff(padded_ends.long(), prepend=torch.zeros(1, dtype=torch.long))
-    aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
+    aligned = ((counts + ALIGN - 1) // ALIGN * ALIGN).clamp(min=ALIGN)  # no empty group
     assert torch.equal(sizes[:-1], aligned[:-1])
+    assert not skew or (counts == 0).any()  # the skewed routing leaves experts unchosen
     assert rows == padded_rows(n_tokens * k, n_experts) and padded_ends[-1] == rows
     assert sizes[-1] >= aligned[-1]  # the last group takes the spare rows
     flat = slots.flatten()
@@ -240,10 +241,13 @@ def test_the_padded_plan_aligns_every_group_and_keeps_each_rows_place(skew):
 
 def test_padded_rows_bounds_the_worst_case():
     for n_rows, n_experts in ((1, 1), (8, 8), (17, 4), (4096, 64)):
-        # worst case: every group 1 row past a multiple of 16 (or as many groups as rows)
+        # worst cases: every group 1 row past a multiple of 16 (or as many groups as rows),
+        # the other groups empty (each still 16 rows)
         groups = min(n_rows, n_experts)
         per = n_rows // groups
-        worst = sum(-(-(per + (i < n_rows % groups)) // ALIGN) * ALIGN for i in range(groups))
+        sizes = [per + (i < n_rows % groups) for i in range(groups)]
+        worst = sum(max(ALIGN, -(-c // ALIGN) * ALIGN) for c in sizes)
+        worst += ALIGN * (n_experts - groups)
         assert padded_rows(n_rows, n_experts) >= worst
         assert padded_rows(n_rows, n_experts) % ALIGN == 0
 

@@ -9,8 +9,9 @@ gradient and weight gradient all in float8; the weight gradient comes back in bf
 widened to the float32 masters by autograd).
 
 That GEMM needs every expert's row group to start at a multiple of 16, so the sorted rows
-are **padded**: expert e's c_e rows go to a buffer where its group takes ceil(c_e / 16) * 16
-rows; the padding rows are zero, so they add nothing to either weight gradient. The buffer
+are **padded**: expert e's c_e rows go to a buffer where its group takes
+max(16, ceil(c_e / 16) * 16) rows (an expert no token chose still gets 16 rows: no empty
+group reaches the GEMM or its per-group scales); the padding rows are zero, so they add nothing to either weight gradient. The buffer
 has a fixed row count, ``padded_rows(T * k, E)`` (an upper bound of the padded total, so
 shapes stay static for CUDA graphs); the last expert's group runs to its end (more zero
 rows), so every row of the buffer belongs to a group and every GEMM output row is written. The
@@ -41,8 +42,9 @@ class PaddedPlan(NamedTuple):
 
 
 def padded_rows(n_rows: int, n_experts: int) -> int:
-    """Rows of the padded buffer for n_rows routed rows over n_experts groups: each group
-    grows by at most 15 rows, so round16(n_rows) + 16 * n_experts always holds them."""
+    """Rows of the padded buffer for n_rows routed rows over n_experts groups: a group of c
+    rows takes max(16, round16(c)) <= c + 16, so round16(n_rows) + 16 * n_experts always
+    holds them."""
     return -(-n_rows // ALIGN) * ALIGN + ALIGN * n_experts
 
 
@@ -52,7 +54,7 @@ def padded_plan(expert_idx: Tensor, inv: Tensor, ends: Tensor) -> PaddedPlan:
     last to the buffer's end)."""
     ends = ends.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
-    padded = (counts + ALIGN - 1) // ALIGN * ALIGN  # [E]
+    padded = ((counts + ALIGN - 1) // ALIGN * ALIGN).clamp(min=ALIGN)  # [E], >= 16 each
     padded_ends = padded.cumsum(0)
     shift = (padded_ends - padded) - (ends - counts)  # padded start - sorted start, per expert
     slots = inv + shift[expert_idx]  # [T, k]
