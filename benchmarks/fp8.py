@@ -1,9 +1,7 @@
 """FP8 against bf16 training, in one run: tokens/s, peak memory and MFU, then loss curves.
 
 Every row is a real ``megacpp train`` run (one process, ``torchrun --standalone``) of the
-preset's shipped GPU run config with ``parallel.float8`` = off (bf16) or a float8 setting
-(a recipe, ``+experts`` for ``parallel.float8_experts``, ``+head`` for
-``parallel.float8_head``: ``tensorwise+experts+head``) and
+preset's shipped GPU run config with ``parallel.float8`` = off (bf16) or a recipe and
 ``parallel.cuda_graph`` on or off (the other modes are the run config's: on CUDA the
 catalog's kernels and regional compile). The speed rows are short (``--steps``, 30 by
 default); the step time is the median of the steps after ``--skip-steps`` (warm-up, compile
@@ -28,16 +26,12 @@ On a GPU machine (the dataset is built first when ``--data`` is not given: about
     # the whole table: both presets, both recipes, graphs on and off (12 runs)
     python benchmarks/fp8.py --presets nam56r-350m nam56r-1b --recipes tensorwise rowwise
 
-    # bf16, the linear layers in float8, and the routed experts and LM head in float8 too
-    python benchmarks/fp8.py --presets nam56r-1b nam56r-350m --graphs on \\
-        --recipes tensorwise tensorwise+experts+head
-
     # loss curves only: 500 steps of nam56r-350m, bf16 vs tensorwise
     python benchmarks/fp8.py --presets nam56r-350m --recipes tensorwise --graphs on \\
         --speed-steps 0 --loss-steps 500
 
-A setting the device cannot run (the CPU, CUDA before sm_89; rowwise or +experts before
-sm_90) is a ``skipped`` row with the reason, not a failure. ``--out`` (default
+A recipe the device cannot run (the CPU, CUDA before sm_89; rowwise before sm_90) is a
+``skipped`` row with the reason, not a failure. ``--out`` (default
 ``benchmarks/results/fp8/<device>``) gets ``results.json``, ``loss.png`` (with
 ``--loss-steps``), ``command.txt``, ``receipt.json`` and ``receipts/`` (every run's own
 receipt), with the runs' directories and logs under ``runs/``.
@@ -65,7 +59,7 @@ import torch
 
 from megacpp.errors import ConfigError
 from megacpp.receipts import write_receipt
-from megacpp.train.float8 import parse_lane, require_float8
+from megacpp.train.float8 import require_float8
 from megacpp.train.metrics import read_metrics
 
 console = scaling.console
@@ -76,7 +70,7 @@ LOSS_GOAL = 0.01  # fp8's final loss within 1% of bf16's
 @dataclass
 class SpeedRow:
     preset: str
-    float8: str  # off | RECIPE[+experts][+head] (megacpp.train.float8.lane_name)
+    float8: str  # off | tensorwise | rowwise
     graphs: bool
     status: str = "ok"  # ok | failed | skipped
     error: str | None = None
@@ -120,37 +114,13 @@ def measure_peaks(device: str) -> dict[str, float | None]:
     return peaks
 
 
-def unsupported(lane: str, device: str) -> str | None:
-    """Why this machine cannot run the float8 setting ``lane`` (the training lane's own
-    check), or None."""
-    recipe, experts, head = parse_lane(lane)
+def unsupported(recipe: str, device: str) -> str | None:
+    """Why this machine cannot run ``recipe`` (the training lane's own check), or None."""
     try:
-        require_float8(recipe, torch.device(device), experts=experts, head=head)
+        require_float8(recipe, torch.device(device))
     except ConfigError as exc:
         return str(exc)
     return None
-
-
-def lane_overrides(lane: str) -> list[str]:
-    """The ``--set`` overrides of a float8 setting: the recipe and the two knobs."""
-    recipe, experts, head = parse_lane(lane)
-    return [f"parallel.float8={recipe}", f"parallel.float8_experts={str(experts).lower()}",
-            f"parallel.float8_head={str(head).lower()}"]
-
-
-def lane_arg(value: str) -> str:
-    """argparse type of ``--recipes``: a float8 setting other than off."""
-    try:
-        recipe, _, _ = parse_lane(value)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if recipe == "off":
-        raise argparse.ArgumentTypeError("off (bf16) is every table's baseline row already")
-    return value
-
-
-def _slug(lane: str) -> str:
-    return lane.replace("+", "-")  # run directory names: letters, digits and dashes
 
 
 def run(config: str, name: str, overrides: list[str], steps: int,
@@ -187,8 +157,9 @@ def speed_row(preset: str, config: str, recipe: str, graphs: bool, args: argpars
     if reason:
         row.status, row.error = "skipped", reason
         return row
-    name = f"{preset}-{_slug(recipe)}-{'graphs' if graphs else 'eager'}"
-    overrides = [*lane_overrides(recipe), f"parallel.cuda_graph={'true' if graphs else 'false'}"]
+    name = f"{preset}-{recipe}-{'graphs' if graphs else 'eager'}"
+    overrides = [f"parallel.float8={recipe}",
+                 f"parallel.cuda_graph={'true' if graphs else 'false'}"]
     run_dir, error = run(config, name, overrides, args.speed_steps, args, data)
     row.run_dir = str(run_dir)
     if error:
@@ -225,9 +196,9 @@ def loss_row(preset: str, config: str, recipe: str, args: argparse.Namespace,
     if reason:
         row.status, row.error = "skipped", reason
         return row
-    overrides = [*lane_overrides(recipe), f"train.eval_every={args.loss_steps}",
+    overrides = [f"parallel.float8={recipe}", f"train.eval_every={args.loss_steps}",
                  f"data.val_batches={args.val_batches}"]
-    run_dir, error = run(config, f"{preset}-{_slug(recipe)}-loss", overrides, args.loss_steps,
+    run_dir, error = run(config, f"{preset}-{recipe}-loss", overrides, args.loss_steps,
                          args, data)
     row.run_dir = str(run_dir)
     if error:
@@ -362,11 +333,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["nam56r-350m", "nam56r-1b"],
                     help="run configs (path, shipped run config name, or P for the shipped P-gpu)")
-    ap.add_argument("--recipes", nargs="+", default=["tensorwise", "rowwise"], type=lane_arg,
-                    metavar="RECIPE[+experts][+head]",
-                    help="float8 settings measured against bf16: tensorwise | rowwise, with "
-                         "+experts (parallel.float8_experts) and/or +head "
-                         "(parallel.float8_head), e.g. tensorwise tensorwise+experts+head")
+    ap.add_argument("--recipes", nargs="+", default=["tensorwise", "rowwise"],
+                    choices=["tensorwise", "rowwise"])
     ap.add_argument("--graphs", nargs="+", default=["on", "off"], choices=["on", "off"],
                     help="parallel.cuda_graph of the speed rows")
     ap.add_argument("--compact", action="store_true",

@@ -67,12 +67,11 @@ def _cpu_as_device(a: Any, b: Any, fa: dict, fb: dict) -> Verdict:
 
 
 def _float8_recipe(a: Any, b: Any, fa: dict, fb: dict) -> Verdict:
-    """The float8 setting of a run's GEMMs: the linear layers' recipe, plus ``+experts`` /
-    ``+head`` where the routed experts / the LM head ran float8 too; a fingerprint without
-    numerics (``env capture``, or a receipt written before runs recorded them) ran bf16."""
+    """The FP8 recipe of a run's linear GEMMs; a fingerprint without numerics (``env
+    capture``, or a receipt written before runs recorded them) ran bf16."""
     if (a or "off") == (b or "off"):
         return False, "same matmul precision (bf16: no numerics recorded means off)"
-    return True, "float8 setting of the GEMMs (recipe[+experts][+head]; off = bf16)"
+    return True, "FP8 recipe of the linear GEMMs (off = bf16)"
 
 
 _INFORMATIONAL_ENV = (

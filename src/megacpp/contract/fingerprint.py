@@ -131,10 +131,8 @@ def capture_fingerprint(
 
 
 def with_numerics(fingerprint: dict[str, Any], *, float8: str) -> dict[str, Any]:
-    """``fingerprint`` plus the run's ``numerics``: the float8 setting of its GEMMs (the
-    linear layers' recipe, ``+experts`` / ``+head`` for the routed experts / the LM head in
-    float8 too, e.g. ``"tensorwise+experts+head"``; ``"off"``: bf16) and, with FP8 on, the
-    torchao version that ran them. A receipt's
+    """``fingerprint`` plus the run's ``numerics``: the FP8 recipe of its linear GEMMs
+    (``"off"``: bf16) and, with FP8 on, the torchao version that ran them. A receipt's
     numerics are contract fields: an FP8 result is never compared with a bf16 one as if
     they were the same setting (:mod:`megacpp.contract.diff`)."""
     numerics: dict[str, Any] = {"float8": float8}

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacpp.errors import MegaCppError
-from megacpp.kernels.ops.linear_cross_entropy.float8 import linear_cross_entropy_float8
 from megacpp.kernels.runtime import resolve
 from megacpp.model.blocks import Block
 from megacpp.model.cache import LockstepCache, PagedBatch, PagedView
@@ -56,9 +55,6 @@ class HybridLM(nn.Module):
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
-        # the LM head's GEMMs in float8 inside the fused cross-entropy (set by the FP8 training
-        # lane, megacpp.train.float8): kernels.ops.linear_cross_entropy.float8
-        self.float8_head = False
         share_indices([b.mixer for b in self.blocks], cfg.dsa.index_from,  # [dsa] index_from
                       [s.stage for s in self.plan.layers])
         self._init_weights()
@@ -178,13 +174,9 @@ class HybridLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mean cross-entropy over the real targets of labels [B, L] -- 0 when there are
         none --, the logits or None) from head-input hidden states h [B, L, D] (the final
-        ones, or an MTP depth's): with ``float8_head``, the float8 fused linear cross-entropy;
-        when the catalog chose a fused linear cross-entropy backend for h's device and dtype,
-        straight from h and the head weight without the logits; else from the logits."""
-        if self.float8_head:
-            loss = linear_cross_entropy_float8(h.flatten(0, 1), self._head_weight(),
-                                               labels.flatten(), IGNORE_INDEX)
-            return loss, None
+        ones, or an MTP depth's): when the catalog chose a fused linear cross-entropy backend
+        for h's device and dtype, straight from h and the head weight without the logits;
+        else from the logits."""
         backend = resolve("linear_cross_entropy", h)
         if backend.role != "fallback":
             loss = backend.fn(h.flatten(0, 1), self._head_weight(), labels.flatten(), IGNORE_INDEX)

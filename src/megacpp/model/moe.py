@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacpp.kernels.ops.moe_experts.float8 import moe_experts_float8
 from megacpp.kernels.runtime import resolve
 from megacpp.model.cache import PagedView
 from megacpp.model.mixer import Mixer
@@ -59,9 +58,6 @@ class MoE(Mixer):
         self.register_buffer("routed_tokens", torch.zeros(n_experts), persistent=False)
         self.register_buffer("last_load", torch.zeros(n_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
-        # the routed experts' GEMMs in float8 (set by the FP8 training lane,
-        # megacpp.train.float8): kernels.ops.moe_experts.float8 instead of the catalog's kernel
-        self.float8_experts = False
         nn.init.normal_(self.w_in, std=init_std)
         nn.init.normal_(self.out_proj, std=init_std)
 
@@ -92,8 +88,7 @@ class MoE(Mixer):
         # the shared experts' output goes into the routed combine's kernel (an Inductor addmm
         # added it after the experts' graph break, copying the routed output first)
         shared = None if self.shared is None else self.shared.down(shared_gate_up)
-        experts = (moe_experts_float8 if self.float8_experts
-                   else resolve("moe_experts", tokens).fn)  # reference unless MEGACPP_KERNELS says so
+        experts = resolve("moe_experts", tokens).fn  # reference unless MEGACPP_KERNELS says so
         out = experts(routed, expert_idx, weights, self.w_in, self.out_proj, shared)
 
         with torch.no_grad():

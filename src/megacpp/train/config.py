@@ -15,8 +15,7 @@ Tables and their keys (defaults in the dataclasses below; unknown keys are error
     [schedule]    kind, warmup_steps, min_lr_ratio, decay_fraction
     [parallel]    strategy, backend, activation_checkpointing, compile, cuda_graph, kernels,
                   grad_sync, reduce_dtype, bucket_mb, reshard_after_forward, timeout_s,
-                  float8, float8_min_dim, float8_fsdp_all_gather, float8_experts,
-                  float8_head
+                  float8, float8_min_dim, float8_fsdp_all_gather
     [checkpoint]  every, keep_last, final
     [guards]      spike_zscore, spike_warmup_steps, spike_ema
     [debug]       nan_step, nan_target, checkpoint_stall_step
@@ -212,10 +211,6 @@ class ParallelSection:
     float8_min_dim: int = 256  # linear layers with an in or out dim under this stay bf16
     # FSDP2 all-gathers the float8 layers' weights in float8 (tensorwise only; off: bf16/fp32)
     float8_fsdp_all_gather: bool = False
-    # with parallel.float8 on: the MoE's routed-expert GEMMs in float8 (torchao's float8
-    # grouped GEMM, sm_90+) and the LM head's GEMMs inside the fused cross-entropy in float8
-    float8_experts: bool = False
-    float8_head: bool = False
 
     def validate(self) -> None:
         choice("parallel.strategy", self.strategy, ("auto", "single", "ddp", "fsdp"))
@@ -240,12 +235,6 @@ class ParallelSection:
               "parallel.float8_fsdp_all_gather", self.float8_fsdp_all_gather,
               "false unless parallel.float8 = \"tensorwise\" and parallel.strategy = \"fsdp\" "
               "(it changes FSDP2's all-gather; row-wise weight scales span the sharded dim)")
-        for name in ("float8_experts", "float8_head"):
-            value = getattr(self, name)
-            check(isinstance(value, bool), f"parallel.{name}", value, "true | false")
-            check(not value or self.float8 != "off", f"parallel.{name}", value,
-                  "false unless parallel.float8 is \"tensorwise\" or \"rowwise\" (it puts "
-                  "more of the step in float8 on top of the linear layers)")
 
 
 @dataclass(frozen=True)

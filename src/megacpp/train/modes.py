@@ -15,8 +15,7 @@ The defaults are the fast path where it is valid and today's behaviour on CPU:
   ``ddp`` (torch's DistributedDataParallel: bucketed all-reduces overlapped with backward).
 
 * ``float8`` -- ``off``: bf16 GEMMs; ``tensorwise`` / ``rowwise``: the linear layers in FP8
-  (:mod:`megacpp.train.float8`), ``+experts`` / ``+head`` with ``parallel.float8_experts`` /
-  ``float8_head``; a device that cannot run them stops the run here.
+  (:mod:`megacpp.train.float8`); a device that cannot run the recipe stops the run here.
 
 An explicit value that cannot hold (a graph on CPU, a graph with ``grad_sync = "ddp"``) is a
 one-line :class:`ConfigError`.
@@ -31,7 +30,7 @@ import torch
 from megacpp.errors import ConfigError
 from megacpp.kernels.runtime import kernel_mode_setting
 from megacpp.train.config import AUTO, ParallelSection
-from megacpp.train.float8 import lane_name, require_float8
+from megacpp.train.float8 import require_float8
 
 
 @dataclass
@@ -47,7 +46,7 @@ class ExecutionPlan:
     graph_required: bool  # parallel.cuda_graph = true: a failed capture stops the run
     grad_sync: str | None  # flat | ddp under DDP with several ranks; None otherwise
     grad_sync_why: str
-    float8: str = "off"  # the float8 setting's name (megacpp.train.float8.lane_name)
+    float8: str = "off"  # off | tensorwise | rowwise (the linear layers' GEMMs)
     float8_why: str = "default: bf16 GEMMs"
 
     def lines(self) -> list[str]:
@@ -88,15 +87,12 @@ def plan_execution(cfg: ParallelSection, device: torch.device, strategy: str,
                              else "default without cuda_graph: DistributedDataParallel")
         else:
             grad_sync, grad_sync_why = cfg.grad_sync, f"parallel.grad_sync = \"{cfg.grad_sync}\""
-    # fails closed before anything is built
-    require_float8(cfg.float8, device, experts=cfg.float8_experts, head=cfg.float8_head)
-    lane = lane_name(cfg.float8, cfg.float8_experts, cfg.float8_head)
-    more = "".join([", float8 routed experts" if cfg.float8_experts else "",
-                    ", float8 LM head" if cfg.float8_head else ""])
+    require_float8(cfg.float8, device)  # fails closed before anything is built
     float8_why = ("default: bf16 GEMMs" if cfg.float8 == "off"
-                  else f"parallel.float8 = \"{cfg.float8}\": torchao float8 linear layers{more}")
+                  else f"parallel.float8 = \"{cfg.float8}\": torchao float8 linear layers")
     return ExecutionPlan(kernels, kernels_why, compile_on, compile_why, graph, graph_why,
-                         cfg.cuda_graph is True, grad_sync, grad_sync_why, lane, float8_why)
+                         cfg.cuda_graph is True, grad_sync, grad_sync_why, cfg.float8,
+                         float8_why)
 
 
 def _kernels(configured: str, cuda: bool) -> tuple[str, str]:

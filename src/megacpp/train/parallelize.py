@@ -4,9 +4,7 @@
 ``LOCAL_RANK``) and starts the process group; :func:`parallelize` then applies, in order:
 
 0. FP8 linear layers (``parallel.float8``): qualifying ``nn.Linear`` layers swapped for
-   torchao's Float8Linear (:mod:`megacpp.train.float8`), before anything wraps them; with
-   ``parallel.float8_experts`` / ``float8_head`` the MoE layers' routed experts and the LM
-   head switched to their float8 paths;
+   torchao's Float8Linear (:mod:`megacpp.train.float8`), before anything wraps them;
 1. activation checkpointing per block letter (``parallel.activation_checkpointing = "ME"``
    recomputes every M and E block in backward and keeps the others' activations);
 2. regional ``torch.compile``: each block compiled in place (parameter names unchanged);
@@ -127,8 +125,7 @@ def parallelize(model: nn.Module, cfg: ParallelSection, env: DistEnv, *, compile
     """
     if cfg.float8 != "off":
         report = apply_float8(model, cfg.float8, min_dim=cfg.float8_min_dim,
-                              fsdp_float8_all_gather=cfg.float8_fsdp_all_gather,
-                              experts=cfg.float8_experts, head=cfg.float8_head)
+                              fsdp_float8_all_gather=cfg.float8_fsdp_all_gather)
         if on_float8 is not None:
             on_float8(report)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)

@@ -64,7 +64,7 @@ from megacpp.train.checkpoint import (
 )
 from megacpp.train.config import RunConfig, to_toml
 from megacpp.train.finetune import FineTuning
-from megacpp.train.float8 import Float8Report, lane_name
+from megacpp.train.float8 import Float8Report
 from megacpp.train.graphs import WARMUP_STEPS, StepGraphs
 from megacpp.train.guards import SpikeDetector, StepWatchdog, check_finite
 from megacpp.train.loggers import ExperimentLoggers
@@ -946,18 +946,13 @@ class _Session:
             artifacts.append(self.last_checkpoint / MARKER)
         path = self.run_dir / RECEIPT_FILE
         try:
-            par = self.cfg.parallel
+            recipe = self.cfg.parallel.float8
             kernels = chosen_kernels()
-            if par.float8 != "off":
-                kernels["float8_linear"] = f"torchao_{par.float8}"
-            if self.float8 is not None and self.float8.experts:
-                kernels["moe_experts"] = "torchao_float8_grouped"
-            if self.float8 is not None and self.float8.head:
-                kernels["linear_cross_entropy"] = "float8_scaled_mm"
-            # the setting asked for (a run stopped before the lane applied records it too)
+            if recipe != "off":
+                kernels["float8_linear"] = f"torchao_{recipe}"
             fingerprint = with_numerics(
                 self.fingerprint or capture_fingerprint(packages=self.cfg.contract.packages),
-                float8=lane_name(par.float8, par.float8_experts, par.float8_head))
+                float8=recipe)
             write_receipt(path, "train", config, self._receipt_metrics(status), artifacts,
                           kernels=kernels, preflight=self.preflight, fingerprint=fingerprint)
         except MegaCppError as exc:  # never mask the run's own outcome
