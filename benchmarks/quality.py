@@ -297,6 +297,12 @@ def read_run(run_dir: Path) -> dict[str, Any]:
             if key in m:
                 result[key] = m[key]
         result["kernels"] = receipt.kernels
+    if result["status"] == "missing" and result["curve"]:
+        # stopped (killed past its budget + grace, or crashed) before its receipt: the curve
+        # up to there is real, its last point is not a final figure at equal time
+        last = result["curve"][-1]
+        result.update(status="stopped", last_val_bpb=last["val_bpb"], last_clock_s=last["clock_s"],
+                      last_step=last["step"])
     bpb = result.get("final_val_bpb")
     if result["status"] == "completed" and (bpb is None or not math.isfinite(bpb)):
         result["status"] = "no-validation"
@@ -659,7 +665,7 @@ def print_table(report: dict[str, Any], log) -> None:
             f"{_fmt(final.get('first_step_clock_s'), '.0f'):>7} "
             f"{_fmt(final.get('first_step_s'), '.0f'):>7} "
             f"{_fmt(final.get('steady_tokens_per_s'), '.0f'):>7} "
-            f"{_fmt(final.get('final_val_bpb')):>8} "
+            f"{_fmt(final.get('final_val_bpb', final.get('last_val_bpb'))):>8} "
             f"{_fmt(greedy.get('pass@1')):>8} {_fmt(sampled.get('pass@1')):>7} "
             f"{_fmt(sampled.get('pass@10')):>7}  {final.get('status')}")
     log(f"goal: {report['goal']['statement']}")

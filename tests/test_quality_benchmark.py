@@ -153,3 +153,24 @@ def test_gpu_slots_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(quality.MegaCppError, match="--gpus 3"):
         quality.slots_for("cuda", 3, 1)
     assert quality.slots_for("cpu", None, 2) == ["cpu0", "cpu1"]
+
+
+def test_a_run_stopped_before_its_receipt_keeps_its_curve(tmp_path: Path) -> None:
+    quality = _quality_module()
+    run = tmp_path / "run"
+    run.mkdir()
+    assert quality.read_run(run)["status"] == "missing"
+    records = [{"type": "train", "step": 1, "tokens": 64, "loss": 9.0, "clock_s": 5.0, "time_s": 4.0},
+               {"type": "val", "step": 1, "tokens": 64, "clock_s": 6.0, "val_bpb": 4.3,
+                "val_loss": 10.5},
+               {"type": "val", "step": 40, "tokens": 2560, "clock_s": 60.0, "val_bpb": 2.6,
+                "val_loss": 6.4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = quality.read_run(run)
+    assert result["status"] == "stopped" and "final_val_bpb" not in result
+    assert (result["last_val_bpb"], result["last_step"], result["last_clock_s"]) == (2.6, 40, 60.0)
+    # a stopped candidate is not a completed one for the goal
+    verdict = quality.goal_verdict({"h": {"final": result},
+                                    "d": {"final": {"final_val_bpb": 3.0, "status": "completed"}}},
+                                   "h:d")
+    assert verdict["met"] is None
