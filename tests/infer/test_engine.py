@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,32 @@ def test_compiled_decode_layers_give_the_same_tokens(tiny_model, tokenizer):
     decode_fn = compiled_decode_fn(engine.model, backend="eager")
     engine.graphs = DecodeGraphs(engine.model, engine.cache, 2, 24, decode_fn, capture=False)
     assert _run(engine, requests) == plain
+
+
+def test_compiled_decode_compiles_around_an_opaque_kernel(tiny_model, tokenizer, monkeypatch):
+    """A block calling one of our fast kernels, which dynamo does not trace (``declare.lazy``;
+    the Triton RMSNorm under ``--kernels auto``), compiles in pieces around it and decodes the
+    same tokens (``fullgraph=True`` refuses it: "Attempted to call function marked as
+    skipped")."""
+    import megacpp.model.norm as norm_module
+    from megacpp._compile import disable
+    from megacpp.kernels.ops.rmsnorm.reference import rmsnorm_reference
+
+    prompts = _prompts(tiny_model.cfg.vocab_size, (9, 12))
+    params = dataclasses.replace(GREEDY, max_new_tokens=6)
+    requests = {str(i): (p, params) for i, p in enumerate(prompts)}
+    plain = _run(_engine(tiny_model, tokenizer), requests)
+    calls = []
+
+    def opaque_norm(*args):
+        calls.append(args[0].shape)
+        return rmsnorm_reference(*args)
+
+    backend = types.SimpleNamespace(role="chosen", fn=disable(opaque_norm))
+    monkeypatch.setattr(norm_module, "resolve", lambda surface, like: backend)
+    torch._dynamo.reset()
+    engine = _engine(tiny_model, tokenizer, max_num_seqs=2)
+    decode_fn = compiled_decode_fn(engine.model, backend="eager")
+    engine.graphs = DecodeGraphs(engine.model, engine.cache, 2, 24, decode_fn, capture=False)
+    assert _run(engine, requests) == plain
+    assert any(shape[-2] == 1 for shape in calls)  # decode steps ran the opaque kernel

@@ -114,7 +114,7 @@ def test_reference_is_the_mixers_paged_decode_step(outproj_norm):
 
 
 def test_compiled_decode_runs_the_reference_step_without_asking_the_catalog():
-    """Under torch.compile (the engine's compile_decode: fullgraph) the mixer does not resolve
+    """Under torch.compile (the engine's compile_decode) the mixer does not resolve
     ``mamba3_step`` (a first selection is a graph break there) and runs the reference step."""
     from megacpp.kernels.runtime import chosen_kernels, clear_resolutions
 

@@ -36,10 +36,15 @@ def compiled_decode_fn(model: HybridLM, backend: str = "inductor") -> DecodeFn:
     :func:`~megacpp.model.model.paged_layer`. Blocks of one family share the compiled code
     (their parameters are graph inputs), so compile time grows with the families and bucket
     shapes, not with the depth; the win is fusing the many small elementwise kernels of the
-    recurrent steps, norms and RoPE. Used inside the captured graphs (``compile_decode``)."""
+    recurrent steps, norms and RoPE. Used inside the captured graphs (``compile_decode``).
+
+    Not ``fullgraph``: our fast kernels are opaque to dynamo (``declare.lazy``), so a block
+    that calls one (the Triton RMSNorm under ``--kernels auto``) is compiled in pieces around
+    it. The pieces and the kernels are captured into the same CUDA graph, so the breaks cost
+    nothing at replay; with ``fullgraph=True`` such a block fails to compile."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 64)  # families x variants x shapes
-    layer = torch.compile(paged_layer, fullgraph=True, backend=backend)
+    layer = torch.compile(paged_layer, backend=backend)
     return functools.partial(model.forward_paged, layer_fn=layer)
 
 
