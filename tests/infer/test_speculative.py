@@ -276,3 +276,40 @@ def test_cpu_engines_speculate_eagerly(model, tokenizer):
     engine keeps the eager step."""
     engine = _engine(model, tokenizer, 2)
     assert engine.graphs is None and engine.speculative.graphs is None
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_verify_steps_m_layers_through_the_chosen_step_backend(model, tokenizer, plain, graphed,
+                                                               monkeypatch):
+    """Where the catalog chooses a ``mamba3_step`` backend (the fused kernel on CUDA), the
+    verify advances its M layers' gathered states through it, one position at a time, and the
+    output is still plain greedy (here the backend is the surface's reference, marked chosen,
+    so the CPU runs the same plumbing)."""
+    import types
+
+    import megacpp.model.mamba3 as mamba3_module
+    from megacpp.kernels.ops.mamba3_step.reference import mamba3_step_reference
+
+    real_resolve, real_verify = mamba3_module.resolve, SpeculativeDecoder.verify
+    in_verify, rows_seen = [], []
+
+    def counted(proj, *args, **kwargs):
+        if in_verify:
+            rows_seen.append(proj.shape[0])
+        return mamba3_step_reference(proj, *args, **kwargs)
+
+    def verify(self, x, drafts):
+        in_verify.append(True)
+        try:
+            return real_verify(self, x, drafts)
+        finally:
+            in_verify.pop()
+
+    monkeypatch.setattr(SpeculativeDecoder, "verify", verify)
+
+    chosen = types.SimpleNamespace(role="chosen", fn=counted)
+    monkeypatch.setattr(mamba3_module, "resolve", lambda surface, like: (
+        chosen if surface == "mamba3_step" else real_resolve(surface, like)))
+    spec = _engine(model, tokenizer, 2, graphed=graphed)
+    assert _run(spec, _prompts(tokenizer.vocab_size)) == plain
+    assert spec.speculative.steps > 0 and rows_seen

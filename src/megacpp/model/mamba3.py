@@ -237,9 +237,19 @@ class Mamba3Mixer(RecurrentMixer):
         return mamba3_scan_recurrent(**inputs)
 
     def step(self, x: Tensor, cache: Mamba3ScanState) -> Tensor:
-        """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache."""
+        """One recurrent decode step: x [B, 1, d_model] -> [B, 1, d_model]; updates cache.
+
+        Without autograd, where the catalog chooses a ``mamba3_step`` backend other than the
+        reference (the fused kernel on CUDA), that backend advances the B rows of ``cache`` in
+        place: the speculative verify steps its k + 1 positions this way."""
         if x.ndim != 3 or x.shape[1] != 1:
             raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
+        if (self.STEP_SURFACE is not None and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            backend = resolve(self.STEP_SURFACE, x)
+            if backend.role != "fallback":
+                rows = torch.arange(x.shape[0], device=x.device)
+                return self._fused_step(backend.fn, x, cache, rows)
         y, final = self._recurrent_scan(**self._scan_inputs(x), initial_state=cache)
         cache.update_(final)
         return self._output(y)
