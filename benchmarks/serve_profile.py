@@ -5,7 +5,8 @@ the decode graphs are captured, then ``--profile-steps`` decode steps run under
 ``torch.profiler`` twice:
 
 0. first, the step that prefills all ``B`` prompts, as served (prefill graphs) and eagerly:
-   its wall time, host launches and device kernels;
+   its wall time, host launches and device kernels, the served step's top kernels, and the
+   eager step's device time per block family (blocks labelled as in 2);
 1. as served (captured CUDA graphs): wall time per step, host launches per step
    (``cudaLaunchKernel``-like calls, ``cudaGraphLaunch``, async copies), device kernels per
    step, and each kernel name's device time per step;
@@ -105,16 +106,26 @@ def _profile_prefills(engine: Engine, prompts: list[list[int]], params: Sampling
     graphs = engine.runner.prefill_graphs
     for mode in ("served", "eager"):
         engine.runner.prefill_graphs = graphs if mode == "served" else None
-        for attempt in ("warm", "profiled"):
-            ids = [f"{mode}-{attempt}-{i}" for i in range(len(prompts))]
-            for rid, prompt in zip(ids, prompts, strict=True):
-                engine.add_request(rid, prompt, params)
-            run = _profile_steps(engine, 1, device, check_rows=False)
-            for rid in ids:
-                engine.abort(rid)
-            engine.step()  # reports the aborts
+        if mode == "eager":  # blocks labelled by family, as in the eager decode pass
+            engine.model.residual_paged = _labelled_residual(engine.model.residual_paged)
+        try:
+            for attempt in ("warm", "profiled"):
+                ids = [f"{mode}-{attempt}-{i}" for i in range(len(prompts))]
+                for rid, prompt in zip(ids, prompts, strict=True):
+                    engine.add_request(rid, prompt, params)
+                run = _profile_steps(engine, 1, device, check_rows=False)
+                for rid in ids:
+                    engine.abort(rid)
+                engine.step()  # reports the aborts
+        finally:
+            if mode == "eager":
+                del engine.model.residual_paged  # the class's method again
         out[mode] = _summary(run, 1)
-        out[mode].pop("top_kernels")
+        if mode == "eager":
+            out[mode].pop("top_kernels")
+            out[mode]["by_family_ms"] = _families(run, 1)
+        else:
+            out[mode]["top_kernels"] = out[mode]["top_kernels"][:10]
         out[mode]["step_ms"] = run["wall_s"] * 1e3
     engine.runner.prefill_graphs = graphs
     out["graphs"] = graphs is not None
@@ -144,6 +155,16 @@ def _labelled_layer(block, pool, x, batch):
     """:func:`paged_layer` inside a ``record_function`` named after the block's family."""
     with record_function(f"block {block.family}"):
         return paged_layer(block, pool, x, batch)
+
+
+def _labelled_residual(residual_paged):
+    """``HybridLM.residual_paged`` (the prefill's main stack) with :func:`_labelled_layer` as
+    the default layer function."""
+
+    def labelled(input_ids, layers, batch, layer_fn=None):
+        return residual_paged(input_ids, layers, batch, layer_fn or _labelled_layer)
+
+    return labelled
 
 
 ANNOTATIONS = ("decode_step", "block ")  # our record_function names (also on the GPU track)
@@ -221,6 +242,9 @@ def _text(r: dict) -> str:
          f"{pre['served']['step_ms']:.2f} ms ({'prefill graphs' if pre['graphs'] else 'eager'},"
          f" {pre['served']['host_launch_calls_per_step']:.0f} host launch calls), eager "
          f"{pre['eager']['step_ms']:.2f} ms ({pre['eager']['host_launch_calls_per_step']:.0f})"),
+        (f"prefill served: {pre['served']['device_kernels_per_step']:.0f} kernels, device busy "
+         f"{pre['served']['device_busy_ms_per_step']:.2f} ms; eager device ms by family: "
+         + ", ".join(f"{k} {v:.3f}" for k, v in sorted(pre['eager']['by_family_ms'].items()))),
         f"step {s['step_ms']:.3f} ms (served)  {r['eager_step_ms']:.3f} ms (eager, labelled)",
         f"host launch calls per step {s['host_launch_calls_per_step']:.1f}  {launches}",
         (f"device kernels per step {s['device_kernels_per_step']:.1f}  "
@@ -234,6 +258,11 @@ def _text(r: dict) -> str:
         f"eager device ms per step by family (CPU ms without CUDA): {families}",
         "top kernels (device ms per step, calls per step):",
     ]
+    lines += [f"  {k['device_ms_per_step']:8.4f}  {k['calls_per_step']:6.1f}  {k['name']}"
+              for k in pre["served"]["top_kernels"]]
+    lines.insert(-len(pre["served"]["top_kernels"]),
+                 "top kernels of the served prefill step (device ms, calls):")
+    lines.append("top kernels of the served decode step (device ms per step, calls per step):")
     lines += [f"  {k['device_ms_per_step']:8.4f}  {k['calls_per_step']:6.1f}  {k['name']}"
               for k in s["top_kernels"][:15]]
     return "\n".join(lines)

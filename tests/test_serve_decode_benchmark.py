@@ -76,3 +76,6 @@ def test_profile_mode_writes_the_decode_step_summary(tokenizer_json: Path, tmp_p
     prefill = result["prefill"]  # one step prefills both prompts, as served and eagerly
     assert prefill["graphs"] is False  # on a CPU the engine prefills eagerly
     assert prefill["served"]["step_ms"] > 0 and prefill["eager"]["step_ms"] > 0
+    assert set(prefill["eager"]["by_family_ms"]) == {"A", "E", "M", "R"}  # the prefill's split
+    assert prefill["served"]["top_kernels"] == []  # device kernels only: none on a CPU
+    assert "prefill served:" in (out / "profile_B2.txt").read_text()
