@@ -291,10 +291,30 @@ def kernels_table() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"quality": lambda: quality_table("quality_recipe"), "scaling": scaling_table,
-          "results": headline_table, "kernels": kernels_table}
+def ablation_table() -> str:
+    """The feature ablations (``quality.py`` candidates, one line each): tokens/s and the
+    final bits/byte, or the last point of a run stopped before its final evaluation."""
+    folders = list(_devices("ablation"))
+    lines = ["| candidate | tokens/s | val bits/byte |", "|---|---|---|"]
+    for folder in folders:
+        for name, cand in ((_load(folder / "quality.json") or {}).get("candidates") or {}).items():
+            final = cand.get("final") or {}
+            if final.get("final_val_bpb") is not None:
+                bpb = f"**{final['final_val_bpb']:.3f}**"
+            elif final.get("last_val_bpb") is not None:
+                bpb = f"{final['last_val_bpb']:.3f} (stopped at step {final['last_step']})"
+            else:
+                continue
+            lines.append(f"| {name} | {_fmt(final.get('steady_tokens_per_s'), 0)} | {bpb} |")
+    for folder in folders:
+        lines += _commands_block(folder, inline_max=0)
+    return "\n".join(lines)
+
+
+TABLES = {"quality": lambda: quality_table("quality_recipe"), "ablation": ablation_table,
+          "scaling": scaling_table, "results": headline_table, "kernels": kernels_table}
 # the page each table lives on: the README's numbers, the kernel table in the kernels doc
-PAGES = {README: ("quality", "scaling", "results"),
+PAGES = {README: ("quality", "ablation", "scaling", "results"),
          ROOT / "docs" / "kernels.md": ("kernels",)}
 
 
