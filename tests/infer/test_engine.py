@@ -368,3 +368,26 @@ def test_compiled_decode_compiles_around_an_opaque_kernel(tiny_model, tokenizer,
     engine.graphs = DecodeGraphs(engine.model, engine.cache, 2, 24, decode_fn, capture=False)
     assert _run(engine, requests) == plain
     assert any(shape[-2] == 1 for shape in calls)  # decode steps ran the opaque kernel
+
+
+def test_admitted_slots_reset_together_before_the_forward(tiny_model, tokenizer, monkeypatch):
+    """The requests one step admits get their state slots reset in one fill per state tensor
+    (not one per request and tensor), before that step's forward: a slot left dirty by an
+    earlier request still gives the same tokens."""
+    import megacpp.infer.cache_manager as cache_manager
+
+    prompts = _prompts(tiny_model.cfg.vocab_size, (9, 12, 7))
+    params = dataclasses.replace(GREEDY, max_new_tokens=4)
+    requests = {str(i): (p, params) for i, p in enumerate(prompts)}
+    expected = _run(_engine(tiny_model, tokenizer), requests)
+    engine = _engine(tiny_model, tokenizer, prefill_chunk=32)  # one step admits all three
+    for pool in engine.cache.state_pools:  # as if earlier requests had used every slot
+        for name in vars(pool):
+            getattr(pool, name).normal_()
+    fills = []
+    real = cache_manager.zero_state_slots
+    monkeypatch.setattr(cache_manager, "zero_state_slots",
+                        lambda pool, slots: (fills.append(slots.tolist()), real(pool, slots)))
+    assert _run(engine, requests) == expected
+    assert len(engine.cache.state_pools) > 0
+    assert fills == [[0, 1, 2]] * len(engine.cache.state_pools)

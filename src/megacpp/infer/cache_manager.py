@@ -111,6 +111,7 @@ class CacheManager:
         self.block_size, self.num_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.null_block, self.null_slot = num_blocks, max_num_seqs  # scratch for padding rows
         self.slots = IdAllocator(max_num_seqs, "state slots")
+        self._new_slots: list[int] = []  # admitted, not yet reset (see zero_new_slots)
         self.families = [b.family for b in model.blocks]
         self.device = device
         state_dtype = torch.promote_types(dtype, torch.float32)
@@ -172,11 +173,18 @@ class CacheManager:
 
     def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int) -> None:
         """Open ``seq_id`` (after :meth:`can_admit`; :meth:`reserve` grows its table): a slot
-        holding the hit's state and a table starting with the hit's blocks."""
-        slot = self.open_slot(seq_id)
+        holding the hit's state and a table starting with the hit's blocks. A slot that gets
+        no snapshot is reset with the step's other new slots by :meth:`zero_new_slots`, which
+        the scheduler calls before the step's forward runs."""
+        slot = self._take_slot(seq_id)
         self.tables[seq_id] = list(hit.blocks)
-        if self.prefix is not None:
+        if self.prefix is not None and hit.snapshot is not None:
+            # the snapshot overwrites every state tensor of the row: nothing to reset
             self.prefix.admit(seq_id, hit, prompt_len, torch.tensor([slot], device=self.device))
+        else:
+            self._new_slots.append(slot)
+            if self.prefix is not None:
+                self.prefix.admit(seq_id, hit, prompt_len, None)
 
     def expect_sharing(self, seq_id: str) -> None:
         """A waiting request starts like ``seq_id``: leave snapshots it can start from."""
@@ -204,13 +212,27 @@ class CacheManager:
 
     def open_slot(self, seq_id: str) -> int:
         """Give ``seq_id`` a state slot, reset to the empty-prefix state."""
+        slot = self._take_slot(seq_id)
+        self._new_slots.append(slot)
+        self.zero_new_slots()
+        return slot
+
+    def zero_new_slots(self) -> None:
+        """Reset every slot admitted since the last call to the empty-prefix state: one fill
+        per state tensor for all of them (a fill per slot and tensor, 66 launches a request on
+        nam56r-350m, was most of a large batch's time to first token)."""
+        if not self._new_slots:
+            return
+        index = torch.tensor(self._new_slots, device=self.device)
+        for pool in self.state_pools:
+            zero_state_slots(pool, index)
+        self._new_slots.clear()
+
+    def _take_slot(self, seq_id: str) -> int:
         if seq_id in self.slot_of:
             raise AssertionError(f"sequence {seq_id!r} already holds slot {self.slot_of[seq_id]}")
         (slot,) = self.slots.allocate(1)
         self.slot_of[seq_id] = slot
-        index = torch.tensor([slot], device=self.device)
-        for pool in self.state_pools:
-            zero_state_slots(pool, index)
         return slot
 
     def release(self, seq_id: str) -> None:
@@ -221,6 +243,8 @@ class CacheManager:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
             self.slots.free([slot])
+            if slot in self._new_slots:
+                self._new_slots.remove(slot)
 
     # -- accounting ------------------------------------------------------------------------------
     def bytes_by_family(self) -> dict[str, int]:

@@ -201,11 +201,15 @@ class PrefixCache:
         return PrefixHit(n * self.block_size, tuple(blocks[:n]), snapshot, tuple(hashes),
                          len(blocks))
 
-    def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int, slots: torch.Tensor) -> None:
+    def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int,
+              slots: torch.Tensor | None) -> None:
         """Start ``seq_id`` from ``hit``: its blocks are referenced, its slot ``slots`` [1]
-        gets the snapshot, the lookup is counted."""
+        gets the snapshot (``slots`` is needed only where ``hit`` has one), the lookup is
+        counted."""
         self.blocks.touch(list(hit.blocks))
         if hit.snapshot is not None:
+            if slots is None:
+                raise AssertionError("a hit with a snapshot needs the sequence's slot")
             self.flush(slots.device)
             self.snapshot_of.move_to_end(hit.hashes[hit.num_tokens // self.block_size - 1])
             row = torch.tensor([hit.snapshot], device=slots.device)
