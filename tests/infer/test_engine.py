@@ -374,7 +374,7 @@ def test_admitted_slots_reset_together_before_the_forward(tiny_model, tokenizer,
     """The requests one step admits get their state slots reset in one fill per state tensor
     (not one per request and tensor), before that step's forward: a slot left dirty by an
     earlier request still gives the same tokens."""
-    import megacpp.infer.cache_manager as cache_manager
+    from megacpp.infer import cache_manager
 
     prompts = _prompts(tiny_model.cfg.vocab_size, (9, 12, 7))
     params = dataclasses.replace(GREEDY, max_new_tokens=4)
