@@ -1,22 +1,27 @@
 """GRPO mechanics: advantages on a known reward vector, the clipped objective and its
 gradient (completion tokens only), KL 0 against the reference at the first step, rewards
-from the real verifier, and a short real run on two tasks."""
+from the real verifier, the held-out pass@1 estimate and its seeding, and short real runs."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from megacpp.eval import Status, load_problem_set
+from megacpp.infer.batch import CPP_BODY_STOP
+from megacpp.infer.sampling import SamplingParams
 from megacpp.posttrain.common import LoraOptions, PosttrainError, frozen_copy
 from megacpp.posttrain.grpo import (
     GrpoConfig,
+    PolicySampler,
     Rollout,
     group_advantages,
     grpo_objective,
     kl_k3,
+    pass_at_1_estimate,
     prompt_ids,
     reward_of,
     run_grpo,
@@ -167,24 +172,28 @@ def test_grpo_refuses_a_heldout_set_that_overlaps_training(tokenizer, verifier, 
 @pytest.mark.slow
 def test_a_model_that_learned_the_tasks_earns_reward(task_dir, tokenizer, base_dir, verifier,
                                                      tmp_path):
-    """SFT the tiny model on two tasks' references until it has learned them, then GRPO:
-    its sampled completions (engine) pass the real tests (g++), so reward and pass rate are
-    high."""
+    """SFT the tiny model on four tasks' references until it has learned them, then GRPO on
+    two of them with the other two as the held-out set: its sampled completions (engine)
+    pass the real tests (g++), so reward, pass rate and the sampled held-out pass@1 are
+    high, and the held-out estimate is a mean of per-problem fractions c / 4."""
     from megacpp.posttrain.common import Pair
     from megacpp.posttrain.sft import SftConfig, run_sft
 
-    problems = load_problem_set(task_dir / "train.jsonl").problems[:2]
+    problems = load_problem_set(task_dir / "train.jsonl").problems[:4]
     pairs = [Pair(p.prompt, p.canonical_solution) for p in problems]
     run_sft(load_pretrained(base_dir).model, tokenizer, pairs, tmp_path / "sft",
             SftConfig(steps=100, batch_size=2, lr=1e-2, lora=LoraOptions(r=0)),
             base=str(base_dir))
     cfg = GrpoConfig(steps=1, tasks_per_step=2, group_size=3, max_new_tokens=32, eval_every=0,
-                     workers=2, lora=LoraOptions(r=4))
-    run_grpo(load_pretrained(tmp_path / "sft" / "model").model, tokenizer, problems, [],
-             verifier, tmp_path / "grpo", cfg, base="sft")
-    (record,) = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+                     eval_samples=4, eval_temperature=0.8, workers=2, lora=LoraOptions(r=4))
+    run_grpo(load_pretrained(tmp_path / "sft" / "model").model, tokenizer, problems[:2],
+             problems[2:], verifier, tmp_path / "grpo", cfg, base="sft")
+    base_eval, record, _ = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     assert record["pass_rate"] >= 0.5 and record["reward"] >= 0.5, record
     assert record["kl"] == 0.0
+    assert base_eval["kind"] == "eval" and base_eval["step"] == 0
+    assert base_eval["heldout_pass@1"] >= 0.5 and base_eval["heldout_greedy_pass@1"] >= 0.5
+    assert (base_eval["heldout_pass@1"] * 8).is_integer()  # (c1 / 4 + c2 / 4) / 2
 
 
 def test_time_budget_ends_the_run_after_the_step_that_passes_it(task_dir, tokenizer, verifier,
@@ -197,3 +206,80 @@ def test_time_budget_ends_the_run_after_the_step_that_passes_it(task_dir, tokeni
     assert metrics["steps"] == 1.0
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "config.json").is_file()
+
+
+def test_pass_at_1_estimate_and_its_standard_error_on_a_fixed_case():
+    # three problems, 4 samples each: 4, 2 and 0 pass -> per problem 1, 0.5, 0
+    mean, stderr = pass_at_1_estimate([(4, 4), (4, 2), (4, 0)])
+    assert mean == pytest.approx(0.5)
+    assert stderr == pytest.approx(0.5 / math.sqrt(3))  # sample std 0.5 over sqrt(3)
+    # one greedy completion each: the binomial case, 3 of 4 pass
+    mean, stderr = pass_at_1_estimate([(1, 1), (1, 0), (1, 1), (1, 1)])
+    assert mean == pytest.approx(0.75) and stderr == pytest.approx(0.25)
+    assert pass_at_1_estimate([(8, 3)]) == (pytest.approx(0.375), 0.0)  # one problem
+    with pytest.raises(PosttrainError, match="at least one"):
+        pass_at_1_estimate([])
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"eval_samples": 0}, "--eval-samples 0: expected >= 1"),
+    ({"eval_samples": 4, "eval_temperature": 0.0}, "--eval-temperature 0.0"),
+    ({"eval_samples": 4, "eval_temperature": float("nan")}, "--eval-temperature nan"),
+])
+def test_grpo_refuses_bad_eval_options(kwargs, needle):
+    with pytest.raises(PosttrainError, match=needle):
+        GrpoConfig(**kwargs).check()
+
+
+def test_eval_temperature_matters_only_when_sampling():
+    GrpoConfig(eval_samples=1, eval_temperature=0.0).check()  # greedy: the temperature is unused
+
+
+def test_heldout_samples_are_seeded_and_distinct(task_dir, tokenizer):
+    """Two decodes of the same plans give the same tokens; with distinct_tasks no two sampled
+    completions share a seed (a random tiny model's samples all differ)."""
+    tasks = load_problem_set(task_dir / "heldout.jsonl").problems[:2]
+    model = tiny_model(tokenizer)
+    longest = max(len(prompt_ids(tokenizer, t.prompt)) for t in tasks)
+    sampler = PolicySampler(model, tokenizer, torch.device("cpu"), 4, longest, 6)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop=(CPP_BODY_STOP,))
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=6, stop=(CPP_BODY_STOP,), seed=11)
+    plans = [(1, greedy), (3, sampled)]
+
+    def decode():
+        return [[r.token_ids for r in rollouts]
+                for rollouts in sampler.sample_plans(tasks, plans, distinct_tasks=True)]
+
+    first = decode()
+    assert first == decode()
+    assert len(first[0]) == 2 and len(first[1]) == 6
+    assert len({tuple(ids) for ids in first[1]}) == 6
+
+
+@pytest.mark.parametrize("eval_samples", [1, 3])
+def test_heldout_eval_records_and_receipt(task_dir, tokenizer, verifier, tmp_path, eval_samples):
+    """One GRPO step with held-out evaluations at step 0 and 1: eval_samples 1 keeps the
+    greedy pass@1 under its name (plus its standard error); eval_samples 3 reports the sampled
+    estimate with its standard error and the greedy pass@1 beside it; the receipt carries
+    the base and final values of each."""
+    train = load_problem_set(task_dir / "train.jsonl").problems[:1]
+    heldout = load_problem_set(task_dir / "heldout.jsonl").problems[:2]
+    cfg = GrpoConfig(steps=1, tasks_per_step=1, group_size=2, max_new_tokens=4, workers=2,
+                     eval_samples=eval_samples, eval_temperature=0.8, lora=LoraOptions(r=2))
+    metrics = run_grpo(tiny_model(tokenizer), tokenizer, train, heldout, verifier,
+                       tmp_path / "run", cfg, base="tiny")
+    evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"]
+    names = {"heldout_pass@1", "heldout_pass@1_stderr"}
+    if eval_samples > 1:
+        names.add("heldout_greedy_pass@1")
+    assert [r["step"] for r in evals] == [0, 1]
+    for record in evals:
+        assert set(record) == {"kind", "step", "elapsed_s", *names}
+        assert 0 <= record["heldout_pass@1"] <= 1 and record["heldout_pass@1_stderr"] >= 0
+    receipt = json.loads((tmp_path / "run" / "receipt.json").read_text())
+    for stage, record in (("base", evals[0]), ("final", evals[-1])):
+        for name in names:
+            assert metrics[f"{stage}_{name}"] == record[name]
+            assert receipt["metrics"][f"{stage}_{name}"] == pytest.approx(record[name])
+    assert receipt["config"]["eval_samples"] == eval_samples
+    assert (tmp_path / "run" / "plot.png").stat().st_size > 1000

@@ -47,6 +47,10 @@ def test_tasks_writes_the_set(tmp_path):
       "--group-size", "1"), "--group-size 1"),
     (("grpo", "--base", "{tmp}", "--train", "{tmp}/bad.jsonl", "--out", "{tmp}/o",
       "--kl-coef", "-1"), "--kl-coef -1"),
+    (("grpo", "--base", "{tmp}", "--train", "{tmp}/bad.jsonl", "--out", "{tmp}/o",
+      "--eval-samples", "0"), "--eval-samples 0: expected >= 1"),
+    (("grpo", "--base", "{tmp}", "--train", "{tmp}/bad.jsonl", "--out", "{tmp}/o",
+      "--eval-samples", "8", "--eval-temperature", "0"), "--eval-temperature 0.0"),
     (("grpo", "--out", "{tmp}/o"), "Missing option"),
 ])
 def test_misuse_is_one_error_line(tmp_path, args, needle):
@@ -57,12 +61,16 @@ def test_misuse_is_one_error_line(tmp_path, args, needle):
 
 @pytest.mark.slow
 def test_sft_and_grpo_run_from_the_cli(base_dir, task_dir, tmp_path):
-    """A 3-step LoRA SFT, then a 1-step GRPO from its model, on two tasks (real g++)."""
+    """A 3-step LoRA SFT, then a 1-step GRPO from its model, on two tasks (real g++), with
+    a sampled held-out evaluation of one problem."""
     data = tmp_path / "two.sft.jsonl"
     data.write_text("".join((task_dir / "train.sft.jsonl").read_text().splitlines(True)[:2]))
     train = tmp_path / "two.jsonl"
     train.write_text("".join((task_dir / "train.jsonl").read_text().splitlines(True)[:2]))
     (tmp_path / "two.suite.toml").write_text((task_dir / "train.suite.toml").read_text())
+    heldout = tmp_path / "one.jsonl"
+    heldout.write_text((task_dir / "heldout.jsonl").read_text().splitlines(True)[0])
+    (tmp_path / "one.suite.toml").write_text((task_dir / "heldout.suite.toml").read_text())
     sft = megacpp("posttrain", "sft", "--base", str(base_dir), "--data", str(data), "--out",
                   str(tmp_path / "sft"), "--steps", "3", "--batch-size", "2", "--lora-r", "4",
                   "--device", "cpu", "--no-progress")
@@ -70,8 +78,13 @@ def test_sft_and_grpo_run_from_the_cli(base_dir, task_dir, tmp_path):
     grpo = megacpp("posttrain", "grpo", "--base", str(tmp_path / "sft" / "model"), "--train",
                    str(train), "--out", str(tmp_path / "grpo"), "--steps", "1",
                    "--tasks-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
-                   "--workers", "2", "--device", "cpu", "--no-progress")
+                   "--workers", "2", "--device", "cpu", "--no-progress", "--heldout",
+                   str(heldout), "--eval-samples", "2", "--eval-temperature", "0.7")
     assert '"steps": 1.0' in grpo.stdout
+    assert "step 0: held-out pass@1" in grpo.stdout and "(greedy " in grpo.stdout
     records = [json.loads(line) for line in
                (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == ["train"] and records[0]["kl"] == 0.0
+    assert [r["kind"] for r in records] == ["eval", "train", "eval"]
+    assert records[1]["kl"] == 0.0
+    assert set(records[0]) >= {"heldout_pass@1", "heldout_pass@1_stderr",
+                               "heldout_greedy_pass@1"}

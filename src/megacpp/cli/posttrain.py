@@ -100,7 +100,7 @@ def grpo(
         "--train", help="Training problem set (.jsonl, e.g. train.jsonl of posttrain tasks).")],
     out: OutOpt,
     heldout: Annotated[Path | None, typer.Option(
-        "--heldout", help="Held-out problem set: greedy pass@1 at step 0, every --eval-every "
+        "--heldout", help="Held-out problem set: pass@1 at step 0, every --eval-every "
                           "steps and at the end.")] = None,
     steps: Annotated[int, typer.Option(help="GRPO steps.")] = 50,
     tasks_per_step: Annotated[int, typer.Option(help="Problems per step.")] = 8,
@@ -119,6 +119,13 @@ def grpo(
     eval_every: Annotated[int, typer.Option(help="Held-out pass@1 every N steps.")] = 10,
     eval_limit: Annotated[int | None, typer.Option(
         help="Held-out problems evaluated at most.")] = None,
+    eval_samples: Annotated[int, typer.Option(
+        help="Completions per held-out problem: 1 is greedy; N > 1 samples N at "
+             "--eval-temperature for an unbiased pass@1 (the greedy one is kept beside "
+             "it).")] = 1,
+    eval_temperature: Annotated[float, typer.Option(
+        help="Sampling temperature of the held-out completions (with --eval-samples > 1)."
+    )] = 0.8,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: at the end).")] = 0,
     time_budget_s: Annotated[float, typer.Option(
         help="Stop after the step that passes this many seconds of GRPO (0: run --steps); "
@@ -143,7 +150,8 @@ def grpo(
                      temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, lr=lr,
                      clip_eps=clip_eps, kl_coef=kl_coef, inner_steps=inner_steps,
                      compile_credit=compile_credit, micro_batch=micro_batch,
-                     eval_every=eval_every, eval_limit=eval_limit, save_every=save_every,
+                     eval_every=eval_every, eval_limit=eval_limit, eval_samples=eval_samples,
+                     eval_temperature=eval_temperature, save_every=save_every,
                      time_budget_s=time_budget_s, seed=seed, workers=workers,
                      lora=LoraOptions(r=lora_r, alpha=lora_alpha, targets=tuple(lora_target or ())))
     cfg.check()
@@ -159,8 +167,11 @@ def grpo(
             if record["kind"] == "train":
                 tick(f"reward {record['reward']:.3f} kl {record['kl']:.4f}")
             else:
+                greedy = record.get("heldout_greedy_pass@1")
                 console.print(f"step {record['step']}: held-out pass@1 "
-                              f"{record['heldout_pass@1']:.3f}")
+                              f"{record['heldout_pass@1']:.3f} "
+                              f"± {record['heldout_pass@1_stderr']:.3f}"
+                              + ("" if greedy is None else f" (greedy {greedy:.3f})"))
 
         metrics = run_grpo(loaded.model, loaded.tokenizer, train_set.problems,
                            heldout_set.problems if heldout_set else [], verifier, out, cfg,

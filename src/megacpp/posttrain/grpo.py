@@ -22,14 +22,18 @@ One step:
 
 Every step writes a line to ``metrics.jsonl`` (reward, pass rate, compile rate, KL, clip
 fraction, loss, times); every ``eval_every`` steps (and at step 0 and the end) the held-out
-problems are decoded greedily and their pass@1 is logged. ``plot.png`` shows reward and
-held-out pass@1 against step.
+problems are evaluated and their pass@1 with its standard error over problems is logged:
+one greedy completion per problem (``eval_samples`` 1), or ``eval_samples`` completions
+sampled at ``eval_temperature`` with a fixed seed (the unbiased pass@1, mean over problems of
+``c / n``) plus the greedy one beside it. ``plot.png`` shows reward and held-out pass@1
+(with its standard-error band) against step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megacpp.data.tokenizer import CppTokenizer
-from megacpp.eval import CppVerifier, Problem, Sample, Status, verify_samples
+from megacpp.eval import CppVerifier, Problem, Sample, Status, pass_at_k, verify_samples
 from megacpp.infer.batch import CPP_BODY_STOP, BatchRequest, close_function_body, run_batch
 from megacpp.infer.cache_manager import pool_bytes
 from megacpp.infer.engine import Engine, EngineConfig
@@ -69,6 +73,7 @@ from megacpp.posttrain.sft import completion_batch, prompt_ids
 
 ADVANTAGE_EPS = 1e-4
 PLOT_FILE = "plot.png"
+EVAL_SEED_OFFSET = 5_003  # the held-out samples' seed, beside the steps' (multiples of 10_007)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ class GrpoConfig:
     micro_batch: int = 16  # completions per forward/backward
     eval_every: int = 10  # 0: held-out pass@1 only at step 0 and the end
     eval_limit: int | None = None  # held-out problems evaluated (None: all)
+    eval_samples: int = 1  # completions per held-out problem (1: greedy)
+    eval_temperature: float = 0.8  # their sampling temperature (with eval_samples > 1)
     time_budget_s: float = 0.0  # stop after the step that passes this many seconds (0: none)
     save_every: int = 0
     seed: int = 0
@@ -118,6 +125,13 @@ class GrpoConfig:
             raise PosttrainError("--eval-every and --save-every must be >= 0")
         if self.eval_limit is not None and self.eval_limit < 1:
             raise PosttrainError(f"--eval-limit {self.eval_limit}: expected >= 1")
+        if self.eval_samples < 1:
+            raise PosttrainError(f"--eval-samples {self.eval_samples}: expected >= 1 "
+                                 "(1: one greedy completion per held-out problem)")
+        if self.eval_samples > 1 and not (math.isfinite(self.eval_temperature)
+                                          and 0 < self.eval_temperature <= 10):
+            raise PosttrainError(f"--eval-temperature {self.eval_temperature}: expected a "
+                                 "number in (0, 10] with --eval-samples > 1")
         self.lora.check()
 
 
@@ -168,6 +182,19 @@ def grpo_objective(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.T
     return loss, stats
 
 
+def pass_at_1_estimate(counts: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """(pass@1, its standard error) over problems from ``(n, c)`` per problem: the mean of the
+    unbiased per-problem estimate ``c / n`` and the sample standard deviation of those
+    estimates over sqrt(problems) (0 with a single problem)."""
+    per_problem = [pass_at_k(n, c, 1) for n, c in counts]
+    if not per_problem:
+        raise PosttrainError("pass@1 needs at least one evaluated problem")
+    mean = statistics.fmean(per_problem)
+    if len(per_problem) < 2:
+        return mean, 0.0
+    return mean, statistics.stdev(per_problem) / math.sqrt(len(per_problem))
+
+
 def reward_of(status: Status, compile_credit: float) -> float:
     if status is Status.PASSED:
         return 1.0
@@ -201,18 +228,32 @@ class PolicySampler:
                               max_model_len=max_model_len)
         self.engine = Engine(model, tokenizer, config, device, dtype)
 
-    @torch.no_grad()
     def sample(self, tasks: Sequence[Problem], n: int, params: SamplingParams) -> list[Rollout]:
         """``n`` completions of every task (task order, then sample order)."""
+        return self.sample_plans(tasks, [(n, params)])[0]
+
+    @torch.no_grad()
+    def sample_plans(self, tasks: Sequence[Problem], plans: Sequence[tuple[int, SamplingParams]],
+                     *, distinct_tasks: bool = False) -> list[list[Rollout]]:
+        """For each plan ``(n, params)``, ``n`` completions of every task (task order, then
+        sample order), all decoded in one engine batch. Sample ``j`` of task ``i`` is seeded
+        ``seed + j``, or ``seed + i * n + j`` with ``distinct_tasks`` (no two completions of
+        the call share random numbers)."""
         self.model.eval()
         ids = [prompt_ids(self.tokenizer, task.prompt) for task in tasks]
-        requests = [BatchRequest(f"{i}/{j}", ids[i], _with_seed(params, j))
+        requests = [BatchRequest(f"{p}/{i}/{j}", ids[i],
+                                 _with_seed(params, i * n + j if distinct_tasks else j))
+                    for p, (n, params) in enumerate(plans)
                     for i in range(len(tasks)) for j in range(n)]
         results = run_batch(self.engine, requests)
-        return [Rollout(task, ids[i], results[f"{i}/{j}"].token_ids,
-                        close_function_body(results[f"{i}/{j}"].text,
-                                            results[f"{i}/{j}"].finish_reason))
-                for i, task in enumerate(tasks) for j in range(n)]
+
+        def rollout(key: str, i: int) -> Rollout:
+            result = results[key]
+            return Rollout(tasks[i], ids[i], result.token_ids,
+                           close_function_body(result.text, result.finish_reason))
+
+        return [[rollout(f"{p}/{i}/{j}", i) for i in range(len(tasks)) for j in range(n)]
+                for p, (n, _) in enumerate(plans)]
 
 
 def _with_seed(params: SamplingParams, j: int) -> SamplingParams:
@@ -306,13 +347,34 @@ class GrpoRun:
             "update_s": round(time.monotonic() - verified, 3),
         }
 
-    def heldout_pass_at_1(self, heldout: Sequence[Problem]) -> float:
-        """Greedy pass@1 of the held-out problems (one completion each)."""
-        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
+    def heldout_eval(self, heldout: Sequence[Problem]) -> dict[str, float]:
+        """Held-out pass@1 and its standard error over problems: greedy (one completion per
+        problem) with ``eval_samples`` 1; otherwise the unbiased estimate from
+        ``eval_samples`` completions per problem sampled at ``eval_temperature``, with the
+        greedy pass@1 beside it (decoded in the same engine batch). The samples are seeded by
+        ``seed`` alone, one seed per completion: every evaluation of a run draws the same
+        random numbers, and the same run evaluates the same way again."""
+        cfg = self.cfg
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens,
                                 stop=(CPP_BODY_STOP,))
-        statuses = score(self.verifier, self.sampler.sample(heldout, 1, params),
-                         self.cfg.workers)
-        return sum(s is Status.PASSED for s in statuses) / len(statuses)
+        plans = [(1, greedy)]
+        if cfg.eval_samples > 1:
+            plans.append((cfg.eval_samples, SamplingParams(
+                temperature=cfg.eval_temperature, max_new_tokens=cfg.max_new_tokens,
+                stop=(CPP_BODY_STOP,), seed=cfg.seed * 1_000_003 + EVAL_SEED_OFFSET)))
+        sampled = self.sampler.sample_plans(heldout, plans, distinct_tasks=True)
+        statuses = score(self.verifier, [r for rollouts in sampled for r in rollouts],
+                         cfg.workers)
+        passed = [s is Status.PASSED for s in statuses]
+        greedy_passed, sampled_passed = passed[:len(heldout)], passed[len(heldout):]
+        greedy_pass, greedy_stderr = pass_at_1_estimate([(1, int(p)) for p in greedy_passed])
+        if cfg.eval_samples == 1:
+            return {"heldout_pass@1": greedy_pass, "heldout_pass@1_stderr": greedy_stderr}
+        n = cfg.eval_samples
+        counts = [(n, sum(sampled_passed[i * n:(i + 1) * n])) for i in range(len(heldout))]
+        pass_1, stderr = pass_at_1_estimate(counts)
+        return {"heldout_pass@1": pass_1, "heldout_pass@1_stderr": stderr,
+                "heldout_greedy_pass@1": greedy_pass}
 
 
 def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
@@ -363,8 +425,7 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
 
     def evaluate(step: int) -> None:
         if eval_set:
-            emit({"kind": "eval", "step": step,
-                  "heldout_pass@1": run.heldout_pass_at_1(eval_set)})
+            emit({"kind": "eval", "step": step, **run.heldout_eval(eval_set)})
 
     checkpoint = None
     evaluate(0)
@@ -387,15 +448,17 @@ def run_grpo(model: HybridLM, tokenizer: CppTokenizer, train: Sequence[Problem],
                "final_reward": train_records[-1]["reward"],
                "mean_reward": sum(r["reward"] for r in train_records) / len(train_records),
                "final_kl": train_records[-1]["kl"], "wall_s": time.monotonic() - started}
-    if evals:
-        metrics["base_heldout_pass@1"] = evals[0]["heldout_pass@1"]
-        metrics["final_heldout_pass@1"] = evals[-1]["heldout_pass@1"]
+    if evals:  # base_heldout_pass@1, final_heldout_pass@1, their _stderr, ...
+        for name, record in (("base", evals[0]), ("final", evals[-1])):
+            metrics.update({f"{name}_{key}": value for key, value in record.items()
+                            if key.startswith("heldout_")})
     write_run_receipt(out, config, metrics, [log.path, plot, final / "config.json"])
     return metrics
 
 
 def plot_grpo(records: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Reward (per step) and held-out pass@1 (per evaluation) against step, as a PNG."""
+    """Reward (per step) and held-out pass@1 (per evaluation, with its standard-error band
+    and, from sampled evaluations, the greedy pass@1 beside it) against step, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -408,8 +471,19 @@ def plot_grpo(records: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.plot([r["step"] for r in train], [r["pass_rate"] for r in train], label="train pass rate",
             alpha=0.6)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["heldout_pass@1"] for r in evals], marker="o",
-                label="held-out pass@1 (greedy)")
+        steps = [r["step"] for r in evals]
+        pass_1 = [r["heldout_pass@1"] for r in evals]
+        stderr = [r.get("heldout_pass@1_stderr", 0.0) for r in evals]
+        sampled = "heldout_greedy_pass@1" in evals[0]
+        line, = ax.plot(steps, pass_1, marker="o", label="held-out pass@1 (sampled)" if sampled
+                        else "held-out pass@1 (greedy)")
+        ax.fill_between(steps, [p - e for p, e in zip(pass_1, stderr)],
+                        [p + e for p, e in zip(pass_1, stderr)], color=line.get_color(),
+                        alpha=0.2, label="± standard error over problems")
+        if sampled:
+            ax.plot(steps, [r["heldout_greedy_pass@1"] for r in evals], marker="x",
+                    linestyle="--", color=line.get_color(), alpha=0.7,
+                    label="held-out pass@1 (greedy)")
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
