@@ -46,3 +46,27 @@ def patch_scalar_index() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
+
+
+def patch_bf16_dot() -> None:
+    """Triton 3.6's interpreter keeps bfloat16 as its raw uint16 bits and ``tl.dot`` multiplies
+    those bits as integers. Widen bfloat16 operands to float32 first (exact: the top half of a
+    float32's bits), as the GPU's bf16 MMA multiplies exactly and accumulates in float32 (in
+    this process only; no installed file is changed)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot

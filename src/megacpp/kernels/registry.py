@@ -19,6 +19,7 @@ SURFACES = (
     "attention",
     "document_attention",
     "sparse_attention",
+    "paged_attention_decode",
     "mamba3_scan",
     "mamba3_step",
     "mamba3_mimo_scan",
