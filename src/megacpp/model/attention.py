@@ -90,14 +90,29 @@ class GroupedQueryAttention(Mixer):
         self, x: torch.Tensor, cache: PagedView, again: tuple[torch.Tensor, ...] = ()
     ) -> torch.Tensor:
         """Rows at their own positions over the paged cache: write the new keys/values, gather
-        each row's blocks, attend with keys past the query's position masked."""
+        each row's blocks, attend with keys past the query's position masked.
+
+        A decode step (one token per row, no document ids) whose catalog backend for
+        ``paged_attention_decode`` is not the reference (the Triton kernel on CUDA) attends
+        straight from the pool through the block table instead: no gather, no mask. Under
+        torch.compile (``compile_decode``) the gather path runs, for inductor to fuse: a
+        catalog backend is a graph break there."""
         q, k, v = self._project(x, again)
         q, k = self.q_norm(q), self.k_norm(k)
         B, _, L, _ = q.shape
+        batch = cache.batch
         table_dtype = torch.promote_types(q.dtype, torch.float32)
-        cos, sin = cache.batch.rope(self.head_dim, self.rope_base, table_dtype)  # [B, L, hd/2]
+        cos, sin = batch.rope(self.head_dim, self.rope_base, table_dtype)  # [B, L, hd/2]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, L, hd/2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if L == 1 and batch.doc_ids is None and not torch.compiler.is_compiling():
+            backend = resolve("paged_attention_decode", q)
+            if backend.role != "fallback":
+                cache.pool.write(batch, k=k.transpose(1, 2), v=v.transpose(1, 2))
+                pool = cache.pool.tensors
+                out = backend.fn(q[:, :, 0], pool["k"], pool["v"], batch.block_tables,
+                                 batch.positions[:, 0])  # [B, H, hd]
+                return self.out_proj(out.reshape(B, 1, -1))
         keys, values = cache.append(k=k.transpose(1, 2), v=v.transpose(1, 2))  # [B, T, Hkv, hd]
         allowed = cache.batch.allowed_keys(keys.shape[1])  # [B, L, T]
         out = grouped_attention(q, keys, values, allowed)  # [B, H, L, hd]
