@@ -328,6 +328,40 @@ def test_padded_decode_buckets_do_not_change_tokens(model, tokenizer, batched):
     assert max(w for _, w in engine.graphs.buckets_used) > -(-longest // 4)
 
 
+def test_paged_attention_decode_backend_gives_the_same_tokens(tiny_model, tokenizer,
+                                                              monkeypatch):
+    """Where the catalog chooses a ``paged_attention_decode`` backend (the Triton kernel on
+    CUDA), the A layers' decode steps attend through it, in padded decode buckets too, and the
+    greedy tokens are unchanged (here the backend is the surface's reference, marked chosen,
+    so the CPU runs the same plumbing: the pool write, the block table, the positions)."""
+    import megacpp.model.attention as attention_module
+    from megacpp.kernels.ops.paged_attention_decode.reference import (
+        paged_attention_decode_reference,
+    )
+
+    params = dataclasses.replace(GREEDY, max_new_tokens=4)
+    prompts = _prompts(tiny_model.cfg.vocab_size, (1, 5, 9))
+    requests = {str(i): (p, params) for i, p in enumerate(prompts)}
+    config = {"max_num_seqs": 4, "prefill_chunk": 128}  # every prompt in one prefill step
+    plain = _run(_engine(tiny_model, tokenizer, **config), requests)
+    real_resolve, rows_seen = attention_module.resolve, []
+
+    def counted(q, *args):
+        rows_seen.append(q.shape[0])
+        return paged_attention_decode_reference(q, *args)
+
+    chosen = types.SimpleNamespace(role="chosen", fn=counted)
+    monkeypatch.setattr(attention_module, "resolve", lambda surface, like: (
+        chosen if surface == "paged_attention_decode" else real_resolve(surface, like)))
+    assert _run(_engine(tiny_model, tokenizer, **config), requests) == plain
+    assert 3 in rows_seen
+    rows_seen.clear()
+    engine = _engine(tiny_model, tokenizer, **config)
+    engine.graphs = DecodeGraphs(engine.model, engine.cache, 4, 24, capture=False)
+    assert _run(engine, requests) == plain
+    assert 4 in rows_seen  # three rows padded to the bucket of 4 (a scratch-block row)
+
+
 def test_compiled_decode_layers_give_the_same_tokens(tiny_model, tokenizer):
     """``compile_decode``'s plumbing: one compiled paged_layer shared by the blocks of a
     family (dynamo alone here; inductor in test_engine_gpu.py) decodes the same tokens."""

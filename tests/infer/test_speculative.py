@@ -313,3 +313,39 @@ def test_verify_steps_m_layers_through_the_chosen_step_backend(model, tokenizer,
     spec = _engine(model, tokenizer, 2, graphed=graphed)
     assert _run(spec, _prompts(tokenizer.vocab_size)) == plain
     assert spec.speculative.steps > 0 and rows_seen
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_verify_keeps_the_gather_attention_path(model, tokenizer, plain, graphed, monkeypatch):
+    """With a ``paged_attention_decode`` backend chosen, the verify's attention over its k + 1
+    positions per row keeps the gather path (the backend takes one token per row): the
+    backend runs in the one-token steps, never inside the verify, and the output is still
+    plain greedy."""
+    import types
+
+    import megacpp.model.attention as attention_module
+    from megacpp.kernels.ops.paged_attention_decode.reference import (
+        paged_attention_decode_reference,
+    )
+
+    real_resolve, real_verify = attention_module.resolve, SpeculativeDecoder.verify
+    in_verify, calls = [], []
+
+    def counted(q, *args):
+        calls.append(bool(in_verify))
+        return paged_attention_decode_reference(q, *args)
+
+    def verify(self, x, drafts):
+        in_verify.append(True)
+        try:
+            return real_verify(self, x, drafts)
+        finally:
+            in_verify.pop()
+
+    monkeypatch.setattr(SpeculativeDecoder, "verify", verify)
+    chosen = types.SimpleNamespace(role="chosen", fn=counted)
+    monkeypatch.setattr(attention_module, "resolve", lambda surface, like: (
+        chosen if surface == "paged_attention_decode" else real_resolve(surface, like)))
+    spec = _engine(model, tokenizer, 2, graphed=graphed)
+    assert _run(spec, _prompts(tokenizer.vocab_size)) == plain
+    assert spec.speculative.steps > 0 and calls and not any(calls)
