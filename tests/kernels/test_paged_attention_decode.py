@@ -233,7 +233,7 @@ def interpreter_check() -> dict:
                "one_split": DecodeConfig(block_n=32, target_programs=1),
                "many_splits": DecodeConfig(block_n=16, target_programs=64)}
     results = {}
-    for shape in SHAPES:
+    for shape, (batch, _, kv_heads, _, page, _, _) in SHAPES.items():
         for dtype in (torch.float32, torch.bfloat16):
             inputs = make_inputs(shape, dtype, padding=2, extra_width=3)
             exact = paged_attention_decode_reference(**as_float64(inputs))
@@ -241,7 +241,6 @@ def interpreter_check() -> dict:
             for name, config in configs.items():
                 if dtype == torch.bfloat16 and name != "many_splits":
                     continue  # bf16's rounding is the same code at every split count
-                batch, heads, kv_heads, _, page, _, _ = SHAPES[shape]
                 splits = split_keys(batch + 2, kv_heads, inputs["block_tables"].shape[1] * page,
                                     config)[0]
                 out = paged_attention_decode_triton(**inputs, config=config)

@@ -6,6 +6,7 @@ are its rows. ``megacpp.kernels.registry`` collects both."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -50,8 +51,8 @@ def _decode_bytes(inp: dict[str, Any]) -> float:
 
 # nam56r-350m's A layers: 12 query heads over 2 K/V heads of 64, the engine's 16-token blocks;
 # 384 tokens of context (a 128-token prompt and 256 new tokens)
-_NAM56R = {"heads": 12, "kv_heads": 2, "head_dim": 64, "page": 16, "context": 384,
-           "spread": 32}
+_NAM56R = MappingProxyType({"heads": 12, "kv_heads": 2, "head_dim": 64, "page": 16,
+                           "context": 384, "spread": 32})
 
 SURFACE = Surface(
     "paged_attention_decode",
