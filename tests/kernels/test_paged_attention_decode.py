@@ -340,3 +340,39 @@ def test_kernel_replays_in_a_cuda_graph(dtype):
         graph.replay()
         expected = paged_attention_decode_reference(**static)
         assert rel(out, expected) < (1e-5 if dtype == torch.float32 else 2e-2), seed
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_hopper_without_spills(dtype):
+    """Both kernels at nam56r-350m's shape (G = 6 query heads a K/V head, head_dim 64, 16-token
+    blocks, the shipped 64-key tiles and warps) compile for sm_90 with Triton's own compiler and
+    ptxas (no GPU needed) and spill no registers: the interpreter does not check that
+    ``tl.dot``'s operand shapes and the loop over a loaded bound lower to GPU code."""
+    pytest.importorskip("triton")
+    from megacpp.kernels.ops.paged_attention_decode import triton as decode
+    from megacpp.kernels.ops.paged_attention_decode.configs import CONFIGS
+    from tests.kernels.test_triton_compile import _compile, _ptxas_spills
+
+    config = CONFIGS["default"]
+    pointers = {"Q": dtype, "K": dtype, "V": dtype, "TABLES": "i64", "POS": "i64", "O": dtype,
+                "M_PART": "fp32", "L_PART": "fp32", "ACC_PART": "fp32"}
+    ints = ("stride_qb", "stride_qh", "stride_kblk", "stride_ktok", "stride_kh", "stride_vblk",
+            "stride_vtok", "stride_vh", "stride_tb", "stride_tw", "stride_pos", "stride_ob",
+            "stride_oh", "n_table", "G", "D", "keys_per_split")
+    signature = {name: f"*{t}" for name, t in pointers.items()}
+    signature.update({name: "i32" for name in ints})
+    signature["scale"] = "fp32"
+    constexprs = {"PAGE": 16, "BLOCK_N": config.block_n, "BLOCK_G": 16, "BLOCK_D": 64,
+                  "N_SPLITS": 3, "PRECISION": "ieee" if dtype == "fp32" else None}
+    signature.update({name: "constexpr" for name in constexprs})
+    div16 = (*pointers, "stride_qb", "stride_qh", "stride_kblk", "stride_ktok", "stride_vblk",
+             "stride_vtok", "stride_ob", "stride_oh", "D", "keys_per_split")
+    warps = config.num_warps_f32 if dtype == "fp32" else config.num_warps
+    kernel = _compile(decode._decode_kernel, signature, constexprs, div16, num_warps=warps)
+    assert _ptxas_spills(kernel)[1] == 0
+    combine = {"M_PART": "*fp32", "L_PART": "*fp32", "ACC_PART": "*fp32", "O": f"*{dtype}",
+               "stride_ob": "i32", "stride_oh": "i32", "D": "i32", "N_SPLITS": "constexpr",
+               "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"}
+    kernel = _compile(decode._combine_kernel, combine,
+                      {"N_SPLITS": 3, "BLOCK_S": 4, "BLOCK_D": 64}, ("M_PART", "ACC_PART", "O"))
+    assert _ptxas_spills(kernel)[1] == 0

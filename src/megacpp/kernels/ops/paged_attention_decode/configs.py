@@ -13,14 +13,16 @@ class DecodeConfig:
     """``block_n`` keys per loop step of a program (at least 16: a ``tl.dot`` operand);
     the keys are split over programs (flash-decoding) until about ``target_programs`` run
     (row x K/V head x split), never finer than ``block_n`` keys a split; ``num_warps`` per
-    program."""
+    program for 16-bit inputs, ``num_warps_f32`` for float32 (full-precision dots)."""
 
     block_n: int = 64
     target_programs: int = 264
     num_warps: int = 4
+    num_warps_f32: int = 8
 
 
 # 264: two programs per SM of an H100 (132 SMs), so B=64 rows x 2 K/V heads (nam56r-350m)
-# split the keys in two and B=1 in up to 128 (one 64-key tile each). Not timed against other
-# settings on a GPU yet
+# split 384 keys in three and B=1 in six (one 64-key tile each). Compiled for sm_90 at that
+# shape (tests/kernels/test_paged_attention_decode.py): bf16 212 registers at 4 warps, float32
+# 238 at 8 (868 bytes spilled at 4); no spills. Not timed against other settings on a GPU yet
 CONFIGS = MappingProxyType({DEFAULT: DecodeConfig()})

@@ -185,7 +185,7 @@ def paged_attention_decode_triton(
         n_table, group, head_dim, keys_per_split, head_dim**-0.5,
         PAGE=page, BLOCK_N=config.block_n, BLOCK_G=max(16, next_power_of_2(group)),
         BLOCK_D=block_d, N_SPLITS=splits, PRECISION=_DTYPES[q.dtype],
-        num_warps=config.num_warps,
+        num_warps=config.num_warps_f32 if q.dtype == torch.float32 else config.num_warps,
     )
     if splits > 1:
         _combine_kernel[(batch, heads)](
