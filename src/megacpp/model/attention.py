@@ -4,6 +4,10 @@ Packed rows: ``doc_ids`` [B, L] (per-token document index) restricts every query
 its own document, so attention never crosses a document boundary: the catalog's
 ``document_attention`` surface (:mod:`megacpp.kernels.ops.document_attention.flex`), FlexAttention
 over a block mask on CUDA, SDPA with the dense mask as the reference.
+
+Paged decode (one token per row over the serving engine's K/V pool): the catalog's
+``paged_attention_decode`` surface where it chooses a kernel (Triton on CUDA: K/V read in
+place through the block table), else the gather + mask + :func:`grouped_attention` path.
 """
 
 from __future__ import annotations
