@@ -130,7 +130,8 @@ def _forced(monkeypatch, fn, calls: list | None = None):
 def test_layer_decode_through_the_hook_equals_the_gather_path(monkeypatch):
     """forward_paged of one token per row with the surface forced chosen (its reference as the
     backend) == the gather path, over three steps in float64; the pool receives the same
-    entries; a two-token step (the speculative verify's form) never calls the backend."""
+    entries; a two-token step (the speculative verify's form) and a step with document ids
+    never call the backend."""
     layer, pool, tables = _layer_and_pool()
     theirs = PagedPool({n: t.clone() for n, t in pool.tensors.items()})
     page = pool.block_size
@@ -157,6 +158,9 @@ def test_layer_decode_through_the_hook_equals_the_gather_path(monkeypatch):
     with torch.no_grad(), monkeypatch.context() as m:
         _forced(m, paged_attention_decode_reference, calls)
         layer.forward_paged(torch.randn(3, 2, 32, dtype=torch.float64), PagedView(pool, batch))
+        one = _layer_batch(positions + 2, tables, page)
+        one.doc_ids = torch.ones(3, 1, dtype=torch.long)  # a document mask: the gather path
+        layer.forward_paged(torch.randn(3, 1, 32, dtype=torch.float64), PagedView(pool, one))
     assert len(calls) == 3
 
 
