@@ -110,6 +110,10 @@ def _gated_delta_step_kernel(
     q, q_tail = _conv_step(row, tail_row, CONV_W, q_chan, mask_k, W, BW, IN_DT, CDT)
     k, k_tail = _conv_step(row, tail_row, CONV_W, k_chan, mask_k, W, BW, IN_DT, CDT)
     v, v_tail = _conv_step(row, tail_row, CONV_W, v_chan, mask_v, W, BW, IN_DT, CDT)
+    tl.debug_barrier()  # every thread's reads of the slot's conv inputs come before the writes
+    _store_tail(tail_row, q_chan, mask_k, q_tail, W, BW, CONV_DT)
+    _store_tail(tail_row, k_chan, mask_k, k_tail, W, BW, CONV_DT)
+    _store_tail(tail_row, v_chan, mask_v, v_tail, W, BW, CONV_DT)
     q = _l2normed(q, IN_DT, CDT)
     k = _l2normed(k, IN_DT, CDT)
 
@@ -136,12 +140,9 @@ def _gated_delta_step_kernel(
     gate = tl.load(row + conv_dim + h * V + offs_v, mask=mask_v, other=0.0).to(CDT)
     y = o * rstd * weight * (gate / (1.0 + tl.exp(-gate)))
 
-    tl.debug_barrier()  # every program's reads of the slot come before its writes
-    tl.store(Y + b * stride_y + h * V + offs_v, y.to(IN_DT), mask=mask_v)
+    tl.debug_barrier()  # every thread's reads of the slot's state come before the writes
     tl.store(state_ptrs, state.to(ST_DT), mask=mask_kv)
-    _store_tail(tail_row, q_chan, mask_k, q_tail, W, BW, CONV_DT)
-    _store_tail(tail_row, k_chan, mask_k, k_tail, W, BW, CONV_DT)
-    _store_tail(tail_row, v_chan, mask_v, v_tail, W, BW, CONV_DT)
+    tl.store(Y + b * stride_y + h * V + offs_v, y.to(IN_DT), mask=mask_v)
 
 
 def _warps(config: StepConfig, tile: int, f64: bool) -> int:
