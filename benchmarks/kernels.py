@@ -65,6 +65,10 @@ BENCH = {  # surface -> (cases, backends in table order)
     # heads x 64, d_state 64, 16 rotated pairs), batch 1 and 64; forward only (decode):
     # the fused kernel against the mixer's decode path (gather, ~100 small ops, scatter)
     "mamba3_step": (["nam56r_b1", "nam56r_b64"], ["triton_fused", "reference"]),
+    # one Gated DeltaNet decode step between in_proj and o_proj at nam56r-350m's R layers (4
+    # heads, K 64, V 128, 4 conv taps), batch 1 and 64; forward only (decode): the fused
+    # kernel against the mixer's decode path (gather, conv step, norms, gates, rule, scatter)
+    "gated_delta_step": (["nam56r_b1", "nam56r_b64"], ["triton_fused", "reference"]),
     # decode attention over the engine's paged K/V pool at nam56r-350m's A layers (12 / 2
     # heads of 64, 16-token blocks, ~384 tokens of context), batch 1 and 64; forward only:
     # the kernel (K/V read through the block table) against the gather + mask + einsum path

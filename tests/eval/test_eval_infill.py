@@ -122,6 +122,24 @@ def test_the_engine_gets_the_psm_prompt():
     assert middle.text == direct.text
 
 
+def test_many_middles_go_through_one_engine_with_progress(monkeypatch):
+    """More pairs than one engine batch (64 rows): one engine for all of them, each pair's
+    completion reported as it finishes, in the same order as returned."""
+    tok = tiny_tokenizer()
+    generator = TextGenerator(tiny_model(tok.vocab_size), tok)
+    engines = []
+    real_engine = TextGenerator._engine
+    monkeypatch.setattr(TextGenerator, "_engine", lambda self, *a: (
+        engines.append(a), real_engine(self, *a))[1])
+    pairs = [(f"int f{i}(int x) {{\n    return ", ";\n}\n") for i in range(70)]
+    seen = {}
+    middles = generator.infill_all(pairs, SamplingParams(temperature=0, max_new_tokens=2),
+                                   on_finish=lambda i, c: seen.setdefault(i, c))
+    assert len(engines) == 1 and len(middles) == 70
+    assert sorted(seen) == list(range(70))
+    assert all(seen[i].text == m.text for i, m in enumerate(middles))
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("infill")

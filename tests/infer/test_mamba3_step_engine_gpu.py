@@ -35,8 +35,9 @@ def _decode(model, tokenizer, mode: str, max_new_tokens: int = 20):  # noqa: F81
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_decode_step_decodes_the_reference_tokens(dtype, tokenizer):  # noqa: F811
-    """float64: only mamba3_step qualifies under auto (the other Triton rows take no float64),
-    so this isolates the fused step; float32 runs it with the other chosen kernels."""
+    """float64: only the fused decode steps (mamba3_step, gated_delta_step) qualify under
+    auto (the other Triton rows take no float64); float32 runs them with the other chosen
+    kernels."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(load_config("tiny"), vocab_size=tokenizer.vocab_size, init_std=0.3)
     model = HybridLM(cfg).to(dtype).cuda().eval()

@@ -321,3 +321,27 @@ def test_a_waiting_request_is_hashed_once(tokenizer, monkeypatch):
     # exactly once (the lookups; a computed block is registered under its known hash)
     assert steps > 3
     assert len(hashed) == (len(prompts["a"]) - 1) // BS + (len(prompts["b"]) - 1) // BS
+
+
+def test_the_hits_one_step_admits_get_their_snapshots_together(tokenizer, monkeypatch):
+    """Requests admitted in one step that start from prefix-cache snapshots get them in one
+    gather and scatter per state tensor (not one per request and tensor), and the tokens are
+    those without the cache."""
+    from megacpp.infer import prefix_cache
+
+    model = _model(small_config("AMRA", vocab_size=tokenizer.vocab_size, init_std=0.3))
+    base = _prompts(model.cfg.vocab_size)["multiple"]  # 16 tokens: 4 whole blocks
+    later = {"a": base + [5, 6], "b": base + [7, 8, 9], "c": base + [4]}
+    off = _run(_engine(model, tokenizer, False), later, together=True)
+    engine = _engine(model, tokenizer, True, prefill_chunk=64)
+    _run(engine, {"base": base}, together=True)  # its prompt ends on a block: a snapshot
+    restores = []
+    real = prefix_cache.scatter_state
+    monkeypatch.setattr(prefix_cache, "scatter_state", lambda pool, slots, state: (
+        restores.append(slots.tolist()) if any(pool is p for p in engine.cache.state_pools)
+        else None,
+        real(pool, slots, state)))
+    assert _run(engine, later, together=True) == off
+    n_pools = len(engine.cache.state_pools)
+    assert n_pools > 0 and len(restores) == n_pools  # one scatter per state pool, all three
+    assert all(sorted(r) == sorted(restores[0]) and len(r) == 3 for r in restores)

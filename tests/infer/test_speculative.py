@@ -315,6 +315,45 @@ def test_verify_steps_m_layers_through_the_chosen_step_backend(model, tokenizer,
     assert spec.speculative.steps > 0 and rows_seen
 
 
+@pytest.mark.parametrize(("k", "graphed"), [(0, False), (2, False), (2, True)],
+                         ids=["plain", "eager", "graphed"])
+def test_decode_and_verify_step_r_layers_through_the_chosen_step_backend(
+        model, tokenizer, plain, k, graphed, monkeypatch):
+    """Where the catalog chooses a ``gated_delta_step`` backend (the fused kernel on CUDA),
+    plain decode steps run it on the R layers' pool rows and the verify on its gathered
+    states, one position at a time; the output is still plain greedy (here the backend is
+    the surface's reference, marked chosen, so the CPU runs the same plumbing)."""
+    import types
+
+    import megacpp.model.gated_delta as gated_delta_module
+    from megacpp.kernels.ops.gated_delta_step.reference import gated_delta_step_reference
+
+    real_resolve, real_verify = gated_delta_module.resolve, SpeculativeDecoder.verify
+    in_verify, rows_seen = [], {"decode": 0, "verify": 0}
+
+    def counted(proj, *args, **kwargs):
+        rows_seen["verify" if in_verify else "decode"] += proj.shape[0]
+        return gated_delta_step_reference(proj, *args, **kwargs)
+
+    def verify(self, x, drafts):
+        in_verify.append(True)
+        try:
+            return real_verify(self, x, drafts)
+        finally:
+            in_verify.pop()
+
+    monkeypatch.setattr(SpeculativeDecoder, "verify", verify)
+    chosen = types.SimpleNamespace(role="chosen", fn=counted)
+    monkeypatch.setattr(gated_delta_module, "resolve", lambda surface, like: (
+        chosen if surface == "gated_delta_step" else real_resolve(surface, like)))
+    engine = _engine(model, tokenizer, k, graphed=graphed)
+    assert _run(engine, _prompts(tokenizer.vocab_size)) == plain
+    if k:
+        assert engine.speculative.steps > 0 and rows_seen["verify"]
+    else:
+        assert rows_seen["decode"] and not rows_seen["verify"]
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_verify_keeps_the_gather_attention_path(model, tokenizer, plain, graphed, monkeypatch):
     """With a ``paged_attention_decode`` backend chosen, the verify's attention over its k + 1

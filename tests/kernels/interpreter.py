@@ -48,6 +48,29 @@ def patch_scalar_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def patch_bf16_rounding() -> None:
+    """Triton 3.6's interpreter truncates a float32 -> bfloat16 cast (``.to(tl.bfloat16)``)
+    where the GPU rounds to nearest even, so a kernel that rounds intermediates to bf16 as
+    its reference does would drift from it under the interpreter only. Make that cast round
+    as the GPU does, with torch's conversion (in this process only)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_fp_trunc
+
+    def fp_trunc(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            import torch
+
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16),
+                                            tl.bfloat16)
+        return original(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.create_fp_trunc = fp_trunc
+
+
 def patch_bf16_dot() -> None:
     """Triton 3.6's interpreter keeps bfloat16 as its raw uint16 bits and ``tl.dot`` multiplies
     those bits as integers. Widen bfloat16 operands to float32 first (exact: the top half of a

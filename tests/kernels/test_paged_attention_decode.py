@@ -224,9 +224,10 @@ def test_split_keys_depends_on_shapes_only():
 
 def interpreter_check() -> dict:
     """Run in a fresh process with TRITON_INTERPRET=1; raises on a tolerance miss."""
-    from tests.kernels.interpreter import patch_bf16_dot
+    from tests.kernels.interpreter import patch_bf16_dot, patch_bf16_rounding
 
     patch_bf16_dot()
+    patch_bf16_rounding()  # the probabilities' cast to bf16 rounds as on the GPU
     from megacpp.kernels.ops.paged_attention_decode.configs import DecodeConfig
     from megacpp.kernels.ops.paged_attention_decode.triton import (
         paged_attention_decode_triton,

@@ -590,11 +590,11 @@ def _run_infill(tasks, fill, out: Path, model: dict, settings: dict, where: dict
 
 def _local_filler(checkpoint: Path, tokenizer: Path | None, device: str, fallback: bool,
                   temperature: float, max_new_tokens: int, seed: int):
-    """Fill with a local model through the engine, a batch of middles at a time."""
+    """Fill with a local model: every middle through one engine run."""
     from megacpp.cli._checkpoint import load_for_inference
     from megacpp.data.fim import FimIds
     from megacpp.eval.infill import Filled
-    from megacpp.infer.generate import MAX_NUM_SEQS, TextGenerator
+    from megacpp.infer.generate import TextGenerator
     from megacpp.infer.sampling import SamplingParams
 
     model, tok, ckpt = load_for_inference(checkpoint, tokenizer, device,
@@ -604,13 +604,9 @@ def _local_filler(checkpoint: Path, tokenizer: Path | None, device: str, fallbac
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
 
     def fill(tasks, tick):
-        filled = []
-        for start in range(0, len(tasks), MAX_NUM_SEQS):
-            batch = tasks[start:start + MAX_NUM_SEQS]
-            for c in generator.infill_all([(t.prefix, t.suffix) for t in batch], params):
-                filled.append(Filled(c.text, c.finish_reason))
-                tick(c)
-        return filled
+        middles = generator.infill_all([(t.prefix, t.suffix) for t in tasks], params,
+                                       on_finish=lambda _i, c: tick(c))
+        return [Filled(c.text, c.finish_reason) for c in middles]
 
     return fill, _local_model(ckpt, model)
 

@@ -111,7 +111,7 @@ class CacheManager:
         self.block_size, self.num_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.null_block, self.null_slot = num_blocks, max_num_seqs  # scratch for padding rows
         self.slots = IdAllocator(max_num_seqs, "state slots")
-        self._new_slots: list[int] = []  # admitted, not yet reset (see zero_new_slots)
+        self._new_slots: list[int] = []  # admitted, not yet reset (see prepare_new_slots)
         self.families = [b.family for b in model.blocks]
         self.device = device
         state_dtype = torch.promote_types(dtype, torch.float32)
@@ -173,18 +173,17 @@ class CacheManager:
 
     def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int) -> None:
         """Open ``seq_id`` (after :meth:`can_admit`; :meth:`reserve` grows its table): a slot
-        holding the hit's state and a table starting with the hit's blocks. A slot that gets
-        no snapshot is reset with the step's other new slots by :meth:`zero_new_slots`, which
-        the scheduler calls before the step's forward runs."""
+        holding the hit's state and a table starting with the hit's blocks. The slot is made
+        ready with the step's other new slots by :meth:`prepare_new_slots`, which the scheduler
+        calls before the step's forward runs: reset, or given the hit's snapshot (which
+        overwrites every state tensor of the row)."""
         slot = self._take_slot(seq_id)
         self.tables[seq_id] = list(hit.blocks)
-        if self.prefix is not None and hit.snapshot is not None:
-            # the snapshot overwrites every state tensor of the row: nothing to reset
-            self.prefix.admit(seq_id, hit, prompt_len, torch.tensor([slot], device=self.device))
-        else:
+        snapshot = self.prefix is not None and hit.snapshot is not None
+        if not snapshot:
             self._new_slots.append(slot)
-            if self.prefix is not None:
-                self.prefix.admit(seq_id, hit, prompt_len, None)
+        if self.prefix is not None:
+            self.prefix.admit(seq_id, hit, prompt_len, slot if snapshot else None)
 
     def expect_sharing(self, seq_id: str) -> None:
         """A waiting request starts like ``seq_id``: leave snapshots it can start from."""
@@ -214,19 +213,21 @@ class CacheManager:
         """Give ``seq_id`` a state slot, reset to the empty-prefix state."""
         slot = self._take_slot(seq_id)
         self._new_slots.append(slot)
-        self.zero_new_slots()
+        self.prepare_new_slots()
         return slot
 
-    def zero_new_slots(self) -> None:
-        """Reset every slot admitted since the last call to the empty-prefix state: one fill
-        per state tensor for all of them (a fill per slot and tensor, 66 launches a request on
-        nam56r-350m, was most of a large batch's time to first token)."""
-        if not self._new_slots:
-            return
-        index = torch.tensor(self._new_slots, device=self.device)
-        for pool in self.state_pools:
-            zero_state_slots(pool, index)
-        self._new_slots.clear()
+    def prepare_new_slots(self) -> None:
+        """Ready every slot admitted since the last call: the empty-prefix state (zeros), or
+        the prefix-cache snapshot its hit starts from. One fill, or one gather and scatter,
+        per state tensor for all of them (per slot it was 66 launches a request on
+        nam56r-350m, most of a large batch's time to first token)."""
+        if self._new_slots:
+            index = torch.tensor(self._new_slots, device=self.device)
+            for pool in self.state_pools:
+                zero_state_slots(pool, index)
+            self._new_slots.clear()
+        if self.prefix is not None:
+            self.prefix.restore(self.device)
 
     def _take_slot(self, seq_id: str) -> int:
         if seq_id in self.slot_of:
@@ -245,6 +246,8 @@ class CacheManager:
             self.slots.free([slot])
             if slot in self._new_slots:
                 self._new_slots.remove(slot)
+            if self.prefix is not None:
+                self.prefix.forget_slot(slot)
 
     # -- accounting ------------------------------------------------------------------------------
     def bytes_by_family(self) -> dict[str, int]:

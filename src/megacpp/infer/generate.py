@@ -16,6 +16,7 @@ argmax.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,27 +88,32 @@ class TextGenerator:
         prompt_ids = [[self.tokenizer.bos_id, *self.tokenizer.encode(p).tolist()] for p in prompts]
         return self._run(prompt_ids, n, params)
 
-    def infill_all(self, pairs: list[tuple[str, str]],
-                   params: SamplingParams) -> list[Completion]:
+    def infill_all(self, pairs: list[tuple[str, str]], params: SamplingParams,
+                   on_finish: Callable[[int, Completion], None] | None = None,
+                   ) -> list[Completion]:
         """The middle of each (prefix, suffix) pair: one completion of the fill-in-the-middle
         prompt ``BOS <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|>``, which ends
-        at EOS (the prompt ``megacpp serve`` makes for a ``suffix``)."""
+        at EOS (the prompt ``megacpp serve`` makes for a ``suffix``). All pairs go through
+        one engine run; ``on_finish(i, completion)`` is called as pair ``i`` finishes."""
         if not pairs:
             return []
         fim, tok = FimIds.of(self.tokenizer), self.tokenizer
         prompt_ids = [[tok.bos_id, *psm_prompt(tok.encode(prefix).tolist(),
                                                tok.encode(suffix).tolist(), fim)]
                       for prefix, suffix in pairs]
-        return [row[0] for row in self._run(prompt_ids, 1, params)]
+        finished = None if on_finish is None else (
+            lambda rid, result: on_finish(int(rid.split("/")[0]), self._completion(result)))
+        return [row[0] for row in self._run(prompt_ids, 1, params, finished)]
 
-    def _run(self, prompt_ids: list[list[int]], n: int,
-             params: SamplingParams) -> list[list[Completion]]:
+    def _run(self, prompt_ids: list[list[int]], n: int, params: SamplingParams,
+             on_finish: Callable[[str, BatchResult], None] | None = None,
+             ) -> list[list[Completion]]:
         engine = self._engine(max(map(len, prompt_ids)), n * len(prompt_ids), params.max_new_tokens)
         requests = [
             BatchRequest(f"{i}/{j}", ids, dataclasses.replace(params, seed=sample_seed(params.seed, j)))
             for i, ids in enumerate(prompt_ids) for j in range(n)
         ]
-        results = run_batch(engine, requests)
+        results = run_batch(engine, requests, on_finish)
         return [[self._completion(results[f"{i}/{j}"]) for j in range(n)]
                 for i in range(len(prompt_ids))]
 

@@ -169,6 +169,7 @@ class PrefixCache:
         self._free_rows = list(range(n_rows))
         self.snapshot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU: oldest first
         self._to_copy: dict[int, int] = {}  # snapshot row -> the slot to copy at flush()
+        self._to_restore: dict[int, int] = {}  # slot -> the snapshot row it starts from
         self.seq_hashes: dict[str, list[bytes]] = {}  # running sequence -> its block hashes
         self.sharing: set[str] = set()  # running sequences whose first block was cached
         self.in_progress: dict[bytes, int] = {}  # hash -> running sequences yet to compute it
@@ -201,20 +202,16 @@ class PrefixCache:
         return PrefixHit(n * self.block_size, tuple(blocks[:n]), snapshot, tuple(hashes),
                          len(blocks))
 
-    def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int,
-              slots: torch.Tensor | None) -> None:
-        """Start ``seq_id`` from ``hit``: its blocks are referenced, its slot ``slots`` [1]
-        gets the snapshot (``slots`` is needed only where ``hit`` has one), the lookup is
-        counted."""
+    def admit(self, seq_id: str, hit: PrefixHit, prompt_len: int, slot: int | None) -> None:
+        """Start ``seq_id`` from ``hit``: its blocks are referenced, its state slot ``slot``
+        is to get the snapshot (``slot`` is needed only where ``hit`` has one; the copy runs
+        in :meth:`restore`, with the step's other admissions), the lookup is counted."""
         self.blocks.touch(list(hit.blocks))
         if hit.snapshot is not None:
-            if slots is None:
+            if slot is None:
                 raise AssertionError("a hit with a snapshot needs the sequence's slot")
-            self.flush(slots.device)
             self.snapshot_of.move_to_end(hit.hashes[hit.num_tokens // self.block_size - 1])
-            row = torch.tensor([hit.snapshot], device=slots.device)
-            for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
-                scatter_state(state, slots, gather_state(snaps, row))
+            self._to_restore[slot] = hit.snapshot
         self.seq_hashes[seq_id] = list(hit.hashes)
         if hit.cached_blocks:
             self.sharing.add(seq_id)
@@ -312,6 +309,24 @@ class PrefixCache:
         for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
             scatter_state(snaps, rows, gather_state(state, slots))
         self._to_copy.clear()
+
+    def restore(self, device: torch.device) -> None:
+        """Copy the snapshots the step's admissions start from into their slots: one gather
+        and one scatter per state tensor for all of them (after :meth:`flush`, so a snapshot
+        asked for by the last step is in its row). The hits' blocks are referenced, so their
+        snapshot rows cannot be evicted before this runs."""
+        if not self._to_restore:
+            return
+        self.flush(device)
+        slots = torch.tensor(list(self._to_restore), device=device)
+        rows = torch.tensor(list(self._to_restore.values()), device=device)
+        for state, snaps in zip(self.state_pools, self.snapshot_pools, strict=True):
+            scatter_state(state, slots, gather_state(snaps, rows))
+        self._to_restore.clear()
+
+    def forget_slot(self, slot: int) -> None:
+        """``slot`` was released before :meth:`restore` ran: nothing to copy into it."""
+        self._to_restore.pop(slot, None)
 
     def release(self, seq_id: str) -> None:
         self._progressed(seq_id, len(self.seq_hashes.get(seq_id, ())))

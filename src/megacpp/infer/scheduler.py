@@ -157,7 +157,7 @@ class Scheduler:
         self._schedule_decodes(plan)
         budget = self._schedule_prefills(plan, self.prefill_chunk)
         self._admit(plan, budget)
-        self.cache.zero_new_slots()  # the admitted slots' reset, in one fill per state tensor
+        self.cache.prepare_new_slots()  # the admitted slots' reset or snapshot, all at once
         return SchedulerOutput(
             prefills=[self._scheduled(c.seq, c.start, c.end, c.completes) for c in plan.prefills],
             decodes=[self._scheduled(s, s.num_computed, s.num_computed + 1, True)

@@ -25,6 +25,7 @@ SURFACES = (
     "mamba3_mimo_scan",
     "short_conv",
     "gated_delta",
+    "gated_delta_step",
     "muon_momentum",
     "muon_apply",
     "muon_polynomial",

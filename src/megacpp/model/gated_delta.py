@@ -20,10 +20,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megacpp.errors import ConfigError
@@ -31,14 +30,19 @@ from megacpp.kernels.ops.gated_delta import (
     flops_per_token as gated_delta_flops_per_token,
 )
 from megacpp.kernels.ops.gated_delta import gated_delta_rule_recurrent
+from megacpp.kernels.ops.gated_delta_step.reference import (
+    decay_and_write_strength,
+    gated_rms_output,
+    l2norm,
+)
 from megacpp.kernels.ops.short_conv.reference import short_causal_conv
 from megacpp.kernels.runtime import resolve
 from megacpp.model.mixer import RecurrentMixer
 
 if TYPE_CHECKING:
+    from megacpp.model.cache import PagedView
     from megacpp.model.config import ModelConfig
 
-L2NORM_EPS = 1e-6  # fla's l2norm epsilon: x / sqrt(sum(x^2) + eps)
 A_INIT_RANGE = (1.0, 16.0)  # exp(A_log) ~ U(1, 16), as in fla's GatedDeltaNet
 DT_INIT_RANGE = (1e-3, 1e-1)  # softplus(dt_bias) log-uniform in this range (Mamba-2 style)
 DT_INIT_FLOOR = 1e-4
@@ -181,11 +185,50 @@ class GatedDeltaNetMixer(RecurrentMixer):
         op = partial(chunked, chunk_size=self.chunk_size)
         return self._mix(x, doc_ids, cache, op, fresh, last_index)
 
+    #: The catalog surface of the fused paged decode step.
+    STEP_SURFACE: ClassVar[str] = "gated_delta_step"
+
     def step(self, x: Tensor, cache: GatedDeltaCache) -> Tensor:
-        """One decode step with the recurrent op: ``x`` [B, 1, d_model]; updates ``cache``."""
+        """One decode step with the recurrent op: ``x`` [B, 1, d_model]; updates ``cache``.
+
+        Without autograd, where the catalog chooses a ``gated_delta_step`` backend other than
+        the reference (the fused kernel on CUDA), that backend advances the B rows of
+        ``cache`` in place: the speculative verify steps its k + 1 positions this way."""
         if x.dim() != 3 or x.shape[1] != 1:
             raise ValueError(f"step takes x of shape [B, 1, d_model], got {list(x.shape)}")
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            backend = resolve(self.STEP_SURFACE, x)
+            if backend.role != "fallback":
+                self._check_inputs(x, None, cache)
+                rows = torch.arange(x.shape[0], device=x.device)
+                return self._fused_step(backend.fn, x, cache, rows)
         return self._mix(x, None, cache, gated_delta_rule_recurrent)
+
+    def forward_paged(
+        self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
+    ) -> Tensor:
+        """:meth:`RecurrentMixer.forward_paged`; a decode step (one token per row, no reset)
+        whose catalog backend for ``gated_delta_step`` is not the reference runs in_proj as
+        one GEMM, that backend on the pool rows in place (no gather / scatter) and o_proj.
+        Under torch.compile (``compile_decode``) the reference step runs, for inductor to
+        fuse: a catalog backend is a graph break, which the decode layers' fullgraph compile
+        refuses."""
+        batch = cache.batch
+        decode = x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh
+        if decode and not torch.compiler.is_compiling():
+            backend = resolve(self.STEP_SURFACE, x)
+            if backend.role != "fallback":
+                return self._fused_step(backend.fn, x, cache.pool, batch.state_slots)
+        return super().forward_paged(x, cache, again)
+
+    def _fused_step(self, step: Callable[..., Tensor], x: Tensor, pool: GatedDeltaCache,
+                    slots: Tensor) -> Tensor:
+        """x [B, 1, d_model] -> [B, 1, d_model] through ``step`` (a ``gated_delta_step``
+        backend), advancing pool rows ``slots``."""
+        proj = self.in_proj(x[:, 0])  # [B, conv_dim + value_dim + 2H]
+        y = step(proj, pool.state, pool.conv_state, slots, self.conv_weight, self.A_log,
+                 self.dt_bias, self.norm_weight, eps=self.norm_eps)  # [B, H*V]
+        return self.o_proj(y[:, None])
 
     def init_cache(
         self, batch_size: int, device: torch.device | str | None = None,
@@ -249,9 +292,7 @@ class GatedDeltaNetMixer(RecurrentMixer):
         q = l2norm(q.view(B, L, H, K))  # [B, L, H, K]
         k = l2norm(k.view(B, L, H, K))
         v = v.view(B, L, H, V)
-        f32 = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for fp64 runs
-        g = -self.A_log.to(f32).exp() * F.softplus(a.to(f32) + self.dt_bias.to(f32))  # [B, L, H]
-        beta = b.to(f32).sigmoid()  # [B, L, H]
+        g, beta = decay_and_write_strength(a, b, self.A_log, self.dt_bias)  # [B, L, H] each
         if last_index is not None:  # right padding: no decay, no write (selected, so even
             #                           non-finite padding values stay out of the state)
             padding = torch.arange(L, device=x.device)[None, :, None] > last_index[:, None, None]
@@ -272,9 +313,8 @@ class GatedDeltaNetMixer(RecurrentMixer):
             cache.state.copy_(state.detach())
             cache.conv_state.copy_(conv_tail.detach())
 
-        o = F.rms_norm(o.to(f32), (V,), self.norm_weight.to(f32), self.norm_eps)
-        o = o * F.silu(gate.to(f32).view(B, L, H, V))
-        return self.o_proj(o.flatten(2).to(x.dtype))  # [B, L, d_model]
+        o = gated_rms_output(o, gate, self.norm_weight, self.norm_eps, x.dtype)  # [B, L, H*V]
+        return self.o_proj(o)  # [B, L, d_model]
 
     def _check_inputs(
         self, x: Tensor, doc_ids: Tensor | None, cache: GatedDeltaCache | None
@@ -307,13 +347,6 @@ def _conv_tail_at(history: Tensor | None, conv_in: Tensor, last_index: Tensor) -
     # token t sits at W - 1 + t: the W - 1 inputs ending at it start at index t + 1
     index = last_index[:, None] + torch.arange(1, width + 1, device=conv_in.device)  # [B, W-1]
     return seq.gather(1, index[:, :, None].expand(B, width, C)).transpose(1, 2)
-
-
-def l2norm(x: Tensor) -> Tensor:
-    """Normalise the last dim to unit L2 norm (fla's ``x / sqrt(sum(x^2) + 1e-6)``), in at
-    least float32."""
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
 def document_starts(doc_ids: Tensor) -> Tensor:
