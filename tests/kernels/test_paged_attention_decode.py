@@ -210,8 +210,7 @@ def test_catalog_row_is_forward_only_with_reference_fallback():
 
 
 def test_split_keys_depends_on_shapes_only():
-    from megacpp.kernels.ops.paged_attention_decode.configs import DecodeConfig
-    from megacpp.kernels.ops.paged_attention_decode.triton import split_keys
+    from megacpp.kernels.ops.paged_attention_decode.configs import DecodeConfig, split_keys
 
     config = DecodeConfig(block_n=64, target_programs=264)
     assert split_keys(64, 2, 384, config) == (3, 128)  # 6 tiles over 3 splits
@@ -228,11 +227,8 @@ def interpreter_check() -> dict:
 
     patch_bf16_dot()
     patch_bf16_rounding()  # the probabilities' cast to bf16 rounds as on the GPU
-    from megacpp.kernels.ops.paged_attention_decode.configs import DecodeConfig
-    from megacpp.kernels.ops.paged_attention_decode.triton import (
-        paged_attention_decode_triton,
-        split_keys,
-    )
+    from megacpp.kernels.ops.paged_attention_decode.configs import DecodeConfig, split_keys
+    from megacpp.kernels.ops.paged_attention_decode.triton import paged_attention_decode_triton
 
     configs = {"default": DecodeConfig(),  # at these contexts: two splits of 64 keys
                "one_split": DecodeConfig(block_n=32, target_programs=1),

@@ -26,3 +26,15 @@ class DecodeConfig:
 # shape (tests/kernels/test_paged_attention_decode.py): bf16 212 registers at 4 warps, float32
 # 238 at 8 (868 bytes spilled at 4); no spills. Not timed against other settings on a GPU yet
 CONFIGS = MappingProxyType({DEFAULT: DecodeConfig()})
+
+
+def split_keys(batch: int, kv_heads: int, n_keys: int, config: DecodeConfig) -> tuple[int, int]:
+    """(splits, keys per split) for a launch: a function of the shapes only (a table of
+    ``n_keys`` slots), so a captured graph's grid is fixed. Splits until about
+    ``config.target_programs`` programs run, each split a whole number of ``block_n`` tiles."""
+    tiles = -(-n_keys // config.block_n)
+    want = -(-config.target_programs // max(1, batch * kv_heads))
+    splits = max(1, min(tiles, want))
+    tiles_per_split = -(-tiles // splits)
+    splits = -(-tiles // tiles_per_split)  # no split left without a tile of the table
+    return splits, tiles_per_split * config.block_n

@@ -32,7 +32,7 @@ from torch import Tensor
 from megacpp.errors import MegaCppError
 from megacpp.kernels.device import next_power_of_2
 from megacpp.kernels.launch import for_device
-from megacpp.kernels.ops.paged_attention_decode.configs import CONFIGS, DecodeConfig
+from megacpp.kernels.ops.paged_attention_decode.configs import CONFIGS, DecodeConfig, split_keys
 from megacpp.kernels.ops.paged_attention_decode.reference import check_decode_inputs
 
 # tl.dot's input precision by dtype: full float32 for float32 (no TF32), the default for halves
@@ -126,18 +126,6 @@ def _combine_kernel(
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
              mask=offs_d < D)
-
-
-def split_keys(batch: int, kv_heads: int, n_keys: int, config: DecodeConfig) -> tuple[int, int]:
-    """(splits, keys per split) for a launch: a function of the shapes only (a table of
-    ``n_keys`` slots), so a captured graph's grid is fixed. Splits until about
-    ``config.target_programs`` programs run, each split a whole number of ``block_n`` tiles."""
-    tiles = -(-n_keys // config.block_n)
-    want = -(-config.target_programs // max(1, batch * kv_heads))
-    splits = max(1, min(tiles, want))
-    tiles_per_split = -(-tiles // splits)
-    splits = -(-tiles // tiles_per_split)  # no split left without a tile of the table
-    return splits, tiles_per_split * config.block_n
 
 
 def paged_attention_decode_triton(
