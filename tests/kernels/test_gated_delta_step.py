@@ -390,7 +390,7 @@ def test_step_kernel_compiles_for_hopper_without_spills(proj, state):
                   "IN_DT": tl_dtype[proj], "ST_DT": tl_dtype[state], "CONV_DT": tl_dtype[state]}
     signature.update({name: "constexpr" for name in constexprs})
     div16 = (*pointers, "stride_y", "s_state", "s_conv")
-    warps = step._warps(CONFIGS["default"], 64 * 128, proj == "fp64")
+    warps = CONFIGS["default"].warps(64 * 128, proj == "fp64")
     kernel = _compile(step._gated_delta_step_kernel, signature, constexprs, div16,
                       num_warps=warps)
     regs, spills = _ptxas_spills(kernel)

@@ -311,7 +311,7 @@ def test_step_kernel_compiles_for_hopper_without_spills(proj, state):
                   "IN_DT": tl_dtype[proj], "ST_DT": tl_dtype[state]}
     signature.update({name: "constexpr" for name in constexprs})
     div16 = (*pointers, "stride_y", "s_angle", "s_ssm", "s_k", "s_v", "P", "N", "R")
-    warps = step._warps(CONFIGS["default"], 64 * 64, proj == "fp64")
+    warps = CONFIGS["default"].warps(64 * 64, proj == "fp64")
     kernel = _compile(step._mamba3_step_kernel, signature, constexprs, div16, num_warps=warps)
     regs, spills = _ptxas_spills(kernel)
     assert spills == 0, (regs, spills)

@@ -18,8 +18,6 @@ so the launch can be captured in a CUDA graph. Forward only: decode is inference
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import torch
 import triton
 import triton.language as tl
@@ -28,23 +26,12 @@ from torch import Tensor
 from megacpp.errors import MegaCppError
 from megacpp.kernels.device import next_power_of_2
 from megacpp.kernels.launch import for_device
-from megacpp.kernels.ops.gated_delta_step.configs import CONFIGS, StepConfig
+from megacpp.kernels.ops.gated_delta_step.configs import CONFIGS
 from megacpp.kernels.ops.gated_delta_step.reference import L2NORM_EPS, check_step_inputs
+from megacpp.kernels.step_kernels import StepConfig
+from megacpp.kernels.step_triton import TL_DTYPES, softplus
 
 _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
-_TL_DTYPES = MappingProxyType({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
-                               torch.float16: tl.float16, torch.float64: tl.float64})
-
-
-@triton.jit
-def _softplus(x):
-    """F.softplus (threshold 20): log1p(exp(x)), with log1p accurate for small exp(x)."""
-    u = tl.exp(tl.minimum(x, 20.0))
-    w = 1.0 + u
-    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
-    return tl.where(x > 20.0, x, log1p)
-
-
 @triton.jit
 def _conv_step(row, tail_row, weight, chan, mask, W: tl.constexpr, BW: tl.constexpr,
                IN_DT: tl.constexpr, CDT: tl.constexpr):
@@ -120,7 +107,7 @@ def _gated_delta_step_kernel(
     # gates: g = -exp(A_log) softplus(a + dt_bias) (alpha = exp(g)), beta = sigmoid(b)
     a = tl.load(row + conv_dim + H * V + h).to(CDT)
     b_logit = tl.load(row + conv_dim + H * V + H + h).to(CDT)
-    g = -tl.exp(tl.load(A_LOG + h).to(CDT)) * _softplus(a + tl.load(DT_BIAS + h).to(CDT))
+    g = -tl.exp(tl.load(A_LOG + h).to(CDT)) * softplus(a + tl.load(DT_BIAS + h).to(CDT))
     alpha = tl.exp(g)
     beta = 1.0 / (1.0 + tl.exp(-b_logit))
 
@@ -145,12 +132,6 @@ def _gated_delta_step_kernel(
     tl.store(Y + b * stride_y + h * V + offs_v, y.to(IN_DT), mask=mask_v)
 
 
-def _warps(config: StepConfig, tile: int, f64: bool) -> int:
-    if f64:
-        return config.num_warps_f64
-    return config.num_warps if tile >= config.large_tile else config.num_warps_small
-
-
 def gated_delta_step_triton(
     proj: Tensor, state: Tensor, conv_state: Tensor, slots: Tensor, conv_weight: Tensor,
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, *, eps: float = 1e-5,
@@ -168,9 +149,9 @@ def gated_delta_step_triton(
             raise MegaCppError(f"gated_delta_step triton: {name} must be contiguous")
     if proj.stride(-1) != 1:
         raise MegaCppError("gated_delta_step triton: proj's rows must be unit-stride")
-    if proj.dtype not in _TL_DTYPES:
+    if proj.dtype not in TL_DTYPES:
         raise MegaCppError(f"gated_delta_step triton: proj must be one of "
-                           f"{sorted(str(d) for d in _TL_DTYPES)}, got {proj.dtype}")
+                           f"{sorted(str(d) for d in TL_DTYPES)}, got {proj.dtype}")
     for name, t in (("state", state), ("conv_state", conv_state)):
         if t.dtype not in (torch.float32, torch.float64):
             raise MegaCppError(f"gated_delta_step triton: {name} must be float32 or float64, "
@@ -189,8 +170,8 @@ def gated_delta_step_triton(
         K=head_k_dim, V=head_v_dim, W=width, EPS=float(eps),
         BK=block_k, BV=block_v, BW=next_power_of_2(width - 1),
         CDT=tl.float64 if proj.dtype == torch.float64 else tl.float32,
-        IN_DT=_TL_DTYPES[proj.dtype], ST_DT=_TL_DTYPES[state.dtype],
-        CONV_DT=_TL_DTYPES[conv_state.dtype],
-        num_warps=_warps(config, block_k * block_v, proj.dtype == torch.float64),
+        IN_DT=TL_DTYPES[proj.dtype], ST_DT=TL_DTYPES[state.dtype],
+        CONV_DT=TL_DTYPES[conv_state.dtype],
+        num_warps=config.warps(block_k * block_v, proj.dtype == torch.float64),
     )
     return y

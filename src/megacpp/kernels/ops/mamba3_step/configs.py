@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from megacpp.kernels.launch import DEFAULT
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """Warps of one (head, row) program: ``num_warps`` for a state tile of at least
-    ``large_tile`` elements (P x N padded to powers of two), ``num_warps_small`` below it;
-    ``num_warps_f64`` for float64 math at any size."""
-
-    num_warps: int = 4
-    num_warps_small: int = 2
-    large_tile: int = 4096
-    num_warps_f64: int = 8
-
+from megacpp.kernels.step_kernels import StepConfig
 
 # a program holds its [P, N] state tile (64 x 64 at nam56r-350m). Compiled for sm_90 at that
 # shape (tests/kernels/test_mamba3_step.py): 127-128 registers and no spills at 4 warps in

@@ -17,8 +17,6 @@ the launch can be captured in a CUDA graph. Forward only: decode is inference.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import torch
 import triton
 import triton.language as tl
@@ -27,20 +25,10 @@ from torch import Tensor
 from megacpp.errors import MegaCppError
 from megacpp.kernels.device import next_power_of_2
 from megacpp.kernels.launch import for_device
-from megacpp.kernels.ops.mamba3_step.configs import CONFIGS, StepConfig
+from megacpp.kernels.ops.mamba3_step.configs import CONFIGS
 from megacpp.kernels.ops.mamba3_step.reference import check_step_inputs
-
-_TL_DTYPES = MappingProxyType({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
-                               torch.float16: tl.float16, torch.float64: tl.float64})
-
-
-@triton.jit
-def _softplus(x):
-    """F.softplus (threshold 20): log1p(exp(x)), with log1p accurate for small exp(x)."""
-    u = tl.exp(tl.minimum(x, 20.0))
-    w = 1.0 + u
-    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
-    return tl.where(x > 20.0, x, log1p)
+from megacpp.kernels.step_kernels import StepConfig
+from megacpp.kernels.step_triton import TL_DTYPES, softplus
 
 
 @triton.jit
@@ -101,8 +89,8 @@ def _mamba3_step_kernel(
     dd_dt = tl.load(row + o_scalars + h).to(CDT)
     dd_a = tl.load(row + o_scalars + H + h).to(CDT)
     trap = tl.load(row + o_scalars + 2 * H + h).to(CDT)
-    dt = _softplus(dd_dt + tl.load(DT_BIAS + h).to(CDT))
-    adt = -tl.maximum(_softplus(dd_a), A_floor) * dt
+    dt = softplus(dd_dt + tl.load(DT_BIAS + h).to(CDT))
+    adt = -tl.maximum(softplus(dd_a), A_floor) * dt
     lam = 1.0 / (1.0 + tl.exp(-trap))
     alpha = tl.exp(adt)
     beta = (1.0 - lam) * dt * alpha
@@ -150,12 +138,6 @@ def _mamba3_step_kernel(
     tl.store(angle_row + offs_n // 2, theta.to(ST_DT), mask=rot & (offs_n % 2 == 0))
 
 
-def _warps(config: StepConfig, tile: int, f64: bool) -> int:
-    if f64:
-        return config.num_warps_f64
-    return config.num_warps if tile >= config.large_tile else config.num_warps_small
-
-
 def mamba3_step_triton(
     proj: Tensor, angle: Tensor, ssm: Tensor, k: Tensor, v: Tensor, slots: Tensor,
     dt_bias: Tensor, B_norm_weight: Tensor, C_norm_weight: Tensor, B_bias: Tensor,
@@ -176,9 +158,9 @@ def mamba3_step_triton(
             raise MegaCppError(f"mamba3_step triton: {name} must be contiguous")
     if proj.stride(-1) != 1:
         raise MegaCppError("mamba3_step triton: proj's rows must be unit-stride")
-    if proj.dtype not in _TL_DTYPES:
+    if proj.dtype not in TL_DTYPES:
         raise MegaCppError(f"mamba3_step triton: proj must be one of "
-                           f"{sorted(str(d) for d in _TL_DTYPES)}, got {proj.dtype}")
+                           f"{sorted(str(d) for d in TL_DTYPES)}, got {proj.dtype}")
     if ssm.dtype not in (torch.float32, torch.float64):
         raise MegaCppError(f"mamba3_step triton: the state must be float32 or float64, got "
                            f"{ssm.dtype}")
@@ -196,7 +178,7 @@ def mamba3_step_triton(
         proj.stride(0), y.stride(0), angle.stride(0), ssm.stride(0), k.stride(0), v.stride(0),
         nheads, ngroups, headdim, d_state, angle.shape[-1], A_floor, eps,
         BP=block_p, BN=block_n, HAS_NORM=norm_weight is not None, CDT=compute,
-        IN_DT=_TL_DTYPES[proj.dtype], ST_DT=_TL_DTYPES[ssm.dtype],
-        num_warps=_warps(config, block_p * block_n, proj.dtype == torch.float64),
+        IN_DT=TL_DTYPES[proj.dtype], ST_DT=TL_DTYPES[ssm.dtype],
+        num_warps=config.warps(block_p * block_n, proj.dtype == torch.float64),
     )
     return y
