@@ -278,25 +278,18 @@ def test_cpu_engines_speculate_eagerly(model, tokenizer):
     assert engine.graphs is None and engine.speculative.graphs is None
 
 
-@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_verify_steps_m_layers_through_the_chosen_step_backend(model, tokenizer, plain, graphed,
-                                                               monkeypatch):
-    """Where the catalog chooses a ``mamba3_step`` backend (the fused kernel on CUDA), the
-    verify advances its M layers' gathered states through it, one position at a time, and the
-    output is still plain greedy (here the backend is the surface's reference, marked chosen,
-    so the CPU runs the same plumbing)."""
+def _chosen_backend_calls(monkeypatch, module, surface: str, reference) -> list[bool]:
+    """Make ``module``'s catalog lookups choose ``surface``'s plain-PyTorch reference (marked
+    chosen, so the CPU runs the plumbing a CUDA kernel would) -> per call of it, whether it
+    ran inside the speculative verify."""
     import types
 
-    import megacpp.model.mamba3 as mamba3_module
-    from megacpp.kernels.ops.mamba3_step.reference import mamba3_step_reference
+    real_resolve, real_verify = module.resolve, SpeculativeDecoder.verify
+    in_verify, calls = [], []
 
-    real_resolve, real_verify = mamba3_module.resolve, SpeculativeDecoder.verify
-    in_verify, rows_seen = [], []
-
-    def counted(proj, *args, **kwargs):
-        if in_verify:
-            rows_seen.append(proj.shape[0])
-        return mamba3_step_reference(proj, *args, **kwargs)
+    def counted(*args, **kwargs):
+        calls.append(bool(in_verify))
+        return reference(*args, **kwargs)
 
     def verify(self, x, drafts):
         in_verify.append(True)
@@ -306,85 +299,44 @@ def test_verify_steps_m_layers_through_the_chosen_step_backend(model, tokenizer,
             in_verify.pop()
 
     monkeypatch.setattr(SpeculativeDecoder, "verify", verify)
-
     chosen = types.SimpleNamespace(role="chosen", fn=counted)
-    monkeypatch.setattr(mamba3_module, "resolve", lambda surface, like: (
-        chosen if surface == "mamba3_step" else real_resolve(surface, like)))
-    spec = _engine(model, tokenizer, 2, graphed=graphed)
-    assert _run(spec, _prompts(tokenizer.vocab_size)) == plain
-    assert spec.speculative.steps > 0 and rows_seen
+    monkeypatch.setattr(module, "resolve", lambda name, like: (
+        chosen if name == surface else real_resolve(name, like)))
+    return calls
 
 
-@pytest.mark.parametrize(("k", "graphed"), [(0, False), (2, False), (2, True)],
-                         ids=["plain", "eager", "graphed"])
-def test_decode_and_verify_step_r_layers_through_the_chosen_step_backend(
-        model, tokenizer, plain, k, graphed, monkeypatch):
-    """Where the catalog chooses a ``gated_delta_step`` backend (the fused kernel on CUDA),
-    plain decode steps run it on the R layers' pool rows and the verify on its gathered
-    states, one position at a time; the output is still plain greedy (here the backend is
-    the surface's reference, marked chosen, so the CPU runs the same plumbing)."""
-    import types
-
-    import megacpp.model.gated_delta as gated_delta_module
+def _step_surface(name: str):
+    """(the model module that resolves it, the surface, its reference)."""
     from megacpp.kernels.ops.gated_delta_step.reference import gated_delta_step_reference
-
-    real_resolve, real_verify = gated_delta_module.resolve, SpeculativeDecoder.verify
-    in_verify, rows_seen = [], {"decode": 0, "verify": 0}
-
-    def counted(proj, *args, **kwargs):
-        rows_seen["verify" if in_verify else "decode"] += proj.shape[0]
-        return gated_delta_step_reference(proj, *args, **kwargs)
-
-    def verify(self, x, drafts):
-        in_verify.append(True)
-        try:
-            return real_verify(self, x, drafts)
-        finally:
-            in_verify.pop()
-
-    monkeypatch.setattr(SpeculativeDecoder, "verify", verify)
-    chosen = types.SimpleNamespace(role="chosen", fn=counted)
-    monkeypatch.setattr(gated_delta_module, "resolve", lambda surface, like: (
-        chosen if surface == "gated_delta_step" else real_resolve(surface, like)))
-    engine = _engine(model, tokenizer, k, graphed=graphed)
-    assert _run(engine, _prompts(tokenizer.vocab_size)) == plain
-    if k:
-        assert engine.speculative.steps > 0 and rows_seen["verify"]
-    else:
-        assert rows_seen["decode"] and not rows_seen["verify"]
-
-
-@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_verify_keeps_the_gather_attention_path(model, tokenizer, plain, graphed, monkeypatch):
-    """With a ``paged_attention_decode`` backend chosen, the verify's attention over its k + 1
-    positions per row keeps the gather path (the backend takes one token per row): the
-    backend runs in the one-token steps, never inside the verify, and the output is still
-    plain greedy."""
-    import types
-
-    import megacpp.model.attention as attention_module
+    from megacpp.kernels.ops.mamba3_step.reference import mamba3_step_reference
     from megacpp.kernels.ops.paged_attention_decode.reference import (
         paged_attention_decode_reference,
     )
+    from megacpp.model import attention, gated_delta, mamba3
 
-    real_resolve, real_verify = attention_module.resolve, SpeculativeDecoder.verify
-    in_verify, calls = [], []
+    return {"mamba3_step": (mamba3, mamba3_step_reference),
+            "gated_delta_step": (gated_delta, gated_delta_step_reference),
+            "paged_attention_decode": (attention, paged_attention_decode_reference)}[name]
 
-    def counted(q, *args):
-        calls.append(bool(in_verify))
-        return paged_attention_decode_reference(q, *args)
 
-    def verify(self, x, drafts):
-        in_verify.append(True)
-        try:
-            return real_verify(self, x, drafts)
-        finally:
-            in_verify.pop()
-
-    monkeypatch.setattr(SpeculativeDecoder, "verify", verify)
-    chosen = types.SimpleNamespace(role="chosen", fn=counted)
-    monkeypatch.setattr(attention_module, "resolve", lambda surface, like: (
-        chosen if surface == "paged_attention_decode" else real_resolve(surface, like)))
-    spec = _engine(model, tokenizer, 2, graphed=graphed)
-    assert _run(spec, _prompts(tokenizer.vocab_size)) == plain
-    assert spec.speculative.steps > 0 and calls and not any(calls)
+@pytest.mark.parametrize(("surface", "in_verify"), [("mamba3_step", True),
+                                                    ("gated_delta_step", True),
+                                                    ("paged_attention_decode", False)])
+@pytest.mark.parametrize(("k", "graphed"), [(0, False), (2, False), (2, True)],
+                         ids=["plain", "eager", "graphed"])
+def test_decode_kernels_chosen_in_plain_and_speculative_steps(
+        model, tokenizer, plain, surface, in_verify, k, graphed, monkeypatch):
+    """Where the catalog chooses a fused decode kernel (on CUDA), plain decode steps run it,
+    and the verify runs the recurrent ones (``mamba3_step``, ``gated_delta_step``) on its
+    gathered states one position at a time, while its attention over k + 1 positions keeps
+    the gather path (``paged_attention_decode`` takes one token per row); the output is
+    still plain greedy."""
+    module, reference = _step_surface(surface)
+    calls = _chosen_backend_calls(monkeypatch, module, surface, reference)
+    engine = _engine(model, tokenizer, k, graphed=graphed)
+    assert _run(engine, _prompts(tokenizer.vocab_size)) == plain
+    assert calls and any(not c for c in calls)  # one-token steps take it
+    if k:
+        assert engine.speculative.steps > 0 and any(calls) == in_verify
+    else:
+        assert not any(calls)
