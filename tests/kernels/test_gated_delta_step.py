@@ -24,6 +24,12 @@ from megacpp.model.cache import PagedBatch, PagedView
 from megacpp.model.gated_delta import GatedDeltaNetMixer
 from megacpp.model.mixer import RecurrentMixer
 from tests.kernels.interpreter import run_interpreter_check
+from tests.kernels.step_checks import (
+    check_bf16_against_float64,
+    check_graph_replay,
+    rel,
+    step_errors,
+)
 
 STATE = ("state", "conv_state")
 # (batch, pool slots, heads, head_k_dim, head_v_dim, conv taps)
@@ -46,43 +52,9 @@ def make_inputs(shape: str, dtype: torch.dtype, device="cpu", seed=0) -> dict:
     return inputs
 
 
-def clone(inputs: dict) -> dict:
-    return {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
-
-
-def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
-    if not torch.isfinite(actual).all():
-        return float("nan")
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-
-
 def errors(step, inputs: dict, steps: int = 1, padding: int = 0) -> dict[str, float]:
-    """Relative errors of ``step`` against the reference over ``steps`` decode steps (fresh
-    in_proj outputs each step), on the real rows and their slots. ``padding`` extra rows at
-    the end share one scratch slot outside the real rows' slots (as the engine pads)."""
-    ours, ref = clone(inputs), clone(inputs)
-    real = inputs["slots"]
-    slots = torch.cat([real, torch.full((padding,), int(real.max()) + 1,
-                                        dtype=real.dtype, device=real.device)])
-    for state in (ours, ref):
-        for name in STATE:  # one more pool row for the scratch slot
-            state[name] = torch.cat([state[name], state[name][:1]])
-        state["slots"] = slots
-    gen = torch.Generator(device=real.device).manual_seed(7)
-    out = {}
-    for t in range(steps):
-        proj = torch.randn(len(slots), inputs["proj"].shape[1], generator=gen,
-                           device=real.device).to(inputs["proj"].dtype)
-        ours["proj"], ref["proj"] = proj, proj.clone()
-        y = step(**ours)[: len(real)]
-        y_ref = gated_delta_step_reference(**ref)[: len(real)]
-        assert y.dtype == y_ref.dtype == proj.dtype and y.shape == y_ref.shape
-        out[f"y{t}"] = rel(y, y_ref)
-    rows = real.long()
-    for name in STATE:
-        out[name] = rel(ours[name][rows], ref[name][rows])
-    return out
+    """:func:`tests.kernels.step_checks.step_errors` of ``step`` against the reference."""
+    return step_errors(step, gated_delta_step_reference, STATE, inputs, steps, padding)
 
 
 # --- CPU: the reference is the mixer's decode path ------------------------------------------
@@ -329,18 +301,7 @@ def test_bf16_at_nam56r_shapes(batch):
     case = {**SURFACE.cases["nam56r_b1"], "batch": batch, "pool": batch + 3}
     inputs = SURFACE.make_inputs(case, torch.bfloat16, "cuda",
                                  torch.Generator(device="cuda").manual_seed(0))
-    exact = {n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-             for n, t in clone(inputs).items()}
-    bf16_ref = clone(inputs)
-    y = gated_delta_step_triton(**inputs)
-    y_exact = gated_delta_step_reference(**exact)
-    y_ref = gated_delta_step_reference(**bf16_ref)
-    assert rel(y, y_exact) <= 2 * rel(y_ref, y_exact) + 1e-3, (rel(y, y_exact),
-                                                               rel(y_ref, y_exact))
-    assert rel(y, y_ref) < 2e-2
-    rows = inputs["slots"]
-    for name in STATE:
-        assert rel(inputs[name][rows], bf16_ref[name][rows]) < 1e-2, name
+    check_bf16_against_float64(gated_delta_step_triton, gated_delta_step_reference, STATE, inputs)
 
 
 @pytest.mark.gpu
@@ -348,21 +309,8 @@ def test_kernel_replays_in_a_cuda_graph():
     """Captured once, replayed on new in_proj outputs: equals the eager reference (float32)."""
     from megacpp.kernels.ops.gated_delta_step.triton import gated_delta_step_triton
 
-    inputs = make_inputs("nam56r-350m", torch.float32, "cuda")
-    ref = clone(inputs)
-    gated_delta_step_triton(**clone(inputs))  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # recorded, not run: the pool is still ref's
-        y = gated_delta_step_triton(**inputs)
-    for t in range(3):
-        proj = torch.randn_like(inputs["proj"])
-        inputs["proj"].copy_(proj)
-        ref["proj"] = proj
-        graph.replay()
-        y_ref = gated_delta_step_reference(**ref)
-        assert rel(y, y_ref) < 1e-5, t
-    for name in STATE:
-        assert rel(inputs[name], ref[name]) < 1e-5, name
+    check_graph_replay(gated_delta_step_triton, gated_delta_step_reference, STATE,
+                       make_inputs("nam56r-350m", torch.float32, "cuda"))
 
 
 @pytest.mark.parametrize(("proj", "state"), [("bf16", "fp32"), ("fp32", "fp32"),

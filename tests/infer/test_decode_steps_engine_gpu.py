@@ -1,6 +1,7 @@
-"""The engine with the fused Mamba-3 decode step (``mamba3_step``, chosen under
-``MEGACPP_KERNELS=auto``) decodes the same greedy tokens as with the reference decode path,
-inside the captured decode graphs, across batch buckets (padding rows in a scratch slot)."""
+"""The engine with the fused decode steps of its recurrent layers (``mamba3_step`` and
+``gated_delta_step``, chosen under ``MEGACPP_KERNELS=auto``) decodes the same greedy tokens as
+with the reference decode paths, inside the captured decode graphs, across batch buckets
+(padding rows in a scratch slot)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_fused_decode_step_decodes_the_reference_tokens(dtype, tokenizer):  # no
     model = HybridLM(cfg).to(dtype).cuda().eval()
     ref_tokens, ref_greedy, ref_chosen = _decode(model, tokenizer, "reference")
     tokens, greedy, chosen = _decode(model, tokenizer, "auto")
-    assert ref_chosen.get("mamba3_step", "reference") == "reference"
-    assert chosen["mamba3_step"] == "triton_fused"
+    for surface in ("mamba3_step", "gated_delta_step"):
+        assert ref_chosen.get(surface, "reference") == "reference"
+        assert chosen[surface] == "triton_fused"
     assert tokens == ref_tokens
     assert torch.equal(greedy, ref_greedy)
