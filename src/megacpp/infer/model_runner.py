@@ -170,15 +170,17 @@ class ModelRunner:
                      ) -> torch.Tensor:
         """Chunks of equal length, one row each, through the model in one forward -> logits
         [len(chunks), V] at each row's last token (``all_positions``: [len(chunks), L, V])."""
-        dev = self.device
+        dev, bs = self.device, self.cache.block_size
         ids = torch.tensor([c.token_ids for c in chunks], device=dev)
-        positions = torch.stack([torch.arange(c.start, c.end, device=dev) for c in chunks])
+        starts = torch.tensor([c.start for c in chunks], device=dev)
+        positions = starts[:, None] + torch.arange(ids.shape[1], device=dev)  # [B, L]
+        tables = self._block_tables(chunks, max(c.end for c in chunks))  # [B, W]
         batch = PagedBatch(
-            positions=positions,  # [B, L]
-            slot_mapping=torch.cat([
-                self._slot_mapping(c.block_table, row) for c, row in zip(chunks, positions)
-            ]),
-            block_tables=self._block_tables(chunks, max(c.end for c in chunks)),
+            positions=positions,
+            # where each position's KV entry lives (block * size + offset): a handful of
+            # kernels for all rows, not a host-to-device copy and four kernels per row
+            slot_mapping=(tables.gather(1, positions // bs) * bs + positions % bs).flatten(),
+            block_tables=tables,
             state_slots=torch.tensor([c.state_slot for c in chunks], device=dev),
             structure_ids=self._structure_ids(chunks),
             ngram_context=self._ngram_context(chunks),
@@ -232,12 +234,6 @@ class ModelRunner:
         if not self.context_len:
             return None
         return torch.tensor(self._context_lists(rows), device=self.device)
-
-    def _slot_mapping(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """Where each position's KV entry lives in the paged pools: block * size + offset."""
-        table = torch.tensor(block_table, device=self.device)
-        bs = self.cache.block_size
-        return table[positions // bs] * bs + positions % bs
 
     def _block_tables(self, rows: list[ScheduledRequest], n_tokens: int) -> torch.Tensor:
         """[B, ceil(n_tokens / block_size)] block ids, padded with the scratch block."""
