@@ -312,10 +312,10 @@ def _step_surface(name: str):
     from megacpp.kernels.ops.paged_attention_decode.reference import (
         paged_attention_decode_reference,
     )
-    from megacpp.model import attention, gated_delta, mamba3
+    from megacpp.model import attention, mixer
 
-    return {"mamba3_step": (mamba3, mamba3_step_reference),
-            "gated_delta_step": (gated_delta, gated_delta_step_reference),
+    return {"mamba3_step": (mixer, mamba3_step_reference),
+            "gated_delta_step": (mixer, gated_delta_step_reference),
             "paged_attention_decode": (attention, paged_attention_decode_reference)}[name]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from megacpp.kernels.ops.gated_delta_step.reference import gated_delta_step_reference
 from megacpp.kernels.ops.gated_delta_step.spec import SURFACE
-from megacpp.model import gated_delta as gated_delta_module
+from megacpp.model import mixer as mixer_module
 from megacpp.model.cache import PagedBatch, PagedView
 from megacpp.model.gated_delta import GatedDeltaNetMixer
 from megacpp.model.mixer import RecurrentMixer
@@ -104,17 +104,17 @@ def test_reference_is_the_mixers_paged_decode_step(dtype, tol):
 
 
 def _force_step_backend(monkeypatch, fn) -> list:
-    """Make the mixer module's resolve answer ``gated_delta_step`` with a chosen row running
+    """Make the recurrent mixers' resolve answer ``gated_delta_step`` with a chosen row running
     ``fn``; returns the list of batch sizes the row was called with."""
     calls = []
-    real = gated_delta_module.resolve
+    real = mixer_module.resolve
 
     def counted(proj, *args, **kwargs):
         calls.append(proj.shape[0])
         return fn(proj, *args, **kwargs)
 
     chosen = types.SimpleNamespace(role="chosen", fn=counted)
-    monkeypatch.setattr(gated_delta_module, "resolve", lambda surface, like: (
+    monkeypatch.setattr(mixer_module, "resolve", lambda surface, like: (
         chosen if surface == "gated_delta_step" else real(surface, like)))
     return calls
 
@@ -266,7 +266,7 @@ def _generate_check() -> int:
     expected = model.generate_greedy(prompt, 6)
     fused = default_catalog().backend("gated_delta_step", "triton_fused")
     calls = []
-    real_resolve = gated_delta_module.resolve
+    real_resolve = mixer_module.resolve
 
     def resolve(surface, like):
         if surface != "gated_delta_step":
@@ -274,11 +274,11 @@ def _generate_check() -> int:
         calls.append(like.shape)
         return fused
 
-    gated_delta_module.resolve = resolve
+    mixer_module.resolve = resolve
     try:
         got = model.generate_greedy(prompt, 6)
     finally:
-        gated_delta_module.resolve = real_resolve
+        mixer_module.resolve = real_resolve
     r_layers = cfg.pattern.count("R")
     assert len(calls) == 5 * r_layers and all(s == (2, 1, cfg.d_model) for s in calls), calls
     assert torch.equal(got, expected), (got, expected)

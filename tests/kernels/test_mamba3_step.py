@@ -156,7 +156,7 @@ def _generate_check() -> int:
     import dataclasses
 
     from megacpp.kernels.registry import default_catalog
-    from megacpp.model import mamba3
+    from megacpp.model import mixer
     from megacpp.model.config import load_config
     from megacpp.model.model import HybridLM
 
@@ -174,11 +174,11 @@ def _generate_check() -> int:
         calls.append(like.shape)
         return fused
 
-    mamba3_resolve, mamba3.resolve = mamba3.resolve, resolve
+    mamba3_resolve, mixer.resolve = mixer.resolve, resolve
     try:
         got = model.generate_greedy(prompt, 6)
     finally:
-        mamba3.resolve = mamba3_resolve
+        mixer.resolve = mamba3_resolve
     m_layers = cfg.pattern.count("M")
     assert len(calls) == 5 * m_layers and all(s == (2, 1, cfg.d_model) for s in calls), calls
     assert torch.equal(got, expected), (got, expected)

@@ -40,7 +40,6 @@ from megacpp.kernels.runtime import resolve
 from megacpp.model.mixer import RecurrentMixer
 
 if TYPE_CHECKING:
-    from megacpp.model.cache import PagedView
     from megacpp.model.config import ModelConfig
 
 A_INIT_RANGE = (1.0, 16.0)  # exp(A_log) ~ U(1, 16), as in fla's GatedDeltaNet
@@ -196,30 +195,11 @@ class GatedDeltaNetMixer(RecurrentMixer):
         ``cache`` in place: the speculative verify steps its k + 1 positions this way."""
         if x.dim() != 3 or x.shape[1] != 1:
             raise ValueError(f"step takes x of shape [B, 1, d_model], got {list(x.shape)}")
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            backend = resolve(self.STEP_SURFACE, x)
-            if backend.role != "fallback":
-                self._check_inputs(x, None, cache)
-                rows = torch.arange(x.shape[0], device=x.device)
-                return self._fused_step(backend.fn, x, cache, rows)
+        fused = None if torch.is_grad_enabled() else self._chosen_step(x)
+        if fused is not None:
+            self._check_inputs(x, None, cache)
+            return self._fused_step(fused, x, cache, torch.arange(x.shape[0], device=x.device))
         return self._mix(x, None, cache, gated_delta_rule_recurrent)
-
-    def forward_paged(
-        self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
-    ) -> Tensor:
-        """:meth:`RecurrentMixer.forward_paged`; a decode step (one token per row, no reset)
-        whose catalog backend for ``gated_delta_step`` is not the reference runs in_proj as
-        one GEMM, that backend on the pool rows in place (no gather / scatter) and o_proj.
-        Under torch.compile (``compile_decode``) the reference step runs, for inductor to
-        fuse: a catalog backend is a graph break, which the decode layers' fullgraph compile
-        refuses."""
-        batch = cache.batch
-        decode = x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh
-        if decode and not torch.compiler.is_compiling():
-            backend = resolve(self.STEP_SURFACE, x)
-            if backend.role != "fallback":
-                return self._fused_step(backend.fn, x, cache.pool, batch.state_slots)
-        return super().forward_paged(x, cache, again)
 
     def _fused_step(self, step: Callable[..., Tensor], x: Tensor, pool: GatedDeltaCache,
                     slots: Tensor) -> Tensor:

@@ -36,7 +36,6 @@ from megacpp.model.mixer import RecurrentMixer
 from megacpp.model.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from megacpp.model.cache import PagedView
     from megacpp.model.config import ModelConfig
 
 _CACHE_DTYPES = (torch.float32, torch.float64)
@@ -244,32 +243,12 @@ class Mamba3Mixer(RecurrentMixer):
         place: the speculative verify steps its k + 1 positions this way."""
         if x.ndim != 3 or x.shape[1] != 1:
             raise ValueError(f"step takes x of shape [B, 1, d_model], got {tuple(x.shape)}")
-        if (self.STEP_SURFACE is not None and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()):
-            backend = resolve(self.STEP_SURFACE, x)
-            if backend.role != "fallback":
-                rows = torch.arange(x.shape[0], device=x.device)
-                return self._fused_step(backend.fn, x, cache, rows)
+        fused = None if torch.is_grad_enabled() else self._chosen_step(x)
+        if fused is not None:
+            return self._fused_step(fused, x, cache, torch.arange(x.shape[0], device=x.device))
         y, final = self._recurrent_scan(**self._scan_inputs(x), initial_state=cache)
         cache.update_(final)
         return self._output(y)
-
-    def forward_paged(
-        self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
-    ) -> Tensor:
-        """:meth:`RecurrentMixer.forward_paged`; a decode step (one token per row, no reset)
-        whose catalog backend for ``mamba3_step`` is not the reference runs in_proj as one
-        GEMM, that backend on the pool rows in place (no gather / scatter) and out_proj.
-        Under torch.compile (``compile_decode``) the reference step runs, for inductor to fuse:
-        a catalog backend is a graph break, which the decode layers' fullgraph compile
-        refuses."""
-        batch = cache.batch
-        decode = x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh
-        if decode and self.STEP_SURFACE is not None and not torch.compiler.is_compiling():
-            backend = resolve(self.STEP_SURFACE, x)
-            if backend.role != "fallback":
-                return self._fused_step(backend.fn, x, cache.pool, batch.state_slots)
-        return super().forward_paged(x, cache, again)
 
     def _fused_step(self, step: Callable[..., Tensor], x: Tensor, pool: Mamba3ScanState,
                     slots: Tensor) -> Tensor:

@@ -16,11 +16,13 @@ Adding a mixer: one file with a ``Mixer`` subclass, one line in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from megacpp.kernels.runtime import resolve
 from megacpp.model.cache import PagedView, gather_state, scatter_state
 
 if TYPE_CHECKING:
@@ -146,6 +148,24 @@ class RecurrentMixer(Mixer):
     @abstractmethod
     def state_bytes(self, batch: int = 1, dtype: torch.dtype = torch.float32) -> int: ...
 
+    #: The catalog surface of a fused decode step (None: the mixer has only its own step).
+    STEP_SURFACE: ClassVar[str | None] = None
+
+    def _chosen_step(self, x: Tensor) -> Callable[..., Tensor] | None:
+        """The catalog's ``STEP_SURFACE`` backend for ``x`` where one other than the reference
+        is chosen (the fused kernel on CUDA), else None. Under torch.compile the reference
+        step runs, for inductor to fuse (a catalog backend is a graph break there)."""
+        if self.STEP_SURFACE is None or torch.compiler.is_compiling():
+            return None
+        backend = resolve(self.STEP_SURFACE, x)
+        return None if backend.role == "fallback" else backend.fn
+
+    def _fused_step(self, step: Callable[..., Tensor], x: Tensor, pool: Any,
+                    slots: Tensor) -> Tensor:
+        """x [B, 1, D] -> [B, 1, D] through ``step`` (a ``STEP_SURFACE`` backend), advancing
+        rows ``slots`` of the state ``pool`` in place."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused decode step")
+
     def forward_paged(
         self, x: Tensor, cache: PagedView, again: tuple[Tensor, ...] = ()
     ) -> Tensor:
@@ -153,11 +173,17 @@ class RecurrentMixer(Mixer):
         (one token: :meth:`step`; more: the chunked forward from the state, i.e. chunked
         prefill) and scattered back. Padding before a row's tokens is a document of its own
         (``batch.doc_ids``); padding after them (``batch.last_index``) leaves the state as the
-        last real token left it: padding never reaches the state."""
+        last real token left it: padding never reaches the state. A decode step (one token
+        per row, no reset) whose ``STEP_SURFACE`` backend is chosen runs it on the pool rows
+        in place instead (no gather / scatter)."""
         batch = cache.batch
         slots = batch.state_slots
+        decode = x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh
+        fused = self._chosen_step(x) if decode else None
+        if fused is not None:
+            return self._fused_step(fused, x, cache.pool, slots)
         state = gather_state(cache.pool, slots)
-        if x.shape[1] == 1 and batch.doc_ids is None and not batch.fresh:
+        if decode:
             out = self.step(x, state)
         else:
             out = self.forward(x, doc_ids=batch.doc_ids, again=again, cache=state,
