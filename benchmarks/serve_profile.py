@@ -23,7 +23,6 @@ measures the real DRAM traffic (see docs/serving.md). Writes ``profile_B<B>.json
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections import defaultdict
@@ -70,12 +69,11 @@ def profile_engine(args, device: torch.device, dtype: torch.dtype, tok, batch: i
             produced[o.request_id] += len(o.new_token_ids)
     served = _profile_steps(engine, steps, device)
     graphs, engine.graphs = engine.graphs, None  # eager decode, blocks labelled
-    engine.model.forward_paged = functools.partial(engine.model.forward_paged,
-                                                   layer_fn=_labelled_layer)
+    engine.model.residual_paged = _labelled_residual(engine.model.residual_paged)
     try:
         eager = _profile_steps(engine, steps, device)
     finally:
-        del engine.model.forward_paged  # the class's method again
+        del engine.model.residual_paged  # the class's method again
         engine.graphs = graphs
     context = sum(len(s.token_ids) for s in engine.sequences.values()) / batch
     result = {
@@ -158,8 +156,8 @@ def _labelled_layer(block, pool, x, batch):
 
 
 def _labelled_residual(residual_paged):
-    """``HybridLM.residual_paged`` (the prefill's main stack) with :func:`_labelled_layer` as
-    the default layer function."""
+    """``HybridLM.residual_paged`` (the main stack of a prefill or decode forward) with
+    :func:`_labelled_layer` as the default layer function."""
 
     def labelled(input_ids, layers, batch, layer_fn=None):
         return residual_paged(input_ids, layers, batch, layer_fn or _labelled_layer)
